@@ -1,25 +1,44 @@
 """Helix: a CPU–GPU co-scheduling data plane for multimodal training (the runtime).
 
-The public surface; everything else is internal. See README.md and DESIGN.md.
+The public surface; everything else is internal. Names load on first use (PEP 562), so the
+Coordinator process and the ``helix`` command start without importing torch.
 """
-from . import tokens
-from .collate import pad_collate
-from .costs import CostFit, CostModel, calibrate, profile_bucket
-from .datasets import VideoClipDataset, VideoTextDataset, sample_generator
-from .descriptors import BatchRequest, CostProfile, SampleDescriptor
-from .errors import ClusterError, ManifestError, SampleError
-from .families import MODELS, VideoSpec
-from .manifest import Manifest
-from .media import synth
-from .media.decode import decode_frames, uniform_indices
-from .media.probe import probe
-from .profiles import ProfileTable, profile_dataset
+from __future__ import annotations
+
+import importlib
 
 __version__ = "0.1.0"
 
-__all__ = sorted([
-    "BatchRequest", "ClusterError", "CostFit", "CostModel", "CostProfile", "MODELS", "Manifest",
-    "ManifestError", "ProfileTable", "SampleDescriptor", "SampleError", "VideoClipDataset", "VideoSpec",
-    "VideoTextDataset", "calibrate", "decode_frames", "pad_collate", "probe", "profile_bucket",
-    "profile_dataset", "sample_generator", "synth", "tokens", "uniform_indices",
-])
+_EXPORTS = {
+    "BatchRequest": "descriptors", "CostProfile": "descriptors", "SampleDescriptor": "descriptors",
+    "ClusterConfig": "config",
+    "ClusterError": "errors", "ManifestError": "errors", "SampleError": "errors",
+    "CostFit": "costs", "CostModel": "costs", "calibrate": "costs", "profile_bucket": "costs",
+    "DistributedDataLoader": "client.loader",
+    "LocalCluster": "runtime.cluster",
+    "MODELS": "families", "VideoSpec": "families",
+    "Manifest": "manifest",
+    "ProfileTable": "profiles", "profile_dataset": "profiles",
+    "VideoClipDataset": "datasets", "VideoTextDataset": "datasets", "sample_generator": "datasets",
+    "decode_frames": "media.decode", "uniform_indices": "media.decode",
+    "pad_collate": "collate",
+    "probe": "media.probe",
+}
+_MODULES = {"synth": "media.synth", "tokens": "tokens"}
+
+__all__ = sorted([*_EXPORTS, *_MODULES])
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+    elif name in _MODULES:
+        value = importlib.import_module(f".{_MODULES[name]}", __name__)
+    else:
+        raise AttributeError(f"module 'helix_core' has no attribute {name!r}")
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return __all__

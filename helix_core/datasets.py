@@ -157,6 +157,10 @@ class VideoClipDataset(torch.utils.data.Dataset):
                 sample = self.transform(sample, gen)
         return sample
 
+    def sample_path(self, index: int) -> str:
+        """The file of sample ``index`` (for error messages)."""
+        return self.manifest.paths[self._check(index)]
+
     def _check(self, index) -> int:
         i = int(index)
         if not 0 <= i < len(self):

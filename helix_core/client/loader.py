@@ -1,0 +1,265 @@
+"""``DistributedDataLoader``: the DataLoader programming model on a Helix cluster.
+
+With the defaults (``scheduler="least-request"``, ``balance=None``, torch ``default_collate``) it
+yields exactly the batches of a torch ``DataLoader`` with ``DistributedSampler(shuffle, seed)``
+and that ``collate_fn`` — while decoding runs in a shared pool of DataServer workers, requests run
+ahead of the training loop, and batches arrive through shared memory.
+"""
+from __future__ import annotations
+
+import os
+import time
+import warnings
+
+import grpc
+import torch
+
+from ..config import ClusterConfig
+from ..errors import ClusterError
+from ..runtime.tensors import merge_batches
+from ..runtime.proto import helix_pb2 as pb
+from ..runtime.specs import make_spec
+from ..telemetry import LoaderStats
+from .embedded import embedded_cluster
+from .nodes import BatchJob, CostTagger, Dispatch, ShardBatches
+from .transport import TRANSIENT, ClusterClient
+
+__all__ = ["DistributedDataLoader"]
+
+SCHEDULERS = ("least-request",)
+BALANCES = (None,)
+ON_ERROR = ("raise", "skip")
+
+
+def _default_rank_world() -> tuple[int, int]:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+
+
+class DistributedDataLoader:
+    """Iterate ``dataset`` in batches prepared by a Helix cluster.
+
+    Arguments follow torch's ``DataLoader`` / ``DistributedSampler`` where they overlap
+    (``batch_size``, ``shuffle``, ``seed``, ``drop_last``, ``collate_fn``, ``pin_memory``), plus:
+    ``coordinator`` ("host:port"; default ``HELIX_COORDINATOR``, else an embedded LocalCluster),
+    ``token``, ``prefetch_depth`` (batches requested ahead), ``microbatch_size`` (split each batch
+    into requests of this many samples, merged — padded — before it is yielded), ``on_error``
+    ("raise": ``SampleError`` at the batch; "skip": replaced from this rank's shard, counted in
+    ``stats()["skipped"]``), ``device`` (copy batches there, non-blocking), ``num_workers`` (worker
+    processes of an embedded cluster).
+    """
+
+    def __init__(self, dataset, batch_size: int = 1, *, rank: int | None = None, world_size: int | None = None,
+                 coordinator: str | None = None, token: str | None = None, shuffle: bool = False, seed: int = 0,
+                 drop_last: bool = False, collate_fn=None, prefetch_depth: int = 4, scheduler: str = "least-request",
+                 balance: str | None = None, microbatch_size: int | None = None, on_error: str = "raise",
+                 pin_memory: bool = False, device=None, num_workers: int | None = None,
+                 config: ClusterConfig | None = None, ddl_tolerance_s: float = 0.010):
+        if scheduler not in SCHEDULERS:
+            raise ValueError(f"scheduler={scheduler!r}; valid: {', '.join(SCHEDULERS)}")
+        if balance not in BALANCES:
+            raise ValueError(f"balance={balance!r}; valid: None (token balancing arrives with the planner)")
+        if on_error not in ON_ERROR:
+            raise ValueError(f"on_error={on_error!r}; valid: {', '.join(ON_ERROR)}")
+        if batch_size < 1 or prefetch_depth < 1 or (microbatch_size is not None and microbatch_size < 1):
+            raise ValueError("batch_size, prefetch_depth and microbatch_size must be >= 1")
+        r, w = _default_rank_world()
+        self.rank, self.world_size = (r if rank is None else rank), (w if world_size is None else world_size)
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank {self.rank} is outside world_size {self.world_size}")
+        self.dataset, self.batch_size, self.seed, self.shuffle = dataset, batch_size, seed, shuffle
+        self.drop_last, self.collate_fn, self.on_error = drop_last, collate_fn, on_error
+        self.microbatch_size, self.prefetch_depth = microbatch_size, prefetch_depth
+        self.pin_memory, self.device = pin_memory, (torch.device(device) if device is not None else None)
+        self.config = config or ClusterConfig()
+        self._stats = LoaderStats(ddl_tolerance_s)
+        self._cluster = None
+        address = coordinator or os.environ.get("HELIX_COORDINATOR")
+        if address is None:
+            self._cluster, address, token = embedded_cluster(self.world_size, num_workers, self.config)
+        self.client = ClusterClient(address, token, self.config, self.rank, self.world_size)
+        self.spec = make_spec(dataset, collate_fn, self.client.pickle_allowed)
+        self._batches = ShardBatches(len(dataset), batch_size, self.rank, self.world_size, shuffle, seed, drop_last)
+        self._tagger = CostTagger(self._batches, dataset, seed, microbatch_size)
+        self._root = Dispatch(self._tagger, self._submit, self._collect, self._cancel, prefetch_depth,
+                              on_batch=self._record)
+        self._epoch, self._resume = 0, 0
+        self._next_task = (self.rank << 40) + 1
+        self._closed = False
+
+    # ---- the torch DataLoader surface ----------------------------------------------------------------
+    def __len__(self) -> int:
+        return len(self._batches)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Like ``DistributedSampler.set_epoch``: the shuffle order of the next iteration."""
+        self._epoch, self._resume = int(epoch), 0
+
+    def __iter__(self):
+        if self._closed:
+            raise RuntimeError("this DistributedDataLoader is closed")
+        self._root.reset({ShardBatches.EPOCH: self._epoch, ShardBatches.YIELDED: self._resume})
+        finished = False
+        try:
+            while True:
+                t0 = time.perf_counter()
+                try:
+                    batch = next(self._root)
+                except StopIteration:
+                    finished = True
+                    return
+                finally:
+                    self._stats.input_wait.append(time.perf_counter() - t0)
+                self._stats.batches += 1
+                yield batch
+        finally:
+            self._resume = 0 if finished else self._root.get_state()[ShardBatches.YIELDED]
+            self._root.shutdown()  # a break cancels what is in flight and frees its slabs
+
+    def state_dict(self) -> dict:
+        """Rank-independent resume point: batches yielded to the user (not requests in flight)."""
+        st = self._root.get_state() if self._root._threads else {ShardBatches.YIELDED: self._resume}
+        return {"epoch": self._epoch, "seed": self.seed, "batches_yielded": int(st[ShardBatches.YIELDED]),
+                "world_size": self.world_size, "batch_size": self.batch_size, "shuffle": self.shuffle,
+                "drop_last": self.drop_last, "num_samples": len(self.dataset)}
+
+    def load_state_dict(self, state: dict) -> None:
+        for key in ("seed", "world_size", "batch_size", "shuffle", "drop_last", "num_samples"):
+            if key in state and state[key] != getattr(self, key, len(self.dataset) if key == "num_samples" else None):
+                raise ValueError(f"cannot resume: state has {key}={state[key]!r}, this loader "
+                                 f"{getattr(self, key, len(self.dataset))!r}")
+        self._epoch, self._resume = int(state["epoch"]), int(state["batches_yielded"])
+
+    def stats(self) -> dict:
+        return self._stats.as_dict()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._root.shutdown()
+        self.client.close()
+        if self._cluster is not None:
+            self._cluster.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    # ---- dispatch callbacks (sender / fetcher threads) ----------------------------------------------
+    def _submit(self, job: BatchJob) -> None:
+        offset = 0
+        for part in job.parts:
+            task_id, self._next_task = self._next_task, self._next_task + 1
+            job.task_ids.append(task_id)
+            job.excluded.append(set())
+            job.attempts.append(0)
+            job.routes.append(None)
+            job.futures.append(None)
+            cost = _sum_costs(job.costs[offset:offset + len(part)])
+            offset += len(part)
+            self._start(job, len(job.task_ids) - 1, cost)
+
+    def _start(self, job: BatchJob, k: int, cost=None) -> None:
+        route = self.client.route(job.task_ids[k], cost, job.excluded[k])
+        self._stats.decision_us.append(route.decision_us)
+        deliver = "" if route.exec_server_id == route.delivery_server_id else route.delivery_address
+        req = pb.ExecuteRequest(task_id=job.task_ids[k], spec_id=self.spec[0], indices=job.parts[k],
+                                epoch=self._root.get_state()[ShardBatches.EPOCH], substitutes=job.substitutes,
+                                on_error=self.on_error, deliver_to=deliver, client_id=self.client.client_id,
+                                attempt=job.attempts[k])
+        job.routes[k] = route
+        job.futures[k] = self.client.execute(route.exec_address, self.spec, req)
+
+    def _wait(self, job: BatchJob, k: int, stop) -> pb.ExecuteReply:
+        """The reply of part ``k``; on a lost server, exclude it and resubmit (bounded)."""
+        while True:
+            fut = job.futures[k]
+            while not fut.done():
+                if stop.wait(0.02):
+                    raise ClusterError("loader stopped")
+            try:
+                reply = fut.result()
+                if reply.error_kind == "internal" and "not completed" in reply.error:
+                    raise ClusterError(reply.error)
+                return reply
+            except (grpc.RpcError, ClusterError) as e:
+                code = e.code() if isinstance(e, grpc.RpcError) else grpc.StatusCode.UNAVAILABLE
+                if code not in TRANSIENT or job.attempts[k] >= self.config.max_resubmits:
+                    raise ClusterError(f"batch {job.position} failed after {job.attempts[k]} resubmits: "
+                                       f"{code.name} {getattr(e, 'details', lambda: e)()}") from None
+                route = job.routes[k]
+                self.client.forget(route.exec_address)
+                job.excluded[k].add(route.exec_server_id)
+                if code == grpc.StatusCode.UNAVAILABLE and route.delivery_server_id != route.exec_server_id:
+                    job.excluded[k].add(route.delivery_server_id)
+                job.attempts[k] += 1
+                self._stats.resubmits += 1
+                self._start(job, k, None)
+
+    def _collect(self, job: BatchJob, stop):
+        copy = self.pin_memory or self.device is not None
+        batches, error = [], None
+        for k in range(len(job.parts)):
+            reply = self._wait(job, k, stop)
+            route = job.routes[k]
+            self.client.report(job.task_ids[k], route.exec_server_id, time.perf_counter() - job.t_dispatch,
+                               not reply.error_kind)
+            self._stats.skipped += len(reply.skipped)
+            self._stats.cross_ds_bytes += reply.cross_ds_bytes
+            error = error or self.client.error_of(reply)
+            if not reply.error_kind:
+                batches.append(self.client.materialize(reply, copy=copy))
+        if error is not None:
+            raise error
+        batch = batches[0] if len(batches) == 1 else merge_batches(batches)
+        if self.pin_memory:
+            batch = _map_tensors(batch, _pin)
+        if self.device is not None:
+            batch = _map_tensors(batch, lambda t: t.to(self.device, non_blocking=True))
+        return batch
+
+    def _record(self, job: BatchJob) -> None:
+        self._stats.batch_ready.append(time.perf_counter() - job.t_dispatch)
+
+    def _cancel(self, job: BatchJob) -> None:
+        for k, fut in enumerate(job.futures):
+            if fut is not None and not fut.done():
+                fut.cancel()
+                self.client.cancel(job.routes[k].exec_address, [job.task_ids[k]])
+
+
+def _sum_costs(costs):
+    costs = [c for c in costs if c is not None]
+    if not costs:
+        return None
+    from ..descriptors import CostProfile
+
+    return CostProfile(sum(c.cpu_s for c in costs), sum(c.io_bytes for c in costs), sum(c.out_bytes for c in costs),
+                       sum(c.tokens for c in costs), costs[0].profile)
+
+
+def _pin(t: torch.Tensor) -> torch.Tensor:
+    if torch.cuda.is_available():
+        return t.pin_memory()
+    warnings.warn("pin_memory=True but no accelerator is available: batches stay in pageable memory", stacklevel=3)
+    return t
+
+
+def _map_tensors(obj, fn):
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, dict):
+        return {k: _map_tensors(v, fn) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_map_tensors(v, fn) for v in obj)
+    return obj

@@ -1,0 +1,241 @@
+"""The client's ``torchdata.nodes`` graph: ShardBatches -> CostTagger -> Dispatch.
+
+``ShardBatches`` yields this rank's index batches exactly as a torch DataLoader with
+``DistributedSampler`` would; ``CostTagger`` attaches each sample's ``CostProfile`` (never
+decoding); ``Dispatch`` runs a sender thread (requests ahead, bounded by ``prefetch_depth``) and a
+fetcher thread (results back in task order), so ``next()`` blocks only when nothing is ready.
+State is what means something to a user: the epoch and the batches yielded.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+from torch.utils.data import DistributedSampler
+from torchdata.nodes import BaseNode
+
+__all__ = ["BatchJob", "CostTagger", "Dispatch", "ShardBatches"]
+
+
+class _Len:
+    def __init__(self, n: int):
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+
+class ShardBatches(BaseNode):
+    """This rank's batches of sample indices for one epoch (``DistributedSampler`` + batching)."""
+
+    EPOCH, YIELDED = "epoch", "batches_yielded"
+
+    def __init__(self, num_samples: int, batch_size: int, rank: int, world_size: int, shuffle: bool, seed: int,
+                 drop_last: bool):
+        super().__init__()
+        self.sampler = DistributedSampler(_Len(num_samples), num_replicas=world_size, rank=rank, shuffle=shuffle,
+                                          seed=seed, drop_last=drop_last)
+        self.batch_size, self.drop_last = batch_size, drop_last
+        self.epoch, self._batches, self._pos = 0, [], 0
+
+    def __len__(self) -> int:
+        n = len(self.sampler)
+        return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
+
+    def shard(self, epoch: int) -> list[int]:
+        self.sampler.set_epoch(epoch)
+        return list(self.sampler)
+
+    def reset(self, initial_state: dict | None = None):
+        super().reset(initial_state)
+        if initial_state is not None:
+            self.epoch = int(initial_state[self.EPOCH])
+        idx = self.shard(self.epoch)
+        b = self.batch_size
+        self._batches = [idx[i:i + b] for i in range(0, len(idx), b)]
+        if self.drop_last and self._batches and len(self._batches[-1]) < b:
+            self._batches.pop()
+        self._pos = int(initial_state[self.YIELDED]) if initial_state is not None else 0
+
+    def next(self) -> tuple[int, list[int]]:
+        if self._pos >= len(self._batches):
+            raise StopIteration
+        self._pos += 1
+        return self._pos - 1, self._batches[self._pos - 1]
+
+    def get_state(self) -> dict:
+        return {self.EPOCH: self.epoch, self.YIELDED: self._pos}
+
+
+@dataclass
+class BatchJob:
+    """One logical batch in flight: its position in the epoch, its parts (microbatch requests) and
+    what came back. Times from ``time.perf_counter``."""
+
+    position: int
+    parts: list[list[int]]
+    costs: list
+    substitutes: list[int]
+    task_ids: list[int] = field(default_factory=list)
+    futures: list = field(default_factory=list)
+    routes: list = field(default_factory=list)
+    excluded: list = field(default_factory=list)
+    attempts: list = field(default_factory=list)
+    t_dispatch: float = 0.0
+    error: BaseException | None = None
+
+
+class CostTagger(BaseNode):
+    """Attaches ``CostProfile``s (from the dataset's table, vectorised, else a metadata probe) and
+    deterministic substitutes from the same rank's shard (for ``on_error="skip"``)."""
+
+    def __init__(self, source: ShardBatches, dataset, seed: int, microbatch_size: int | None, substitutes: int = 8):
+        super().__init__()
+        self.source, self.dataset, self.seed = source, dataset, seed
+        self.microbatch_size, self.n_subs = microbatch_size, substitutes
+        self._shard: list[int] = []
+
+    def reset(self, initial_state: dict | None = None):
+        super().reset(initial_state)
+        self.source.reset(initial_state)
+        self._shard = self.source.shard(self.source.epoch)
+
+    def _cost(self, i: int):
+        fn = getattr(self.dataset, "estimate_cost", None)
+        if fn is None:
+            return None
+        try:
+            return fn(i)
+        except Exception:  # a bad sample fails when fetched, where skip mode can replace it
+            return None
+
+    def next(self) -> BatchJob:
+        position, indices = self.source.next()
+        rng = np.random.default_rng([self.seed & 0xFFFFFFFF, self.source.epoch, position])
+        subs = [self._shard[int(k)] for k in rng.integers(0, len(self._shard), size=self.n_subs)] if self._shard else []
+        m = self.microbatch_size or len(indices)
+        parts = [indices[i:i + m] for i in range(0, len(indices), m)]
+        return BatchJob(position, parts, [self._cost(i) for i in indices], subs)
+
+    def get_state(self) -> dict:
+        return self.source.get_state()
+
+
+class Dispatch(BaseNode):
+    """Sender / fetcher threads around a ``submit(job)`` / ``collect(job) -> batch`` pair.
+
+    ``submit`` starts a job's requests; ``collect`` waits for them (resubmitting on server loss) and
+    returns the batch or raises. At most ``prefetch_depth`` jobs are in flight or waiting.
+    """
+
+    YIELDED, EPOCH = ShardBatches.YIELDED, ShardBatches.EPOCH
+
+    def __init__(self, source: CostTagger, submit, collect, cancel, prefetch_depth: int, on_batch=None):
+        super().__init__()
+        self.source, self.submit, self.collect, self.cancel = source, submit, collect, cancel
+        self.prefetch_depth, self.on_batch = prefetch_depth, on_batch
+        self._threads: list[threading.Thread] = []
+        self._stop = threading.Event()
+        self._yielded, self._epoch = 0, 0
+
+    # ---- lifecycle ---------------------------------------------------------------------------------
+    def reset(self, initial_state: dict | None = None):
+        super().reset(initial_state)
+        self.shutdown()
+        self.source.reset(initial_state)
+        st = self.source.get_state()
+        self._epoch, self._yielded = st[self.EPOCH], st[self.YIELDED]
+        self._stop = threading.Event()
+        self._slots = threading.BoundedSemaphore(self.prefetch_depth)
+        self._order: queue.Queue = queue.Queue()
+        self._out: queue.Queue = queue.Queue()
+        self._inflight: list[BatchJob] = []
+        self._lock = threading.Lock()
+        self._threads = [threading.Thread(target=self._send, name="helix-sender", daemon=True),
+                         threading.Thread(target=self._fetch, name="helix-fetcher", daemon=True)]
+        for t in self._threads:
+            t.start()
+
+    def shutdown(self) -> None:
+        """Stop both threads, cancel requests in flight and drop finished batches (their slabs are
+        released when the dropped tensors are collected)."""
+        self._stop.set()
+        for t in self._threads:
+            t.join(timeout=10.0)
+        self._threads = []
+        for job in getattr(self, "_inflight", []):
+            self.cancel(job)
+        self._inflight = []
+        if hasattr(self, "_out"):
+            while not self._out.empty():
+                self._out.get_nowait()
+
+    # ---- threads -------------------------------------------------------------------------------------
+    def _acquire(self) -> bool:
+        while not self._stop.is_set():
+            if self._slots.acquire(timeout=0.1):
+                return True
+        return False
+
+    def _send(self) -> None:
+        while self._acquire():
+            try:
+                job = self.source.next()
+            except StopIteration:
+                self._order.put(None)
+                return
+            except BaseException as e:  # errors travel as values to the consumer
+                self._order.put(e)
+                return
+            job.t_dispatch = time.perf_counter()
+            with self._lock:
+                self._inflight.append(job)
+            try:
+                self.submit(job)
+            except BaseException as e:
+                job.error = e
+            self._order.put(job)
+
+    def _fetch(self) -> None:
+        while not self._stop.is_set():
+            try:
+                job = self._order.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            if job is None or isinstance(job, BaseException):
+                self._out.put(job)
+                return
+            try:
+                item = job.error if job.error is not None else self.collect(job, self._stop)
+            except BaseException as e:
+                item = e
+            with self._lock:
+                if job in self._inflight:
+                    self._inflight.remove(job)
+            if self.on_batch is not None and not isinstance(item, BaseException):
+                self.on_batch(job)
+            self._out.put(item)
+
+    # ---- BaseNode contract --------------------------------------------------------------------------
+    def next(self):
+        while True:
+            try:
+                item = self._out.get(timeout=0.1)
+                break
+            except queue.Empty:
+                if not any(t.is_alive() for t in self._threads) and self._out.empty():
+                    raise RuntimeError("Helix dispatch threads stopped unexpectedly")
+        if item is None:
+            self._out.put(None)  # stay exhausted
+            raise StopIteration
+        self._slots.release()
+        self._yielded += 1
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def get_state(self) -> dict:
+        return {self.EPOCH: self._epoch, self.YIELDED: self._yielded}

@@ -1,0 +1,161 @@
+"""The client's wires: the Coordinator (routes) and DataServers (execute, shared-memory handles).
+
+Turns replies into batches: a handle names a slab on this host, which is mapped once and read
+zero-copy; the slab goes back to its server when the batch is garbage-collected, or right after a
+copy into pinned / device memory.
+"""
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+
+import grpc
+
+from ..config import ClusterConfig
+from ..errors import ClusterError, SampleError
+from ..runtime import shm
+from ..runtime.auth import call_metadata
+from ..runtime.proto import helix_pb2 as pb
+from ..runtime.proto import helix_pb2_grpc as pbg
+from ..runtime.rpc import check_hello, connect
+from ..runtime.tensors import copy_tensors, read_tensors, unflatten
+
+__all__ = ["ClusterClient", "TRANSIENT"]
+
+#: Status codes that mean "this server (or the path to it) is gone": resubmit elsewhere.
+TRANSIENT = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED,
+             grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL, grpc.StatusCode.FAILED_PRECONDITION,
+             grpc.StatusCode.RESOURCE_EXHAUSTED}
+
+
+def _meta_dicts(metas) -> list[dict]:
+    return [{"dtype": m.dtype, "shape": list(m.shape), "offset": m.offset, "nbytes": m.nbytes,
+             "is_inline": m.is_inline, "inline_data": m.inline_data} for m in metas]
+
+
+class ClusterClient:
+    """One rank's connection to a Helix cluster. Thread-safe."""
+
+    def __init__(self, address: str, token: str | None, config: ClusterConfig, rank: int, world_size: int):
+        self.address, self.token, self.config = address, token, config
+        self.rank, self.world_size = rank, world_size
+        self.metadata = call_metadata(token)
+        self._channel = connect(address, config)
+        self.coordinator = pbg.CoordinatorStub(self._channel)
+        hello = check_hello(self.coordinator, "client", token, config.rpc_timeout_s, f"the Coordinator at {address}")
+        self.cluster_id, self.pickle_allowed = hello.cluster_id, hello.pickle_allowed
+        reply = self._call(self.coordinator.RegisterClient,
+                           pb.RegisterClientRequest(rank=rank, world_size=world_size, host=socket.gethostname()))
+        self.client_id = reply.client_id
+        self._stubs: dict[str, pbg.DataServerStub] = {}
+        self._channels: list[grpc.Channel] = [self._channel]
+        self._configured: set[tuple[str, str]] = set()
+        self._lock = threading.Lock()
+        self.reader = shm.SlabReader()
+
+    def _call(self, method, request, timeout: float | None = None):
+        """A Coordinator RPC, retried while it is unavailable, up to ``coordinator_timeout_s``."""
+        deadline = time.monotonic() + self.config.coordinator_timeout_s
+        delay = 0.05
+        while True:
+            try:
+                return method(request, timeout=timeout or self.config.rpc_timeout_s, metadata=self.metadata)
+            except grpc.RpcError as e:
+                if e.code() == grpc.StatusCode.UNAUTHENTICATED:
+                    raise ClusterError(f"the Coordinator at {self.address} refused this client: {e.details()}") from None
+                if e.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) \
+                        or time.monotonic() + delay > deadline:
+                    raise ClusterError(f"lost the Coordinator at {self.address}: {e.code().name} {e.details()}") from None
+            time.sleep(delay)
+            delay = min(delay * 2, 0.5)
+
+    def route(self, task_id: int, cost, exclude: set[str], deadline_s: float = 0.0) -> pb.RouteReply:
+        term = pb.CostTerm(cpu_s=cost.cpu_s, io_bytes=cost.io_bytes, out_bytes=cost.out_bytes,
+                           tokens=cost.tokens) if cost is not None else pb.CostTerm()
+        return self._call(self.coordinator.Route, pb.RouteRequest(
+            client_id=self.client_id, rank=self.rank, task_id=task_id, cost=term, deadline_s=deadline_s,
+            exclude=sorted(exclude)))
+
+    def report(self, task_id: int, server_id: str, latency_s: float, ok: bool) -> None:
+        """Fire and forget: completion feedback for the Coordinator's outstanding counts."""
+        try:
+            self.coordinator.ReportCompletion.future(pb.CompletionReport(
+                client_id=self.client_id, task_id=task_id, server_id=server_id, latency_s=latency_s, ok=ok),
+                timeout=self.config.rpc_timeout_s, metadata=self.metadata)
+        except grpc.RpcError:
+            pass
+
+    def telemetry(self, last_decisions: int = 0) -> dict:
+        reply = self._call(self.coordinator.Telemetry, pb.TelemetryRequest(last_decisions=last_decisions))
+        return json.loads(reply.json)
+
+    def stub(self, address: str) -> pbg.DataServerStub:
+        with self._lock:
+            s = self._stubs.get(address)
+            if s is None:
+                ch = connect(address, self.config)
+                self._channels.append(ch)
+                s = self._stubs[address] = pbg.DataServerStub(ch)
+            return s
+
+    def execute(self, address: str, spec: tuple[str, bytes, str], request: pb.ExecuteRequest):
+        """Configure ``address`` with ``spec`` once, then start ``Execute``; returns a gRPC future."""
+        stub = self.stub(address)
+        key = (address, spec[0])
+        if key not in self._configured:
+            stub.Configure(pb.ConfigureRequest(spec_id=spec[0], payload=spec[1], format=spec[2]),
+                           timeout=self.config.rpc_timeout_s, metadata=self.metadata)
+            with self._lock:
+                self._configured.add(key)
+        return stub.Execute.future(request, timeout=self.config.execute_timeout_s, metadata=self.metadata)
+
+    def forget(self, address: str) -> None:
+        """A server failed: configure it again if it is ever used again (it may have restarted)."""
+        with self._lock:
+            self._configured = {k for k in self._configured if k[0] != address}
+
+    def cancel(self, address: str, task_ids: list[int]) -> None:
+        try:
+            self.stub(address).Cancel.future(pb.CancelRequest(task_ids=task_ids, client_id=self.client_id),
+                                             timeout=self.config.rpc_timeout_s, metadata=self.metadata)
+        except grpc.RpcError:
+            pass
+
+    # ---- replies to batches ----------------------------------------------------------------------
+    def materialize(self, reply: pb.ExecuteReply, copy: bool):
+        """The batch of a successful reply: zero-copy tensors on the slab (released when the last
+        one is garbage-collected), or owned copies (slab released at once) when ``copy``."""
+        b = reply.batch
+        handle = {"segment": b.slab.segment, "generation": b.slab.generation, "nbytes": b.slab.nbytes}
+        if b.tree_pickle and not self.token:
+            self.reader.release(handle)
+            raise ClusterError("a DataServer sent a pickled batch structure to a client without a token")
+        metas = _meta_dicts(b.tensors)
+        buf = self.reader.view(handle) if b.slab.segment else memoryview(b"")
+        if copy:
+            tensors = copy_tensors(buf, metas)
+            del buf
+            self.reader.release(handle)
+        else:
+            release = (lambda h=handle, r=self.reader: r.release(h))
+            tensors = read_tensors(buf, metas, on_release=release)
+            del buf
+        return unflatten(b.tree_json, b.tree_pickle, tensors)
+
+    @staticmethod
+    def error_of(reply: pb.ExecuteReply) -> Exception | None:
+        if not reply.error_kind:
+            return None
+        if reply.error_kind == "sample":
+            f = reply.failure
+            return SampleError(f.index, f.path, f.cause)
+        if reply.error_kind == "spec":
+            return ClusterError(f"DataServer could not load the dataset: {reply.error}")
+        return RuntimeError(f"DataServer task {reply.task_id} failed: {reply.error}")
+
+    def close(self) -> None:
+        for ch in self._channels:
+            ch.close()
+        self.reader.close()

@@ -1,0 +1,252 @@
+"""The Coordinator: metadata-only control plane (registry, heartbeats, placement, telemetry).
+
+``Registry`` is the state and logic (plain Python, injected clock); ``CoordinatorServicer`` only
+converts messages. No tensor and no decoded byte ever reaches this process.
+"""
+from __future__ import annotations
+
+import collections
+import json
+import logging
+import threading
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+
+import grpc
+
+from ..config import PROTOCOL_VERSION, ClusterConfig
+from ..planning.placement import Candidate, PlacementRequest, make_policy
+from .proto import helix_pb2 as pb
+from .proto import helix_pb2_grpc as pbg
+
+__all__ = ["CoordinatorServicer", "Registry", "ServerState", "serve_coordinator"]
+
+log = logging.getLogger("helix.coordinator")
+
+
+@dataclass
+class ServerState:
+    server_id: str
+    address: str
+    kind: str
+    local_rank: int
+    host: str
+    workers: int
+    registered_at: float
+    last_seen: float
+    alive: bool = True
+    outstanding: int = 0
+    queue_depth: int = 0
+    inflight: int = 0
+    latency_per_cost: float = 1.0
+    completed: int = 0
+    cross_ds_bytes: int = 0
+
+
+@dataclass
+class Registry:
+    """Servers, clients, heartbeat state and routing. Thread-safe; ``clock`` is injectable."""
+
+    config: ClusterConfig
+    scheduler: str = "least-request"
+    clock: callable = time.monotonic
+    cluster_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
+
+    def __post_init__(self):
+        self.policy = make_policy(self.scheduler)
+        self.servers: dict[str, ServerState] = {}
+        self.clients: dict[str, dict] = {}
+        self.decisions: collections.deque = collections.deque(maxlen=10_000)
+        self.decision_us: collections.deque = collections.deque(maxlen=10_000)
+        self.routed = 0
+        self._owner: dict[int, str] = {}  # task_id -> server id it was routed to (until completed)
+        self._lock = threading.Lock()
+
+    # ---- membership ----------------------------------------------------------------------------
+    def register_server(self, address: str, kind: str, local_rank: int, host: str, workers: int) -> ServerState:
+        if kind not in ("local", "remote"):
+            raise ValueError(f"server kind {kind!r}; valid: local, remote")
+        with self._lock:
+            now = self.clock()
+            for s in self.servers.values():  # a restarted server on the same address replaces the old
+                if s.address == address:
+                    s.alive = False
+            sid = f"{kind[0]}{local_rank if kind == 'local' else len(self._remotes())}-{uuid.uuid4().hex[:6]}"
+            st = ServerState(sid, address, kind, local_rank if kind == "local" else -1, host, max(workers, 1), now, now)
+            self.servers[sid] = st
+            log.info("registered %s server %s at %s (%d workers)", kind, sid, address, workers)
+            return st
+
+    def register_client(self, rank: int, world_size: int, host: str) -> str:
+        cid = f"c{rank}-{uuid.uuid4().hex[:6]}"
+        with self._lock:
+            self.clients[cid] = {"rank": rank, "world_size": world_size, "host": host}
+        return cid
+
+    def heartbeat(self, server_id: str, **stats) -> bool:
+        with self._lock:
+            st = self.servers.get(server_id)
+            if st is None:
+                return False
+            st.last_seen, st.alive = self.clock(), True
+            for k, v in stats.items():
+                setattr(st, k, v)
+            return True
+
+    def sweep(self) -> list[str]:
+        """Mark servers dead whose last heartbeat is older than the timeout; return their ids."""
+        dead = []
+        with self._lock:
+            now = self.clock()
+            for st in self.servers.values():
+                if st.alive and now - st.last_seen > self.config.heartbeat_timeout_s:
+                    st.alive = False
+                    dead.append(st.server_id)
+        for sid in dead:
+            log.warning("server %s missed heartbeats: marked dead", sid)
+        return dead
+
+    def _locals(self) -> list[ServerState]:
+        latest: dict[int, ServerState] = {}
+        for s in self.servers.values():
+            if s.kind == "local" and (s.local_rank not in latest or s.registered_at >= latest[s.local_rank].registered_at):
+                latest[s.local_rank] = s
+        return [latest[k] for k in sorted(latest)]
+
+    def _remotes(self) -> list[ServerState]:
+        return sorted((s for s in self.servers.values() if s.kind == "remote"), key=lambda s: s.registered_at)
+
+    def ordered(self) -> list[ServerState]:
+        """Local servers by slot, then remote ones by registration: ``cluster.servers`` order."""
+        with self._lock:
+            return self._locals() + self._remotes()
+
+    # ---- routing --------------------------------------------------------------------------------
+    def delivery_server(self, rank: int, exclude: set[str]) -> ServerState:
+        """Rank r delivers through local server r % L; if it is dead, the next live one takes over."""
+        locals_ = self._locals()
+        if not locals_:
+            raise LookupError("no local DataServer registered")
+        n = len(locals_)
+        for k in range(n):
+            s = locals_[(rank + k) % n]
+            if s.alive and s.server_id not in exclude:
+                return s
+        raise LookupError(f"no live local DataServer can deliver to rank {rank}")
+
+    def route(self, rank: int, task_id: int, cost: dict, exclude: set[str]):
+        t0 = time.perf_counter()
+        with self._lock:
+            delivery = self.delivery_server(rank, exclude)
+            cands = [Candidate(s.server_id, s.kind, i, s.workers, s.outstanding, s.queue_depth,
+                               s.latency_per_cost, local=s.server_id == delivery.server_id)
+                     for i, s in enumerate(self._locals() + self._remotes())
+                     if s.alive and s.server_id not in exclude]
+            decision = self.policy.choose(PlacementRequest(rank, task_id, **cost), cands)
+            chosen = self.servers[decision.server_id]
+            prev = self._owner.get(task_id)
+            if prev is not None and prev in self.servers:  # a resubmission: the first routing is void
+                self.servers[prev].outstanding = max(0, self.servers[prev].outstanding - 1)
+            chosen.outstanding += 1
+            self._owner[task_id] = chosen.server_id
+            self.routed += 1
+        us = (time.perf_counter() - t0) * 1e6
+        self.decision_us.append(us)
+        entry = {"task_id": task_id, "rank": rank, "server": chosen.server_id, "delivery": delivery.server_id,
+                 "reason": decision.reason, "scores": decision.scores, "us": round(us, 1)}
+        self.decisions.append(entry)
+        log.debug("route %s", entry)
+        return chosen, delivery, decision, us
+
+    def complete(self, task_id: int, server_id: str, latency_s: float, ok: bool) -> None:
+        with self._lock:
+            owner = self._owner.pop(task_id, None)
+            st = self.servers.get(owner or server_id)
+            if st is not None and owner is not None:
+                st.outstanding = max(0, st.outstanding - 1)
+
+    def telemetry(self, last: int = 100) -> dict:
+        us = sorted(self.decision_us)
+        p = (lambda q: us[min(len(us) - 1, int(q * len(us)))] if us else 0.0)
+        return {"cluster_id": self.cluster_id, "routed": self.routed, "scheduler": self.scheduler,
+                "decision_us_p50": p(0.5), "decision_us_p99": p(0.99),
+                "servers": [asdict(s) for s in self.ordered()], "clients": dict(self.clients),
+                "decisions": list(self.decisions)[-last:] if last else []}
+
+
+def _info(st: ServerState, index: int) -> pb.ServerInfo:
+    return pb.ServerInfo(server_id=st.server_id, address=st.address, kind=st.kind, local_rank=st.local_rank,
+                         host=st.host, workers=st.workers, alive=st.alive, index=index)
+
+
+class CoordinatorServicer(pbg.CoordinatorServicer):
+    """Thin: converts messages and calls ``Registry``; errors go back as status codes."""
+
+    def __init__(self, registry: Registry, stop: threading.Event, pickle_allowed: bool):
+        self.registry, self.stop, self.pickle_allowed = registry, stop, pickle_allowed
+
+    def Hello(self, request, context):
+        return pb.HelloReply(protocol_version=PROTOCOL_VERSION, cluster_id=self.registry.cluster_id,
+                             pickle_allowed=self.pickle_allowed)
+
+    def RegisterServer(self, request, context):
+        try:
+            st = self.registry.register_server(request.address, request.kind, request.local_rank,
+                                               request.host, request.workers)
+        except ValueError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        return pb.RegisterServerReply(server_id=st.server_id, cluster_id=self.registry.cluster_id,
+                                      heartbeat_interval_s=self.registry.config.heartbeat_interval_s)
+
+    def RegisterClient(self, request, context):
+        cid = self.registry.register_client(request.rank, request.world_size, request.host)
+        servers = [_info(s, i) for i, s in enumerate(self.registry.ordered())]
+        return pb.RegisterClientReply(client_id=cid, cluster_id=self.registry.cluster_id, servers=servers)
+
+    def Heartbeat(self, request, context):
+        known = self.registry.heartbeat(request.server_id, queue_depth=request.queue_depth, inflight=request.inflight,
+                                        latency_per_cost=request.latency_per_cost, completed=request.completed,
+                                        cross_ds_bytes=request.cross_ds_bytes)
+        return pb.HeartbeatReply(known=known)
+
+    def Route(self, request, context):
+        cost = {"cpu_s": request.cost.cpu_s, "out_bytes": request.cost.out_bytes, "tokens": request.cost.tokens,
+                "deadline_s": request.deadline_s}
+        try:
+            chosen, delivery, decision, us = self.registry.route(request.rank, request.task_id, cost,
+                                                                 set(request.exclude))
+        except (LookupError, ValueError) as e:
+            context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        return pb.RouteReply(exec_server_id=chosen.server_id, exec_address=chosen.address,
+                             delivery_server_id=delivery.server_id, delivery_address=delivery.address,
+                             reason=decision.reason, decision_us=us)
+
+    def ReportCompletion(self, request, context):
+        self.registry.complete(request.task_id, request.server_id, request.latency_s, request.ok)
+        return pb.Ack(ok=True)
+
+    def Telemetry(self, request, context):
+        return pb.TelemetryReply(json=json.dumps(self.registry.telemetry(request.last_decisions)))
+
+    def Shutdown(self, request, context):
+        self.stop.set()
+        return pb.Ack(ok=True)
+
+
+def serve_coordinator(host: str, port: int, token: str | None, config: ClusterConfig, scheduler: str,
+                      stop: threading.Event, on_ready=None, cluster_id: str | None = None) -> None:
+    """Run a Coordinator until ``stop`` is set (blocking). ``on_ready(address)`` after binding."""
+    from .rpc import create_server
+
+    registry = Registry(config, scheduler, cluster_id=cluster_id or uuid.uuid4().hex[:12])
+    server, bound = create_server(host, port, token, config, threads=32)
+    pbg.add_CoordinatorServicer_to_server(CoordinatorServicer(registry, stop, bool(token)), server)
+    server.start()
+    if on_ready is not None:
+        on_ready(f"{host}:{bound}", registry.cluster_id)
+    try:
+        while not stop.wait(config.heartbeat_interval_s / 2):
+            registry.sweep()
+    finally:
+        server.stop(grace=min(1.0, config.stop_timeout_s)).wait(config.stop_timeout_s)

@@ -1,0 +1,224 @@
+"""The DataServer: a gRPC service in front of a supervised worker pool (the payload plane).
+
+A local server delivers by shared memory: the reply to ``Execute`` is a small handle naming a slab
+that a worker wrote. A remote ("sidecar") server always streams: header (structure and tensor
+metadata, small tensors inline) then raw bytes in chunks, to the rank's local DataServer, whose
+``Deliver`` writes them into one of its own slabs and returns the handle — so the client always
+maps local shared memory, and ``cross_ds_bytes`` counts what moved between servers.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import threading
+import time
+
+import grpc
+
+from ..config import PROTOCOL_VERSION, ClusterConfig
+from . import shm
+from .auth import call_metadata
+from .proto import helix_pb2 as pb
+from .proto import helix_pb2_grpc as pbg
+from .rpc import connect
+from .tensors import ChunkWriter, iter_chunks
+from .workers import WorkerPool
+
+__all__ = ["DataServerServicer", "serve_dataserver"]
+
+log = logging.getLogger("helix.dataserver")
+
+
+def _metas_to_pb(metas: list[dict]) -> list[pb.TensorMeta]:
+    return [pb.TensorMeta(dtype=m["dtype"], shape=m["shape"], offset=m["offset"], nbytes=m["nbytes"],
+                          is_inline=m["is_inline"], inline_data=m.get("inline_data") or b"") for m in metas]
+
+
+def _failure_pb(f: dict | None) -> pb.SampleFailure | None:
+    return None if not f else pb.SampleFailure(index=f["index"], path=f["path"], cause=f["cause"])
+
+
+class DataServerServicer(pbg.DataServerServicer):
+    """Thin: converts messages, submits to the ``WorkerPool``, streams remote results."""
+
+    def __init__(self, pool: WorkerPool, slabs: shm.SlabPool, config: ClusterConfig, token: str | None,
+                 address: str, kind: str):
+        self.pool, self.slabs, self.config, self.token = pool, slabs, config, token
+        self.address, self.kind = address, kind
+        self.server_id, self.cluster_id = "", ""
+        self.cross_ds_bytes = 0
+        self._stubs: dict[str, pbg.DataServerStub] = {}
+        self._lock = threading.Lock()
+
+    def Hello(self, request, context):
+        return pb.HelloReply(protocol_version=PROTOCOL_VERSION, cluster_id=self.cluster_id,
+                             pickle_allowed=bool(self.token))
+
+    def Configure(self, request, context):
+        if request.format == "cloudpickle" and not self.token:
+            context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                          "pickled dataset specs need a token-authenticated cluster (token=... / HELIX_TOKEN)")
+        if request.format == "json":
+            try:
+                spec = json.loads(request.payload)
+                assert isinstance(spec["dataset"]["target"], str)
+            except Exception:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, "dataset spec is not valid Helix JSON")
+        elif request.format != "cloudpickle":
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"spec format {request.format!r}; valid: json, cloudpickle")
+        self.pool.configure(request.spec_id, request.payload, request.format)
+        return pb.Ack(ok=True)
+
+    def Execute(self, request, context):
+        if not self.pool.knows(request.spec_id):
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"unknown dataset spec {request.spec_id}: Configure first")
+        if request.on_error not in ("raise", "skip") or not request.indices:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "Execute needs indices and on_error in (raise, skip)")
+        task = {"task_id": request.task_id, "spec_id": request.spec_id, "indices": list(request.indices),
+                "epoch": request.epoch, "substitutes": list(request.substitutes), "on_error": request.on_error}
+        fut = self.pool.submit(task)
+        context.add_callback(lambda: self.pool.cancel([request.task_id]) if not fut.done() else None)
+        try:
+            result = fut.result(timeout=self.config.execute_timeout_s)
+        except Exception as e:  # cancelled by the client or timed out
+            self.pool.cancel([request.task_id])
+            return pb.ExecuteReply(task_id=request.task_id, error_kind="internal", error=f"task not completed: {e!r}")
+        reply = pb.ExecuteReply(task_id=request.task_id, error_kind=result.get("error_kind", ""),
+                                error=result.get("error", ""), failure=_failure_pb(result.get("failure")),
+                                skipped=[_failure_pb(f) for f in result.get("skipped", [])],
+                                exec_s=result.get("exec_s", 0.0))
+        if "handle" not in result:
+            return reply
+        remote = request.deliver_to and request.deliver_to != self.address
+        if remote:
+            try:
+                delivered = self._stream(request.task_id, result, request.deliver_to)
+            finally:
+                shm.release_segment(result["handle"])  # streamed (or failed): our slab is free again
+            reply.batch.CopyFrom(delivered.batch)
+            reply.delivered_by = delivered.server_id
+            reply.cross_ds_bytes = result["handle"]["nbytes"]
+        else:
+            reply.batch.CopyFrom(pb.BatchHandle(
+                slab=pb.SlabHandle(**result["handle"]), tree_json=result["tree_json"],
+                tree_pickle=result["tree_pickle"], tensors=_metas_to_pb(result["metas"])))
+            reply.delivered_by = self.server_id
+        if not context.is_active():  # the client gave up: nobody will release it
+            shm.release_segment(result["handle"] if not remote else
+                                {"segment": reply.batch.slab.segment, "generation": reply.batch.slab.generation})
+        return reply
+
+    def _stream(self, task_id: int, result: dict, address: str) -> pb.DeliverReply:
+        """Send a worker's batch to the delivering DataServer: header, then raw chunks."""
+        with self._lock:
+            stub = self._stubs.get(address)
+            if stub is None:
+                stub = self._stubs[address] = pbg.DataServerStub(connect(address, self.config))
+        reader = shm.SlabReader()
+        try:
+            payload = reader.view(result["handle"])
+            total = result["handle"]["nbytes"]
+            header = pb.StreamHeader(task_id=task_id, tree_json=result["tree_json"], tree_pickle=result["tree_pickle"],
+                                     tensors=_metas_to_pb(result["metas"]), total_bytes=total)
+
+            def chunks():
+                yield pb.StreamChunk(header=header)
+                for c in iter_chunks(payload, total, self.config.stream_chunk_bytes):
+                    yield pb.StreamChunk(data=c)
+
+            reply = stub.Deliver(chunks(), timeout=self.config.execute_timeout_s, metadata=call_metadata(self.token))
+            del payload
+        finally:
+            reader.close()
+        with self._lock:
+            self.cross_ds_bytes += total
+        return reply
+
+    def Deliver(self, request_iterator, context):
+        first = next(request_iterator, None)
+        if first is None or first.WhichOneof("part") != "header":
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a delivery stream starts with a header")
+        h = first.header
+        if h.tree_pickle and not self.token:
+            context.abort(grpc.StatusCode.PERMISSION_DENIED, "pickled batch structure needs a token")
+        slab = self.slabs.acquire(h.total_bytes)
+        try:
+            writer = ChunkWriter(slab.payload, h.total_bytes)
+            for chunk in request_iterator:
+                writer.write(chunk.data)
+            if not writer.done:
+                raise ValueError(f"stream for task {h.task_id} ended early")
+        except Exception as e:
+            shm.release_segment(slab.handle(h.total_bytes))
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad delivery stream: {e}")
+        return pb.DeliverReply(server_id=self.server_id, batch=pb.BatchHandle(
+            slab=pb.SlabHandle(**slab.handle(h.total_bytes)), tree_json=h.tree_json, tree_pickle=h.tree_pickle,
+            tensors=h.tensors))
+
+    def Cancel(self, request, context):
+        self.pool.cancel(list(request.task_ids))
+        return pb.Ack(ok=True)
+
+    def Health(self, request, context):
+        st = self.pool.stats()
+        return pb.HealthReply(server_id=self.server_id, workers_alive=st["workers_alive"],
+                              queue_depth=st["queue_depth"], serving=True, worker_pids=st["worker_pids"],
+                              pid=os.getpid())
+
+
+def _heartbeats(servicer: DataServerServicer, coord, token, config: ClusterConfig, stop: threading.Event,
+                register) -> None:
+    while not stop.wait(config.heartbeat_interval_s):
+        st = servicer.pool.stats()
+        try:
+            reply = coord.Heartbeat(pb.HeartbeatRequest(
+                server_id=servicer.server_id, queue_depth=st["queue_depth"], inflight=st["inflight"],
+                workers_alive=st["workers_alive"], latency_per_cost=st["latency_per_cost"],
+                completed=st["completed"], cross_ds_bytes=servicer.cross_ds_bytes),
+                timeout=config.rpc_timeout_s, metadata=call_metadata(token))
+            if not reply.known:
+                register()
+        except grpc.RpcError as e:
+            log.debug("heartbeat failed: %s", e.code())
+
+
+def serve_dataserver(coordinator: str, kind: str, local_rank: int, workers: int, token: str | None,
+                     config: ClusterConfig, stop: threading.Event, host: str = "127.0.0.1", port: int = 0,
+                     on_ready=None) -> None:
+    """Run a DataServer until ``stop`` is set (blocking): serve, register, heartbeat."""
+    from .rpc import check_hello, create_server
+
+    coord = pbg.CoordinatorStub(connect(coordinator, config))
+    hello = check_hello(coord, "dataserver", token, config.rpc_timeout_s, f"the Coordinator at {coordinator}")
+    server, bound = create_server(host, port, token, config, threads=config.server_threads)
+    address = f"{host}:{bound}"
+    tag = f"{kind[0]}{local_rank if kind == 'local' else ''}p{os.getpid()}-"
+    slabs = shm.SlabPool(f"helix-{hello.cluster_id}-{tag}d-")
+    pool = WorkerPool(workers, f"helix-{hello.cluster_id}-{tag}", allow_pickle=bool(token), config=config)
+    servicer = DataServerServicer(pool, slabs, config, token, address, kind)
+    servicer.cluster_id = hello.cluster_id
+    pbg.add_DataServerServicer_to_server(servicer, server)
+    server.start()
+
+    def register():
+        reply = coord.RegisterServer(pb.RegisterServerRequest(address=address, kind=kind, local_rank=local_rank,
+                                                              host=socket.gethostname(), workers=workers),
+                                     timeout=config.rpc_timeout_s, metadata=call_metadata(token))
+        servicer.server_id = reply.server_id
+
+    try:
+        register()
+        hb = threading.Thread(target=_heartbeats, args=(servicer, coord, token, config, stop, register),
+                              name="helix-heartbeat", daemon=True)
+        hb.start()
+        if on_ready is not None:
+            on_ready(address, servicer.server_id)
+        while not stop.wait(0.5):
+            pass
+    finally:
+        server.stop(grace=min(1.0, config.stop_timeout_s)).wait(config.stop_timeout_s)
+        pool.close()
+        slabs.close()
+        shm.sweep(f"helix-{hello.cluster_id}-{tag}")

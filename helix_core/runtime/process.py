@@ -1,0 +1,103 @@
+"""Process entry points for the Coordinator and DataServers.
+
+``python -m helix_core.runtime.process coordinator|dataserver ...`` is what ``LocalCluster`` and
+``helix coordinator`` / ``helix dataserver`` run. A process started by a LocalCluster prints one
+ready line (``HELIX_READY {json}``) on stdout, logs to stderr only, and stops when its owner's
+pipe (stdin) closes — so nothing outlives a crashed or interrupted training process.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+
+from ..config import ClusterConfig
+from .auth import load_token
+
+__all__ = ["main"]
+
+READY = "HELIX_READY"
+
+
+def _watch_parent(stop: threading.Event) -> None:
+    """Set ``stop`` when stdin (the owner's pipe) reaches EOF."""
+    def run():
+        try:
+            while sys.stdin.buffer.read(1):
+                pass
+        except (OSError, ValueError):
+            pass
+        stop.set()
+
+    threading.Thread(target=run, name="helix-parent-watch", daemon=True).start()
+
+
+def _ready(info: dict) -> None:
+    sys.stdout.write(f"{READY} {json.dumps(info)}\n")
+    sys.stdout.flush()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="helix-process")
+    sub = p.add_subparsers(dest="role", required=True)
+    c = sub.add_parser("coordinator")
+    c.add_argument("--host", default="127.0.0.1")
+    c.add_argument("--port", type=int, default=7070)
+    c.add_argument("--scheduler", default="least-request")
+    c.add_argument("--cluster-id", default=None)
+    d = sub.add_parser("dataserver")
+    d.add_argument("--coordinator", required=True)
+    g = d.add_mutually_exclusive_group(required=True)
+    g.add_argument("--local-rank", type=int)
+    g.add_argument("--remote", action="store_true")
+    d.add_argument("--workers", type=int, default=2)
+    d.add_argument("--host", default="127.0.0.1")
+    d.add_argument("--port", type=int, default=0)
+    for s in (c, d):
+        s.add_argument("--token-file", default=None, help="file holding the token (or set HELIX_TOKEN)")
+        s.add_argument("--config-json", default=None, help="ClusterConfig fields as JSON")
+        s.add_argument("--owned", action="store_true", help="stop when stdin closes (started by a LocalCluster)")
+        s.add_argument("--log-level", default="WARNING")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level, stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        token = load_token(token_file=args.token_file)
+        config = ClusterConfig(**json.loads(args.config_json)) if args.config_json else ClusterConfig()
+    except (ValueError, TypeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    if args.owned:
+        _watch_parent(stop)
+    try:
+        if args.role == "coordinator":
+            from .coordinator import serve_coordinator
+
+            serve_coordinator(args.host, args.port, token, config, args.scheduler, stop,
+                              on_ready=lambda addr, cid: _ready({"address": addr, "cluster_id": cid, "pid": os.getpid()}),
+                              cluster_id=args.cluster_id)
+        else:
+            from .dataserver import serve_dataserver
+
+            kind = "remote" if args.remote else "local"
+            serve_dataserver(args.coordinator, kind, -1 if args.remote else args.local_rank, args.workers, token,
+                             config, stop, host=args.host, port=args.port,
+                             on_ready=lambda addr, sid: _ready({"address": addr, "server_id": sid, "pid": os.getpid()}))
+    except ValueError as e:  # e.g. a non-loopback address without a token
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

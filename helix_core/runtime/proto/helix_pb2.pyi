@@ -1,0 +1,353 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class HelloRequest(_message.Message):
+    __slots__ = ("protocol_version", "role")
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    protocol_version: int
+    role: str
+    def __init__(self, protocol_version: _Optional[int] = ..., role: _Optional[str] = ...) -> None: ...
+
+class HelloReply(_message.Message):
+    __slots__ = ("protocol_version", "cluster_id", "pickle_allowed")
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    CLUSTER_ID_FIELD_NUMBER: _ClassVar[int]
+    PICKLE_ALLOWED_FIELD_NUMBER: _ClassVar[int]
+    protocol_version: int
+    cluster_id: str
+    pickle_allowed: bool
+    def __init__(self, protocol_version: _Optional[int] = ..., cluster_id: _Optional[str] = ..., pickle_allowed: _Optional[bool] = ...) -> None: ...
+
+class Ack(_message.Message):
+    __slots__ = ("ok",)
+    OK_FIELD_NUMBER: _ClassVar[int]
+    ok: bool
+    def __init__(self, ok: _Optional[bool] = ...) -> None: ...
+
+class ServerInfo(_message.Message):
+    __slots__ = ("server_id", "address", "kind", "local_rank", "host", "workers", "alive", "index")
+    SERVER_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_RANK_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    ALIVE_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    server_id: str
+    address: str
+    kind: str
+    local_rank: int
+    host: str
+    workers: int
+    alive: bool
+    index: int
+    def __init__(self, server_id: _Optional[str] = ..., address: _Optional[str] = ..., kind: _Optional[str] = ..., local_rank: _Optional[int] = ..., host: _Optional[str] = ..., workers: _Optional[int] = ..., alive: _Optional[bool] = ..., index: _Optional[int] = ...) -> None: ...
+
+class RegisterServerRequest(_message.Message):
+    __slots__ = ("address", "kind", "local_rank", "host", "workers")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_RANK_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    kind: str
+    local_rank: int
+    host: str
+    workers: int
+    def __init__(self, address: _Optional[str] = ..., kind: _Optional[str] = ..., local_rank: _Optional[int] = ..., host: _Optional[str] = ..., workers: _Optional[int] = ...) -> None: ...
+
+class RegisterServerReply(_message.Message):
+    __slots__ = ("server_id", "cluster_id", "heartbeat_interval_s")
+    SERVER_ID_FIELD_NUMBER: _ClassVar[int]
+    CLUSTER_ID_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
+    server_id: str
+    cluster_id: str
+    heartbeat_interval_s: float
+    def __init__(self, server_id: _Optional[str] = ..., cluster_id: _Optional[str] = ..., heartbeat_interval_s: _Optional[float] = ...) -> None: ...
+
+class RegisterClientRequest(_message.Message):
+    __slots__ = ("rank", "world_size", "host")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    world_size: int
+    host: str
+    def __init__(self, rank: _Optional[int] = ..., world_size: _Optional[int] = ..., host: _Optional[str] = ...) -> None: ...
+
+class RegisterClientReply(_message.Message):
+    __slots__ = ("client_id", "cluster_id", "servers")
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    CLUSTER_ID_FIELD_NUMBER: _ClassVar[int]
+    SERVERS_FIELD_NUMBER: _ClassVar[int]
+    client_id: str
+    cluster_id: str
+    servers: _containers.RepeatedCompositeFieldContainer[ServerInfo]
+    def __init__(self, client_id: _Optional[str] = ..., cluster_id: _Optional[str] = ..., servers: _Optional[_Iterable[_Union[ServerInfo, _Mapping]]] = ...) -> None: ...
+
+class HeartbeatRequest(_message.Message):
+    __slots__ = ("server_id", "queue_depth", "inflight", "workers_alive", "latency_per_cost", "completed", "cross_ds_bytes")
+    SERVER_ID_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_DEPTH_FIELD_NUMBER: _ClassVar[int]
+    INFLIGHT_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_ALIVE_FIELD_NUMBER: _ClassVar[int]
+    LATENCY_PER_COST_FIELD_NUMBER: _ClassVar[int]
+    COMPLETED_FIELD_NUMBER: _ClassVar[int]
+    CROSS_DS_BYTES_FIELD_NUMBER: _ClassVar[int]
+    server_id: str
+    queue_depth: int
+    inflight: int
+    workers_alive: int
+    latency_per_cost: float
+    completed: int
+    cross_ds_bytes: int
+    def __init__(self, server_id: _Optional[str] = ..., queue_depth: _Optional[int] = ..., inflight: _Optional[int] = ..., workers_alive: _Optional[int] = ..., latency_per_cost: _Optional[float] = ..., completed: _Optional[int] = ..., cross_ds_bytes: _Optional[int] = ...) -> None: ...
+
+class HeartbeatReply(_message.Message):
+    __slots__ = ("known",)
+    KNOWN_FIELD_NUMBER: _ClassVar[int]
+    known: bool
+    def __init__(self, known: _Optional[bool] = ...) -> None: ...
+
+class CostTerm(_message.Message):
+    __slots__ = ("cpu_s", "io_bytes", "out_bytes", "tokens")
+    CPU_S_FIELD_NUMBER: _ClassVar[int]
+    IO_BYTES_FIELD_NUMBER: _ClassVar[int]
+    OUT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    cpu_s: float
+    io_bytes: int
+    out_bytes: int
+    tokens: int
+    def __init__(self, cpu_s: _Optional[float] = ..., io_bytes: _Optional[int] = ..., out_bytes: _Optional[int] = ..., tokens: _Optional[int] = ...) -> None: ...
+
+class RouteRequest(_message.Message):
+    __slots__ = ("client_id", "rank", "task_id", "cost", "deadline_s", "exclude")
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    TASK_ID_FIELD_NUMBER: _ClassVar[int]
+    COST_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_S_FIELD_NUMBER: _ClassVar[int]
+    EXCLUDE_FIELD_NUMBER: _ClassVar[int]
+    client_id: str
+    rank: int
+    task_id: int
+    cost: CostTerm
+    deadline_s: float
+    exclude: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, client_id: _Optional[str] = ..., rank: _Optional[int] = ..., task_id: _Optional[int] = ..., cost: _Optional[_Union[CostTerm, _Mapping]] = ..., deadline_s: _Optional[float] = ..., exclude: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class RouteReply(_message.Message):
+    __slots__ = ("exec_server_id", "exec_address", "delivery_server_id", "delivery_address", "reason", "decision_us")
+    EXEC_SERVER_ID_FIELD_NUMBER: _ClassVar[int]
+    EXEC_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    DELIVERY_SERVER_ID_FIELD_NUMBER: _ClassVar[int]
+    DELIVERY_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    DECISION_US_FIELD_NUMBER: _ClassVar[int]
+    exec_server_id: str
+    exec_address: str
+    delivery_server_id: str
+    delivery_address: str
+    reason: str
+    decision_us: float
+    def __init__(self, exec_server_id: _Optional[str] = ..., exec_address: _Optional[str] = ..., delivery_server_id: _Optional[str] = ..., delivery_address: _Optional[str] = ..., reason: _Optional[str] = ..., decision_us: _Optional[float] = ...) -> None: ...
+
+class CompletionReport(_message.Message):
+    __slots__ = ("client_id", "task_id", "server_id", "latency_s", "ok")
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    TASK_ID_FIELD_NUMBER: _ClassVar[int]
+    SERVER_ID_FIELD_NUMBER: _ClassVar[int]
+    LATENCY_S_FIELD_NUMBER: _ClassVar[int]
+    OK_FIELD_NUMBER: _ClassVar[int]
+    client_id: str
+    task_id: int
+    server_id: str
+    latency_s: float
+    ok: bool
+    def __init__(self, client_id: _Optional[str] = ..., task_id: _Optional[int] = ..., server_id: _Optional[str] = ..., latency_s: _Optional[float] = ..., ok: _Optional[bool] = ...) -> None: ...
+
+class TelemetryRequest(_message.Message):
+    __slots__ = ("last_decisions",)
+    LAST_DECISIONS_FIELD_NUMBER: _ClassVar[int]
+    last_decisions: int
+    def __init__(self, last_decisions: _Optional[int] = ...) -> None: ...
+
+class TelemetryReply(_message.Message):
+    __slots__ = ("json",)
+    JSON_FIELD_NUMBER: _ClassVar[int]
+    json: str
+    def __init__(self, json: _Optional[str] = ...) -> None: ...
+
+class ShutdownRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ConfigureRequest(_message.Message):
+    __slots__ = ("spec_id", "payload", "format")
+    SPEC_ID_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    FORMAT_FIELD_NUMBER: _ClassVar[int]
+    spec_id: str
+    payload: bytes
+    format: str
+    def __init__(self, spec_id: _Optional[str] = ..., payload: _Optional[bytes] = ..., format: _Optional[str] = ...) -> None: ...
+
+class TensorMeta(_message.Message):
+    __slots__ = ("dtype", "shape", "offset", "nbytes", "inline_data", "is_inline")
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    INLINE_DATA_FIELD_NUMBER: _ClassVar[int]
+    IS_INLINE_FIELD_NUMBER: _ClassVar[int]
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    offset: int
+    nbytes: int
+    inline_data: bytes
+    is_inline: bool
+    def __init__(self, dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ..., inline_data: _Optional[bytes] = ..., is_inline: _Optional[bool] = ...) -> None: ...
+
+class SlabHandle(_message.Message):
+    __slots__ = ("segment", "generation", "nbytes")
+    SEGMENT_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    segment: str
+    generation: int
+    nbytes: int
+    def __init__(self, segment: _Optional[str] = ..., generation: _Optional[int] = ..., nbytes: _Optional[int] = ...) -> None: ...
+
+class BatchHandle(_message.Message):
+    __slots__ = ("slab", "tree_json", "tree_pickle", "tensors")
+    SLAB_FIELD_NUMBER: _ClassVar[int]
+    TREE_JSON_FIELD_NUMBER: _ClassVar[int]
+    TREE_PICKLE_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    slab: SlabHandle
+    tree_json: str
+    tree_pickle: bytes
+    tensors: _containers.RepeatedCompositeFieldContainer[TensorMeta]
+    def __init__(self, slab: _Optional[_Union[SlabHandle, _Mapping]] = ..., tree_json: _Optional[str] = ..., tree_pickle: _Optional[bytes] = ..., tensors: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ...) -> None: ...
+
+class SampleFailure(_message.Message):
+    __slots__ = ("index", "path", "cause")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    CAUSE_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    path: str
+    cause: str
+    def __init__(self, index: _Optional[int] = ..., path: _Optional[str] = ..., cause: _Optional[str] = ...) -> None: ...
+
+class ExecuteRequest(_message.Message):
+    __slots__ = ("task_id", "spec_id", "indices", "epoch", "substitutes", "on_error", "deliver_to", "client_id", "attempt")
+    TASK_ID_FIELD_NUMBER: _ClassVar[int]
+    SPEC_ID_FIELD_NUMBER: _ClassVar[int]
+    INDICES_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    SUBSTITUTES_FIELD_NUMBER: _ClassVar[int]
+    ON_ERROR_FIELD_NUMBER: _ClassVar[int]
+    DELIVER_TO_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    task_id: int
+    spec_id: str
+    indices: _containers.RepeatedScalarFieldContainer[int]
+    epoch: int
+    substitutes: _containers.RepeatedScalarFieldContainer[int]
+    on_error: str
+    deliver_to: str
+    client_id: str
+    attempt: int
+    def __init__(self, task_id: _Optional[int] = ..., spec_id: _Optional[str] = ..., indices: _Optional[_Iterable[int]] = ..., epoch: _Optional[int] = ..., substitutes: _Optional[_Iterable[int]] = ..., on_error: _Optional[str] = ..., deliver_to: _Optional[str] = ..., client_id: _Optional[str] = ..., attempt: _Optional[int] = ...) -> None: ...
+
+class ExecuteReply(_message.Message):
+    __slots__ = ("task_id", "batch", "error_kind", "error", "failure", "skipped", "delivered_by", "cross_ds_bytes", "exec_s")
+    TASK_ID_FIELD_NUMBER: _ClassVar[int]
+    BATCH_FIELD_NUMBER: _ClassVar[int]
+    ERROR_KIND_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    FAILURE_FIELD_NUMBER: _ClassVar[int]
+    SKIPPED_FIELD_NUMBER: _ClassVar[int]
+    DELIVERED_BY_FIELD_NUMBER: _ClassVar[int]
+    CROSS_DS_BYTES_FIELD_NUMBER: _ClassVar[int]
+    EXEC_S_FIELD_NUMBER: _ClassVar[int]
+    task_id: int
+    batch: BatchHandle
+    error_kind: str
+    error: str
+    failure: SampleFailure
+    skipped: _containers.RepeatedCompositeFieldContainer[SampleFailure]
+    delivered_by: str
+    cross_ds_bytes: int
+    exec_s: float
+    def __init__(self, task_id: _Optional[int] = ..., batch: _Optional[_Union[BatchHandle, _Mapping]] = ..., error_kind: _Optional[str] = ..., error: _Optional[str] = ..., failure: _Optional[_Union[SampleFailure, _Mapping]] = ..., skipped: _Optional[_Iterable[_Union[SampleFailure, _Mapping]]] = ..., delivered_by: _Optional[str] = ..., cross_ds_bytes: _Optional[int] = ..., exec_s: _Optional[float] = ...) -> None: ...
+
+class StreamHeader(_message.Message):
+    __slots__ = ("task_id", "tree_json", "tree_pickle", "tensors", "total_bytes")
+    TASK_ID_FIELD_NUMBER: _ClassVar[int]
+    TREE_JSON_FIELD_NUMBER: _ClassVar[int]
+    TREE_PICKLE_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    task_id: int
+    tree_json: str
+    tree_pickle: bytes
+    tensors: _containers.RepeatedCompositeFieldContainer[TensorMeta]
+    total_bytes: int
+    def __init__(self, task_id: _Optional[int] = ..., tree_json: _Optional[str] = ..., tree_pickle: _Optional[bytes] = ..., tensors: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., total_bytes: _Optional[int] = ...) -> None: ...
+
+class StreamChunk(_message.Message):
+    __slots__ = ("header", "data")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    header: StreamHeader
+    data: bytes
+    def __init__(self, header: _Optional[_Union[StreamHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class DeliverReply(_message.Message):
+    __slots__ = ("batch", "server_id")
+    BATCH_FIELD_NUMBER: _ClassVar[int]
+    SERVER_ID_FIELD_NUMBER: _ClassVar[int]
+    batch: BatchHandle
+    server_id: str
+    def __init__(self, batch: _Optional[_Union[BatchHandle, _Mapping]] = ..., server_id: _Optional[str] = ...) -> None: ...
+
+class CancelRequest(_message.Message):
+    __slots__ = ("task_ids", "client_id")
+    TASK_IDS_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    task_ids: _containers.RepeatedScalarFieldContainer[int]
+    client_id: str
+    def __init__(self, task_ids: _Optional[_Iterable[int]] = ..., client_id: _Optional[str] = ...) -> None: ...
+
+class HealthRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class HealthReply(_message.Message):
+    __slots__ = ("server_id", "workers_alive", "queue_depth", "serving", "worker_pids", "pid")
+    SERVER_ID_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_ALIVE_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_DEPTH_FIELD_NUMBER: _ClassVar[int]
+    SERVING_FIELD_NUMBER: _ClassVar[int]
+    WORKER_PIDS_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    server_id: str
+    workers_alive: int
+    queue_depth: int
+    serving: bool
+    worker_pids: _containers.RepeatedScalarFieldContainer[int]
+    pid: int
+    def __init__(self, server_id: _Optional[str] = ..., workers_alive: _Optional[int] = ..., queue_depth: _Optional[int] = ..., serving: _Optional[bool] = ..., worker_pids: _Optional[_Iterable[int]] = ..., pid: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,53 @@
+"""gRPC plumbing shared by every service and client: server construction, channels, Hello."""
+from __future__ import annotations
+
+from concurrent import futures
+
+import grpc
+
+from ..config import PROTOCOL_VERSION, ClusterConfig
+from ..errors import ClusterError
+from .auth import TokenInterceptor, call_metadata, check_bind
+from .proto import helix_pb2 as pb
+
+__all__ = ["channel_options", "check_hello", "connect", "create_server"]
+
+
+def channel_options(config: ClusterConfig) -> list[tuple[str, int]]:
+    return [("grpc.max_send_message_length", config.max_message_bytes),
+            ("grpc.max_receive_message_length", config.max_message_bytes),
+            ("grpc.so_reuseport", 0)]
+
+
+def create_server(host: str, port: int, token: str | None, config: ClusterConfig,
+                  threads: int = 16) -> tuple[grpc.Server, int]:
+    """A gRPC server bound to ``host:port`` (0 picks a free port), with the token interceptor when
+    a token is set and message-size limits. Returns ``(server, port)``; the caller adds servicers
+    and calls ``start()``."""
+    check_bind(host, token)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="helix-rpc"),
+                         interceptors=[TokenInterceptor(token)] if token else [],
+                         options=channel_options(config))
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise ClusterError(f"cannot listen on {host}:{port}")
+    return server, bound
+
+
+def connect(address: str, config: ClusterConfig) -> grpc.Channel:
+    return grpc.insecure_channel(address, options=channel_options(config))
+
+
+def check_hello(stub, role: str, token: str | None, timeout_s: float, what: str) -> pb.HelloReply:
+    """Call ``Hello`` and compare protocol versions; raise ``ClusterError`` naming ``what``."""
+    try:
+        reply = stub.Hello(pb.HelloRequest(protocol_version=PROTOCOL_VERSION, role=role),
+                           timeout=timeout_s, metadata=call_metadata(token))
+    except grpc.RpcError as e:
+        if e.code() == grpc.StatusCode.UNAUTHENTICATED:
+            raise ClusterError(f"{what} refused the connection: {e.details()}") from None
+        raise ClusterError(f"cannot reach {what}: {e.code().name} {e.details()}") from None
+    if reply.protocol_version != PROTOCOL_VERSION:
+        raise ClusterError(f"{what} speaks Helix protocol {reply.protocol_version}, this client "
+                           f"{PROTOCOL_VERSION}: install the same Helix version everywhere")
+    return reply

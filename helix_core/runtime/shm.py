@@ -1,0 +1,339 @@
+"""Shared-memory slabs: files under /dev/shm that a DataServer writes batches into and clients map.
+
+A slab is one file: a 64-byte header, then the payload. The producer (a `SlabPool`, owned by one
+DataServer) marks a slab BUSY and bumps its generation when it hands it out; the client marks it
+FREE again (`SlabReader.release`) once the user dropped the batch. The header is the only shared
+state, so a client never talks back to the server to give memory back.
+
+Plain `os.open` + `mmap` rather than `multiprocessing.shared_memory`: the latter's
+resource_tracker unlinks segments a process merely attached to, which would pull slabs away
+from under the server. Every segment has one owner that unlinks it: the pool that created it
+(`close()`, or a finalizer at interpreter exit), or `sweep(prefix)` after a killed process.
+
+Header (little-endian, byte 0): magic b"HELIXSLB", generation u64, state u64 (FREE/BUSY),
+capacity u64 (payload bytes), zero padding up to HEADER_BYTES.
+"""
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+import secrets
+import struct
+import threading
+import weakref
+
+__all__ = ["ALIGN", "BUSY", "FREE", "HEADER_BYTES", "MAGIC", "SHM_DIR", "ShmCapacityError", "Slab",
+           "SlabPool", "SlabReader", "SlabsBusyError", "list_segments", "release_segment", "sweep"]
+
+SHM_DIR = "/dev/shm"
+HEADER_BYTES = 64
+ALIGN = 64
+MAGIC = b"HELIXSLB"
+FREE = 0
+BUSY = 1
+
+_MIB = 1 << 20
+_HEADER = struct.Struct("<8sQQQ")  # magic, generation, state, capacity
+_U64 = struct.Struct("<Q")
+_GEN_AT, _STATE_AT = 8, 16
+
+
+class ShmCapacityError(RuntimeError):
+    """/dev/shm cannot hold a new segment (or, as `SlabsBusyError`, the pool may not create one)."""
+
+
+class SlabsBusyError(ShmCapacityError):
+    """Every slab of a pool at `max_segments` is held by a producer or a client."""
+
+
+def _path(name: str) -> str:
+    if not name or "/" in name or name in (".", ".."):
+        raise ValueError(f"not a /dev/shm segment name: {name!r}")
+    return os.path.join(SHM_DIR, name)
+
+
+def _free_bytes() -> int:
+    st = os.statvfs(SHM_DIR)
+    return st.f_bavail * st.f_frsize
+
+
+def _close_map(mm: mmap.mmap) -> bool:
+    """Unmap unless numpy/torch objects still export it (they keep it alive; GC unmaps later)."""
+    try:
+        mm.close()
+        return True
+    except BufferError:
+        return False
+
+
+class Slab:
+    """One segment as its producer sees it.
+
+    `capacity` is the payload size in bytes; `payload` is a writable memoryview of exactly those
+    bytes (file offset HEADER_BYTES onwards); `generation` counts how often the pool handed it out.
+    """
+
+    def __init__(self, name: str, mm: mmap.mmap, capacity: int, generation: int = 0):
+        self.name = name
+        self.capacity = capacity
+        self.generation = generation
+        self._mm = mm
+        self.payload = memoryview(mm)[HEADER_BYTES:HEADER_BYTES + capacity]
+
+    @property
+    def free(self) -> bool:
+        """Whether the header says FREE (a client released it, or nobody acquired it yet)."""
+        return _U64.unpack_from(self._mm, _STATE_AT)[0] == FREE
+
+    def handle(self, nbytes: int) -> dict:
+        """What a client needs to map this slab: `nbytes` is the used payload length in bytes."""
+        if not 0 <= nbytes <= self.capacity:
+            raise ValueError(f"slab {self.name} holds {self.capacity} payload bytes, not {nbytes}")
+        return {"segment": self.name, "generation": self.generation, "nbytes": nbytes}
+
+    def release(self) -> None:
+        """Producer side: give the slab back without a client (e.g. the delivery failed)."""
+        _U64.pack_into(self._mm, _STATE_AT, FREE)
+
+    def _mark_busy(self) -> None:
+        # generation first: a client releasing a stale handle compares against it
+        self.generation += 1
+        _U64.pack_into(self._mm, _GEN_AT, self.generation)
+        _U64.pack_into(self._mm, _STATE_AT, BUSY)
+
+    def _close(self) -> None:
+        try:
+            self.payload.release()
+        except BufferError:
+            return  # still exported (a live torch.frombuffer view): GC unmaps it later
+        _close_map(self._mm)
+
+    def __repr__(self) -> str:
+        return f"Slab({self.name!r}, capacity={self.capacity}, generation={self.generation}, free={self.free})"
+
+
+def _create_segment(name: str, capacity: int) -> Slab:
+    """Create, reserve and map a new segment of `capacity` payload bytes; ShmCapacityError if
+    /dev/shm cannot hold it (no file is left behind then)."""
+    size = HEADER_BYTES + capacity
+    free = _free_bytes()
+    if size > free:
+        raise ShmCapacityError(f"/dev/shm cannot hold segment {name}: it needs {size} bytes and "
+                               f"{free} bytes are free (raise the tmpfs size or lower the prefetch depth)")
+    path = _path(name)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        # Reserve the tmpfs pages now: a sparse file would SIGBUS on first write when full.
+        os.posix_fallocate(fd, 0, size)
+        mm = mmap.mmap(fd, size)
+    except OSError as e:
+        os.unlink(path)
+        if e.errno == errno.ENOSPC:
+            raise ShmCapacityError(f"/dev/shm cannot hold segment {name}: it needs {size} bytes and "
+                                   f"{_free_bytes()} bytes are free") from e
+        raise
+    except BaseException:
+        os.unlink(path)
+        raise
+    finally:
+        os.close(fd)  # the mapping keeps the file alive
+    _HEADER.pack_into(mm, 0, MAGIC, 0, FREE, capacity)
+    return Slab(name, mm, capacity)
+
+
+def _unlink_all(names: list, owner_pid: int) -> None:
+    # A forked child inherits the finalizer; only the creating process owns the files.
+    if os.getpid() != owner_pid:
+        return
+    for name in names:
+        try:
+            os.unlink(os.path.join(SHM_DIR, name))
+        except FileNotFoundError:
+            pass  # swept already
+    names.clear()
+
+
+class SlabPool:
+    """The owner of the segments it creates; thread-safe.
+
+    Segments are named `f"{prefix}{pid}-{counter}-{random}"`, so names never repeat and a client's
+    cached mapping of a name is never stale. `max_segments` bounds how many files the pool holds.
+    """
+
+    def __init__(self, prefix: str, max_segments: int = 64):
+        if max_segments < 1:
+            raise ValueError(f"SlabPool(max_segments={max_segments}): need at least 1")
+        _path(prefix + "x")  # the prefix must make valid file names
+        self.prefix = prefix
+        self.max_segments = max_segments
+        self._slabs: list[Slab] = []
+        self._names: list[str] = []  # shared with the finalizer, which must not reference self
+        self._lock = threading.Lock()
+        self._counter = 0
+        self._created = 0
+        self._reused = 0
+        self._closed = False
+        self._finalizer = weakref.finalize(self, _unlink_all, self._names, os.getpid())
+
+    def acquire(self, nbytes: int) -> Slab:
+        """A BUSY slab with at least `nbytes` payload bytes: the smallest FREE one that fits, or a
+        new one (capacity rounded up to whole MiB). Raises SlabsBusyError when the pool is at
+        `max_segments` and nothing can be freed, ShmCapacityError when /dev/shm is full."""
+        if nbytes < 0:
+            raise ValueError(f"acquire({nbytes}): bytes must be >= 0")
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("SlabPool is closed")
+            fits = [s for s in self._slabs if s.capacity >= nbytes and s.free]
+            if fits:
+                slab = min(fits, key=lambda s: s.capacity)
+                self._reused += 1
+            else:
+                if len(self._slabs) >= self.max_segments:
+                    self._drop_small_free(nbytes)
+                if len(self._slabs) >= self.max_segments:
+                    raise SlabsBusyError(
+                        f"all {len(self._slabs)} slabs are held by clients or in flight (max_segments="
+                        f"{self.max_segments}); a client is not dropping its batches, or prefetch "
+                        f"is deeper than the pool")
+                slab = self._create(nbytes)
+            slab._mark_busy()
+            return slab
+
+    def _drop_small_free(self, nbytes: int) -> None:
+        for slab in [s for s in self._slabs if s.capacity < nbytes and s.free]:
+            self._slabs.remove(slab)
+            _unlink_all([slab.name], os.getpid())
+            self._names.remove(slab.name)
+            slab._close()
+
+    def _create(self, nbytes: int) -> Slab:
+        capacity = max(_MIB, -(-nbytes // _MIB) * _MIB)
+        self._counter += 1
+        name = f"{self.prefix}{os.getpid()}-{self._counter}-{secrets.token_hex(4)}"
+        slab = _create_segment(name, capacity)
+        self._slabs.append(slab)
+        self._names.append(name)
+        self._created += 1
+        return slab
+
+    def stats(self) -> dict:
+        """segments (count), bytes (of /dev/shm held, headers included), busy (count),
+        created and reused (acquires since the pool started)."""
+        with self._lock:
+            return {"segments": len(self._slabs), "bytes": sum(HEADER_BYTES + s.capacity for s in self._slabs),
+                    "busy": sum(not s.free for s in self._slabs), "created": self._created,
+                    "reused": self._reused}
+
+    def close(self) -> None:
+        """Unmap and unlink every segment (idempotent). Clients that still map a slab keep
+        reading it: tmpfs frees the pages when the last mapping goes."""
+        with self._lock:
+            self._closed = True
+            slabs, self._slabs = self._slabs, []
+            self._finalizer()
+            for slab in slabs:
+                slab._close()
+
+    def __enter__(self) -> "SlabPool":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class SlabReader:
+    """Client side: maps segments by name (cached) and releases slabs by handle. Thread-safe."""
+
+    def __init__(self):
+        self._maps: dict[str, mmap.mmap] = {}
+        # re-entrant: a batch's on_release finalizer may call release() from a GC pass that
+        # happens to run while this thread is inside attach() or close()
+        self._lock = threading.RLock()
+
+    def attach(self, segment: str) -> mmap.mmap:
+        """A writable mapping of the whole segment file (header included), cached by name."""
+        with self._lock:
+            mm = self._maps.get(segment)
+            if mm is not None:
+                return mm
+            # A new name means the pool may have unlinked others; unmapping those frees their pages.
+            self._prune_unlinked()
+            try:
+                fd = os.open(_path(segment), os.O_RDWR)
+            except FileNotFoundError:
+                raise FileNotFoundError(errno.ENOENT, f"shared-memory segment {segment} does not exist "
+                                        f"(its DataServer closed or was swept)", _path(segment)) from None
+            try:
+                mm = mmap.mmap(fd, os.fstat(fd).st_size)
+            finally:
+                os.close(fd)
+            if len(mm) < HEADER_BYTES or mm[:8] != MAGIC:
+                mm.close()
+                raise ValueError(f"{_path(segment)} is not a Helix slab (bad header)")
+            self._maps[segment] = mm
+            return mm
+
+    def _prune_unlinked(self) -> None:
+        for name in [n for n in self._maps if not os.path.exists(os.path.join(SHM_DIR, n))]:
+            if _close_map(self._maps[name]):
+                del self._maps[name]
+
+    def release(self, handle: dict) -> bool:
+        """Mark the slab FREE if it is still at `handle["generation"]`; returns whether it did.
+        A stale handle (the slab was handed out again) or a vanished segment is ignored."""
+        try:
+            mm = self.attach(handle["segment"])
+        except FileNotFoundError:
+            return False
+        if _U64.unpack_from(mm, _GEN_AT)[0] != handle["generation"]:
+            return False
+        _U64.pack_into(mm, _STATE_AT, FREE)
+        return True
+
+    def view(self, handle: dict) -> memoryview:
+        """The used payload bytes, [HEADER_BYTES, HEADER_BYTES + nbytes) of the file."""
+        mm = self.attach(handle["segment"])
+        end = HEADER_BYTES + handle["nbytes"]
+        if end > len(mm):
+            raise ValueError(f"handle asks for {handle['nbytes']} bytes; segment {handle['segment']} "
+                             f"holds {len(mm) - HEADER_BYTES}")
+        return memoryview(mm)[HEADER_BYTES:end]
+
+    def close(self) -> None:
+        """Unmap what nobody uses; mappings still exported by live tensors stay (GC unmaps them)."""
+        with self._lock:
+            for name in list(self._maps):
+                if _close_map(self._maps[name]):
+                    del self._maps[name]
+
+
+def release_segment(handle: dict) -> bool:
+    """`SlabReader.release` without a cached mapping: open, release, unmap."""
+    reader = SlabReader()
+    try:
+        return reader.release(handle)
+    finally:
+        reader.close()
+
+
+def list_segments(prefix: str) -> list[str]:
+    """Names of the files in /dev/shm that start with `prefix`, sorted."""
+    return sorted(n for n in os.listdir(SHM_DIR) if n.startswith(prefix))
+
+
+def sweep(prefix: str) -> int:
+    """Unlink every /dev/shm file whose name starts with `prefix` (e.g. "helix-<cluster>-");
+    returns how many. Used after killed processes, whose pools never ran close()."""
+    if len(prefix) < 8 or not prefix.startswith("helix-"):
+        raise ValueError(f"sweep({prefix!r}): the prefix must start with 'helix-' and have at least "
+                         f"8 characters, so it can only match one cluster's segments")
+    count = 0
+    for name in list_segments(prefix):
+        try:
+            os.unlink(os.path.join(SHM_DIR, name))
+            count += 1
+        except FileNotFoundError:
+            pass
+    return count

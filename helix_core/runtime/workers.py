@@ -1,0 +1,303 @@
+"""A DataServer's supervised pool of worker processes (spawned, ``OMP_NUM_THREADS=1``).
+
+Each worker loads the dataset and collate function once per spec, then runs whole batch tasks:
+fetch + decode + transform each sample, collate, and write the batch into a reused shared-memory
+slab of its own. The pool's supervisor thread owns every worker pipe: it hands tasks to idle
+workers, collects results, and watches process sentinels. A worker that dies has its task retried
+(bounded per sample: a sample that keeps killing workers becomes a ``SampleError``) and is
+respawned. Workers exit when their parent's pipe closes.
+"""
+from __future__ import annotations
+
+import collections
+import logging
+import multiprocessing as mp
+import os
+import signal
+import threading
+import time
+from concurrent.futures import Future
+from multiprocessing.connection import wait as mp_wait
+
+from ..config import ClusterConfig
+from . import shm
+from .specs import load_spec, sample_path
+
+__all__ = ["WorkerPool", "worker_main"]
+
+log = logging.getLogger("helix.workers")
+
+
+# ---- the worker process ------------------------------------------------------------------------
+def worker_main(conn, shm_prefix: str, allow_pickle: bool, parent_pid: int) -> None:
+    """Entry point of a worker process: serve ``("spec", ...)`` and ``("task", ...)`` messages."""
+    os.environ["OMP_NUM_THREADS"] = "1"
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the owner's to handle
+    import torch
+
+    torch.set_num_threads(1)
+    pool = shm.SlabPool(shm_prefix)
+    specs: dict[str, tuple] = {}
+    try:
+        while True:
+            if not conn.poll(0.5):
+                if os.getppid() != parent_pid:
+                    return  # orphaned
+                continue
+            try:
+                msg = conn.recv()
+            except (EOFError, OSError):
+                return  # the parent's pipe closed
+            if msg[0] == "stop":
+                return
+            if msg[0] == "spec":
+                _, spec_id, payload, fmt = msg
+                try:
+                    specs[spec_id] = load_spec(payload, fmt, allow_pickle)
+                except Exception as e:  # reported with the next task of this spec
+                    specs[spec_id] = e
+            elif msg[0] == "task":
+                task = msg[1]
+                conn.send(("done", task["task_id"], _run_task(task, specs, pool, conn, allow_pickle)))
+    finally:
+        pool.close()
+
+
+def _failure(index: int, path: str, cause: str) -> dict:
+    return {"index": int(index), "path": str(path), "cause": str(cause)}
+
+
+def _run_task(task: dict, specs: dict, pool, conn, allow_pickle: bool) -> dict:
+    from ..errors import SampleError
+    from .tensors import flatten, layout, write_tensors
+
+    t0 = time.perf_counter()
+    spec = specs.get(task["spec_id"])
+    if spec is None or isinstance(spec, Exception):
+        return {"error_kind": "spec", "error": f"cannot load dataset spec {task['spec_id']}: {spec!r}"}
+    dataset, collate = spec
+    if hasattr(dataset, "set_epoch"):
+        dataset.set_epoch(task["epoch"])
+    subs = list(task.get("substitutes", ()))
+    bad = task.get("bad", {})
+    samples, skipped = [], []
+    for index in task["indices"]:
+        while True:
+            path = sample_path(dataset, index)
+            conn.send(("progress", task["task_id"], int(index), path))
+            try:
+                if index in bad:
+                    raise SampleError(index, path, bad[index])
+                samples.append(dataset[index])
+                break
+            except SampleError as e:
+                fail = _failure(e.index, e.path, e.cause)
+            except Exception as e:  # a user dataset's own error still names the sample
+                fail = _failure(index, path, f"{type(e).__name__}: {e}")
+            if task.get("on_error") != "skip" or not subs:
+                why = "" if task.get("on_error") != "skip" else " (no substitute left)"
+                return {"error_kind": "sample", "error": fail["cause"] + why, "failure": fail, "skipped": skipped}
+            skipped.append(fail)
+            index = subs.pop(0)
+    try:
+        batch = collate(samples)
+        tree_json, tree_pickle, tensors = flatten(batch, allow_pickle=allow_pickle)
+        metas, total = layout(tensors)
+        slab = pool.acquire(total)
+        metas = write_tensors(slab.payload, tensors, metas)
+    except Exception as e:
+        return {"error_kind": "internal", "error": f"collate/deliver failed for task {task['task_id']}: "
+                                                     f"{type(e).__name__}: {e}", "skipped": skipped}
+    return {"handle": slab.handle(total), "tree_json": tree_json, "tree_pickle": tree_pickle, "metas": metas,
+            "skipped": skipped, "exec_s": time.perf_counter() - t0}
+
+
+# ---- the supervisor (in the DataServer process) -------------------------------------------------
+class _Worker:
+    def __init__(self, wid: int, incarnation: int, prefix: str, allow_pickle: bool):
+        ctx = mp.get_context("spawn")
+        self.wid, self.incarnation = wid, incarnation
+        self.prefix = f"{prefix}w{wid}i{incarnation}-"
+        self.conn, child = ctx.Pipe(duplex=True)
+        self.proc = ctx.Process(target=worker_main, args=(child, self.prefix, allow_pickle, os.getpid()),
+                                name=f"helix-worker-{wid}", daemon=True)
+        self.proc.start()
+        child.close()
+        self.task: dict | None = None
+        self.current: tuple[int, str] | None = None  # sample index being fetched, its path
+        self.specs: set[str] = set()
+
+
+class WorkerPool:
+    """``n`` supervised worker processes. ``submit(task) -> Future`` of the worker's result dict."""
+
+    def __init__(self, n: int, shm_prefix: str, allow_pickle: bool, config: ClusterConfig):
+        if n < 1:
+            raise ValueError(f"workers must be >= 1, got {n}")
+        self.prefix, self.allow_pickle, self.config = shm_prefix, allow_pickle, config
+        self._lock = threading.Lock()
+        self._specs: dict[str, tuple[bytes, str]] = {}
+        self._pending: collections.deque = collections.deque()
+        self._futures: dict[int, Future] = {}
+        self._cancelled: set[int] = set()
+        self._kills: collections.Counter = collections.Counter()
+        self._wake_r, self._wake_w = mp.Pipe(duplex=False)
+        self._stop = threading.Event()
+        self.completed, self.respawns = 0, 0
+        self.latency_per_cost = 1.0
+        self._workers = [_Worker(i, 0, shm_prefix, allow_pickle) for i in range(n)]
+        self._thread = threading.Thread(target=self._supervise, name="helix-supervisor", daemon=True)
+        self._thread.start()
+
+    # ---- API used by gRPC handler threads --------------------------------------------------------
+    def configure(self, spec_id: str, payload: bytes, fmt: str) -> None:
+        with self._lock:
+            self._specs[spec_id] = (payload, fmt)
+
+    def knows(self, spec_id: str) -> bool:
+        return spec_id in self._specs
+
+    def submit(self, task: dict) -> Future:
+        fut: Future = Future()
+        with self._lock:
+            if self._stop.is_set():
+                raise RuntimeError("worker pool is closed")
+            task.setdefault("bad", {})
+            self._futures[task["task_id"]] = fut
+            self._pending.append(task)
+        self._wake_w.send_bytes(b"t")
+        return fut
+
+    def cancel(self, task_ids) -> None:
+        with self._lock:
+            ids = set(task_ids)
+            self._pending = collections.deque(t for t in self._pending if t["task_id"] not in ids)
+            for tid in ids:
+                fut = self._futures.pop(tid, None)
+                if fut is not None:
+                    self._cancelled.add(tid)
+                    fut.cancel()
+
+    def stats(self) -> dict:
+        with self._lock:
+            busy = sum(w.task is not None for w in self._workers)
+            return {"queue_depth": len(self._pending), "inflight": busy, "completed": self.completed,
+                    "workers_alive": sum(w.proc.is_alive() for w in self._workers), "respawns": self.respawns,
+                    "worker_pids": [w.proc.pid for w in self._workers], "latency_per_cost": self.latency_per_cost}
+
+    # ---- supervisor thread ---------------------------------------------------------------------------
+    def _supervise(self) -> None:
+        while not self._stop.is_set():
+            self._assign()
+            objs = [self._wake_r] + [w.conn for w in self._workers] + [w.proc.sentinel for w in self._workers]
+            try:
+                ready = mp_wait(objs, timeout=0.2)
+            except OSError:
+                continue
+            for obj in ready:
+                if obj is self._wake_r:
+                    while self._wake_r.poll():
+                        self._wake_r.recv_bytes()
+            for w in list(self._workers):
+                if w.conn in ready:
+                    self._drain(w)
+                if w.proc.sentinel in ready or not w.proc.is_alive():
+                    self._drain(w)
+                    self._on_death(w)
+
+    def _assign(self) -> None:
+        with self._lock:
+            for w in self._workers:
+                if not self._pending:
+                    return
+                if w.task is not None or not w.proc.is_alive():
+                    continue
+                task = self._pending.popleft()
+                try:
+                    if task["spec_id"] not in w.specs:
+                        payload, fmt = self._specs.get(task["spec_id"], (b"", "missing"))
+                        w.conn.send(("spec", task["spec_id"], payload, fmt))
+                        w.specs.add(task["spec_id"])
+                    w.conn.send(("task", task))
+                    w.task, w.current = task, None
+                except (BrokenPipeError, OSError):
+                    self._pending.appendleft(task)
+
+    def _drain(self, w: _Worker) -> None:
+        while True:
+            try:
+                if not w.conn.poll():
+                    return
+                msg = w.conn.recv()
+            except (EOFError, OSError):
+                return
+            if msg[0] == "progress":
+                w.current = (msg[2], msg[3])
+            elif msg[0] == "done":
+                self._finish(w, msg[1], msg[2])
+
+    def _finish(self, w: _Worker, task_id: int, result: dict) -> None:
+        with self._lock:
+            w.task, w.current = None, None
+            fut = self._futures.pop(task_id, None)
+            self._cancelled.discard(task_id)
+            self.completed += 1
+        if fut is None or fut.cancelled():
+            if "handle" in result:  # nobody will read it: free the slab now
+                shm.release_segment(result["handle"])
+            return
+        fut.set_result(result)
+
+    def _on_death(self, w: _Worker) -> None:
+        if self._stop.is_set():
+            return
+        code = w.proc.exitcode
+        shm.sweep(w.prefix)  # segments of the dead worker (clients keep their own mappings)
+        i = self._workers.index(w)
+        self._workers[i] = _Worker(w.wid, w.incarnation + 1, self.prefix, self.allow_pickle)
+        self.respawns += 1
+        task, current = w.task, w.current
+        log.warning("worker %d died (exit %s) during task %s at sample %s; respawned", w.wid, code,
+                    task and task["task_id"], current and current[0])
+        if task is None:
+            return
+        with self._lock:
+            if task["task_id"] not in self._futures:
+                return  # cancelled meanwhile
+            if current is not None:
+                self._kills[current[0]] += 1
+                if self._kills[current[0]] > self.config.max_task_retries:
+                    cause = (f"worker process died (exit code {code}) while preparing this sample "
+                             f"{self._kills[current[0]]} times")
+                    if task.get("on_error") == "skip":
+                        task["bad"][current[0]] = cause
+                    else:
+                        fut = self._futures.pop(task["task_id"])
+                        fut.set_result({"error_kind": "sample", "error": cause,
+                                        "failure": _failure(current[0], current[1], cause), "skipped": []})
+                        return
+            task["attempt"] = task.get("attempt", 0) + 1
+            self._pending.appendleft(task)
+
+    def close(self) -> None:
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        self._thread.join(timeout=self.config.stop_timeout_s)
+        for w in self._workers:
+            try:
+                w.conn.send(("stop",))
+            except (BrokenPipeError, OSError):
+                pass
+        deadline = time.monotonic() + self.config.stop_timeout_s
+        for w in self._workers:
+            w.proc.join(timeout=max(0.0, deadline - time.monotonic()))
+            if w.proc.is_alive():
+                w.proc.kill()
+                w.proc.join(timeout=self.config.stop_timeout_s)
+            w.conn.close()
+        with self._lock:
+            for fut in self._futures.values():
+                fut.cancel()
+            self._futures.clear()
+        shm.sweep(self.prefix)

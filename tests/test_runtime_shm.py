@@ -1,0 +1,200 @@
+"""Shared-memory slabs on the real /dev/shm: ownership, reuse, generations, cleanup, capacity."""
+from __future__ import annotations
+
+import errno
+import multiprocessing as mp
+import os
+import secrets
+import time
+
+import pytest
+
+from helix_core.runtime import shm
+from helix_core.runtime.shm import ShmCapacityError, SlabPool, SlabReader, SlabsBusyError
+
+MIB = 1 << 20
+
+
+@pytest.fixture
+def prefix():
+    """A prefix no other test or process uses; anything left under it fails the test."""
+    p = f"helix-test{os.getpid()}{secrets.token_hex(3)}-"
+    yield p
+    assert shm.sweep(p) == 0, f"/dev/shm segments leaked under {p}"
+
+
+def test_acquire_reuses_a_slab_only_after_the_client_released_it(prefix):
+    with SlabPool(prefix) as pool:
+        a = pool.acquire(1000)
+        assert (a.capacity, a.generation, a.free) == (MIB, 1, False)
+        assert a.name.startswith(f"{prefix}{os.getpid()}-1-")
+        held = a.handle(1000)
+        b = pool.acquire(10)  # `a` is held by a client: a new segment, never `a` again
+        assert b.name != a.name
+        assert pool.stats() == {"segments": 2, "bytes": 2 * (MIB + shm.HEADER_BYTES), "busy": 2,
+                                "created": 2, "reused": 0}
+        reader = SlabReader()
+        assert reader.release(held)
+        c = pool.acquire(10)
+        assert (c.name, c.generation) == (a.name, 2)
+        assert pool.stats()["reused"] == 1
+        reader.close()
+
+
+def test_acquire_picks_the_smallest_free_slab_that_fits(prefix):
+    with SlabPool(prefix) as pool:
+        small, big = pool.acquire(MIB), pool.acquire(3 * MIB - 5)
+        assert (small.capacity, big.capacity) == (MIB, 3 * MIB)
+        small.release()
+        big.release()
+        assert pool.acquire(2 * MIB).name == big.name
+        assert pool.acquire(0).name == small.name
+
+
+def test_a_stale_generation_release_is_ignored(prefix):
+    with SlabPool(prefix) as pool:
+        slab = pool.acquire(100)
+        first = slab.handle(100)
+        assert shm.release_segment(first)
+        again = pool.acquire(100)
+        assert again is slab and slab.generation == 2
+        assert not shm.release_segment(first)  # the old client's late release must not free it
+        assert not slab.free
+        assert shm.release_segment(slab.handle(100))
+        assert slab.free
+
+
+def test_a_full_pool_drops_small_free_slabs_and_refuses_when_all_are_held(prefix):
+    with SlabPool(prefix, max_segments=2) as pool:
+        a, b = pool.acquire(10), pool.acquire(10)
+        with pytest.raises(SlabsBusyError, match="all 2 slabs are held by clients"):
+            pool.acquire(10)
+        b.release()
+        big = pool.acquire(2 * MIB)  # b is free but too small: it makes room
+        assert big.capacity == 2 * MIB
+        assert shm.list_segments(prefix) == sorted([a.name, big.name])
+        assert pool.stats()["segments"] == 2
+
+
+def test_close_unlinks_everything_while_clients_keep_their_mapping(prefix):
+    pool = SlabPool(prefix)
+    slab = pool.acquire(100)
+    slab.payload[:5] = b"hello"
+    pool.acquire(5 * MIB)
+    reader = SlabReader()
+    view = reader.view(slab.handle(5))
+    pool.close()
+    assert shm.list_segments(prefix) == []
+    assert bytes(view) == b"hello"  # tmpfs keeps the pages until the last mapping goes
+    pool.close()  # idempotent
+    with pytest.raises(RuntimeError, match="closed"):
+        pool.acquire(1)
+    reader.close()  # `view` still exports the mapping: kept, no BufferError
+    assert bytes(view) == b"hello"
+    del view
+    reader.close()
+
+
+def test_sweep_removes_the_prefix_and_refuses_broad_prefixes(prefix):
+    for i in range(3):
+        with open(os.path.join(shm.SHM_DIR, f"{prefix}dead-{i}"), "wb"):
+            pass
+    assert len(shm.list_segments(prefix)) == 3
+    assert shm.sweep(prefix) == 3
+    assert shm.list_segments(prefix) == []
+    for bad in ("helix-", "", "myapp-cluster-", "/helix-x"):
+        with pytest.raises(ValueError, match="helix-"):
+            shm.sweep(bad)
+
+
+def test_more_than_dev_shm_holds_raises_quickly_and_leaves_no_file(prefix):
+    st = os.statvfs(shm.SHM_DIR)
+    too_much = st.f_bavail * st.f_frsize + (1 << 30)
+    with SlabPool(prefix) as pool:
+        start = time.monotonic()
+        with pytest.raises(ShmCapacityError, match=rf"{prefix}.*needs \d+ bytes and \d+ bytes are free"):
+            pool.acquire(too_much)
+        assert time.monotonic() - start < 2.0
+        assert shm.list_segments(prefix) == []
+        assert pool.stats()["segments"] == 0
+
+
+def test_a_failed_reservation_unlinks_the_half_created_file(prefix, monkeypatch):
+    def no_space(fd, offset, length):  # what tmpfs answers when statvfs raced another writer
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(shm.os, "posix_fallocate", no_space)
+    with SlabPool(prefix) as pool:
+        with pytest.raises(ShmCapacityError, match="needs"):
+            pool.acquire(10)
+        assert shm.list_segments(prefix) == []
+
+
+def _child_reads(handle: dict, out) -> None:
+    reader = SlabReader()
+    data = bytes(reader.view(handle))
+    reader.close()
+    out.put((data, shm.release_segment(handle)))
+
+
+def test_a_spawned_process_attaches_by_name_and_releases(prefix):
+    ctx = mp.get_context("spawn")
+    with SlabPool(prefix) as pool:
+        slab = pool.acquire(3 * MIB)
+        message = secrets.token_bytes(2 * MIB + 7)
+        slab.payload[:len(message)] = message
+        out = ctx.Queue()
+        child = ctx.Process(target=_child_reads, args=(slab.handle(len(message)), out))
+        child.start()
+        try:
+            data, released = out.get(timeout=60)
+        finally:
+            child.join(timeout=60)
+            if child.is_alive():
+                child.kill()
+                child.join(timeout=10)
+        assert child.exitcode == 0
+        assert data == message and released and slab.free
+
+
+def test_attach_names_a_missing_segment_and_release_of_it_is_a_no_op(prefix):
+    reader = SlabReader()
+    missing = f"{prefix}gone"
+    with pytest.raises(FileNotFoundError, match=missing):
+        reader.attach(missing)
+    assert not reader.release({"segment": missing, "generation": 1, "nbytes": 0})
+    with pytest.raises(ValueError):
+        reader.attach("../etc/passwd")
+
+
+def test_attach_refuses_a_file_that_is_not_a_slab(prefix):
+    name = f"{prefix}junk"
+    with open(os.path.join(shm.SHM_DIR, name), "wb") as f:
+        f.write(b"\0" * 128)
+    with pytest.raises(ValueError, match="not a Helix slab"):
+        SlabReader().attach(name)
+    shm.sweep(prefix)
+
+
+def test_the_reader_unmaps_segments_the_pool_unlinked(prefix):
+    reader = SlabReader()
+    with SlabPool(prefix, max_segments=1) as pool:
+        small = pool.acquire(10)
+        reader.attach(small.name)
+        small.release()
+        big = pool.acquire(2 * MIB)  # unlinks `small`
+        reader.attach(big.name)  # a new name: the reader drops its stale mapping of `small`
+        assert list(reader._maps) == [big.name]
+    reader.close()
+
+
+def test_handle_and_header(prefix):
+    with SlabPool(prefix) as pool:
+        slab = pool.acquire(10)
+        with pytest.raises(ValueError, match="holds"):
+            slab.handle(slab.capacity + 1)
+        mm = SlabReader().attach(slab.name)
+        magic, gen, state, cap = shm._HEADER.unpack_from(mm, 0)
+        assert (magic, gen, state, cap) == (b"HELIXSLB", 1, shm.BUSY, MIB)
+        assert len(mm) == shm.HEADER_BYTES + MIB
+        mm.close()
