@@ -69,9 +69,9 @@ def _cmd_demo(a, console) -> int:
         t.add_column(col, justify="right")
     for i in range(min(6, len(ds))):
         c = ds.estimate_cost(i)
-        s = ds[i]
+        _, measured = ds.fetch(i)
         t.add_row(str(i), c.profile, str(c.tokens), f"{c.out_bytes / 1e6:.1f}", f"{c.cpu_s * 1e3:.1f}",
-                  f"{s['cpu_s'] * 1e3:.1f}")
+                  f"{measured.cpu_s * 1e3:.1f}")
     console.print(t)
     return 0
 

@@ -35,8 +35,8 @@ class VideoClipDataset(torch.utils.data.Dataset):
     """Clips of a manifest decoded for one model family.
 
     ``ds[i]`` is a dict: ``"video"`` uint8 [T, 3, H, W], ``"index"``, ``"tokens"`` (visual tokens),
-    ``"label"`` (-1 when the manifest has none), ``"decode_s"`` / ``"cpu_s"`` (measured seconds),
-    and for Qwen-VL ``"video_grid_thw"``. See ``helix_core.families`` for ``size`` per family.
+    ``"label"`` (-1 when the manifest has none), and for Qwen-VL ``"video_grid_thw"`` — the same
+    bytes whichever process decodes it. ``fetch(i)`` also returns the decode measurements. See ``helix_core.families`` for ``size`` per family.
 
     ``profiles``: path of a profile table (default ``profiles.jsonl`` beside the manifest, used
     when it exists; ``False`` to ignore it). ``random_flip``: probability of a horizontal flip;
@@ -136,6 +136,11 @@ class VideoClipDataset(torch.utils.data.Dataset):
         self.epoch = int(epoch)
 
     def __getitem__(self, index: int) -> dict:
+        return self.fetch(index)[0]
+
+    def fetch(self, index: int):
+        """``(sample, Decoded)``: the sample and its decode measurements (``decode_s`` wall
+        seconds, ``cpu_s`` CPU seconds, ``strategy``, ``frames_decoded``) for the cost model."""
         index = self._check(index)
         d = self.descriptor(index)
         g = self._geometry(d)
@@ -145,8 +150,7 @@ class VideoClipDataset(torch.utils.data.Dataset):
                           index=index, exact_count=d.frames_source == "header")
         video = torch.from_numpy(r.video)
         rec = self.manifest.records[index]
-        sample = {"video": video, "index": index, "tokens": int(g.tokens[0]),
-                  "label": int(rec.get("label", -1)), "decode_s": r.decode_s, "cpu_s": r.cpu_s}
+        sample = {"video": video, "index": index, "tokens": int(g.tokens[0]), "label": int(rec.get("label", -1))}
         if self.spec.is_qwen:
             sample["video_grid_thw"] = torch.tensor([(int(g.t[0]) + 1) // 2, crop[0] // 14, crop[1] // 14])
         if self.random_flip > 0 or self.transform is not None:
@@ -155,7 +159,7 @@ class VideoClipDataset(torch.utils.data.Dataset):
                 sample["video"] = video.flip(-1)
             if self.transform is not None:
                 sample = self.transform(sample, gen)
-        return sample
+        return sample, r
 
     def sample_path(self, index: int) -> str:
         """The file of sample ``index`` (for error messages)."""
@@ -189,12 +193,12 @@ class VideoTextDataset(VideoClipDataset):
         self.tokenizer = load_tokenizer(tokenizer)
         self.max_text_len = int(max_text_len)
 
-    def __getitem__(self, index: int) -> dict:
-        sample = super().__getitem__(index)
+    def fetch(self, index: int):
+        sample, r = super().fetch(index)
         caption = self.manifest.records[sample["index"]].get("caption", "") or ""
         sample["caption"] = caption
         sample["input_ids"] = torch.as_tensor(self.tokenizer.encode(caption, self.max_text_len), dtype=torch.int64)
-        return sample
+        return sample, r
 
     def helix_spec(self) -> dict:
         spec = super().helix_spec()

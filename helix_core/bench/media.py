@@ -20,9 +20,9 @@ def _decode_rates(root: Path, model_frames: int, size: int, repeats: int = 3) ->
     src, out = [], []
     for _ in range(repeats):
         for i in range(len(ds)):
-            s = ds[i]
-            src.append(ds.descriptor(i).frames / s["cpu_s"])
-            out.append(model_frames / s["cpu_s"])
+            _, r = ds.fetch(i)
+            src.append(ds.descriptor(i).frames / r.cpu_s)
+            out.append(model_frames / r.cpu_s)
     return statistics.median(src), statistics.median(out)
 
 

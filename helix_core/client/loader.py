@@ -84,7 +84,8 @@ class DistributedDataLoader:
         self._tagger = CostTagger(self._batches, dataset, seed, microbatch_size)
         self._root = Dispatch(self._tagger, self._submit, self._collect, self._cancel, prefetch_depth,
                               on_batch=self._record)
-        self._epoch, self._resume = 0, 0
+        self._epoch, self._resume, self._iteration = 0, 0, 0
+        self._position = 0  # batches yielded by the last iteration (0 once an epoch completed)
         self._next_task = (self.rank << 40) + 1
         self._closed = False
 
@@ -94,33 +95,21 @@ class DistributedDataLoader:
 
     def set_epoch(self, epoch: int) -> None:
         """Like ``DistributedSampler.set_epoch``: the shuffle order of the next iteration."""
-        self._epoch, self._resume = int(epoch), 0
+        self._epoch, self._resume, self._position = int(epoch), 0, 0
 
-    def __iter__(self):
+    def __iter__(self) -> "_LoaderIter":
         if self._closed:
             raise RuntimeError("this DistributedDataLoader is closed")
         self._root.reset({ShardBatches.EPOCH: self._epoch, ShardBatches.YIELDED: self._resume})
-        finished = False
-        try:
-            while True:
-                t0 = time.perf_counter()
-                try:
-                    batch = next(self._root)
-                except StopIteration:
-                    finished = True
-                    return
-                finally:
-                    self._stats.input_wait.append(time.perf_counter() - t0)
-                self._stats.batches += 1
-                yield batch
-        finally:
-            self._resume = 0 if finished else self._root.get_state()[ShardBatches.YIELDED]
-            self._root.shutdown()  # a break cancels what is in flight and frees its slabs
+        self._resume = 0  # a resume point applies to one iteration; the next starts the epoch afresh
+        self._iteration += 1
+        return _LoaderIter(self, self._iteration)
 
     def state_dict(self) -> dict:
         """Rank-independent resume point: batches yielded to the user (not requests in flight)."""
-        st = self._root.get_state() if self._root._threads else {ShardBatches.YIELDED: self._resume}
-        return {"epoch": self._epoch, "seed": self.seed, "batches_yielded": int(st[ShardBatches.YIELDED]),
+        active = self._root._threads and not self._closed
+        yielded = self._root.get_state()[ShardBatches.YIELDED] if active else (self._resume or self._position)
+        return {"epoch": self._epoch, "seed": self.seed, "batches_yielded": int(yielded),
                 "world_size": self.world_size, "batch_size": self.batch_size, "shuffle": self.shuffle,
                 "drop_last": self.drop_last, "num_samples": len(self.dataset)}
 
@@ -130,6 +119,7 @@ class DistributedDataLoader:
                 raise ValueError(f"cannot resume: state has {key}={state[key]!r}, this loader "
                                  f"{getattr(self, key, len(self.dataset))!r}")
         self._epoch, self._resume = int(state["epoch"]), int(state["batches_yielded"])
+        self._position = self._resume
 
     def stats(self) -> dict:
         return self._stats.as_dict()
@@ -217,6 +207,7 @@ class DistributedDataLoader:
             self._stats.skipped += len(reply.skipped)
             self._stats.cross_ds_bytes += reply.cross_ds_bytes
             error = error or self.client.error_of(reply)
+            job.taken.add(k)
             if not reply.error_kind:
                 batches.append(self.client.materialize(reply, copy=copy))
         if error is not None:
@@ -232,10 +223,64 @@ class DistributedDataLoader:
         self._stats.batch_ready.append(time.perf_counter() - job.t_dispatch)
 
     def _cancel(self, job: BatchJob) -> None:
+        """Cancel a job's unread requests. The RPCs are left to finish (a gRPC cancel can race a
+        reply already on the wire and strand its slab): the servers drop tasks not yet started,
+        and every reply that still arrives has its slab released."""
         for k, fut in enumerate(job.futures):
-            if fut is not None and not fut.done():
-                fut.cancel()
+            if fut is None or k in job.taken:
+                continue
+            if not fut.done():
                 self.client.cancel(job.routes[k].exec_address, [job.task_ids[k]])
+            fut.add_done_callback(self._release_reply)
+
+    def _release_reply(self, fut) -> None:
+        try:
+            reply = fut.result()
+        except Exception:
+            return
+        if reply.batch.slab.segment:
+            self.client.reader.release({"segment": reply.batch.slab.segment, "generation": reply.batch.slab.generation})
+
+
+class _LoaderIter:
+    """One pass over the epoch. Like torch's iterator, an error at one batch (``SampleError``)
+    does not end the pass; dropping the iterator early (``break``) cancels work in flight."""
+
+    def __init__(self, loader: DistributedDataLoader, iteration: int):
+        self._loader, self._iteration, self._done = loader, iteration, False
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self._done:
+            raise StopIteration
+        ld = self._loader
+        t0 = time.perf_counter()
+        try:
+            batch = next(ld._root)
+        except StopIteration:
+            self._finish(completed=True)
+            raise
+        finally:
+            ld._stats.input_wait.append(time.perf_counter() - t0)
+        ld._stats.batches += 1
+        return batch
+
+    def _finish(self, completed: bool) -> None:
+        ld = self._loader
+        if self._done or ld._iteration != self._iteration or ld._closed:
+            self._done = True
+            return
+        self._done = True
+        ld._position = 0 if completed else ld._root.get_state()[ShardBatches.YIELDED]
+        ld._root.shutdown()  # cancels what is in flight and frees its slabs
+
+    def __del__(self):
+        try:
+            self._finish(completed=False)
+        except Exception:
+            pass
 
 
 def _sum_costs(costs):

@@ -84,6 +84,7 @@ class BatchJob:
     routes: list = field(default_factory=list)
     excluded: list = field(default_factory=list)
     attempts: list = field(default_factory=list)
+    taken: set = field(default_factory=set)  # parts whose reply was read (their slab is the batch's)
     t_dispatch: float = 0.0
     error: BaseException | None = None
 
@@ -212,6 +213,8 @@ class Dispatch(BaseNode):
                 item = job.error if job.error is not None else self.collect(job, self._stop)
             except BaseException as e:
                 item = e
+            if self._stop.is_set():
+                self.cancel(job)  # stopped mid-collect: whatever it left unread
             with self._lock:
                 if job in self._inflight:
                     self._inflight.remove(job)

@@ -99,7 +99,8 @@ class DataServerServicer(pbg.DataServerServicer):
                 shm.release_segment(result["handle"])  # streamed (or failed): our slab is free again
             reply.batch.CopyFrom(delivered.batch)
             reply.delivered_by = delivered.server_id
-            reply.cross_ds_bytes = result["handle"]["nbytes"]
+            reply.cross_ds_bytes = result["handle"]["nbytes"] + sum(len(m.get("inline_data") or b"")
+                                                                    for m in result["metas"])
         else:
             reply.batch.CopyFrom(pb.BatchHandle(
                 slab=pb.SlabHandle(**result["handle"]), tree_json=result["tree_json"],

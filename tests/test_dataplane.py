@@ -1,0 +1,151 @@
+"""The data plane with real processes on loopback: equality with torch DataLoader, remote
+streaming, order, resume, errors, break — on one shared cluster (2 local + 1 remote servers)."""
+import gc
+
+import pytest
+import torch
+
+import helix_core as hx
+from helix_core.testing import IndexDataset
+
+from dataplane import CFG, assert_same_batches, busy_segments, torch_batches, wait_for
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with hx.LocalCluster(local_servers=2, remote_servers=1, workers_per_server=1, config=CFG) as c:
+        yield c
+
+
+def loader(ds, cluster, **kw):
+    kw.setdefault("config", CFG)
+    return hx.DistributedDataLoader(ds, coordinator=cluster.address, **kw)
+
+
+def test_batches_equal_torch_dataloader_and_all_servers_used(cluster, kmix):
+    ds = hx.VideoClipDataset(kmix / "manifest.jsonl", num_frames=4, size=32)
+    for rank in range(2):
+        with loader(ds, cluster, batch_size=2, rank=rank, world_size=2, shuffle=True, seed=3, prefetch_depth=3) as ld:
+            assert len(ld) == 2
+            got = list(ld)  # the user keeps every batch: none may change
+            assert_same_batches(got, torch_batches(ds, 2, rank, 2, shuffle=True, seed=3))
+    big = IndexDataset(60, shape=(256,), delays={i: 0.05 for i in range(60)})
+    with loader(big, cluster, batch_size=2, rank=0, world_size=1, prefetch_depth=6) as ld:
+        got = list(ld)
+        assert_same_batches(got, torch_batches(big, 2, 0, 1))
+        stats = ld.stats()
+        tele = ld.client.telemetry(last_decisions=100)
+    used = {d["server"] for d in tele["decisions"]}
+    assert len(used) == 3, tele["decisions"]
+    assert stats["cross_ds_bytes"] > 0 and stats["batches"] == 30
+
+
+def test_remote_server_delivers_identical_tensors(cluster):
+    ds = IndexDataset(8, shape=(3, 64, 64))
+    with loader(ds, cluster, batch_size=4, world_size=1, rank=0, prefetch_depth=1) as ld:
+        tele = ld.client.telemetry()
+        remote = [s for s in tele["servers"] if s["kind"] == "remote"][0]
+        before = ld.stats()["cross_ds_bytes"]
+        got = list(ld)
+    assert_same_batches(got, torch_batches(ds, 4, 0, 1))
+    assert remote["alive"] and before == 0
+
+
+def test_order_kept_when_completions_arrive_out_of_order(cluster):
+    # early samples are slow, later ones fast: with 3 servers later batches finish first
+    ds = IndexDataset(12, delays={0: 0.6, 1: 0.6, 2: 0.3, 3: 0.3})
+    with loader(ds, cluster, batch_size=2, world_size=1, rank=0, prefetch_depth=6) as ld:
+        got = [b["index"].tolist() for b in ld]
+    assert got == [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9], [10, 11]]
+
+
+def test_resume_mid_epoch_gives_exactly_the_remaining_batches(cluster):
+    ds = IndexDataset(40)
+    kw = dict(batch_size=3, rank=1, world_size=2, shuffle=True, seed=7)
+    want = torch_batches(ds, 3, 1, 2, shuffle=True, seed=7, epoch=2)
+    with loader(ds, cluster, **kw) as ld:
+        ld.set_epoch(2)
+        it = iter(ld)
+        first = [next(it) for _ in range(3)]
+        state = ld.state_dict()
+        del it
+    assert state["batches_yielded"] == 3 and state["epoch"] == 2
+    assert set(state) >= {"epoch", "seed", "batches_yielded"}
+    with loader(ds, cluster, **kw) as ld2:
+        ld2.load_state_dict(state)
+        rest = list(ld2)
+        assert_same_batches(first + rest, want)
+        assert_same_batches(list(ld2), torch_batches(ds, 3, 1, 2, shuffle=True, seed=7, epoch=2))  # next iter: whole epoch
+    with loader(ds, cluster, batch_size=4, rank=1, world_size=2, shuffle=True, seed=7) as other:
+        with pytest.raises(ValueError, match="batch_size"):
+            other.load_state_dict(state)
+
+
+def test_set_epoch_changes_order_like_distributed_sampler(cluster):
+    ds = IndexDataset(16)
+    with loader(ds, cluster, batch_size=4, rank=0, world_size=1, shuffle=True, seed=1) as ld:
+        e0 = [b["index"].tolist() for b in ld]
+        ld.set_epoch(1)
+        e1 = [b["index"].tolist() for b in ld]
+    assert e0 != e1
+    assert e1 == [b["index"].tolist() for b in torch_batches(ds, 4, 0, 1, shuffle=True, seed=1, epoch=1)]
+
+
+def test_corrupt_clip_raises_sample_error_naming_the_file(cluster, kmix, tmp_path):
+    from conftest import write_manifest
+
+    (tmp_path / "bad.mp4").write_bytes(b"\x00" * 1000)
+    clips = sorted(kmix.glob("*.mp4"))
+    write_manifest(tmp_path, [{"path": str(clips[0])}, {"path": "bad.mp4"}, {"path": str(clips[1])},
+                              {"path": str(clips[2])}])
+    ds = hx.VideoClipDataset(tmp_path / "manifest.jsonl", num_frames=2, size=32)
+    with loader(ds, cluster, batch_size=2, rank=0, world_size=1) as ld:
+        it = iter(ld)
+        with pytest.raises(hx.SampleError, match="bad.mp4") as err:
+            next(it)
+        assert err.value.index == 1 and str(tmp_path / "bad.mp4") == err.value.path
+        assert next(it)["index"].tolist() == [2, 3]  # the following batch still arrives
+    with loader(ds, cluster, batch_size=2, rank=0, world_size=1, on_error="skip") as ld:
+        batches = list(ld)
+        assert [len(b["index"]) for b in batches] == [2, 2]  # every batch keeps its size
+        assert 1 not in batches[0]["index"].tolist() and ld.stats()["skipped"] == 1
+
+
+def test_break_cancels_and_frees_slabs(cluster):
+    ds = IndexDataset(200, shape=(1 << 16,), delays={i: 0.02 for i in range(200)})
+    with loader(ds, cluster, batch_size=4, rank=0, world_size=1, prefetch_depth=8) as ld:
+        for i, batch in enumerate(ld):
+            if i == 2:
+                break
+        del batch
+        try:
+            wait_for(lambda: not busy_segments(cluster), 15, "every slab to be released after break")
+        except AssertionError:
+            raise AssertionError(f"still busy: {busy_segments(cluster)}") from None
+        kept = list(ld)  # a new iteration is a full epoch again
+        assert len(kept) == 50 and not any(torch.equal(kept[0]["x"], k["x"]) for k in kept[1:3])
+        assert busy_segments(cluster)  # kept batches pin their slabs ...
+        del kept
+        gc.collect()
+        wait_for(lambda: not busy_segments(cluster), 10, "slabs released once the batches are dropped")
+
+
+def test_microbatch_fanout_merges_and_pads(cluster, kmix):
+    ds = hx.VideoClipDataset(kmix / "manifest.jsonl", num_frames=None, size=None)  # S/M/L: variable shapes
+    with loader(ds, cluster, batch_size=3, rank=0, world_size=1, microbatch_size=1, collate_fn=hx.pad_collate) as ld:
+        batches = list(ld)
+    ref = [hx.pad_collate([ds[i] for i in range(3)]), hx.pad_collate([ds[i] for i in range(3, 6)])]
+    assert len(batches) == 2
+    for got, want in zip(batches, ref):
+        assert got["video"].shape == want["video"].shape and torch.equal(got["video"], want["video"])
+        assert got["video_lengths"].tolist() == want["video_lengths"].tolist()
+
+
+def test_option_values_not_built_list_valid_ones(cluster):
+    ds = IndexDataset(4)
+    with pytest.raises(ValueError, match="least-request"):
+        loader(ds, cluster, scheduler="deadline")
+    with pytest.raises(ValueError, match="valid"):
+        loader(ds, cluster, balance="tokens")
+    with pytest.raises(ValueError, match="raise, skip"):
+        loader(ds, cluster, on_error="ignore")
