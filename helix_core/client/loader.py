@@ -160,15 +160,38 @@ class DistributedDataLoader:
             self._start(job, len(job.task_ids) - 1, cost)
 
     def _start(self, job: BatchJob, k: int, cost=None) -> None:
-        route = self.client.route(job.task_ids[k], cost, job.excluded[k])
-        self._stats.decision_us.append(route.decision_us)
-        deliver = "" if route.exec_server_id == route.delivery_server_id else route.delivery_address
-        req = pb.ExecuteRequest(task_id=job.task_ids[k], spec_id=self.spec[0], indices=job.parts[k],
-                                epoch=self._root.get_state()[ShardBatches.EPOCH], substitutes=job.substitutes,
-                                on_error=self.on_error, deliver_to=deliver, client_id=self.client.client_id,
-                                attempt=job.attempts[k])
-        job.routes[k] = route
-        job.futures[k] = self.client.execute(route.exec_address, self.spec, req)
+        """Route part ``k`` and send it; a server that can't even be configured is excluded."""
+        while True:
+            route = self.client.route(job.task_ids[k], cost, job.excluded[k])
+            self._stats.decision_us.append(route.decision_us)
+            deliver = "" if route.exec_server_id == route.delivery_server_id else route.delivery_address
+            req = pb.ExecuteRequest(task_id=job.task_ids[k], spec_id=self.spec[0], indices=job.parts[k],
+                                    epoch=self._root.get_state()[ShardBatches.EPOCH], substitutes=job.substitutes,
+                                    on_error=self.on_error, deliver_to=deliver, client_id=self.client.client_id,
+                                    attempt=job.attempts[k])
+            job.routes[k] = route
+            try:
+                job.futures[k] = self.client.execute(route.exec_address, self.spec, req)
+                return
+            except grpc.RpcError as e:
+                if e.code() not in TRANSIENT or job.attempts[k] >= self.config.max_resubmits:
+                    raise ClusterError(f"cannot send batch {job.position} to {route.exec_address}: "
+                                       f"{e.code().name} {e.details()}") from None
+                self.client.forget(route.exec_address)
+                job.excluded[k].add(route.exec_server_id)
+                job.attempts[k] += 1
+                self._stats.resubmits += 1
+
+    def _resubmit(self, job: BatchJob, k: int, why: str, *failed: str) -> None:
+        """Part ``k`` was lost with a server (or its slab): exclude ``failed`` and send it again.
+        Its task id stays, so a late duplicate is recognised and dropped."""
+        if job.attempts[k] >= self.config.max_resubmits:
+            raise ClusterError(f"batch {job.position} failed after {job.attempts[k]} resubmits: {why}")
+        self.client.forget(job.routes[k].exec_address)
+        job.excluded[k].update(f for f in failed if f)
+        job.attempts[k] += 1
+        self._stats.resubmits += 1
+        self._start(job, k, None)
 
     def _wait(self, job: BatchJob, k: int, stop) -> pb.ExecuteReply:
         """The reply of part ``k``; on a lost server, exclude it and resubmit (bounded)."""
@@ -177,39 +200,43 @@ class DistributedDataLoader:
             while not fut.done():
                 if stop.wait(0.02):
                     raise ClusterError("loader stopped")
+            route = job.routes[k]
             try:
                 reply = fut.result()
-                if reply.error_kind == "internal" and "not completed" in reply.error:
-                    raise ClusterError(reply.error)
-                return reply
-            except (grpc.RpcError, ClusterError) as e:
-                code = e.code() if isinstance(e, grpc.RpcError) else grpc.StatusCode.UNAVAILABLE
-                if code not in TRANSIENT or job.attempts[k] >= self.config.max_resubmits:
-                    raise ClusterError(f"batch {job.position} failed after {job.attempts[k]} resubmits: "
-                                       f"{code.name} {getattr(e, 'details', lambda: e)()}") from None
-                route = job.routes[k]
-                self.client.forget(route.exec_address)
-                job.excluded[k].add(route.exec_server_id)
-                if code == grpc.StatusCode.UNAVAILABLE and route.delivery_server_id != route.exec_server_id:
-                    job.excluded[k].add(route.delivery_server_id)
-                job.attempts[k] += 1
-                self._stats.resubmits += 1
-                self._start(job, k, None)
+            except grpc.RpcError as e:
+                if e.code() not in TRANSIENT:
+                    raise ClusterError(f"batch {job.position}: {e.code().name} {e.details()}") from None
+                remote = route.delivery_server_id != route.exec_server_id
+                lost_delivery = remote and "delivery server" in (e.details() or "")
+                self._resubmit(job, k, f"{e.code().name} {e.details()}",
+                               route.delivery_server_id if lost_delivery else "",
+                               "" if lost_delivery else route.exec_server_id)
+                continue
+            if reply.error_kind == "internal" and "not completed" in reply.error:
+                self._resubmit(job, k, reply.error, route.exec_server_id)
+                continue
+            return reply
 
     def _collect(self, job: BatchJob, stop):
         copy = self.pin_memory or self.device is not None
         batches, error = [], None
         for k in range(len(job.parts)):
-            reply = self._wait(job, k, stop)
+            while True:
+                reply = self._wait(job, k, stop)
+                try:
+                    batch = None if reply.error_kind else self.client.materialize(reply, copy=copy)
+                    break
+                except FileNotFoundError:  # the delivering server died after replying: its slab is gone
+                    self._resubmit(job, k, "slab vanished", reply.delivered_by, job.routes[k].exec_server_id)
             route = job.routes[k]
+            job.taken.add(k)
             self.client.report(job.task_ids[k], route.exec_server_id, time.perf_counter() - job.t_dispatch,
                                not reply.error_kind)
             self._stats.skipped += len(reply.skipped)
             self._stats.cross_ds_bytes += reply.cross_ds_bytes
             error = error or self.client.error_of(reply)
-            job.taken.add(k)
-            if not reply.error_kind:
-                batches.append(self.client.materialize(reply, copy=copy))
+            if batch is not None:
+                batches.append(batch)
         if error is not None:
             raise error
         batch = batches[0] if len(batches) == 1 else merge_batches(batches)

@@ -95,6 +95,9 @@ class DataServerServicer(pbg.DataServerServicer):
         if remote:
             try:
                 delivered = self._stream(request.task_id, result, request.deliver_to)
+            except grpc.RpcError as e:
+                context.abort(grpc.StatusCode.UNAVAILABLE, f"delivery server {request.deliver_to} unreachable: "
+                                                           f"{e.code().name}")
             finally:
                 shm.release_segment(result["handle"])  # streamed (or failed): our slab is free again
             reply.batch.CopyFrom(delivered.batch)

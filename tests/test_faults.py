@@ -1,0 +1,146 @@
+"""Faults with real processes: SIGKILLed DataServers and workers, a lost Coordinator, and no
+process or shared-memory segment outliving close, a crash or Ctrl-C."""
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import grpc
+import psutil
+import pytest
+
+import helix_core as hx
+from helix_core.runtime import shm
+from helix_core.runtime.proto import helix_pb2 as pb
+from helix_core.runtime.proto import helix_pb2_grpc as pbg
+from helix_core.testing import IndexDataset
+
+from dataplane import CFG, assert_same_batches, children, segments, torch_batches, wait_for
+
+
+def _worker_pids(server) -> list[int]:
+    with grpc.insecure_channel(server.address) as ch:
+        return list(pbg.DataServerStub(ch).Health(pb.HealthRequest(), timeout=5).worker_pids)
+
+
+def test_sigkill_dataservers_mid_epoch_loses_nothing():
+    ds = IndexDataset(60, shape=(64,), delays={i: 0.04 for i in range(60)})
+    with hx.LocalCluster(local_servers=2, remote_servers=1, workers_per_server=1, config=CFG) as cluster:
+        with hx.DistributedDataLoader(ds, batch_size=2, rank=0, world_size=1, coordinator=cluster.address,
+                                      prefetch_depth=6, config=CFG) as ld:
+            got = []
+            for i, b in enumerate(ld):
+                got.append(b)
+                if i == 4:
+                    cluster.kill_server(0)  # rank 0's own delivery server
+                if i == 12:
+                    cluster.kill_server(2)  # the remote sidecar
+            assert_same_batches(got, torch_batches(ds, 2, 0, 1))  # exactly the sampler's sequence, in order
+            assert ld.stats()["resubmits"] >= 1
+            tele = ld.client.telemetry(last_decisions=20)
+        assert {d["delivery"] for d in tele["decisions"][-5:]} == {cluster.servers[1].server_id}
+
+
+def test_sigkill_worker_mid_epoch_loses_nothing():
+    ds = IndexDataset(40, shape=(64,), delays={i: 0.05 for i in range(40)})
+    with hx.LocalCluster(local_servers=1, workers_per_server=2, config=CFG) as cluster:
+        with hx.DistributedDataLoader(ds, batch_size=2, rank=0, world_size=1, coordinator=cluster.address,
+                                      prefetch_depth=4, config=CFG) as ld:
+            got, killed = [], []
+            for i, b in enumerate(ld):
+                got.append(b)
+                if i in (3, 9):
+                    pid = _worker_pids(cluster.servers[0])[0]
+                    os.kill(pid, signal.SIGKILL)
+                    killed.append(pid)
+            assert_same_batches(got, torch_batches(ds, 2, 0, 1))
+        assert not set(killed) & set(_worker_pids(cluster.servers[0]))  # replaced by new workers
+
+
+def test_sample_that_keeps_killing_workers_becomes_a_sample_error():
+    ds = IndexDataset(8, crash={5: "exit"})
+    with hx.LocalCluster(local_servers=1, workers_per_server=1, config=CFG) as cluster:
+        with hx.DistributedDataLoader(ds, batch_size=2, rank=0, world_size=1, coordinator=cluster.address,
+                                      config=CFG) as ld:
+            it = iter(ld)
+            assert [next(it)["index"].tolist() for _ in range(2)] == [[0, 1], [2, 3]]
+            with pytest.raises(hx.SampleError, match="worker process died") as err:
+                next(it)
+            assert err.value.index == 5 and err.value.path == "index://5"
+            assert next(it)["index"].tolist() == [6, 7]
+        with hx.DistributedDataLoader(ds, batch_size=2, rank=0, world_size=1, coordinator=cluster.address,
+                                      config=CFG, on_error="skip") as ld:
+            batches = [b["index"].tolist() for b in ld]
+            assert [len(b) for b in batches] == [2, 2, 2, 2] and 5 not in batches[2]
+            assert ld.stats()["skipped"] == 1
+
+
+def test_lost_coordinator_raises_cluster_error_not_a_hang():
+    ds = IndexDataset(400, delays={i: 0.01 for i in range(400)})
+    with hx.LocalCluster(local_servers=1, workers_per_server=1, config=CFG) as cluster:
+        with hx.DistributedDataLoader(ds, batch_size=2, rank=0, world_size=1, coordinator=cluster.address,
+                                      config=CFG) as ld:
+            it = iter(ld)
+            next(it)
+            cluster._coordinator.kill()
+            t0 = time.monotonic()
+            with pytest.raises(hx.ClusterError, match="Coordinator"):
+                for _ in it:
+                    pass
+            assert time.monotonic() - t0 < CFG.coordinator_timeout_s + 10
+
+
+def test_close_leaves_no_process_and_no_segment():
+    before = {p.pid for p in children()}
+    ds = IndexDataset(20, shape=(1 << 14,))
+    cluster = hx.LocalCluster(local_servers=2, remote_servers=1, workers_per_server=1, config=CFG)
+    with hx.DistributedDataLoader(ds, batch_size=4, rank=0, world_size=1, coordinator=cluster.address, config=CFG) as ld:
+        kept = list(ld)
+    assert segments(cluster)
+    cluster.close()
+    assert not segments(cluster)
+    assert {p.pid for p in children()} <= before
+    assert len(kept) == 5 and kept[0]["x"].shape == (4, 1 << 14)  # kept batches stay readable after close
+
+
+_SCRIPT = textwrap.dedent("""
+    import os, signal, sys, time
+    import helix_core as hx
+    from helix_core.testing import IndexDataset
+    cfg = hx.ClusterConfig.for_tests()
+    ds = IndexDataset(1000, shape=(1 << 14,), delays={i: 0.01 for i in range(1000)})
+    loader = hx.DistributedDataLoader(ds, batch_size=4, rank=0, world_size=1, config=cfg)  # embedded cluster
+    cluster = loader._cluster
+    print("CLUSTER", cluster.cluster_id, flush=True)
+    it = iter(loader)
+    for _ in range(3):
+        next(it)
+    print("RUNNING", flush=True)
+    if sys.argv[1] == "crash":
+        os.kill(os.getpid(), signal.SIGKILL)
+    for b in it:  # until Ctrl-C
+        pass
+""")
+
+
+@pytest.mark.parametrize("how", ["crash", "ctrl-c"])
+def test_training_process_crash_or_ctrl_c_leaves_nothing(tmp_path, how):
+    script = tmp_path / "train.py"
+    script.write_text(_SCRIPT)
+    proc = subprocess.Popen([sys.executable, str(script), how], stdout=subprocess.PIPE, text=True)
+    try:
+        cluster_id = proc.stdout.readline().split()[1]
+        assert proc.stdout.readline().strip() == "RUNNING"
+        descendants = psutil.Process(proc.pid).children(recursive=True)
+        assert len(descendants) >= 3  # coordinator, dataserver, worker
+        if how == "ctrl-c":
+            proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=60)
+        wait_for(lambda: not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in descendants), 30,
+                 "every process of the cluster to exit")
+        wait_for(lambda: not shm.list_segments(f"helix-{cluster_id}-"), 15, "every segment to be unlinked")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
