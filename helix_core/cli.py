@@ -83,6 +83,12 @@ def _cmd_microbench(a, console) -> int:
     return 0
 
 
+def _run_service(role: str, rest: list[str]) -> int:
+    from .runtime.process import main as process_main
+
+    return process_main([role, *rest])
+
+
 def build_parser() -> argparse.ArgumentParser:
     from .media.synth import WORKLOADS
 
@@ -105,6 +111,9 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("demo", help="the embedded default job on a small cached kinetics-mixed workload")
     s.add_argument("--clips", type=int, default=24)
     s.set_defaults(fn=_cmd_demo)
+    for role, text in (("coordinator", "run a Coordinator (the metadata-only control plane)"),
+                       ("dataserver", "run a DataServer (--local-rank R | --remote) with its worker pool")):
+        sub.add_parser(role, help=text, add_help=False)  # handled in main()
     s = sub.add_parser("microbench", help="decode frames/s per profile, probe ms/file, profile-table load time")
     s.add_argument("--out", default=str(_cache_dir() / "microbench"), help="folder for the generated clips and table")
     s.add_argument("--clips", type=int, default=6, help="clips per kinetics profile")
@@ -119,6 +128,9 @@ def main(argv: list[str] | None = None) -> int:
     from .errors import ManifestError, SampleError
 
     console = Console()
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in ("coordinator", "dataserver"):  # their own parser: helix_core.runtime.process
+        return _run_service(argv[0], argv[1:])
     args = build_parser().parse_args(argv)
     try:
         return args.fn(args, console)

@@ -149,3 +149,26 @@ def test_option_values_not_built_list_valid_ones(cluster):
         loader(ds, cluster, balance="tokens")
     with pytest.raises(ValueError, match="raise, skip"):
         loader(ds, cluster, on_error="ignore")
+
+
+def test_train_and_val_loaders_share_the_embedded_cluster(monkeypatch):
+    monkeypatch.delenv("HELIX_COORDINATOR", raising=False)
+    train = hx.DistributedDataLoader(IndexDataset(8), batch_size=2, rank=0, world_size=1, num_workers=1, config=CFG)
+    val = hx.DistributedDataLoader(IndexDataset(4), batch_size=2, rank=0, world_size=1, num_workers=1, config=CFG)
+    try:
+        assert train._cluster is val._cluster and train._cluster is not None
+        train.close()
+        assert [b["index"].tolist() for b in val] == [[0, 1], [2, 3]]  # still served after train closed
+    finally:
+        cluster = val._cluster
+        train.close()
+        val.close()
+    assert cluster._closed and all(not s.alive for s in cluster.servers)
+
+
+def test_device_copy_releases_the_slab(cluster):
+    ds = IndexDataset(8, shape=(1 << 13,))
+    with loader(ds, cluster, batch_size=4, rank=0, world_size=1, device="cpu") as ld:
+        kept = list(ld)
+        assert_same_batches(kept, torch_batches(ds, 4, 0, 1))
+        wait_for(lambda: not busy_segments(cluster), 10, "copied batches to release their slabs at once")

@@ -1,7 +1,8 @@
 """The embedded cluster: what a loader starts when no Coordinator is given.
 
 A single process starts its own ``LocalCluster`` (with a fresh token, so cloudpickled datasets
-work). Under torchrun, local rank 0 starts it and publishes address and token in a private file
+work) and shares it between its loaders (train and val), closing it when the last one closes.
+Under torchrun, local rank 0 starts it and publishes address and token in a private file
 (mode 0600) named for the run; the other local ranks wait for that file.
 """
 from __future__ import annotations
@@ -9,18 +10,53 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+import threading
 import time
+import weakref
 
 from ..config import ClusterConfig
 from ..errors import ClusterError
 
-__all__ = ["embedded_cluster"]
+__all__ = ["acquire_embedded", "embedded_cluster", "release_embedded"]
+
+_STARTED = time.time()  # about when this process started: older rendezvous files are stale
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.remove(path)
+    except OSError:
+        pass
 
 
 def _rendezvous_file() -> str:
     run = os.environ.get("TORCHELASTIC_RUN_ID", "none")
     port = os.environ.get("MASTER_PORT", "0")
     return os.path.join(tempfile.gettempdir(), f"helix-embedded-{os.getuid()}-{run}-{port}.json")
+
+
+_SHARED: dict = {"cluster": None, "address": None, "token": None, "refs": 0}
+_LOCK = threading.Lock()
+
+
+def acquire_embedded(world_size: int, num_workers: int | None, config: ClusterConfig):
+    """``(address, token)`` of this process's embedded cluster, started on first use."""
+    with _LOCK:
+        if _SHARED["address"] is None or (_SHARED["cluster"] is not None and _SHARED["cluster"]._closed):
+            cluster, address, token = embedded_cluster(world_size, num_workers, config)
+            _SHARED.update(cluster=cluster, address=address, token=token, refs=0)
+        _SHARED["refs"] += 1
+        return _SHARED["cluster"], _SHARED["address"], _SHARED["token"]
+
+
+def release_embedded() -> None:
+    """One loader is done with the embedded cluster; the last one closes it."""
+    with _LOCK:
+        _SHARED["refs"] -= 1
+        if _SHARED["refs"] <= 0:
+            if _SHARED["cluster"] is not None:
+                _SHARED["cluster"].close()
+            _SHARED.update(cluster=None, address=None, token=None, refs=0)
 
 
 def embedded_cluster(world_size: int, num_workers: int | None, config: ClusterConfig):
@@ -41,15 +77,18 @@ def embedded_cluster(world_size: int, num_workers: int | None, config: ClusterCo
             with os.fdopen(fd, "w") as f:
                 json.dump({"address": cluster.address, "token": cluster.token}, f)
             os.replace(tmp, path)
+            weakref.finalize(cluster, _unlink, path)  # the token file goes with the cluster
         return cluster, cluster.address, cluster.token
     path = _rendezvous_file()
     deadline = time.monotonic() + config.startup_timeout_s
     while time.monotonic() < deadline:
         try:
-            with open(path) as f:
-                info = json.load(f)
-            return None, info["address"], info["token"]
+            if os.stat(path).st_mtime >= _STARTED - 60:
+                with open(path) as f:
+                    info = json.load(f)
+                return None, info["address"], info["token"]
         except (OSError, ValueError, KeyError):
-            time.sleep(0.1)
+            pass
+        time.sleep(0.1)
     raise ClusterError(f"local rank 0 did not publish the embedded Helix cluster in {path} within "
                        f"{config.startup_timeout_s:.0f} s")

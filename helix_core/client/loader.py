@@ -20,7 +20,7 @@ from ..runtime.tensors import merge_batches
 from ..runtime.proto import helix_pb2 as pb
 from ..runtime.specs import make_spec
 from ..telemetry import LoaderStats
-from .embedded import embedded_cluster
+from .embedded import acquire_embedded, release_embedded
 from .nodes import BatchJob, CostTagger, Dispatch, ShardBatches
 from .transport import TRANSIENT, ClusterClient
 
@@ -74,12 +74,23 @@ class DistributedDataLoader:
         self.pin_memory, self.device = pin_memory, (torch.device(device) if device is not None else None)
         self.config = config or ClusterConfig()
         self._stats = LoaderStats(ddl_tolerance_s)
-        self._cluster = None
+        self._cluster, self._embedded = None, False
         address = coordinator or os.environ.get("HELIX_COORDINATOR")
-        if address is None:
-            self._cluster, address, token = embedded_cluster(self.world_size, num_workers, self.config)
-        self.client = ClusterClient(address, token, self.config, self.rank, self.world_size)
-        self.spec = make_spec(dataset, collate_fn, self.client.pickle_allowed)
+        if address is None:  # shared by this process's loaders (train and val)
+            self._cluster, address, token = acquire_embedded(self.world_size, num_workers, self.config)
+            self._embedded = True
+        self._closed = True  # until construction succeeded (close() must not touch what isn't there)
+        try:
+            self.client = ClusterClient(address, token, self.config, self.rank, self.world_size)
+            try:
+                self.spec = make_spec(dataset, collate_fn, self.client.pickle_allowed)
+            except BaseException:
+                self.client.close()
+                raise
+        except BaseException:
+            if self._embedded:
+                release_embedded()
+            raise
         self._batches = ShardBatches(len(dataset), batch_size, self.rank, self.world_size, shuffle, seed, drop_last)
         self._tagger = CostTagger(self._batches, dataset, seed, microbatch_size)
         self._root = Dispatch(self._tagger, self._submit, self._collect, self._cancel, prefetch_depth,
@@ -130,8 +141,8 @@ class DistributedDataLoader:
         self._closed = True
         self._root.shutdown()
         self.client.close()
-        if self._cluster is not None:
-            self._cluster.close()
+        if self._embedded:
+            release_embedded()
 
     def __enter__(self):
         return self
@@ -226,8 +237,8 @@ class DistributedDataLoader:
                 try:
                     batch = None if reply.error_kind else self.client.materialize(reply, copy=copy)
                     break
-                except FileNotFoundError:  # the delivering server died after replying: its slab is gone
-                    self._resubmit(job, k, "slab vanished", reply.delivered_by, job.routes[k].exec_server_id)
+                except FileNotFoundError:  # its producer died and the slab was swept: run it again
+                    self._resubmit(job, k, "slab vanished")
             route = job.routes[k]
             job.taken.add(k)
             self.client.report(job.task_ids[k], route.exec_server_id, time.perf_counter() - job.t_dispatch,

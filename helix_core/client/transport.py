@@ -30,6 +30,20 @@ TRANSIENT = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.Status
              grpc.StatusCode.RESOURCE_EXHAUSTED}
 
 
+class _Unavailable(grpc.RpcError):
+    """A DataServer that fails its Hello: handled like any lost server (resubmit elsewhere)."""
+
+    def __init__(self, address: str):
+        super().__init__(f"DataServer {address} unavailable")
+        self._address = address
+
+    def code(self):
+        return grpc.StatusCode.UNAVAILABLE
+
+    def details(self):
+        return f"DataServer {self._address} failed the protocol check"
+
+
 def _meta_dicts(metas) -> list[dict]:
     return [{"dtype": m.dtype, "shape": list(m.shape), "offset": m.offset, "nbytes": m.nbytes,
              "is_inline": m.is_inline, "inline_data": m.inline_data} for m in metas]
@@ -94,11 +108,18 @@ class ClusterClient:
     def stub(self, address: str) -> pbg.DataServerStub:
         with self._lock:
             s = self._stubs.get(address)
-            if s is None:
-                ch = connect(address, self.config)
+        if s is None:  # a new connection starts with the protocol-version check
+            ch = connect(address, self.config)
+            s = pbg.DataServerStub(ch)
+            try:
+                check_hello(s, "client", self.token, self.config.rpc_timeout_s, f"the DataServer at {address}")
+            except ClusterError:
+                ch.close()
+                raise _Unavailable(address) from None
+            with self._lock:
                 self._channels.append(ch)
-                s = self._stubs[address] = pbg.DataServerStub(ch)
-            return s
+                self._stubs[address] = s
+        return s
 
     def execute(self, address: str, spec: tuple[str, bytes, str], request: pb.ExecuteRequest):
         """Configure ``address`` with ``spec`` once, then start ``Execute``; returns a gRPC future."""

@@ -124,25 +124,28 @@ class Registry:
 
     # ---- routing --------------------------------------------------------------------------------
     def delivery_server(self, rank: int, exclude: set[str]) -> ServerState:
-        """Rank r delivers through local server r % L; if it is dead, the next live one takes over."""
+        """Rank r delivers through local server r % L; if it is dead (or excluded by the client),
+        the next live one takes over. Exclusions are hints: if they leave none, they are ignored."""
         locals_ = self._locals()
         if not locals_:
             raise LookupError("no local DataServer registered")
         n = len(locals_)
-        for k in range(n):
-            s = locals_[(rank + k) % n]
-            if s.alive and s.server_id not in exclude:
-                return s
+        for skip in (exclude, set()):
+            for k in range(n):
+                s = locals_[(rank + k) % n]
+                if s.alive and s.server_id not in skip:
+                    return s
         raise LookupError(f"no live local DataServer can deliver to rank {rank}")
 
     def route(self, rank: int, task_id: int, cost: dict, exclude: set[str]):
         t0 = time.perf_counter()
         with self._lock:
             delivery = self.delivery_server(rank, exclude)
+            live = [(i, s) for i, s in enumerate(self._locals() + self._remotes()) if s.alive]
+            if any(s.server_id not in exclude for _, s in live):  # exclusions are hints, never fatal
+                live = [(i, s) for i, s in live if s.server_id not in exclude]
             cands = [Candidate(s.server_id, s.kind, i, s.workers, s.outstanding, s.queue_depth,
-                               s.latency_per_cost, local=s.server_id == delivery.server_id)
-                     for i, s in enumerate(self._locals() + self._remotes())
-                     if s.alive and s.server_id not in exclude]
+                               s.latency_per_cost, local=s.server_id == delivery.server_id) for i, s in live]
             decision = self.policy.choose(PlacementRequest(rank, task_id, **cost), cands)
             chosen = self.servers[decision.server_id]
             prev = self._owner.get(task_id)

@@ -16,6 +16,7 @@ import sys
 import threading
 
 from ..config import ClusterConfig
+from ..errors import ClusterError
 from .auth import load_token
 
 __all__ = ["main"]
@@ -42,7 +43,7 @@ def _ready(info: dict) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="helix-process")
+    p = argparse.ArgumentParser(prog="helix")
     sub = p.add_subparsers(dest="role", required=True)
     c = sub.add_parser("coordinator")
     c.add_argument("--host", default="127.0.0.1")
@@ -93,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
             serve_dataserver(args.coordinator, kind, -1 if args.remote else args.local_rank, args.workers, token,
                              config, stop, host=args.host, port=args.port,
                              on_ready=lambda addr, sid: _ready({"address": addr, "server_id": sid, "pid": os.getpid()}))
-    except ValueError as e:  # e.g. a non-loopback address without a token
+    except (ValueError, ClusterError) as e:  # a non-loopback address without a token, no Coordinator, ...
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0

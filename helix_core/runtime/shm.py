@@ -337,3 +337,22 @@ def sweep(prefix: str) -> int:
         except FileNotFoundError:
             pass
     return count
+
+
+def unlink_if_free(name: str) -> bool:
+    """Unlink segment ``name`` unless a client still holds it (header state BUSY). True when the
+    segment is gone afterwards. Used for the slabs of a dead producer: those already handed to a
+    client must survive until it has mapped and released them."""
+    path = os.path.join(SHM_DIR, name)
+    try:
+        with open(path, "rb") as f:
+            head = f.read(HEADER_BYTES)
+    except FileNotFoundError:
+        return True
+    if len(head) == HEADER_BYTES and head[:8] == MAGIC and _U64.unpack_from(head, _STATE_AT)[0] != FREE:
+        return False
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    return True

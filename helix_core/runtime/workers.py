@@ -144,6 +144,7 @@ class WorkerPool:
         self._wake_r, self._wake_w = mp.Pipe(duplex=False)
         self._stop = threading.Event()
         self.completed, self.respawns = 0, 0
+        self._graveyard: list[str] = []  # dead workers' slabs still held by clients
         self.latency_per_cost = 1.0
         self._workers = [_Worker(i, 0, shm_prefix, allow_pickle) for i in range(n)]
         self._thread = threading.Thread(target=self._supervise, name="helix-supervisor", daemon=True)
@@ -189,6 +190,8 @@ class WorkerPool:
     def _supervise(self) -> None:
         while not self._stop.is_set():
             self._assign()
+            if self._graveyard:
+                self._graveyard = [n for n in self._graveyard if not shm.unlink_if_free(n)]
             objs = [self._wake_r] + [w.conn for w in self._workers] + [w.proc.sentinel for w in self._workers]
             try:
                 ready = mp_wait(objs, timeout=0.2)
@@ -251,8 +254,11 @@ class WorkerPool:
     def _on_death(self, w: _Worker) -> None:
         if self._stop.is_set():
             return
+        w.proc.join(timeout=1.0)
         code = w.proc.exitcode
-        shm.sweep(w.prefix)  # segments of the dead worker (clients keep their own mappings)
+        # its slabs: free ones go now; those a client still holds (maybe not even mapped yet) stay
+        # until released, so a reply already sent stays readable
+        self._graveyard += [n for n in shm.list_segments(w.prefix) if not shm.unlink_if_free(n)]
         i = self._workers.index(w)
         self._workers[i] = _Worker(w.wid, w.incarnation + 1, self.prefix, self.allow_pickle)
         self.respawns += 1

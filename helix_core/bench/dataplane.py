@@ -1,0 +1,426 @@
+"""`python -m helix_core.bench.dataplane`: the data plane's own figures, medians over repeats.
+
+- **local**: shared-memory delivery on one host (``bench.transport.bench_local_delivery``).
+- **remote**: a remote DataServer streams a batch over gRPC to a local one (loopback). Stream
+  GB/s = bytes / (wall of ``Execute(deliver_to=local)`` - wall of the same ``Execute`` delivered
+  by the remote server itself), i.e. with the produce time subtracted; also per call (each call's
+  own worker time subtracted: steadier, since producing dwarfs streaming) and end-to-end GB/s.
+- **route**: Coordinator ``Route`` requests/s from N client threads and its decision time.
+- **e2e**: R rank processes over a real kinetics-mixed workload, Helix (one shared LocalCluster)
+  against torch ``DataLoader`` + ``DistributedSampler`` at the same total worker processes.
+
+GB/s means 1e9 bytes per second; times are seconds unless a name ends in ``_us``.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import os
+import statistics
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+
+from ..telemetry import percentile
+
+__all__ = ["bench_e2e", "bench_remote", "bench_route", "e2e_figures", "main", "route_figures", "stream_figures"]
+
+_MIB = 1 << 20
+PARTS = ("local", "remote", "route", "e2e")
+
+
+# ---- pure figures (tested on hand-made numbers) -----------------------------------------------------
+def stream_figures(nbytes: int, remote_s, local_s, remote_exec_s=(), local_exec_s=()) -> dict:
+    """Figures of one batch size from per-call wall times (seconds) of ``Execute`` streamed to
+    another server (``remote_s``) and delivered by the producing server itself (``local_s``).
+
+    ``stream_gb_s``: nbytes / (median remote - median local), NaN when that is not positive;
+    ``e2e_gb_s``: nbytes / median remote; ``stream_per_call_gb_s``: per call, the remote wall minus
+    that call's own worker time (``exec_s``) minus the median non-worker overhead of a local call —
+    less noisy, as it does not depend on two independent produce times (NaN without exec times).
+    """
+    rm, lm = statistics.median(remote_s), statistics.median(local_s)
+    stream_s = rm - lm
+    out = {"size_mb": nbytes / _MIB, "bytes": nbytes, "remote_s": rm, "local_s": lm, "stream_s": stream_s,
+           "stream_gb_s": nbytes / stream_s / 1e9 if stream_s > 0 else math.nan, "e2e_gb_s": nbytes / rm / 1e9,
+           "stream_per_call_gb_s": math.nan, "repeats": len(remote_s)}
+    if remote_exec_s and local_exec_s:
+        overhead = statistics.median(w - e for w, e in zip(local_s, local_exec_s))
+        per_call = statistics.median(w - e - overhead for w, e in zip(remote_s, remote_exec_s))
+        out["stream_per_call_gb_s"] = nbytes / per_call / 1e9 if per_call > 0 else math.nan
+    return out
+
+
+def route_figures(threads: int, counts, seconds: float, decision_us) -> dict:
+    """Routed requests/s of ``threads`` client threads that completed ``counts`` calls in
+    ``seconds``, and the Coordinator's decision time (µs) p50/p99 over those calls."""
+    n = sum(counts)
+    return {"threads": threads, "requests": n, "seconds": seconds, "requests_per_s": n / seconds if seconds > 0 else 0.0,
+            "decision_us_p50": percentile(decision_us, 50), "decision_us_p99": percentile(decision_us, 99)}
+
+
+def e2e_figures(system: str, ranks: int, workers: int, results: list[dict]) -> dict:
+    """One system's epoch from its ranks' results (each: ``waits_s`` per ``next()``, ``wall_s``,
+    ``samples``). Epoch wall = the slowest rank (synchronous training waits for it); samples/s =
+    all ranks' samples / that wall; input-wait percentiles pool every step; ``first_wait_s``: the
+    median over ranks of the first ``next()`` (native: spawning its workers; helix: first decode)."""
+    waits = [w for r in results for w in r["waits_s"]]
+    wall = max(r["wall_s"] for r in results)
+    samples = sum(r["samples"] for r in results)
+    return {"system": system, "ranks": ranks, "workers": workers, "samples": samples, "epoch_wall_s": wall,
+            "samples_per_s": samples / wall if wall > 0 else 0.0, "steps": len(waits),
+            "input_wait_p50_s": percentile(waits, 50), "input_wait_p95_s": percentile(waits, 95),
+            "first_wait_s": statistics.median(r["waits_s"][0] for r in results if r["waits_s"]) if waits else math.nan,
+            "cross_ds_bytes": sum(r.get("cross_ds_bytes", 0) for r in results)}
+
+
+# ---- remote: one stream between two DataServers -------------------------------------------------------
+def _execute(client, address: str, spec, task_id: int, batch: int, deliver_to: str, timeout_s: float):
+    """Wall seconds and worker seconds of one ``Execute``; releases the batch's slab."""
+    from ..runtime import shm
+    from ..runtime.proto import helix_pb2 as pb
+
+    req = pb.ExecuteRequest(task_id=task_id, spec_id=spec[0], indices=list(range(batch)), epoch=0, on_error="raise",
+                            deliver_to=deliver_to, client_id=client.client_id)
+    t = time.perf_counter()
+    reply = client.execute(address, spec, req).result(timeout=timeout_s)
+    wall = time.perf_counter() - t
+    if reply.batch.slab.segment:
+        shm.release_segment({"segment": reply.batch.slab.segment, "generation": reply.batch.slab.generation})
+    if reply.error_kind:
+        raise RuntimeError(f"Execute on {address} failed: {reply.error_kind} {reply.error}")
+    if deliver_to and reply.cross_ds_bytes <= 0:
+        raise RuntimeError(f"Execute on {address} with deliver_to={deliver_to} moved no bytes between servers")
+    return wall, reply.exec_s, reply.cross_ds_bytes
+
+
+def bench_remote(sizes_mb=(64, 256), sample_mb: int = 16, repeats: int = 5, console=None, progress=None) -> list[dict]:
+    """Stream GB/s from a remote DataServer to a local one on loopback, per batch size (MiB;
+    samples of ``sample_mb`` MiB). One warm-up pair per size, then ``repeats`` pairs, alternating
+    streamed and local calls so that machine noise hits both alike. See ``stream_figures``."""
+    from ..config import ClusterConfig
+    from ..runtime.cluster import LocalCluster
+    from ..runtime.specs import make_spec
+    from ..testing import IndexDataset
+    from ..client.transport import ClusterClient
+
+    config = ClusterConfig()
+    rows, ids = [], itertools.count(1)
+    with LocalCluster(local_servers=1, remote_servers=1, workers_per_server=1, config=config) as cluster:
+        client = ClusterClient(cluster.address, None, config, 0, 1)
+        try:
+            local, remote = cluster.servers[0].address, cluster.servers[1].address
+            task = progress.add_task("remote stream", total=len(sizes_mb) * (repeats + 1)) if progress else None
+            for mb in sizes_mb:
+                batch = max(1, mb // sample_mb)
+                spec = make_spec(IndexDataset(batch, (sample_mb * _MIB,)), None, client.pickle_allowed)
+                calls = []  # (streamed wall, its exec_s, local wall, its exec_s, bytes moved)
+                for _ in range(repeats + 1):
+                    streamed = _execute(client, remote, spec, next(ids), batch, local, config.execute_timeout_s)
+                    calls.append(streamed[:2] + _execute(client, remote, spec, next(ids), batch, "",
+                                                         config.execute_timeout_s)[:2] + streamed[2:])
+                    if progress:
+                        progress.advance(task)
+                rs, re_, ls, le, moved = zip(*calls[1:])  # the first pair loads the dataset, first-touches slabs
+                rows.append(stream_figures(moved[-1], rs, ls, re_, le))
+        finally:
+            client.close()
+    _print_table(console, f"Remote stream, remote → local DataServer on loopback (medians of {repeats})",
+                 ["MiB", "stream GB/s (median diff)", "stream GB/s (per call)", "end-to-end GB/s", "streamed s", "local s"],
+                 [[f"{r['size_mb']:.0f}", f"{r['stream_gb_s']:.2f}", f"{r['stream_per_call_gb_s']:.2f}",
+                   f"{r['e2e_gb_s']:.2f}", f"{r['remote_s']:.3f}", f"{r['local_s']:.3f}"] for r in rows])
+    return rows
+
+
+# ---- route: Coordinator throughput -----------------------------------------------------------------------
+def _add_candidates(cluster, n: int, config) -> None:
+    """Register ``n`` placeholder remote servers (TEST-NET addresses nobody dials) so that each
+    placement decision scores as many candidates as a large cluster would."""
+    from ..runtime.auth import call_metadata
+    from ..runtime.proto import helix_pb2 as pb
+    from ..runtime.proto import helix_pb2_grpc as pbg
+    from ..runtime.rpc import connect
+
+    channel = connect(cluster.address, config)
+    try:
+        stub = pbg.CoordinatorStub(channel)
+        for i in range(n):
+            stub.RegisterServer(pb.RegisterServerRequest(address=f"192.0.2.{1 + i % 254}:{1 + i // 254}", kind="remote",
+                                                         local_rank=-1, host="bench-placeholder", workers=1),
+                                timeout=config.rpc_timeout_s, metadata=call_metadata(cluster.token))
+    finally:
+        channel.close()
+
+
+def bench_route(threads=(1, 4, 16), seconds: float = 3.0, candidates: int = 64, console=None, progress=None) -> list[dict]:
+    """Routed requests/s from N threads sharing one client for ``seconds`` each, against a
+    Coordinator with ``candidates`` servers (1 real local one plus placeholders)."""
+    from ..config import ClusterConfig
+    from ..client.transport import ClusterClient
+    from ..runtime.cluster import LocalCluster
+
+    config = ClusterConfig(heartbeat_timeout_s=3600.0)  # placeholders send no heartbeats: keep them alive
+    rows, ids = [], itertools.count(1)
+    with LocalCluster(local_servers=1, workers_per_server=1, config=config) as cluster:
+        _add_candidates(cluster, max(0, candidates - 1), config)
+        client = ClusterClient(cluster.address, None, config, 0, 1)
+        try:
+            client.route(next(ids), None, set())  # warm the channel
+            task = progress.add_task("route", total=len(threads)) if progress else None
+            for n in threads:
+                counts, decisions, errors = [0] * n, [[] for _ in range(n)], []
+                deadline = time.perf_counter() + seconds
+
+                def loop(k: int) -> None:
+                    try:
+                        while time.perf_counter() < deadline:
+                            decisions[k].append(client.route(next(ids), None, set()).decision_us)
+                            counts[k] += 1
+                    except Exception as e:  # re-raised below, naming the thread count
+                        errors.append(e)
+
+                pool = [threading.Thread(target=loop, args=(k,), name=f"bench-route-{k}", daemon=True) for k in range(n)]
+                t0 = time.perf_counter()
+                for t in pool:
+                    t.start()
+                for t in pool:
+                    t.join(timeout=seconds + config.coordinator_timeout_s + 5)
+                    if t.is_alive():
+                        raise RuntimeError(f"a route thread did not finish within {seconds} s + timeouts")
+                if errors:
+                    raise RuntimeError(f"Route failed with {n} threads: {errors[0]!r}") from errors[0]
+                rows.append(route_figures(n, counts, time.perf_counter() - t0, [d for ds in decisions for d in ds]))
+                if progress:
+                    progress.advance(task)
+            tele = client.telemetry()
+            for r in rows:
+                r["candidates"] = len(tele["servers"])
+            rows[-1]["telemetry_us_p50"], rows[-1]["telemetry_us_p99"] = tele["decision_us_p50"], tele["decision_us_p99"]
+        finally:
+            client.close()
+    _print_table(console, f"Coordinator Route, {rows[0]['candidates']} candidate servers ({seconds:g} s per row)",
+                 ["threads", "requests/s", "decision µs p50", "decision µs p99"],
+                 [[str(r["threads"]), f"{r['requests_per_s']:.0f}", f"{r['decision_us_p50']:.1f}",
+                   f"{r['decision_us_p99']:.1f}"] for r in rows])
+    return rows
+
+
+# ---- e2e: rank processes, Helix against torch DataLoader ----------------------------------------------
+def _rank_main(system: str, rank: int, ranks: int, manifest: str, address: str, workers: int, batch_size: int,
+               results, barrier, timeout_s: float) -> None:
+    """One rank process: build its loader, wait for every rank, time each ``next()`` of an epoch,
+    and put ``{"rank", "waits_s", "wall_s", "samples", ...}`` (or ``{"rank", "error"}``) on ``results``."""
+    try:
+        import torch
+        from torch.utils.data import DataLoader, DistributedSampler
+
+        import helix_core as hx
+
+        ds = hx.VideoClipDataset(manifest, model="videomae")
+        if system == "helix":
+            loader = hx.DistributedDataLoader(ds, batch_size, rank=rank, world_size=ranks, coordinator=address,
+                                              shuffle=True, seed=0, collate_fn=hx.pad_collate)
+        else:
+            loader = DataLoader(ds, batch_size, sampler=DistributedSampler(ds, ranks, rank, shuffle=True, seed=0),
+                                num_workers=workers, collate_fn=hx.pad_collate, persistent_workers=False,
+                                prefetch_factor=2, multiprocessing_context="spawn")
+        torch.set_num_threads(1)
+        barrier.wait(timeout=timeout_s)
+        waits, samples = [], 0
+        t0 = time.perf_counter()
+        it = iter(loader)  # native spawns its workers here: part of its epoch, as with persistent_workers=False
+        while True:
+            t = time.perf_counter()
+            try:
+                batch = next(it)
+            except StopIteration:
+                break
+            waits.append(time.perf_counter() - t)
+            samples += int(batch["video"].shape[0])
+            del batch
+        wall = time.perf_counter() - t0
+        extra = loader.stats() if system == "helix" else {}
+        if system == "helix":
+            loader.close()
+        results.put({"rank": rank, "waits_s": waits, "wall_s": wall, "samples": samples,
+                     "cross_ds_bytes": extra.get("cross_ds_bytes", 0)}, timeout=timeout_s)
+    except BaseException:
+        barrier.abort()  # the other ranks stop waiting for this one at once
+        results.put({"rank": rank, "error": traceback.format_exc()}, timeout=timeout_s)
+
+
+def _run_ranks(system: str, ranks: int, manifest: str, address: str, workers: int, batch_size: int,
+               timeout_s: float) -> list[dict]:
+    """Start ``ranks`` spawned rank processes (released together by a barrier), collect their
+    results within ``timeout_s``, failing fast when a rank dies; every process is joined (or
+    killed) before returning."""
+    import multiprocessing as mp
+    import queue
+
+    ctx = mp.get_context("spawn")
+    results, barrier = ctx.Queue(), ctx.Barrier(ranks)
+    procs = [ctx.Process(target=_rank_main, name=f"bench-{system}-rank{r}",  # not daemonic: native ranks have workers
+                         args=(system, r, ranks, manifest, address, workers, batch_size, results, barrier, timeout_s))
+             for r in range(ranks)]
+    try:
+        for p in procs:
+            p.start()
+        out, deadline = {}, time.monotonic() + timeout_s
+        while len(out) < ranks:
+            try:
+                res = results.get(timeout=1.0)
+            except queue.Empty:
+                # an exited rank has flushed its result already: still nothing means it died
+                gone = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode is not None and r not in out]
+                if gone or time.monotonic() > deadline:
+                    raise RuntimeError(f"{system}: ranks {gone or 'all'} sent no result (exit codes / "
+                                       f"timeout {timeout_s:.0f} s)") from None
+                continue
+            if "error" in res:
+                raise RuntimeError(f"{system} rank {res['rank']} failed:\n{res['error']}")
+            out[res["rank"]] = res
+        return [out[r] for r in range(ranks)]
+    finally:
+        barrier.abort()  # ranks still waiting (a failed start) raise instead of hanging
+        for p in (p for p in procs if p.pid is not None):  # started ones
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=10)
+        results.close()
+
+
+def _workload(data_dir: Path, clips: int) -> Path:
+    """The cached kinetics-mixed workload (scale 0.5) with its profile table; returns the manifest."""
+    from ..media.synth import make_dataset
+    from ..profiles import profile_dataset
+
+    root = make_dataset(data_dir / f"kinetics-mixed-{clips}", "kinetics-mixed", clips, seed=0, scale=0.5, progress=True)
+    manifest = root / "manifest.jsonl"
+    if not (root / "profiles.jsonl").exists():  # the folder's clips are fixed by its name and seed 0
+        profile_dataset(manifest, calibrate_per_bucket=1, progress=True)
+    return manifest
+
+
+def bench_e2e(ranks=(2, 4), workers: int = 2, clips: int = 24, batch_size: int = 2,
+              data_dir: Path = Path("~/.cache/helix/bench-dataplane"), timeout_s: float = 600.0, console=None,
+              progress=None) -> list[dict]:
+    """One epoch per system and rank count; one row per (ranks, system), plus the helix/native
+    samples/s ratio on the helix row. ``workers``: total worker processes W, i.e. max(1, W // R)
+    per rank (native) or per local DataServer (helix)."""
+    from ..runtime.cluster import LocalCluster
+
+    manifest = str(_workload(Path(data_dir).expanduser(), clips))
+    rows = []
+    task = progress.add_task("e2e epochs", total=2 * len(ranks)) if progress else None
+    for r in ranks:
+        per = max(1, workers // r)
+        native = e2e_figures("native", r, per * r, _run_ranks("native", r, manifest, "", per, batch_size, timeout_s))
+        if progress:
+            progress.advance(task)
+        with LocalCluster(local_servers=r, workers_per_server=per) as cluster:
+            helix = e2e_figures("helix", r, per * r,
+                                _run_ranks("helix", r, manifest, cluster.address, per, batch_size, timeout_s))
+        if progress:
+            progress.advance(task)
+        helix["throughput_vs_native"] = _ratio(helix["samples_per_s"], native["samples_per_s"])
+        rows += [native, helix]
+    _print_table(console, f"End to end, one epoch of {clips} kinetics-mixed clips (scale 0.5, videomae, batch {batch_size})",
+                 ["ranks", "system", "workers", "epoch s", "samples/s", "wait p50 s", "wait p95 s", "1st wait s",
+                  "cross-DS MB", "vs native"],
+                 [[str(x["ranks"]), x["system"], str(x["workers"]), f"{x['epoch_wall_s']:.2f}", f"{x['samples_per_s']:.2f}",
+                   f"{x['input_wait_p50_s']:.3f}", f"{x['input_wait_p95_s']:.3f}", f"{x['first_wait_s']:.2f}",
+                   f"{x['cross_ds_bytes'] / 1e6:.1f}",
+                   f"{x['throughput_vs_native']:.2f}x" if "throughput_vs_native" in x else "-"]
+                  for x in rows])
+    return rows
+
+
+# ---- command line --------------------------------------------------------------------------------
+def _ratio(a: float, b: float) -> float:
+    return a / b if b and math.isfinite(a) and math.isfinite(b) else math.nan
+
+
+def _print_table(console, title: str, columns: list[str], rows: list[list[str]]) -> None:
+    from rich.table import Table
+
+    if console is None:
+        return
+    table = Table(title=title)
+    for c in columns:
+        table.add_column(c, justify="right")
+    for r in rows:
+        table.add_row(*r)
+    console.print(table)
+
+
+def _plain(obj):
+    """JSON-safe copy: NaN and infinities become null."""
+    if isinstance(obj, dict):
+        return {k: _plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_plain(v) for v in obj]
+    return None if isinstance(obj, float) and not math.isfinite(obj) else obj
+
+
+def _parts(text: str) -> list[str]:
+    parts = [p.strip() for p in text.split(",") if p.strip()]
+    bad = [p for p in parts if p not in PARTS]
+    if bad or not parts:
+        raise argparse.ArgumentTypeError(f"--only {text!r}: valid parts are {', '.join(PARTS)} (comma-separated)")
+    return parts
+
+
+def main(argv=None) -> dict:
+    """Run the selected parts; print their tables; return (and with ``--out`` write as JSON)
+    ``{"local": [...], "remote": [...], "route": [...], "e2e": [...], "meta": {...}}``."""
+    from rich.console import Console
+    from rich.progress import Progress
+
+    from .transport import bench_local_delivery
+
+    p = argparse.ArgumentParser(prog="python -m helix_core.bench.dataplane", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--only", type=_parts, default=list(PARTS), help=f"comma-separated parts of {','.join(PARTS)}")
+    p.add_argument("--quick", action="store_true", help="small sizes and counts (a smoke run, not a measurement)")
+    p.add_argument("--repeats", type=int, default=5, help="timed repeats per size (local, remote)")
+    p.add_argument("--route-seconds", type=float, default=3.0, help="seconds per thread count (route)")
+    p.add_argument("--route-candidates", type=int, default=64, help="servers the Coordinator scores per decision")
+    p.add_argument("--ranks", type=int, nargs="+", default=[2, 4], help="rank counts (e2e)")
+    p.add_argument("--workers", type=int, default=2, help="total worker processes W (e2e)")
+    p.add_argument("--clips", type=int, default=24, help="kinetics-mixed clips (e2e)")
+    p.add_argument("--data", type=Path, default=Path("~/.cache/helix/bench-dataplane"), help="workload cache folder")
+    p.add_argument("--out", type=Path, help="also write the figures here as JSON")
+    args = p.parse_args(argv)
+    if args.repeats < 1 or args.route_seconds <= 0 or args.route_candidates < 1 or args.clips < 1 or args.workers < 1:
+        p.error("--repeats, --route-candidates, --clips, --workers must be >= 1 and --route-seconds > 0")
+
+    q = args.quick
+    console = Console(width=None if sys.stdout.isatty() else 150)
+    figures: dict = {"meta": {"argv": list(argv) if argv is not None else None, "quick": q, "cpus": os.cpu_count(),
+                              "parts": args.only}}
+    with Progress(console=console, transient=True) as progress:
+        if "local" in args.only:
+            figures["local"] = bench_local_delivery((4, 16) if q else (16, 64, 256), 2 if q else args.repeats, console)
+        if "remote" in args.only:
+            figures["remote"] = bench_remote((16,) if q else (64, 256), 4 if q else 16, 2 if q else args.repeats,
+                                             console, progress)
+        if "route" in args.only:
+            figures["route"] = bench_route((1, 4) if q else (1, 4, 16), 0.5 if q else args.route_seconds,
+                                           args.route_candidates, console, progress)
+        if "e2e" in args.only:
+            figures["e2e"] = bench_e2e((2,) if q else tuple(args.ranks), args.workers, 4 if q else args.clips, 2,
+                                       args.data, console=console, progress=progress)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(_plain(figures), indent=2) + "\n")
+        console.print(f"figures written to {args.out}")
+    return figures
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,84 @@
+"""Pure control-plane logic: placement policy and the Coordinator's registry (injected clock)."""
+import pytest
+
+from helix_core.config import ClusterConfig
+from helix_core.planning.placement import Candidate, LeastRequest, PlacementRequest, make_policy
+from helix_core.runtime.coordinator import Registry
+
+
+class Clock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        return self.t
+
+
+def test_least_request_prefers_fewest_outstanding_per_worker_then_local():
+    p = LeastRequest()
+    req = PlacementRequest(rank=0, task_id=1)
+    c = [Candidate("a", "local", 0, workers=2, outstanding=4, local=True),
+         Candidate("b", "local", 1, workers=1, outstanding=1),
+         Candidate("r", "remote", 2, workers=4, outstanding=4)]
+    d = p.choose(req, c)
+    assert d.server_id == "b" and d.reason == "least-request" and dict(d.scores)["a"] == 2.0
+    tie = [Candidate("x", "remote", 1, 1, 0), Candidate("y", "local", 0, 1, 0, local=True)]
+    assert p.choose(req, tie).server_id == "y" and p.choose(req, tie).reason == "local-least-request"
+    with pytest.raises(ValueError, match="no live DataServer"):
+        p.choose(req, [])
+    with pytest.raises(ValueError, match="least-request"):
+        make_policy("deadline-ish")
+
+
+def _registry():
+    clock = Clock()
+    reg = Registry(ClusterConfig.for_tests(), clock=clock)
+    servers = [reg.register_server(f"127.0.0.1:{5000 + i}", "local", i, "h", 1) for i in range(3)]
+    remote = reg.register_server("127.0.0.1:6000", "remote", -1, "h", 2)
+    return reg, clock, servers, remote
+
+
+def test_delivery_server_is_rank_mod_locals_with_takeover():
+    reg, clock, (s0, s1, s2), remote = _registry()
+    assert [reg.delivery_server(r, set()).server_id for r in range(5)] == [s0.server_id, s1.server_id, s2.server_id,
+                                                                           s0.server_id, s1.server_id]
+    assert [s.server_id for s in reg.ordered()] == [s0.server_id, s1.server_id, s2.server_id, remote.server_id]
+    assert reg.delivery_server(1, {s1.server_id}).server_id == s2.server_id  # the next live local takes over
+    clock.t = 0.3
+    for s in (s0, s2, remote):
+        reg.heartbeat(s.server_id, queue_depth=0)
+    clock.t = 0.7  # s1 missed heartbeats for longer than the 0.5 s timeout
+    assert reg.sweep() == [s1.server_id]
+    assert reg.delivery_server(1, set()).server_id == s2.server_id
+    chosen, delivery, decision, us = reg.route(1, 7, {}, set())
+    assert chosen.server_id != s1.server_id and delivery.server_id == s2.server_id and us >= 0
+
+
+def test_route_counts_outstanding_and_resubmission_moves_it():
+    reg, clock, (s0, s1, s2), remote = _registry()
+    picks = [reg.route(0, t, {}, set())[0].server_id for t in range(1, 9)]
+    assert picks[0] == s0.server_id  # idle cluster: stays local
+    assert set(picks) == {s0.server_id, s1.server_id, s2.server_id, remote.server_id}
+    assert sum(s.outstanding for s in reg.servers.values()) == 8
+    first = reg._owner[1]
+    reg.route(0, 1, {}, {first})  # task 1 resubmitted elsewhere: the first routing is void
+    assert sum(s.outstanding for s in reg.servers.values()) == 8
+    for t in range(1, 9):
+        reg.complete(t, "", 0.1, True)
+    assert sum(s.outstanding for s in reg.servers.values()) == 0
+    tele = reg.telemetry(last=3)
+    assert tele["routed"] == 9 and len(tele["decisions"]) == 3 and tele["decision_us_p99"] >= 0
+
+
+def test_unknown_server_heartbeat_asks_to_register_again():
+    reg, *_ = _registry()
+    assert reg.heartbeat("nope") is False
+    with pytest.raises(ValueError, match="local, remote"):
+        reg.register_server("a:1", "sidecar", 0, "h", 1)
+
+
+def test_config_validation():
+    with pytest.raises(ValueError, match="heartbeat_timeout_s"):
+        ClusterConfig(heartbeat_interval_s=1.0, heartbeat_timeout_s=0.5)
+    with pytest.raises(ValueError, match="rpc_timeout_s"):
+        ClusterConfig(rpc_timeout_s=0)

@@ -1,0 +1,89 @@
+"""Running Helix as a user does: `helix coordinator` / `helix dataserver` as separate services, the
+embedded cluster of a one-line loader, and torchrun ranks sharing one embedded cluster."""
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+import helix_core as hx
+from helix_core.testing import IndexDataset
+
+from dataplane import CFG, assert_same_batches, torch_batches
+
+
+def _start(args, env=None):
+    proc = subprocess.Popen([sys.executable, "-m", "helix_core.cli", *args, "--config-json",
+                             json.dumps(CFG.to_dict())], stdout=subprocess.PIPE, text=True, env=env)
+    line = proc.stdout.readline()
+    assert line.startswith("HELIX_READY "), line
+    return proc, json.loads(line.split(" ", 1)[1])
+
+
+def test_standalone_coordinator_and_dataserver(tmp_path):
+    token_file = tmp_path / "token"
+    token_file.write_text("standalone-token\n")
+    coord, info = _start(["coordinator", "--port", "0", "--token-file", str(token_file)])
+    server = None
+    try:
+        server, sinfo = _start(["dataserver", "--coordinator", info["address"], "--local-rank", "0", "--workers", "1",
+                                "--token-file", str(token_file)])
+        ds = IndexDataset(10)
+        with hx.DistributedDataLoader(ds, batch_size=3, rank=0, world_size=1, coordinator=info["address"],
+                                      token="standalone-token", config=CFG) as ld:
+            assert_same_batches(list(ld), torch_batches(ds, 3, 0, 1))
+    finally:
+        for p in (server, coord):
+            if p is not None:
+                p.send_signal(signal.SIGTERM)
+        for p in (server, coord):
+            if p is not None:
+                assert p.wait(timeout=20) == 0
+
+
+def test_embedded_cluster_one_line_loader(monkeypatch):
+    monkeypatch.delenv("HELIX_COORDINATOR", raising=False)
+    ds = IndexDataset(9)
+    with hx.DistributedDataLoader(ds, batch_size=4, rank=0, world_size=1, num_workers=1, config=CFG) as ld:
+        cluster = ld._cluster
+        assert cluster is not None and cluster.token  # an embedded cluster makes its own token
+        assert_same_batches(list(ld), torch_batches(ds, 4, 0, 1))
+    assert all(not s.alive for s in cluster.servers)
+
+
+_RANK_SCRIPT = textwrap.dedent("""
+    import json, os, sys
+    import torch
+    import helix_core as hx
+    from helix_core.testing import IndexDataset
+    ds = IndexDataset(22)
+    ld = hx.DistributedDataLoader(ds, batch_size=3, shuffle=True, seed=5, num_workers=2,
+                                  config=hx.ClusterConfig.for_tests())  # rank / world size from torchrun
+    got = [b["index"].tolist() for b in ld]
+    sampler = torch.utils.data.DistributedSampler(ds, int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"]),
+                                                  shuffle=True, seed=5)
+    want = [b["index"].tolist() for b in torch.utils.data.DataLoader(ds, batch_size=3, sampler=sampler)]
+    print("RESULT", json.dumps({"rank": ld.rank, "ok": got == want, "owner": ld._cluster is not None}), flush=True)
+    import torch.distributed as dist
+    dist.init_process_group("gloo")
+    dist.barrier()  # local rank 0 owns the cluster: it must outlive the other ranks' use
+    ld.close()
+""")
+
+
+@pytest.mark.timeout(240)
+def test_torchrun_local_rank_zero_starts_and_shares_the_cluster(tmp_path):
+    torchrun = shutil.which("torchrun") or os.path.join(os.path.dirname(sys.executable), "torchrun")
+    script = tmp_path / "train.py"
+    script.write_text(_RANK_SCRIPT)
+    env = {k: v for k, v in os.environ.items() if k not in ("HELIX_COORDINATOR", "HELIX_TOKEN")}
+    r = subprocess.run([torchrun, "--standalone", "--nproc-per-node", "2", str(script)], capture_output=True,
+                       text=True, timeout=200, env=env, cwd=tmp_path)
+    results = [json.loads(line.split(" ", 1)[1]) for line in r.stdout.splitlines() if line.startswith("RESULT ")]
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    assert sorted(x["rank"] for x in results) == [0, 1] and all(x["ok"] for x in results)
+    assert [x["owner"] for x in sorted(results, key=lambda x: x["rank"])] == [True, False]
