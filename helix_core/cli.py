@@ -51,28 +51,34 @@ def _cmd_profile(a, console) -> int:
 
 
 def _cmd_demo(a, console) -> int:
-    """The embedded default job: synthesize (cached), profile, then cost and decode a few samples."""
-    from rich.table import Table
+    """The embedded default job: a small kinetics-mixed run, native DataLoader against Helix."""
+    from .bench.harness import BenchConfig, run_bench
 
-    from .datasets import VideoClipDataset
-    from .media.synth import make_dataset
-    from .profiles import profile_dataset
+    out = Path(a.out) if a.out else _cache_dir() / "demo-report"
+    console.print(f"[bold]Helix demo[/]: {a.ranks} emulated ranks (gloo) on kinetics-mixed, {a.budget} decode workers "
+                  f"in all, native torch DataLoader vs Helix; data cached in {_cache_dir()}")
+    cfg = BenchConfig(workload="kinetics-mixed", model="videomae", ranks=a.ranks, batch_size=2, budget=a.budget,
+                      systems=("native", "helix"), warmup=a.warmup, steps=a.steps, regime="gpu-bound",
+                      clips=a.clips, scale=a.scale, data_dir=str(_cache_dir() / "bench-data"))
+    run_bench([cfg], out, console=console)
+    return 0
 
-    root = _cache_dir() / f"demo-kinetics-mixed-{a.clips}"
-    console.print(f"[bold]Helix demo[/]: kinetics-mixed, {a.clips} clips in {root} (reused next time)")
-    make_dataset(root, "kinetics-mixed", a.clips, seed=0, workers=os.cpu_count() or 1, progress=True)
-    table = profile_dataset(root / "manifest.jsonl", progress=True)
-    _print_profile(table, console)
-    ds = VideoClipDataset(root / "manifest.jsonl", model="videomae")
-    t = Table(title="VideoMAE samples: cost predicted before decoding vs measured")
-    for col in ("index", "profile", "tokens", "out MB", "predicted CPU ms", "measured CPU ms"):
-        t.add_column(col, justify="right")
-    for i in range(min(6, len(ds))):
-        c = ds.estimate_cost(i)
-        _, measured = ds.fetch(i)
-        t.add_row(str(i), c.profile, str(c.tokens), f"{c.out_bytes / 1e6:.1f}", f"{c.cpu_s * 1e3:.1f}",
-                  f"{measured.cpu_s * 1e3:.1f}")
-    console.print(t)
+
+def _split(text: str, kind=str) -> list:
+    return [kind(x) for x in str(text).split(",") if x.strip()]
+
+
+def _cmd_bench(a, console) -> int:
+    from .bench.harness import BenchConfig, run_bench
+
+    configs = [BenchConfig(workload=w, model=a.model, ranks=a.ranks, batch_size=b, budget=a.budget,
+                           systems=tuple(_split(a.systems)), warmup=a.warmup, steps=a.steps, regime=r,
+                           window_scale=a.window_scale, remote_servers=rd, prefetch=a.prefetch, clips=a.clips,
+                           scale=a.scale, seed=a.seed, ddl_tolerance_s=a.ddl_tolerance_ms / 1e3,
+                           data_dir=a.data or str(_cache_dir() / "bench-data"))
+               for w in _split(a.workload) for r in _split(a.regime) for b in _split(a.batch_size, int)
+               for rd in _split(a.remote_servers, int)]
+    run_bench(configs, a.out, console=console)
     return 0
 
 
@@ -108,9 +114,36 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--calibrate", type=int, default=2, help="clips decoded per bucket for the CPU-cost fit")
     s.add_argument("--workers", type=int, default=1, help="probe threads")
     s.set_defaults(fn=_cmd_profile)
-    s = sub.add_parser("demo", help="the embedded default job on a small cached kinetics-mixed workload")
+    s = sub.add_parser("demo", help="the embedded default job: native DataLoader vs Helix on a small workload")
+    s.add_argument("--ranks", type=int, default=2)
+    s.add_argument("--budget", type=int, default=2, help="decode worker processes in all")
     s.add_argument("--clips", type=int, default=24)
+    s.add_argument("--scale", type=float, default=0.5)
+    s.add_argument("--warmup", type=int, default=5)
+    s.add_argument("--steps", type=int, default=30)
+    s.add_argument("--out", default=None, help="report folder (default: in the cache)")
     s.set_defaults(fn=_cmd_demo)
+    s = sub.add_parser("bench", help="the paper's evaluation: native vs Ray actor pool vs Helix, emulated GPU")
+    s.add_argument("--workload", default="kinetics-mixed", help="comma-separated list (a sweep)")
+    s.add_argument("--model", default="videomae", choices=("videomae", "qwen2-vl", "qwen2.5-vl", "wan"))
+    s.add_argument("--ranks", type=int, default=4)
+    s.add_argument("--batch-size", default="2", help="comma-separated list (a sweep)")
+    s.add_argument("--budget", type=int, default=4, help="worker processes in all, for every system")
+    s.add_argument("--systems", default="native,ray,helix",
+                   help="native, ray, helix, and the ablation variants helix-pool, helix-transport")
+    s.add_argument("--warmup", type=int, default=20)
+    s.add_argument("--steps", type=int, default=100)
+    s.add_argument("--regime", default="gpu-bound", help="gpu-bound, cpu-bound, or both comma-separated")
+    s.add_argument("--window-scale", type=float, default=None, help="seconds per GPU cost unit (overrides --regime)")
+    s.add_argument("--remote-servers", default="0", help="comma-separated list: the rd sweep")
+    s.add_argument("--prefetch", type=int, default=4, help="batches in flight per rank (all systems)")
+    s.add_argument("--clips", type=int, default=48)
+    s.add_argument("--scale", type=float, default=1.0, help="shrink the synthetic clips (resolution, duration)")
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--ddl-tolerance-ms", type=float, default=10.0)
+    s.add_argument("--data", default=None, help="where workloads are synthesized (cached)")
+    s.add_argument("--out", required=True)
+    s.set_defaults(fn=_cmd_bench)
     for role, text in (("coordinator", "run a Coordinator (the metadata-only control plane)"),
                        ("dataserver", "run a DataServer (--local-rank R | --remote) with its worker pool")):
         sub.add_parser(role, help=text, add_help=False)  # handled in main()

@@ -59,7 +59,8 @@ def route_figures(threads: int, counts, seconds: float, decision_us) -> dict:
     """Routed requests/s of ``threads`` client threads that completed ``counts`` calls in
     ``seconds``, and the Coordinator's decision time (µs) p50/p99 over those calls."""
     n = sum(counts)
-    return {"threads": threads, "requests": n, "seconds": seconds, "requests_per_s": n / seconds if seconds > 0 else 0.0,
+    return {"threads": threads, "requests": n, "seconds": seconds,
+            "requests_per_s": n / seconds if seconds > 0 else 0.0,
             "decision_us_p50": percentile(decision_us, 50), "decision_us_p99": percentile(decision_us, 99)}
 
 
@@ -130,7 +131,8 @@ def bench_remote(sizes_mb=(64, 256), sample_mb: int = 16, repeats: int = 5, cons
         finally:
             client.close()
     _print_table(console, f"Remote stream, remote → local DataServer on loopback (medians of {repeats})",
-                 ["MiB", "stream GB/s (median diff)", "stream GB/s (per call)", "end-to-end GB/s", "streamed s", "local s"],
+                 ["MiB", "stream GB/s (median diff)", "stream GB/s (per call)", "end-to-end GB/s", "streamed s",
+                  "local s"],
                  [[f"{r['size_mb']:.0f}", f"{r['stream_gb_s']:.2f}", f"{r['stream_per_call_gb_s']:.2f}",
                    f"{r['e2e_gb_s']:.2f}", f"{r['remote_s']:.3f}", f"{r['local_s']:.3f}"] for r in rows])
     return rows
@@ -156,7 +158,8 @@ def _add_candidates(cluster, n: int, config) -> None:
         channel.close()
 
 
-def bench_route(threads=(1, 4, 16), seconds: float = 3.0, candidates: int = 64, console=None, progress=None) -> list[dict]:
+def bench_route(threads=(1, 4, 16), seconds: float = 3.0, candidates: int = 64, console=None,
+                progress=None) -> list[dict]:
     """Routed requests/s from N threads sharing one client for ``seconds`` each, against a
     Coordinator with ``candidates`` servers (1 real local one plus placeholders)."""
     from ..config import ClusterConfig
@@ -183,7 +186,8 @@ def bench_route(threads=(1, 4, 16), seconds: float = 3.0, candidates: int = 64, 
                     except Exception as e:  # re-raised below, naming the thread count
                         errors.append(e)
 
-                pool = [threading.Thread(target=loop, args=(k,), name=f"bench-route-{k}", daemon=True) for k in range(n)]
+                pool = [threading.Thread(target=loop, args=(k,), name=f"bench-route-{k}", daemon=True)
+                        for k in range(n)]
                 t0 = time.perf_counter()
                 for t in pool:
                     t.start()
@@ -199,7 +203,8 @@ def bench_route(threads=(1, 4, 16), seconds: float = 3.0, candidates: int = 64, 
             tele = client.telemetry()
             for r in rows:
                 r["candidates"] = len(tele["servers"])
-            rows[-1]["telemetry_us_p50"], rows[-1]["telemetry_us_p99"] = tele["decision_us_p50"], tele["decision_us_p99"]
+            # the Coordinator's own window (its last 10,000 decisions), as a cross-check of the last row
+            rows[-1].update(telemetry_us_p50=tele["decision_us_p50"], telemetry_us_p99=tele["decision_us_p99"])
         finally:
             client.close()
     _print_table(console, f"Coordinator Route, {rows[0]['candidates']} candidate servers ({seconds:g} s per row)",
@@ -327,12 +332,15 @@ def bench_e2e(ranks=(2, 4), workers: int = 2, clips: int = 24, batch_size: int =
                                 _run_ranks("helix", r, manifest, cluster.address, per, batch_size, timeout_s))
         if progress:
             progress.advance(task)
-        helix["throughput_vs_native"] = _ratio(helix["samples_per_s"], native["samples_per_s"])
+        helix["throughput_vs_native"] = (helix["samples_per_s"] / native["samples_per_s"]
+                                         if native["samples_per_s"] else math.nan)
         rows += [native, helix]
-    _print_table(console, f"End to end, one epoch of {clips} kinetics-mixed clips (scale 0.5, videomae, batch {batch_size})",
+    _print_table(console, f"End to end, one epoch of {clips} kinetics-mixed clips (scale 0.5, videomae, "
+                          f"batch {batch_size})",
                  ["ranks", "system", "workers", "epoch s", "samples/s", "wait p50 s", "wait p95 s", "1st wait s",
                   "cross-DS MB", "vs native"],
-                 [[str(x["ranks"]), x["system"], str(x["workers"]), f"{x['epoch_wall_s']:.2f}", f"{x['samples_per_s']:.2f}",
+                 [[str(x["ranks"]), x["system"], str(x["workers"]), f"{x['epoch_wall_s']:.2f}",
+                   f"{x['samples_per_s']:.2f}",
                    f"{x['input_wait_p50_s']:.3f}", f"{x['input_wait_p95_s']:.3f}", f"{x['first_wait_s']:.2f}",
                    f"{x['cross_ds_bytes'] / 1e6:.1f}",
                    f"{x['throughput_vs_native']:.2f}x" if "throughput_vs_native" in x else "-"]
@@ -341,10 +349,6 @@ def bench_e2e(ranks=(2, 4), workers: int = 2, clips: int = 24, batch_size: int =
 
 
 # ---- command line --------------------------------------------------------------------------------
-def _ratio(a: float, b: float) -> float:
-    return a / b if b and math.isfinite(a) and math.isfinite(b) else math.nan
-
-
 def _print_table(console, title: str, columns: list[str], rows: list[list[str]]) -> None:
     from rich.table import Table
 
@@ -396,13 +400,13 @@ def main(argv=None) -> dict:
     p.add_argument("--data", type=Path, default=Path("~/.cache/helix/bench-dataplane"), help="workload cache folder")
     p.add_argument("--out", type=Path, help="also write the figures here as JSON")
     args = p.parse_args(argv)
-    if args.repeats < 1 or args.route_seconds <= 0 or args.route_candidates < 1 or args.clips < 1 or args.workers < 1:
-        p.error("--repeats, --route-candidates, --clips, --workers must be >= 1 and --route-seconds > 0")
+    if min(args.repeats, args.route_candidates, args.clips, args.workers, *args.ranks) < 1 or args.route_seconds <= 0:
+        p.error("--repeats, --route-candidates, --ranks, --clips, --workers must be >= 1 and --route-seconds > 0")
 
     q = args.quick
     console = Console(width=None if sys.stdout.isatty() else 150)
-    figures: dict = {"meta": {"argv": list(argv) if argv is not None else None, "quick": q, "cpus": os.cpu_count(),
-                              "parts": args.only}}
+    figures: dict = {"meta": {"argv": list(sys.argv[1:] if argv is None else argv), "quick": q,
+                              "cpus": os.cpu_count(), "parts": args.only}}
     with Progress(console=console, transient=True) as progress:
         if "local" in args.only:
             figures["local"] = bench_local_delivery((4, 16) if q else (16, 64, 256), 2 if q else args.repeats, console)

@@ -133,7 +133,13 @@ class DistributedDataLoader:
         self._position = self._resume
 
     def stats(self) -> dict:
+        """Counters and percentiles (seconds): input_wait_p50_s / p95_s, batch_ready_p95_s,
+        ddl_miss_rate, skipped, resubmits, cross_ds_bytes, scheduler_overhead_us_p99, ..."""
         return self._stats.as_dict()
+
+    def batch_ready_s(self) -> list[float]:
+        """Batch-ready latency of each batch so far, in order (seconds from dispatch to complete)."""
+        return list(self._stats.batch_ready)
 
     def close(self) -> None:
         if self._closed:
@@ -175,7 +181,8 @@ class DistributedDataLoader:
         while True:
             route = self.client.route(job.task_ids[k], cost, job.excluded[k])
             self._stats.decision_us.append(route.decision_us)
-            deliver = "" if route.exec_server_id == route.delivery_server_id else route.delivery_address
+            # a local server (same host) delivers by shared memory itself; a remote one streams to ours
+            deliver = route.delivery_address if route.exec_kind == "remote" else ""
             req = pb.ExecuteRequest(task_id=job.task_ids[k], spec_id=self.spec[0], indices=job.parts[k],
                                     epoch=self._root.get_state()[ShardBatches.EPOCH], substitutes=job.substitutes,
                                     on_error=self.on_error, deliver_to=deliver, client_id=self.client.client_id,
@@ -217,7 +224,7 @@ class DistributedDataLoader:
             except grpc.RpcError as e:
                 if e.code() not in TRANSIENT:
                     raise ClusterError(f"batch {job.position}: {e.code().name} {e.details()}") from None
-                remote = route.delivery_server_id != route.exec_server_id
+                remote = route.exec_kind == "remote"
                 lost_delivery = remote and "delivery server" in (e.details() or "")
                 self._resubmit(job, k, f"{e.code().name} {e.details()}",
                                route.delivery_server_id if lost_delivery else "",

@@ -6,15 +6,15 @@ servers' last heartbeat state, never a socket or a clock, so tests drive it with
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 __all__ = ["Candidate", "Decision", "LeastRequest", "POLICIES", "PlacementRequest", "make_policy"]
 
 
-@dataclass(frozen=True)
-class Candidate:
+class Candidate(NamedTuple):
     """A live DataServer as the Coordinator sees it. ``outstanding``: requests routed to it and
-    not yet completed; ``workers``: its worker processes; ``local``: it can deliver to the
-    requesting rank by shared memory without a stream (it is the rank's delivery server)."""
+    not yet completed; ``workers``: its worker processes; ``local``: it is the requesting rank's
+    own delivery server. (A NamedTuple: the Coordinator builds one per server per decision.)"""
 
     server_id: str
     kind: str  # "local" | "remote"
@@ -56,10 +56,11 @@ class LeastRequest:
     def choose(self, request: PlacementRequest, candidates: list[Candidate]) -> Decision:
         if not candidates:
             raise ValueError(f"no live DataServer to place task {request.task_id} of rank {request.rank}")
-        scored = [(c.outstanding / max(c.workers, 1), 0 if c.local else 1, c.index, c) for c in candidates]
-        best = min(scored, key=lambda s: s[:3])
-        reason = "local-least-request" if best[3].local else "least-request"
-        return Decision(best[3].server_id, reason, tuple((s[3].server_id, s[0]) for s in scored))
+        scores = [c.outstanding / (c.workers or 1) for c in candidates]
+        k = min(range(len(candidates)), key=lambda j: (scores[j], not candidates[j].local, candidates[j].index))
+        best = candidates[k]
+        reason = "local-least-request" if best.local else "least-request"
+        return Decision(best.server_id, reason, tuple(zip((c.server_id for c in candidates), scores)))
 
 
 POLICIES = {"least-request": LeastRequest}

@@ -62,6 +62,7 @@ class Registry:
         self.routed = 0
         self._owner: dict[int, str] = {}  # task_id -> server id it was routed to (until completed)
         self._lock = threading.Lock()
+        self._order: tuple[list[ServerState], list[ServerState]] | None = None  # (locals, all), cached
 
     # ---- membership ----------------------------------------------------------------------------
     def register_server(self, address: str, kind: str, local_rank: int, host: str, workers: int) -> ServerState:
@@ -75,6 +76,7 @@ class Registry:
             sid = f"{kind[0]}{local_rank if kind == 'local' else len(self._remotes())}-{uuid.uuid4().hex[:6]}"
             st = ServerState(sid, address, kind, local_rank if kind == "local" else -1, host, max(workers, 1), now, now)
             self.servers[sid] = st
+            self._order = None
             log.info("registered %s server %s at %s (%d workers)", kind, sid, address, workers)
             return st
 
@@ -117,16 +119,23 @@ class Registry:
     def _remotes(self) -> list[ServerState]:
         return sorted((s for s in self.servers.values() if s.kind == "remote"), key=lambda s: s.registered_at)
 
+    def _ordering(self) -> tuple[list[ServerState], list[ServerState]]:
+        """(local servers by slot, all servers: locals then remotes), recomputed on registration."""
+        if self._order is None:
+            locals_ = self._locals()
+            self._order = (locals_, locals_ + self._remotes())
+        return self._order
+
     def ordered(self) -> list[ServerState]:
         """Local servers by slot, then remote ones by registration: ``cluster.servers`` order."""
         with self._lock:
-            return self._locals() + self._remotes()
+            return list(self._ordering()[1])
 
     # ---- routing --------------------------------------------------------------------------------
     def delivery_server(self, rank: int, exclude: set[str]) -> ServerState:
         """Rank r delivers through local server r % L; if it is dead (or excluded by the client),
         the next live one takes over. Exclusions are hints: if they leave none, they are ignored."""
-        locals_ = self._locals()
+        locals_ = self._ordering()[0]
         if not locals_:
             raise LookupError("no local DataServer registered")
         n = len(locals_)
@@ -138,10 +147,10 @@ class Registry:
         raise LookupError(f"no live local DataServer can deliver to rank {rank}")
 
     def route(self, rank: int, task_id: int, cost: dict, exclude: set[str]):
-        t0 = time.perf_counter()
         with self._lock:
+            t0 = time.perf_counter()  # the decision itself, not the wait for the lock
             delivery = self.delivery_server(rank, exclude)
-            live = [(i, s) for i, s in enumerate(self._locals() + self._remotes()) if s.alive]
+            live = [(i, s) for i, s in enumerate(self._ordering()[1]) if s.alive]
             if any(s.server_id not in exclude for _, s in live):  # exclusions are hints, never fatal
                 live = [(i, s) for i, s in live if s.server_id not in exclude]
             cands = [Candidate(s.server_id, s.kind, i, s.workers, s.outstanding, s.queue_depth,
@@ -154,7 +163,7 @@ class Registry:
             chosen.outstanding += 1
             self._owner[task_id] = chosen.server_id
             self.routed += 1
-        us = (time.perf_counter() - t0) * 1e6
+            us = (time.perf_counter() - t0) * 1e6
         self.decision_us.append(us)
         entry = {"task_id": task_id, "rank": rank, "server": chosen.server_id, "delivery": delivery.server_id,
                  "reason": decision.reason, "scores": decision.scores, "us": round(us, 1)}
@@ -223,7 +232,7 @@ class CoordinatorServicer(pbg.CoordinatorServicer):
             context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         return pb.RouteReply(exec_server_id=chosen.server_id, exec_address=chosen.address,
                              delivery_server_id=delivery.server_id, delivery_address=delivery.address,
-                             reason=decision.reason, decision_us=us)
+                             reason=decision.reason, decision_us=us, exec_kind=chosen.kind)
 
     def ReportCompletion(self, request, context):
         self.registry.complete(request.task_id, request.server_id, request.latency_s, request.ok)

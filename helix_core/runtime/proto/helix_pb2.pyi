@@ -147,20 +147,22 @@ class RouteRequest(_message.Message):
     def __init__(self, client_id: _Optional[str] = ..., rank: _Optional[int] = ..., task_id: _Optional[int] = ..., cost: _Optional[_Union[CostTerm, _Mapping]] = ..., deadline_s: _Optional[float] = ..., exclude: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class RouteReply(_message.Message):
-    __slots__ = ("exec_server_id", "exec_address", "delivery_server_id", "delivery_address", "reason", "decision_us")
+    __slots__ = ("exec_server_id", "exec_address", "delivery_server_id", "delivery_address", "reason", "decision_us", "exec_kind")
     EXEC_SERVER_ID_FIELD_NUMBER: _ClassVar[int]
     EXEC_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     DELIVERY_SERVER_ID_FIELD_NUMBER: _ClassVar[int]
     DELIVERY_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     DECISION_US_FIELD_NUMBER: _ClassVar[int]
+    EXEC_KIND_FIELD_NUMBER: _ClassVar[int]
     exec_server_id: str
     exec_address: str
     delivery_server_id: str
     delivery_address: str
     reason: str
     decision_us: float
-    def __init__(self, exec_server_id: _Optional[str] = ..., exec_address: _Optional[str] = ..., delivery_server_id: _Optional[str] = ..., delivery_address: _Optional[str] = ..., reason: _Optional[str] = ..., decision_us: _Optional[float] = ...) -> None: ...
+    exec_kind: str
+    def __init__(self, exec_server_id: _Optional[str] = ..., exec_address: _Optional[str] = ..., delivery_server_id: _Optional[str] = ..., delivery_address: _Optional[str] = ..., reason: _Optional[str] = ..., decision_us: _Optional[float] = ..., exec_kind: _Optional[str] = ...) -> None: ...
 
 class CompletionReport(_message.Message):
     __slots__ = ("client_id", "task_id", "server_id", "latency_s", "ok")

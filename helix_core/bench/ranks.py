@@ -1,0 +1,140 @@
+"""Emulated training ranks: real processes in a torch.distributed (gloo) group.
+
+Each step: ``next(loader)`` (input wait), an emulated GPU window (a sleep as long as the model's
+cost of this rank's batch), then an all_reduce barrier (sync wait). The input systems compared at
+an equal CPU budget are built here: ``native`` (per-rank torch DataLoader with DistributedSampler),
+``ray`` (a shared Ray actor pool, see ``raypool``) and ``helix`` with its ablation variants.
+"""
+from __future__ import annotations
+
+import os
+import time
+import traceback
+from dataclasses import dataclass, field
+
+__all__ = ["HELIX_VARIANTS", "RankPlan", "rank_main"]
+
+#: Helix ablation (paper Table 3): loader options that switch mechanisms off.
+HELIX_VARIANTS = {
+    "helix-pool": {"prefetch_depth": 1, "device": "cpu"},  # shared pool only: copies out, no run-ahead
+    "helix-transport": {"prefetch_depth": 1},  # + zero-copy shared-memory delivery
+    "helix": {},  # + prefetch (and, as they land, token batching and cost / deadline placement)
+}
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    """Everything a rank process needs (picklable)."""
+
+    system: str
+    ranks: int
+    port: int
+    dataset: dict  # helix_spec of the dataset: {"target", "kwargs"}
+    batch_size: int
+    warmup: int
+    steps: int
+    window_scale: float  # seconds per cost unit
+    cost: tuple[float, float, float]  # ModelCost (a, b, c)
+    workers_per_rank: int  # native: DataLoader workers of each rank
+    prefetch: int
+    seed: int = 0
+    coordinator: str = ""  # helix
+    ray: dict = field(default_factory=dict)  # ray: address, namespace, actor names
+
+
+def _dataset(spec: dict):
+    from ..runtime.specs import resolve
+
+    return resolve(spec["target"])(**spec["kwargs"])
+
+
+def _native_loader(plan: RankPlan, rank: int, ds):
+    import torch
+
+    from ..collate import pad_collate
+
+    sampler = torch.utils.data.DistributedSampler(ds, num_replicas=plan.ranks, rank=rank, shuffle=True, seed=plan.seed)
+    kw = {}
+    if plan.workers_per_rank > 0:
+        kw = dict(num_workers=plan.workers_per_rank, prefetch_factor=plan.prefetch, persistent_workers=True,
+                  multiprocessing_context="spawn")
+    return torch.utils.data.DataLoader(ds, batch_size=plan.batch_size, sampler=sampler, collate_fn=pad_collate,
+                                       **kw), sampler.set_epoch
+
+
+def _helix_loader(plan: RankPlan, rank: int, ds):
+    from ..client.loader import DistributedDataLoader
+    from ..collate import pad_collate
+
+    opts = dict(prefetch_depth=plan.prefetch)
+    opts.update(HELIX_VARIANTS[plan.system])
+    loader = DistributedDataLoader(ds, batch_size=plan.batch_size, rank=rank, world_size=plan.ranks,
+                                   coordinator=plan.coordinator, shuffle=True, seed=plan.seed,
+                                   collate_fn=pad_collate, **opts)
+    return loader, loader.set_epoch
+
+
+def _batches(loader, set_epoch):
+    """Endless batches: epoch after epoch, like a training loop with ``set_epoch``."""
+    epoch = 0
+    while True:
+        set_epoch(epoch)
+        yield from loader
+        epoch += 1
+
+
+def rank_main(rank: int, plan: RankPlan, results, progress) -> None:
+    """Entry point of one rank process: run warm-up + measured steps, put its records on
+    ``results`` (a multiprocessing queue), and step counts on ``progress``."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(plan.port), OMP_NUM_THREADS="1")
+    loader = None
+    try:
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", rank=rank, world_size=plan.ranks)
+        ds = _dataset(plan.dataset)
+        if plan.system == "native":
+            loader, set_epoch = _native_loader(plan, rank, ds)
+        elif plan.system == "ray":
+            from .raypool import ray_loader
+
+            loader, set_epoch = ray_loader(plan, rank, ds)
+        else:
+            loader, set_epoch = _helix_loader(plan, rank, ds)
+        a, b, c = plan.cost
+        barrier = torch.zeros(1)
+        records, it = [], _batches(loader, set_epoch)
+        for step in range(plan.warmup + plan.steps):
+            t0 = time.perf_counter()
+            batch = next(it)
+            t1 = time.perf_counter()
+            tokens = batch["tokens"].double()
+            time.sleep(plan.window_scale * (float((a * tokens + b * tokens * tokens).sum()) + c))
+            t2 = time.perf_counter()
+            dist.all_reduce(barrier)
+            t3 = time.perf_counter()
+            if step >= plan.warmup:
+                records.append({"rank": rank, "step": step - plan.warmup, "input_wait_s": t1 - t0,
+                                "compute_s": t2 - t1, "sync_wait_s": t3 - t2, "step_s": t3 - t0,
+                                "samples": len(batch["index"]), "tokens": int(tokens.sum()),
+                                "indices": batch["index"].tolist()})
+            progress.put((plan.system, rank, step + 1))
+            del batch
+        extra = {"stats": loader.stats() if hasattr(loader, "stats") else {},
+                 "batch_ready_s": loader.batch_ready_s()[plan.warmup:plan.warmup + plan.steps] if hasattr(loader, "batch_ready_s") else []}
+        dist.barrier()
+        results.put(("ok", rank, records, extra))
+    except BaseException:
+        results.put(("error", rank, traceback.format_exc(), {}))
+    finally:
+        if loader is not None and hasattr(loader, "close"):
+            loader.close()
+        try:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        except Exception:
+            pass
