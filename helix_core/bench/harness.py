@@ -228,9 +228,7 @@ def run_one(cfg: BenchConfig, console=None, live=None) -> dict:
             "ranks": cfg.ranks, "budget": cfg.budget, "batch_size": cfg.batch_size, "steps": cfg.steps,
             "warmup": cfg.warmup, "ddl_tolerance_s": cfg.ddl_tolerance_s, "remote_servers": cfg.remote_servers,
             "cores": cores, "label": f"{cfg.workload} b{cfg.batch_size} rd{cfg.remote_servers} {cfg.regime}",
-            "bound": {"throughput_sps": bound.throughput_sps, "decode_s": bound.decode_s, "gpu_s": bound.gpu_s,
-                      "cpu_slots": slots, "limited_by": bound.limited_by,
-                      "decode_s_per_sample_mean": float(np.mean(list(decode.values())))},
+            "bound": {**bound.as_dict(), "decode_s_per_sample_mean": float(np.mean(list(decode.values())))},
             "systems": systems}
 
 
@@ -265,5 +263,5 @@ def run_bench(configs: list[BenchConfig], out_dir: str | os.PathLike, console=No
     if console is not None:
         for run in runs:
             print_table(console, run)
-        console.print(f"report: {paths.get('report', Path(out_dir) / 'report.md')}")
+        console.print(f"report: {paths['report.md']}  (results.json and figures beside it)")
     return runs

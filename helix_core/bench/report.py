@@ -182,6 +182,10 @@ def _heading(run: Mapping) -> tuple[str, list[str]]:
         f"{_fmt(run['ddl_tolerance_s'], '.1f', 1e3)} ms; GPU window scale {_fmt(run['window_scale'], '.3g')}",
         _bound_line(run["bound"]),
     ]
+    extras = {k: v for k, v in run.items()
+              if k not in RUN_KEYS and k not in ("note", "label") and not isinstance(v, (Mapping, list))}
+    if extras:  # the harness's own settings (remote_servers, ...): say them, they may explain the numbers
+        facts.append("Also: " + ", ".join(f"{k} = {v}" for k, v in extras.items()))
     return title, facts
 
 
