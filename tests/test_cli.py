@@ -33,10 +33,21 @@ def test_unknown_workload_lists_valid_ones(tmp_path):
     assert r.returncode == 2 and "kinetics-mixed" in r.stderr
 
 
-@pytest.mark.timeout(300)
-def test_demo_runs(tmp_path):
+@pytest.mark.timeout(400)
+def test_demo_and_bench_write_a_report(tmp_path):
     import os
 
-    r = _helix("demo", "--clips", "3", env={**os.environ, "HELIX_CACHE": str(tmp_path), "COLUMNS": "160"})
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert "predicted CPU ms" in r.stdout and "64x448x448" in r.stdout
+    env = {**os.environ, "HELIX_CACHE": str(tmp_path / "cache"), "COLUMNS": "200"}
+    r = _helix("demo", "--clips", "6", "--scale", "0.25", "--warmup", "1", "--steps", "4", "--out", str(tmp_path / "demo"),
+               env=env, timeout=380)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "native" in r.stdout and "helix" in r.stdout and "report:" in r.stdout
+    results = json.loads((tmp_path / "demo" / "results.json").read_text())
+    assert {"workload", "regime", "window_scale", "ranks", "budget", "batch_size", "steps", "warmup",
+            "ddl_tolerance_s", "bound", "systems"} <= set(results)
+    assert set(results["systems"]) == {"native", "helix"} and results["steps"] == 4
+    for name, m in results["systems"].items():
+        assert m["throughput_sps"] > 0 and len(m["per_rank"]) == 2 and 0 < m["bound_fraction"], name
+    assert "x |" in (tmp_path / "demo" / "report.md").read_text() or "1.00x" in (tmp_path / "demo" / "report.md").read_text()
+    for fig in ("fig2_step_time_p95.png", "fig8_wait_breakdown.png", "fig10_throughput.png"):
+        assert (tmp_path / "demo" / fig).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

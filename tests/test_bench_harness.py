@@ -1,0 +1,36 @@
+"""A tiny real `helix bench` run: every system consumes the same samples; Ray absent is a clear skip."""
+import json
+
+import pytest
+
+from helix_core.bench import harness
+from helix_core.bench.harness import BenchConfig, run_bench
+
+
+@pytest.mark.timeout(400)
+def test_tiny_run_writes_results_for_each_system(tmp_path, monkeypatch):
+    monkeypatch.setattr("helix_core.bench.raypool.ray_available", lambda: "Ray is not installed (test)")
+    cfg = BenchConfig(ranks=2, budget=2, batch_size=2, warmup=1, steps=3, clips=6, scale=0.25,
+                      systems=("native", "ray", "helix-pool", "helix"), data_dir=str(tmp_path / "data"))
+    runs = run_bench([cfg], tmp_path / "out")
+    results = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert results["systems"]["ray"] == {"skipped": "Ray is not installed (test)"}
+    for name in ("native", "helix-pool", "helix"):
+        m = results["systems"][name]
+        assert m["steps"] == 3 and m["throughput_sps"] > 0 and [r["rank"] for r in m["per_rank"]] == [0, 1]
+    assert runs[0]["bound"]["decode_s"] > 0 and results["bound"]["throughput_sps"] > 0
+    assert "Ray is not installed" in (tmp_path / "out" / "report.md").read_text()
+
+
+def test_a_system_that_consumes_other_samples_is_caught(tmp_path, monkeypatch):
+    real = harness.expected_indices
+
+    def shifted(n, cfg):  # the harness expects other samples than the ranks will consume
+        plan = real(n, cfg)
+        return [[[(i + 1) % n for i in b] for b in rank] for rank in plan]
+
+    monkeypatch.setattr(harness, "expected_indices", shifted)
+    cfg = BenchConfig(ranks=2, budget=2, batch_size=2, warmup=0, steps=2, clips=6, scale=0.25, systems=("native",),
+                      data_dir=str(tmp_path / "data"))
+    with pytest.raises(RuntimeError, match="consumed samples"):
+        harness.run_one(cfg)
