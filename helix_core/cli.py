@@ -75,6 +75,7 @@ def _cmd_bench(a, console) -> int:
                            systems=tuple(_split(a.systems)), warmup=a.warmup, steps=a.steps, regime=r,
                            window_scale=a.window_scale, remote_servers=rd, prefetch=a.prefetch, clips=a.clips,
                            scale=a.scale, seed=a.seed, ddl_tolerance_s=a.ddl_tolerance_ms / 1e3,
+                           compute=a.compute, device=a.device,
                            data_dir=a.data or str(_cache_dir() / "bench-data"))
                for w in _split(a.workload) for r in _split(a.regime) for b in _split(a.batch_size, int)
                for rd in _split(a.remote_servers, int)]
@@ -135,6 +136,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--steps", type=int, default=100)
     s.add_argument("--regime", default="gpu-bound", help="gpu-bound, cpu-bound, or both comma-separated")
     s.add_argument("--window-scale", type=float, default=None, help="seconds per GPU cost unit (overrides --regime)")
+    s.add_argument("--compute", choices=("emulate", "model"), default="emulate",
+                   help="emulate: sleep for the GPU window; model: a real tiny model's forward and backward")
+    s.add_argument("--device", default="cpu", help="with --compute model: cpu or cuda")
     s.add_argument("--remote-servers", default="0", help="comma-separated list: the rd sweep")
     s.add_argument("--prefetch", type=int, default=4, help="batches in flight per rank (all systems)")
     s.add_argument("--clips", type=int, default=48)

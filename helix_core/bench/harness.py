@@ -45,6 +45,8 @@ class BenchConfig:
     scale: float = 1.0
     seed: int = 0
     ddl_tolerance_s: float = 0.010
+    compute: str = "emulate"  # or "model": a real tiny model's forward and backward (GPU machines)
+    device: str = "cpu"
     data_dir: str = str(Path.home() / ".cache" / "helix" / "bench-data")
 
     def __post_init__(self):
@@ -53,6 +55,8 @@ class BenchConfig:
             raise ValueError(f"systems {bad}; valid: {', '.join(SYSTEMS)}")
         if self.regime not in REGIMES:
             raise ValueError(f"regime={self.regime!r}; valid: {', '.join(REGIMES)}")
+        if self.compute not in ("emulate", "model"):
+            raise ValueError(f"compute={self.compute!r}; valid: emulate, model")
         if self.model not in MODEL_COSTS:
             raise ValueError(f"model={self.model!r}; valid: {', '.join(MODEL_COSTS)}")
         if min(self.ranks, self.batch_size, self.budget, self.steps, self.prefetch, self.clips) < 1 or self.warmup < 0:
@@ -193,7 +197,8 @@ def run_one(cfg: BenchConfig, console=None, live=None) -> dict:
                   samples=sum(len(b) for b in measured))
     plan = RankPlan(system="", ranks=cfg.ranks, port=0, dataset=ds.helix_spec(), batch_size=cfg.batch_size,
                     warmup=cfg.warmup, steps=cfg.steps, window_scale=scale, cost=(cost.a, cost.b, cost.c),
-                    workers_per_rank=max(1, cfg.budget // cfg.ranks), prefetch=cfg.prefetch, seed=cfg.seed)
+                    workers_per_rank=max(1, cfg.budget // cfg.ranks), prefetch=cfg.prefetch, seed=cfg.seed,
+                    compute=cfg.compute, device=cfg.device)
     systems = {}
     for system in cfg.systems:
         if system == "ray":
@@ -227,6 +232,7 @@ def run_one(cfg: BenchConfig, console=None, live=None) -> dict:
     return {"workload": cfg.workload, "model": cfg.model, "regime": cfg.regime, "window_scale": scale,
             "ranks": cfg.ranks, "budget": cfg.budget, "batch_size": cfg.batch_size, "steps": cfg.steps,
             "warmup": cfg.warmup, "ddl_tolerance_s": cfg.ddl_tolerance_s, "remote_servers": cfg.remote_servers,
+            "compute": cfg.compute,
             "cores": cores, "label": f"{cfg.workload} b{cfg.batch_size} rd{cfg.remote_servers} {cfg.regime}",
             "bound": {**bound.as_dict(), "decode_s_per_sample_mean": float(np.mean(list(decode.values())))},
             "systems": systems}

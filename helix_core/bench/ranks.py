@@ -1,7 +1,8 @@
 """Emulated training ranks: real processes in a torch.distributed (gloo) group.
 
 Each step: ``next(loader)`` (input wait), an emulated GPU window (a sleep as long as the model's
-cost of this rank's batch), then an all_reduce barrier (sync wait). The input systems compared at
+cost of this rank's batch, or with ``compute="model"`` a real tiny model's forward and backward),
+then an all_reduce (sync wait). The input systems compared at
 an equal CPU budget are built here: ``native`` (per-rank torch DataLoader with DistributedSampler),
 ``ray`` (a shared Ray actor pool, see ``raypool``) and ``helix`` with its ablation variants.
 """
@@ -38,6 +39,8 @@ class RankPlan:
     workers_per_rank: int  # native: DataLoader workers of each rank
     prefetch: int
     seed: int = 0
+    compute: str = "emulate"  # "emulate": sleep for the cost model's window; "model": a real tiny model
+    device: str = "cpu"  # --compute model: where it runs ("cuda" takes GPU rank % count)
     coordinator: str = ""  # helix
     ray: dict = field(default_factory=dict)  # ray: address, namespace, actor names
 
@@ -105,15 +108,29 @@ def rank_main(rank: int, plan: RankPlan, results, progress) -> None:
             loader, set_epoch = _helix_loader(plan, rank, ds)
         a, b, c = plan.cost
         barrier = torch.zeros(1)
+        model = None
+        if plan.compute == "model":
+            from .model import ModelCompute
+
+            device = plan.device
+            if device == "cuda":
+                device = f"cuda:{rank % max(torch.cuda.device_count(), 1)}"
+            model = ModelCompute(device, seed=plan.seed)
         records, it = [], _batches(loader, set_epoch)
         for step in range(plan.warmup + plan.steps):
             t0 = time.perf_counter()
             batch = next(it)
             t1 = time.perf_counter()
             tokens = batch["tokens"].double()
-            time.sleep(plan.window_scale * (float((a * tokens + b * tokens * tokens).sum()) + c))
+            if model is None:
+                time.sleep(plan.window_scale * (float((a * tokens + b * tokens * tokens).sum()) + c))
+            else:
+                model(batch)
             t2 = time.perf_counter()
-            dist.all_reduce(barrier)
+            if model is None:
+                dist.all_reduce(barrier)
+            else:
+                model.all_reduce_grads()
             t3 = time.perf_counter()
             if step >= plan.warmup:
                 records.append({"rank": rank, "step": step - plan.warmup, "input_wait_s": t1 - t0,
