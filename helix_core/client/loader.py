@@ -125,10 +125,12 @@ class DistributedDataLoader:
                 "drop_last": self.drop_last, "num_samples": len(self.dataset)}
 
     def load_state_dict(self, state: dict) -> None:
+        """Resume from ``state_dict()`` (any rank's): the next iteration continues mid-epoch.
+        A state made with another seed, world size, batch size or dataset is refused."""
+        mine = self.state_dict()
         for key in ("seed", "world_size", "batch_size", "shuffle", "drop_last", "num_samples"):
-            if key in state and state[key] != getattr(self, key, len(self.dataset) if key == "num_samples" else None):
-                raise ValueError(f"cannot resume: state has {key}={state[key]!r}, this loader "
-                                 f"{getattr(self, key, len(self.dataset))!r}")
+            if key in state and state[key] != mine[key]:
+                raise ValueError(f"cannot resume: state has {key}={state[key]!r}, this loader {mine[key]!r}")
         self._epoch, self._resume = int(state["epoch"]), int(state["batches_yielded"])
         self._position = self._resume
 
