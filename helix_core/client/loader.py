@@ -8,6 +8,7 @@ ahead of the training loop, and batches arrive through shared memory.
 from __future__ import annotations
 
 import os
+import threading
 import time
 import warnings
 
@@ -98,6 +99,8 @@ class DistributedDataLoader:
         self._epoch, self._resume, self._iteration = 0, 0, 0
         self._position = 0  # batches yielded by the last iteration (0 once an epoch completed)
         self._next_task = (self.rank << 40) + 1
+        self._unread: set = set()  # cancelled requests whose replies are still on their way
+        self._unread_lock = threading.Lock()
         self._closed = False
 
     # ---- the torch DataLoader surface ----------------------------------------------------------------
@@ -148,6 +151,12 @@ class DistributedDataLoader:
             return
         self._closed = True
         self._root.shutdown()
+        deadline = time.monotonic() + self.config.rpc_timeout_s
+        while time.monotonic() < deadline:
+            with self._unread_lock:
+                if all(f.done() for f in self._unread):
+                    break
+            time.sleep(0.01)  # running tasks finish within a batch; their replies free their slabs
         self.client.close()
         if self._embedded:
             release_embedded()
@@ -278,9 +287,13 @@ class DistributedDataLoader:
                 continue
             if not fut.done():
                 self.client.cancel(job.routes[k].exec_address, [job.task_ids[k]])
+                with self._unread_lock:
+                    self._unread.add(fut)  # close() waits for these, or their slabs would be stranded
             fut.add_done_callback(self._release_reply)
 
     def _release_reply(self, fut) -> None:
+        with self._unread_lock:
+            self._unread.discard(fut)
         try:
             reply = fut.result()
         except Exception:
