@@ -26,7 +26,7 @@ class LoaderStats:
         self.input_wait = collections.deque(maxlen=window)
         self.batch_ready = collections.deque(maxlen=window)
         self.decision_us = collections.deque(maxlen=window)
-        self.batches = self.skipped = self.resubmits = self.cross_ds_bytes = self.duplicates = 0
+        self.batches = self.skipped = self.resubmits = self.cross_ds_bytes = 0
 
     def as_dict(self) -> dict:
         waits = list(self.input_wait)
@@ -36,7 +36,7 @@ class LoaderStats:
             "input_wait_p50_s": percentile(waits, 50), "input_wait_p95_s": percentile(waits, 95),
             "batch_ready_p50_s": percentile(self.batch_ready, 50), "batch_ready_p95_s": percentile(self.batch_ready, 95),
             "ddl_miss_rate": misses / len(waits) if waits else math.nan, "ddl_tolerance_s": self.ddl_tolerance_s,
-            "skipped": self.skipped, "resubmits": self.resubmits, "duplicates_dropped": self.duplicates,
+            "skipped": self.skipped, "resubmits": self.resubmits,
             "cross_ds_bytes": self.cross_ds_bytes,
             "scheduler_overhead_us_p50": percentile(self.decision_us, 50),
             "scheduler_overhead_us_p99": percentile(self.decision_us, 99),

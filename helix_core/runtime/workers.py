@@ -145,7 +145,8 @@ class WorkerPool:
         self._stop = threading.Event()
         self.completed, self.respawns = 0, 0
         self._graveyard: list[str] = []  # dead workers' slabs still held by clients
-        self.latency_per_cost = 1.0
+        self.latency_per_cost = 1.0  # not measured yet: Execute carries no predicted cost (the deadline-aware
+        # placement issue adds it, and with it this feedback term of paper Eq. 1)
         self._workers = [_Worker(i, 0, shm_prefix, allow_pickle) for i in range(n)]
         self._thread = threading.Thread(target=self._supervise, name="helix-supervisor", daemon=True)
         self._thread.start()
