@@ -7,6 +7,7 @@ same CPU budget and checks that every system consumed the same samples.
 """
 from __future__ import annotations
 
+import math
 import multiprocessing as mp
 import os
 import queue
@@ -223,9 +224,9 @@ def run_one(cfg: BenchConfig, console=None, live=None) -> dict:
                                           samples=rec["samples"], tokens=rec["tokens"]))
             stats = extra.get("stats") or {}
             cross += int(stats.get("cross_ds_bytes", 0) or 0)
-            if stats.get("scheduler_overhead_us_p99") == stats.get("scheduler_overhead_us_p99"):  # not NaN
-                if stats.get("scheduler_overhead_us_p99") is not None:
-                    overhead.append(float(stats["scheduler_overhead_us_p99"]))
+            p99 = stats.get("scheduler_overhead_us_p99")
+            if p99 is not None and not math.isnan(p99):  # native and ray make no placement decisions
+                overhead.append(float(p99))
         systems[system] = system_metrics(records, ddl_tolerance_s=cfg.ddl_tolerance_s, bound=bound,
                                          cross_ds_bytes=cross, scheduler_overhead_us=overhead,
                                          cpu_util=_cpu_util(cpu))
@@ -260,11 +261,10 @@ def run_bench(configs: list[BenchConfig], out_dir: str | os.PathLike, console=No
 
         for cfg in configs:
             runs.append(run_one(cfg, console=bar.console, live=live))
-    if cfg.remote_servers or any(c.remote_servers for c in configs):
+    if any(c.remote_servers for c in configs) and (os.cpu_count() or 1) <= 2:
         for run in runs:
-            if (os.cpu_count() or 1) <= 2:
-                run["note"] = ("on a 2-core machine extra remote DataServers add no CPU: this sweep measures their "
-                               "overhead, not added capacity")
+            run["note"] = ("on a 2-core machine extra remote DataServers add no CPU: this sweep measures their "
+                           "overhead, not added capacity")
     paths = write_report(out_dir, runs)
     if console is not None:
         for run in runs:

@@ -230,7 +230,7 @@ class Dispatch(BaseNode):
                 break
             except queue.Empty:
                 if not any(t.is_alive() for t in self._threads) and self._out.empty():
-                    raise RuntimeError("Helix dispatch threads stopped unexpectedly")
+                    raise RuntimeError("Helix dispatch threads stopped unexpectedly") from None
         if item is None:
             self._out.put(None)  # stay exhausted
             raise StopIteration

@@ -13,7 +13,6 @@ import logging
 import os
 import socket
 import threading
-import time
 
 import grpc
 
@@ -51,6 +50,8 @@ class DataServerServicer(pbg.DataServerServicer):
         self.cross_ds_bytes = 0
         self._stubs: dict[str, pbg.DataServerStub] = {}
         self._lock = threading.Lock()
+        # maps of the workers' slabs, kept: they are reused, so a stream never re-faults their pages
+        self.reader = shm.SlabReader()
 
     def Hello(self, request, context):
         return pb.HelloReply(protocol_version=PROTOCOL_VERSION, cluster_id=self.cluster_id,
@@ -120,22 +121,20 @@ class DataServerServicer(pbg.DataServerServicer):
             stub = self._stubs.get(address)
             if stub is None:
                 stub = self._stubs[address] = pbg.DataServerStub(connect(address, self.config))
-        reader = shm.SlabReader()
+        payload = self.reader.view(result["handle"])
+        total = result["handle"]["nbytes"]
+        header = pb.StreamHeader(task_id=task_id, tree_json=result["tree_json"], tree_pickle=result["tree_pickle"],
+                                 tensors=_metas_to_pb(result["metas"]), total_bytes=total)
+
+        def chunks():
+            yield pb.StreamChunk(header=header)
+            for c in iter_chunks(payload, total, self.config.stream_chunk_bytes):
+                yield pb.StreamChunk(data=c)
+
         try:
-            payload = reader.view(result["handle"])
-            total = result["handle"]["nbytes"]
-            header = pb.StreamHeader(task_id=task_id, tree_json=result["tree_json"], tree_pickle=result["tree_pickle"],
-                                     tensors=_metas_to_pb(result["metas"]), total_bytes=total)
-
-            def chunks():
-                yield pb.StreamChunk(header=header)
-                for c in iter_chunks(payload, total, self.config.stream_chunk_bytes):
-                    yield pb.StreamChunk(data=c)
-
             reply = stub.Deliver(chunks(), timeout=self.config.execute_timeout_s, metadata=call_metadata(self.token))
-            del payload
         finally:
-            reader.close()
+            payload.release()
         with self._lock:
             self.cross_ds_bytes += total
         return reply
@@ -225,4 +224,5 @@ def serve_dataserver(coordinator: str, kind: str, local_rank: int, workers: int,
         server.stop(grace=min(1.0, config.stop_timeout_s)).wait(config.stop_timeout_s)
         pool.close()
         slabs.close()
+        servicer.reader.close()
         shm.sweep(f"helix-{hello.cluster_id}-{tag}")
