@@ -49,3 +49,11 @@ class IndexDataset(torch.utils.data.Dataset):
                 "kwargs": {"n": self.n, "shape": list(self.shape), "delays": {str(k): v for k, v in self.delays.items()},
                            "fail": {str(k): v for k, v in self.fail.items()},
                            "crash": {str(k): v for k, v in self.crash.items()}}}
+
+
+def pair_collate(samples: list[dict]):
+    """Collate ``IndexDataset`` samples as ``(x, index)`` pairs, the way tuple-returning datasets
+    reach ``default_collate``: the batch is an ``[X, indices]`` pair of columns."""
+    from torch.utils.data import default_collate
+
+    return default_collate([(s["x"], s["index"]) for s in samples])

@@ -143,6 +143,18 @@ def test_microbatch_fanout_merges_and_pads(cluster, kmix):
         assert got["video_lengths"].tolist() == want["video_lengths"].tolist()
 
 
+def test_microbatches_of_tuple_samples_merge_field_by_field(cluster):
+    from helix_core.testing import pair_collate
+
+    ds = IndexDataset(10)
+    with loader(ds, cluster, batch_size=4, rank=0, world_size=1, microbatch_size=2, collate_fn=pair_collate) as ld:
+        got = list(ld)
+    want = torch_batches(ds, 4, 0, 1, collate_fn=pair_collate)
+    assert [len(b) for b in got] == [2, 2, 2]  # (X, indices), never (X1, i1, X2, i2)
+    for (x, idx), (wx, widx) in zip(got, want):
+        assert torch.equal(x, wx) and torch.equal(idx, widx)
+
+
 def test_option_values_not_built_list_valid_ones(cluster):
     ds = IndexDataset(4)
     with pytest.raises(ValueError, match="least-request"):

@@ -219,6 +219,35 @@ def test_merge_batches_concatenates_and_pads():
     assert T.merge_batches([a]) is a
 
 
+def _samples(kind: str, n: int):
+    if kind == "tuple":  # (x, y) samples: default_collate gives an (X, Y) pair of columns
+        return [(torch.full((3,), float(i)), i) for i in range(n)]
+    if kind == "nested":  # dict samples with a caption, a pair and a nested dict
+        return [{"x": torch.arange(i, i + 2), "caption": f"clip {i}", "pair": (i, [i, i]), "meta": {"fps": 30.0 + i}}
+                for i in range(n)]
+    return [[torch.tensor([i]), f"p{i}"] for i in range(n)]  # list samples
+
+
+@pytest.mark.parametrize("kind", ["tuple", "nested", "list"])
+@pytest.mark.parametrize("parts", [[1, 1], [2, 2], [2, 1, 3]])
+def test_merged_microbatches_equal_one_collated_batch(kind, parts):
+    from torch.utils.data import default_collate
+
+    samples = _samples(kind, sum(parts))
+    bounds = np.cumsum([0, *parts])
+    micro = [default_collate(samples[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
+    want, got = default_collate(samples), T.merge_batches(micro, rows=parts)
+    assert type(got) is type(want)
+    assert repr(got) == repr(want)
+
+
+def test_merge_batches_keeps_per_sample_tensor_lists():
+    a = [torch.zeros(16, 2), torch.zeros(16, 2)]  # a custom collate's list of per-sample clips
+    b = [torch.ones(16, 2)]
+    out = T.merge_batches([a, b], rows=[2, 1])
+    assert isinstance(out, list) and len(out) == 3 and out[2].eq(1).all()
+
+
 def test_merge_batches_names_what_disagrees():
     with pytest.raises(ValueError, match="'mask'"):
         T.merge_batches([{"x": [1], "mask": [1]}, {"x": [2]}])

@@ -2,18 +2,16 @@
 embedded cluster of a one-line loader, and torchrun ranks sharing one embedded cluster."""
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
 import textwrap
 
 import pytest
+from dataplane import CFG, assert_same_batches, torch_batches
 
 import helix_core as hx
 from helix_core.testing import IndexDataset
-
-from dataplane import CFG, assert_same_batches, torch_batches
 
 
 def _start(args, env=None):
@@ -67,7 +65,9 @@ _RANK_SCRIPT = textwrap.dedent("""
     sampler = torch.utils.data.DistributedSampler(ds, int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"]),
                                                   shuffle=True, seed=5)
     want = [b["index"].tolist() for b in torch.utils.data.DataLoader(ds, batch_size=3, sampler=sampler)]
-    print("RESULT", json.dumps({"rank": ld.rank, "ok": got == want, "owner": ld._cluster is not None}), flush=True)
+    result = {"rank": ld.rank, "ok": got == want, "owner": ld._cluster is not None}
+    with open(f"result-{ld.rank}.json", "w") as f:  # a file, not stdout: torchrun may redirect the ranks' streams
+        json.dump(result, f)
     import torch.distributed as dist
     dist.init_process_group("gloo")
     dist.barrier()  # local rank 0 owns the cluster: it must outlive the other ranks' use
@@ -77,13 +77,14 @@ _RANK_SCRIPT = textwrap.dedent("""
 
 @pytest.mark.timeout(240)
 def test_torchrun_local_rank_zero_starts_and_shares_the_cluster(tmp_path):
-    torchrun = shutil.which("torchrun") or os.path.join(os.path.dirname(sys.executable), "torchrun")
     script = tmp_path / "train.py"
     script.write_text(_RANK_SCRIPT)
     env = {k: v for k, v in os.environ.items() if k not in ("HELIX_COORDINATOR", "HELIX_TOKEN")}
-    r = subprocess.run([torchrun, "--standalone", "--nproc-per-node", "2", str(script)], capture_output=True,
+    torchrun = [sys.executable, "-m", "torch.distributed.run"]  # this interpreter's torchrun, whatever PATH says
+    r = subprocess.run([*torchrun, "--standalone", "--nproc-per-node", "2", str(script)], capture_output=True,
                        text=True, timeout=200, env=env, cwd=tmp_path)
-    results = [json.loads(line.split(" ", 1)[1]) for line in r.stdout.splitlines() if line.startswith("RESULT ")]
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
-    assert sorted(x["rank"] for x in results) == [0, 1] and all(x["ok"] for x in results)
+    output = r.stdout[-2000:] + r.stderr[-4000:]
+    assert r.returncode == 0, output
+    results = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("result-*.json"))]
+    assert sorted(x["rank"] for x in results) == [0, 1] and all(x["ok"] for x in results), (results, output)
     assert [x["owner"] for x in sorted(results, key=lambda x: x["rank"])] == [True, False]

@@ -268,7 +268,7 @@ class DistributedDataLoader:
                 batches.append(batch)
         if error is not None:
             raise error
-        batch = batches[0] if len(batches) == 1 else merge_batches(batches)
+        batch = batches[0] if len(batches) == 1 else merge_batches(batches, rows=[len(p) for p in job.parts])
         if self.pin_memory:
             batch = _map_tensors(batch, _pin)
         if self.device is not None:

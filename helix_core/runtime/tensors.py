@@ -297,7 +297,29 @@ def _pad_cat(parts: list, path: str, zeros, cat):
     return out
 
 
-def _merge(items: list, path: str):
+def _rows(x) -> int | None:
+    """The leading (sample) dimension of a collated batch part, or None where it has none."""
+    if isinstance(x, (torch.Tensor, np.ndarray)):
+        return x.shape[0] if x.ndim else None
+    if isinstance(x, dict):
+        rows = {_rows(v) for v in x.values()}
+        return rows.pop() if len(rows) == 1 else None
+    if isinstance(x, (list, tuple)):
+        rows = _columns_rows(x)
+        return len(x) if rows is None else rows
+    return None
+
+
+def _columns_rows(x: list | tuple) -> int | None:
+    """If ``x`` is what ``default_collate`` makes of sequence samples (one collated column per
+    field, all with the same number of rows), that number; else None (a list of per-sample values)."""
+    if not x or not all(isinstance(c, (torch.Tensor, np.ndarray, dict, list, tuple)) for c in x):
+        return None
+    rows = {_rows(c) for c in x}
+    return rows.pop() if len(rows) == 1 and None not in rows else None
+
+
+def _merge(items: list, path: str, rows: list | None):
     first = items[0]
     if any(type(x) is not type(first) for x in items):
         raise ValueError(f"{path}: types differ across microbatches: {[type(x).__name__ for x in items]}")
@@ -306,23 +328,34 @@ def _merge(items: list, path: str):
     if isinstance(first, np.ndarray):
         return _pad_cat(items, path, lambda shape, dt: np.zeros(shape, dtype=dt), np.concatenate)
     if isinstance(first, (list, tuple)):
-        merged = [x for item in items for x in item]
+        lead = [_columns_rows(x) for x in items]
+        columns = len({len(x) for x in items}) == 1 and None not in lead and (rows is None or lead == rows)
+        if columns:  # (X, Y) batches of tuple samples: merge field by field, never (X1, Y1, X2, Y2)
+            merged = [_merge([x[j] for x in items], f"{path}[{j}]", rows) for j in range(len(first))]
+        else:  # per-sample values (captions, paths): concatenate
+            merged = [x for item in items for x in item]
         return merged if type(first) is list else tuple(merged)
     if isinstance(first, dict):
         for item in items[1:]:
             if item.keys() != first.keys():
                 diff = sorted(map(repr, item.keys() ^ first.keys()))
                 raise ValueError(f"{path}: microbatches have different keys: {', '.join(diff)}")
-        return {k: _merge([item[k] for item in items], f"{path}[{k!r}]") for k in first}
+        return {k: _merge([item[k] for item in items], f"{path}[{k!r}]", rows) for k in first}
     if any(x != first for x in items[1:]):
         raise ValueError(f"{path}: microbatches disagree on a value that is not a batch: {items}")
     return first
 
 
-def merge_batches(batches: list):
-    """One batch from microbatches of the same structure: tensors/arrays concatenated on dim 0
-    (other dims zero-padded to the largest), lists and tuples concatenated, dicts merged key by
-    key, equal scalars kept. Raises ValueError naming the path where the structures disagree."""
+def merge_batches(batches: list, rows: list[int] | None = None):
+    """One batch from microbatches of the same structure, equal to collating all their samples at
+    once: tensors/arrays concatenated on dim 0 (other dims zero-padded to the largest), dicts merged
+    key by key, equal scalars kept. A list or tuple is merged field by field when it is
+    ``default_collate``'s batch of sequence samples (equal lengths, every element a collated column
+    with the microbatch's row count — ``rows[k]`` samples for microbatch ``k`` when given), and
+    concatenated when it holds per-sample values (strings, or tensors of their own sizes). Raises
+    ValueError naming the path where the structures disagree."""
     if not batches:
         raise ValueError("merge_batches([]): nothing to merge")
-    return batches[0] if len(batches) == 1 else _merge(list(batches), "batch")
+    if rows is not None and len(rows) != len(batches):
+        raise ValueError(f"merge_batches: {len(rows)} row counts for {len(batches)} microbatches")
+    return batches[0] if len(batches) == 1 else _merge(list(batches), "batch", rows)
