@@ -23,6 +23,7 @@ from .proto import helix_pb2 as pb
 from .proto import helix_pb2_grpc as pbg
 from .rpc import connect
 from .tensors import ChunkWriter, iter_chunks
+from .wire import add_servicer, deliver_callable
 from .workers import WorkerPool
 
 __all__ = ["DataServerServicer", "serve_dataserver"]
@@ -48,7 +49,7 @@ class DataServerServicer(pbg.DataServerServicer):
         self.address, self.kind = address, kind
         self.server_id, self.cluster_id = "", ""
         self.cross_ds_bytes = 0
-        self._stubs: dict[str, pbg.DataServerStub] = {}
+        self._deliver: dict[str, object] = {}  # address -> Deliver callable (runtime.wire)
         self._lock = threading.Lock()
         # maps of the workers' slabs, kept: they are reused, so a stream never re-faults their pages
         self.reader = shm.SlabReader()
@@ -118,9 +119,9 @@ class DataServerServicer(pbg.DataServerServicer):
     def _stream(self, task_id: int, result: dict, address: str) -> pb.DeliverReply:
         """Send a worker's batch to the delivering DataServer: header, then raw chunks."""
         with self._lock:
-            stub = self._stubs.get(address)
-            if stub is None:
-                stub = self._stubs[address] = pbg.DataServerStub(connect(address, self.config))
+            deliver = self._deliver.get(address)
+            if deliver is None:
+                deliver = self._deliver[address] = deliver_callable(connect(address, self.config))
         payload = self.reader.view(result["handle"])
         total = result["handle"]["nbytes"]
         header = pb.StreamHeader(task_id=task_id, tree_json=result["tree_json"], tree_pickle=result["tree_pickle"],
@@ -128,11 +129,10 @@ class DataServerServicer(pbg.DataServerServicer):
 
         def chunks():
             yield pb.StreamChunk(header=header)
-            for c in iter_chunks(payload, total, self.config.stream_chunk_bytes):
-                yield pb.StreamChunk(data=c)
+            yield from iter_chunks(payload, total, self.config.stream_chunk_bytes)  # raw: one copy each
 
         try:
-            reply = stub.Deliver(chunks(), timeout=self.config.execute_timeout_s, metadata=call_metadata(self.token))
+            reply = deliver(chunks(), timeout=self.config.execute_timeout_s, metadata=call_metadata(self.token))
         finally:
             payload.release()
         with self._lock:
@@ -140,8 +140,8 @@ class DataServerServicer(pbg.DataServerServicer):
         return reply
 
     def Deliver(self, request_iterator, context):
-        first = next(request_iterator, None)
-        if first is None or first.WhichOneof("part") != "header":
+        first = next(request_iterator, None)  # chunks come as runtime.wire.decode_chunk makes them
+        if not isinstance(first, pb.StreamChunk) or first.WhichOneof("part") != "header":
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a delivery stream starts with a header")
         h = first.header
         if h.tree_pickle and not self.token:
@@ -150,7 +150,7 @@ class DataServerServicer(pbg.DataServerServicer):
         try:
             writer = ChunkWriter(slab.payload, h.total_bytes)
             for chunk in request_iterator:
-                writer.write(chunk.data)
+                writer.write(chunk if isinstance(chunk, memoryview) else chunk.data)
             if not writer.done:
                 raise ValueError(f"stream for task {h.task_id} ended early")
         except Exception as e:
@@ -202,7 +202,7 @@ def serve_dataserver(coordinator: str, kind: str, local_rank: int, workers: int,
     pool = WorkerPool(workers, f"helix-{hello.cluster_id}-{tag}", allow_pickle=bool(token), config=config)
     servicer = DataServerServicer(pool, slabs, config, token, address, kind)
     servicer.cluster_id = hello.cluster_id
-    pbg.add_DataServerServicer_to_server(servicer, server)
+    add_servicer(servicer, server)  # the generated registration, with zero-copy Deliver chunks
     server.start()
 
     def register():
