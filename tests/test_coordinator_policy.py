@@ -2,7 +2,7 @@
 import pytest
 
 from helix_core.config import ClusterConfig
-from helix_core.planning.placement import Candidate, LeastRequest, PlacementRequest, make_policy
+from helix_core.planning.placement import Candidates, LeastRequest, PlacementRequest, make_policy
 from helix_core.runtime.coordinator import Registry
 
 
@@ -17,15 +17,21 @@ class Clock:
 def test_least_request_prefers_fewest_outstanding_per_worker_then_local():
     p = LeastRequest()
     req = PlacementRequest(rank=0, task_id=1)
-    c = [Candidate("a", "local", 0, workers=2, outstanding=4, local=True),
-         Candidate("b", "local", 1, workers=1, outstanding=1),
-         Candidate("r", "remote", 2, workers=4, outstanding=4)]
+    c = Candidates.from_rows([{"server_id": "a", "kind": "local", "workers": 2, "outstanding": 4},
+                              {"server_id": "b", "kind": "local", "workers": 1, "outstanding": 1},
+                              {"server_id": "r", "kind": "remote", "workers": 4, "outstanding": 4}], local="a")
     d = p.choose(req, c)
-    assert d.server_id == "b" and d.reason == "least-request" and dict(d.scores)["a"] == 2.0
-    tie = [Candidate("x", "remote", 1, 1, 0), Candidate("y", "local", 0, 1, 0, local=True)]
+    assert d.server_id == "b" and d.reason == "least-request" and d.scores_by_server()["a"] == 2.0
+    tie = Candidates(("x", "y", "z"), ("remote", "local", "remote"), (1, 1, 1), (0, 0, 0), local=1)
     assert p.choose(req, tie).server_id == "y" and p.choose(req, tie).reason == "local-least-request"
+    no_local = Candidates(("x", "y"), ("remote", "remote"), (1, 1), (1, 0))
+    assert p.choose(req, no_local).server_id == "y"
+    first = Candidates(("x", "y"), ("remote", "remote"), (1, 1), (0, 0))
+    assert p.choose(req, first).server_id == "x"  # equal scores: the lowest position
     with pytest.raises(ValueError, match="no live DataServer"):
-        p.choose(req, [])
+        p.choose(req, Candidates((), (), (), ()))
+    with pytest.raises(ValueError, match="different lengths"):
+        Candidates(("x",), ("remote",), (1, 1), (0,))
     with pytest.raises(ValueError, match="least-request"):
         make_policy("deadline-ish")
 

@@ -6,8 +6,10 @@ converts messages. No tensor and no decoded byte ever reaches this process.
 from __future__ import annotations
 
 import collections
+import gc
 import json
 import logging
+import operator
 import threading
 import time
 import uuid
@@ -16,7 +18,7 @@ from dataclasses import asdict, dataclass, field
 import grpc
 
 from ..config import PROTOCOL_VERSION, ClusterConfig
-from ..planning.placement import Candidate, PlacementRequest, make_policy
+from ..planning.placement import Candidates, PlacementRequest, make_policy
 from .proto import helix_pb2 as pb
 from .proto import helix_pb2_grpc as pbg
 
@@ -63,6 +65,8 @@ class Registry:
         self._owner: dict[int, str] = {}  # task_id -> server id it was routed to (until completed)
         self._lock = threading.Lock()
         self._order: tuple[list[ServerState], list[ServerState]] | None = None  # (locals, all), cached
+        self._live: tuple | None = None  # (live servers, their ids, kinds, workers, id -> position), cached
+        self._beats: tuple | None = None  # (queue depths, latency per cost) of the live servers, cached
 
     # ---- membership ----------------------------------------------------------------------------
     def register_server(self, address: str, kind: str, local_rank: int, host: str, workers: int) -> ServerState:
@@ -76,7 +80,7 @@ class Registry:
             sid = f"{kind[0]}{local_rank if kind == 'local' else len(self._remotes())}-{uuid.uuid4().hex[:6]}"
             st = ServerState(sid, address, kind, local_rank if kind == "local" else -1, host, max(workers, 1), now, now)
             self.servers[sid] = st
-            self._order = None
+            self._order = self._live = None
             log.info("registered %s server %s at %s (%d workers)", kind, sid, address, workers)
             return st
 
@@ -91,9 +95,12 @@ class Registry:
             st = self.servers.get(server_id)
             if st is None:
                 return False
+            if not st.alive:
+                self._live = None
             st.last_seen, st.alive = self.clock(), True
             for k, v in stats.items():
                 setattr(st, k, v)
+            self._beats = None
             return True
 
     def sweep(self) -> list[str]:
@@ -105,6 +112,8 @@ class Registry:
                 if st.alive and now - st.last_seen > self.config.heartbeat_timeout_s:
                     st.alive = False
                     dead.append(st.server_id)
+            if dead:
+                self._live = None
         for sid in dead:
             log.warning("server %s missed heartbeats: marked dead", sid)
         return dead
@@ -125,6 +134,29 @@ class Registry:
             locals_ = self._locals()
             self._order = (locals_, locals_ + self._remotes())
         return self._order
+
+    def _live_table(self) -> tuple:
+        """Live servers in cluster order with their static columns, recomputed when membership
+        or liveness changes (not per decision)."""
+        if self._live is None:
+            live = [s for s in self._ordering()[1] if s.alive]
+            ids = tuple(s.server_id for s in live)
+            self._live = (live, ids, tuple(s.kind for s in live), tuple(s.workers for s in live),
+                          {sid: k for k, sid in enumerate(ids)})
+            self._beats = None
+        return self._live
+
+    def _candidates(self, delivery: ServerState, exclude: set[str]) -> Candidates:
+        live, ids, kinds, workers, position = self._live_table()
+        if exclude and any(sid not in exclude for sid in ids):  # exclusions are hints, never fatal
+            live = [s for s in live if s.server_id not in exclude]
+            ids, kinds, workers = (tuple(s.server_id for s in live), tuple(s.kind for s in live),
+                                   tuple(s.workers for s in live))
+            position, beats = {sid: k for k, sid in enumerate(ids)}, _beats(live)
+        else:
+            beats = self._beats = self._beats or _beats(live)
+        return Candidates(ids, kinds, workers, tuple(map(_OUTSTANDING, live)), *beats,
+                          position.get(delivery.server_id))
 
     def ordered(self) -> list[ServerState]:
         """Local servers by slot, then remote ones by registration: ``cluster.servers`` order."""
@@ -150,12 +182,7 @@ class Registry:
         with self._lock:
             t0 = time.perf_counter()  # the decision itself, not the wait for the lock
             delivery = self.delivery_server(rank, exclude)
-            live = [(i, s) for i, s in enumerate(self._ordering()[1]) if s.alive]
-            if any(s.server_id not in exclude for _, s in live):  # exclusions are hints, never fatal
-                live = [(i, s) for i, s in live if s.server_id not in exclude]
-            cands = [Candidate(s.server_id, s.kind, i, s.workers, s.outstanding, s.queue_depth,
-                               s.latency_per_cost, local=s.server_id == delivery.server_id) for i, s in live]
-            decision = self.policy.choose(PlacementRequest(rank, task_id, **cost), cands)
+            decision = self.policy.choose(PlacementRequest(rank, task_id, **cost), self._candidates(delivery, exclude))
             chosen = self.servers[decision.server_id]
             prev = self._owner.get(task_id)
             if prev is not None and prev in self.servers:  # a resubmission: the first routing is void
@@ -165,10 +192,9 @@ class Registry:
             self.routed += 1
             us = (time.perf_counter() - t0) * 1e6
         self.decision_us.append(us)
-        entry = {"task_id": task_id, "rank": rank, "server": chosen.server_id, "delivery": delivery.server_id,
-                 "reason": decision.reason, "scores": decision.scores, "us": round(us, 1)}
-        self.decisions.append(entry)
-        log.debug("route %s", entry)
+        self.decisions.append((task_id, rank, delivery.server_id, decision, us))  # made readable on demand
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("route %s", _decision_entry(self.decisions[-1]))
         return chosen, delivery, decision, us
 
     def complete(self, task_id: int, server_id: str, latency_s: float, ok: bool) -> None:
@@ -184,7 +210,20 @@ class Registry:
         return {"cluster_id": self.cluster_id, "routed": self.routed, "scheduler": self.scheduler,
                 "decision_us_p50": p(0.5), "decision_us_p99": p(0.99),
                 "servers": [asdict(s) for s in self.ordered()], "clients": dict(self.clients),
-                "decisions": list(self.decisions)[-last:] if last else []}
+                "decisions": [_decision_entry(d) for d in list(self.decisions)[-last:]] if last else []}
+
+
+_OUTSTANDING = operator.attrgetter("outstanding")
+
+
+def _beats(live: list[ServerState]) -> tuple[tuple[int, ...], tuple[float, ...]]:
+    return tuple([s.queue_depth for s in live]), tuple([s.latency_per_cost for s in live])
+
+
+def _decision_entry(record: tuple) -> dict:
+    task_id, rank, delivery, decision, us = record
+    return {"task_id": task_id, "rank": rank, "server": decision.server_id, "delivery": delivery,
+            "reason": decision.reason, "scores": decision.scores_by_server(), "us": round(us, 1)}
 
 
 def _info(st: ServerState, index: int) -> pb.ServerInfo:
@@ -253,6 +292,10 @@ def serve_coordinator(host: str, port: int, token: str | None, config: ClusterCo
 
     registry = Registry(config, scheduler, cluster_id=cluster_id or uuid.uuid4().hex[:12])
     server, bound = create_server(host, port, token, config, threads=32)
+    # A long-lived service with a stable heap: keep startup objects out of collections and collect
+    # the young generation rarely, so a collection lands in fewer than 1 in 1,000 routing decisions.
+    gc.freeze()
+    gc.set_threshold(50_000, 20, 20)
     pbg.add_CoordinatorServicer_to_server(CoordinatorServicer(registry, stop, bool(token)), server)
     server.start()
     if on_ready is not None:
