@@ -132,6 +132,69 @@ def test_break_cancels_and_frees_slabs(cluster):
         wait_for(lambda: not busy_segments(cluster), 10, "slabs released once the batches are dropped")
 
 
+def test_two_loaders_of_one_rank_never_share_tasks(cluster):
+    a, b = IndexDataset(12, shape=(4,)), IndexDataset(12, shape=(8,))
+    with loader(a, cluster, batch_size=2, rank=0, world_size=1) as la, \
+            loader(b, cluster, batch_size=2, rank=0, world_size=1) as lb:
+        pairs = list(zip(la, lb))  # both in flight at once, same rank, same task numbering
+    assert_same_batches([p[0] for p in pairs], torch_batches(a, 2, 0, 1))
+    assert_same_batches([p[1] for p in pairs], torch_batches(b, 2, 0, 1))
+
+
+def test_a_user_may_keep_more_batches_than_the_slab_pools_hold(cluster):
+    ds = IndexDataset(210, shape=(1 << 13,))  # 8 KiB samples travel in slabs; 210 > 3 servers x 64 kept slabs
+    with loader(ds, cluster, batch_size=1, rank=0, world_size=1, prefetch_depth=8) as ld:
+        kept = list(ld)
+    assert_same_batches(kept, torch_batches(ds, 1, 0, 1))
+    del kept
+    gc.collect()
+    wait_for(lambda: not busy_segments(cluster), 10, "the kept batches' slabs to be released")
+
+
+def test_resume_survives_set_epoch_and_a_finished_epoch_is_not_repeated(cluster):
+    ds = IndexDataset(24)
+    kw = dict(batch_size=3, rank=0, world_size=2, shuffle=True, seed=4)
+    with loader(ds, cluster, **kw) as ld:
+        ld.set_epoch(1)
+        it = iter(ld)
+        first = [next(it) for _ in range(2)]
+        mid = ld.state_dict()
+        del it
+        full = list(ld)
+        done = ld.state_dict()
+    assert mid["batches_yielded"] == 2 and done == {**mid, "batches_yielded": 4}
+    with loader(ds, cluster, **kw) as ld2:
+        ld2.load_state_dict(mid)
+        ld2.set_epoch(mid["epoch"])  # the usual resume loop sets the epoch it resumes: the position stays
+        assert_same_batches(first + list(ld2), full)
+        ld2.load_state_dict(done)
+        assert list(ld2) == []  # that epoch was finished
+        ld2.set_epoch(2)
+        assert_same_batches(list(ld2), torch_batches(ds, 3, 0, 2, shuffle=True, seed=4, epoch=2))
+
+
+def test_break_and_close_give_the_coordinator_its_counts_back(cluster):
+    ds = IndexDataset(100, delays={i: 0.02 for i in range(100)})
+    with loader(ds, cluster, batch_size=2, rank=0, world_size=1, prefetch_depth=8) as ld:
+        for i, _ in enumerate(ld):
+            if i == 1:
+                break
+        it = iter(ld)
+        next(it)
+        fresh = iter(ld)
+        with pytest.raises(RuntimeError, match="newer iteration"):
+            next(it)  # one loader, one live iteration, as with persistent workers
+        next(fresh)
+    from helix_core.client.transport import ClusterClient
+
+    observer = ClusterClient(cluster.address, cluster.token, CFG, 0, 1)
+    try:
+        wait_for(lambda: sum(s["outstanding"] for s in observer.telemetry()["servers"]) == 0, 10,
+                 "the Coordinator's outstanding counts to come back to zero")
+    finally:
+        observer.close()
+
+
 def test_microbatch_fanout_merges_and_pads(cluster, kmix):
     ds = hx.VideoClipDataset(kmix / "manifest.jsonl", num_frames=None, size=None)  # S/M/L: variable shapes
     with loader(ds, cluster, batch_size=3, rank=0, world_size=1, microbatch_size=1, collate_fn=hx.pad_collate) as ld:

@@ -8,6 +8,7 @@ ahead of the training loop, and batches arrive through shared memory.
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import time
 import warnings
@@ -97,8 +98,8 @@ class DistributedDataLoader:
         self._root = Dispatch(self._tagger, self._submit, self._collect, self._cancel, prefetch_depth,
                               on_batch=self._record)
         self._epoch, self._resume, self._iteration = 0, 0, 0
-        self._position = 0  # batches yielded by the last iteration (0 once an epoch completed)
-        self._next_task = (self.rank << 40) + 1
+        self._position = 0  # batches yielded of the epoch (len(self) once it completed)
+        self._next_task = self.client.task_id_base + 1  # unique in the cluster, whoever else asks
         self._unread: set = set()  # cancelled requests whose replies are still on their way
         self._unread_lock = threading.Lock()
         self._closed = False
@@ -108,8 +109,10 @@ class DistributedDataLoader:
         return len(self._batches)
 
     def set_epoch(self, epoch: int) -> None:
-        """Like ``DistributedSampler.set_epoch``: the shuffle order of the next iteration."""
-        self._epoch, self._resume, self._position = int(epoch), 0, 0
+        """Like ``DistributedSampler.set_epoch``: the shuffle order of the next iteration. Setting
+        the epoch a loaded state is in keeps its resume point (the usual resume loop does that)."""
+        if int(epoch) != self._epoch:
+            self._epoch, self._resume, self._position = int(epoch), 0, 0
 
     def __iter__(self) -> "_LoaderIter":
         if self._closed:
@@ -233,7 +236,7 @@ class DistributedDataLoader:
             try:
                 reply = fut.result()
             except grpc.RpcError as e:
-                if e.code() not in TRANSIENT:
+                if e.code() not in TRANSIENT or "no room for" in (e.details() or ""):  # /dev/shm full: final
                     raise ClusterError(f"batch {job.position}: {e.code().name} {e.details()}") from None
                 remote = route.exec_kind == "remote"
                 lost_delivery = remote and "delivery server" in (e.details() or "")
@@ -281,10 +284,15 @@ class DistributedDataLoader:
     def _cancel(self, job: BatchJob) -> None:
         """Cancel a job's unread requests. The RPCs are left to finish (a gRPC cancel can race a
         reply already on the wire and strand its slab): the servers drop tasks not yet started,
-        and every reply that still arrives has its slab released."""
+        and every reply that still arrives has its slab released. The Coordinator hears of each
+        (``ok=False``), so its outstanding counts come back down. Idempotent."""
+        if job.cancelled or sys.is_finalizing():  # at exit no RPC can start (its thread never would)
+            return
+        job.cancelled = True
         for k, fut in enumerate(job.futures):
             if fut is None or k in job.taken:
                 continue
+            self.client.report(job.task_ids[k], job.routes[k].exec_server_id, 0.0, False)
             if not fut.done():
                 self.client.cancel(job.routes[k].exec_address, [job.task_ids[k]])
                 with self._unread_lock:
@@ -316,14 +324,21 @@ class _LoaderIter:
         if self._done:
             raise StopIteration
         ld = self._loader
+        if ld._closed:
+            raise RuntimeError("this DistributedDataLoader is closed")
+        if ld._iteration != self._iteration:
+            raise RuntimeError("a newer iteration of this DistributedDataLoader began (iter() was called again); "
+                               "this iterator has ended")
         t0 = time.perf_counter()
         try:
             batch = next(ld._root)
         except StopIteration:
-            self._finish(completed=True)
+            self._finish(completed=True)  # the end of the epoch is not an input wait
             raise
-        finally:
+        except BaseException:
             ld._stats.input_wait.append(time.perf_counter() - t0)
+            raise
+        ld._stats.input_wait.append(time.perf_counter() - t0)
         ld._stats.batches += 1
         return batch
 
@@ -333,10 +348,12 @@ class _LoaderIter:
             self._done = True
             return
         self._done = True
-        ld._position = 0 if completed else ld._root.get_state()[ShardBatches.YIELDED]
+        ld._position = len(ld) if completed else ld._root.get_state()[ShardBatches.YIELDED]
         ld._root.shutdown()  # cancels what is in flight and frees its slabs
 
     def __del__(self):
+        if sys.is_finalizing():  # the process is exiting: its clusters stop and sweep; no RPC can start
+            return
         try:
             self._finish(completed=False)
         except Exception:

@@ -85,6 +85,7 @@ class BatchJob:
     excluded: list = field(default_factory=list)
     attempts: list = field(default_factory=list)
     taken: set = field(default_factory=set)  # parts whose reply was read (their slab is the batch's)
+    cancelled: bool = False
     t_dispatch: float = 0.0
     error: BaseException | None = None
 
@@ -125,11 +126,26 @@ class CostTagger(BaseNode):
         return self.source.get_state()
 
 
+class _Run:
+    """One iteration's threads and queues. Threads get their run as an argument: a thread that
+    outlives ``shutdown`` (a slow RPC) only ever sees its own, stopped run, never the next one's."""
+
+    def __init__(self, prefetch_depth: int):
+        self.stop = threading.Event()
+        self.slots = threading.BoundedSemaphore(prefetch_depth)
+        self.order: queue.Queue = queue.Queue()
+        self.out: queue.Queue = queue.Queue()
+        self.inflight: list[BatchJob] = []
+        self.lock = threading.Lock()
+        self.threads: list[threading.Thread] = []
+
+
 class Dispatch(BaseNode):
     """Sender / fetcher threads around a ``submit(job)`` / ``collect(job) -> batch`` pair.
 
     ``submit`` starts a job's requests; ``collect`` waits for them (resubmitting on server loss) and
-    returns the batch or raises. At most ``prefetch_depth`` jobs are in flight or waiting.
+    returns the batch or raises; ``cancel(job)`` gives up a job's unread requests (idempotent). At
+    most ``prefetch_depth`` jobs are in flight or waiting.
     """
 
     YIELDED, EPOCH = ShardBatches.YIELDED, ShardBatches.EPOCH
@@ -138,9 +154,12 @@ class Dispatch(BaseNode):
         super().__init__()
         self.source, self.submit, self.collect, self.cancel = source, submit, collect, cancel
         self.prefetch_depth, self.on_batch = prefetch_depth, on_batch
-        self._threads: list[threading.Thread] = []
-        self._stop = threading.Event()
+        self._run: _Run | None = None
         self._yielded, self._epoch = 0, 0
+
+    @property
+    def _threads(self) -> list[threading.Thread]:
+        return self._run.threads if self._run is not None else []
 
     # ---- lifecycle ---------------------------------------------------------------------------------
     def reset(self, initial_state: dict | None = None):
@@ -149,92 +168,94 @@ class Dispatch(BaseNode):
         self.source.reset(initial_state)
         st = self.source.get_state()
         self._epoch, self._yielded = st[self.EPOCH], st[self.YIELDED]
-        self._stop = threading.Event()
-        self._slots = threading.BoundedSemaphore(self.prefetch_depth)
-        self._order: queue.Queue = queue.Queue()
-        self._out: queue.Queue = queue.Queue()
-        self._inflight: list[BatchJob] = []
-        self._lock = threading.Lock()
-        self._threads = [threading.Thread(target=self._send, name="helix-sender", daemon=True),
-                         threading.Thread(target=self._fetch, name="helix-fetcher", daemon=True)]
-        for t in self._threads:
+        run = self._run = _Run(self.prefetch_depth)
+        run.threads = [threading.Thread(target=self._send, args=(run,), name="helix-sender", daemon=True),
+                       threading.Thread(target=self._fetch, args=(run,), name="helix-fetcher", daemon=True)]
+        for t in run.threads:
             t.start()
 
     def shutdown(self) -> None:
         """Stop both threads, cancel requests in flight and drop finished batches (their slabs are
         released when the dropped tensors are collected)."""
-        self._stop.set()
-        for t in self._threads:
+        run, self._run = self._run, None
+        if run is None:
+            return
+        run.stop.set()
+        for t in run.threads:
             t.join(timeout=10.0)
-        self._threads = []
-        for job in getattr(self, "_inflight", []):
+        run.threads = []
+        with run.lock:
+            jobs, run.inflight = run.inflight, []
+        for job in jobs:
             self.cancel(job)
-        self._inflight = []
-        if hasattr(self, "_out"):
-            while not self._out.empty():
-                self._out.get_nowait()
+        while not run.out.empty():
+            run.out.get_nowait()
 
     # ---- threads -------------------------------------------------------------------------------------
-    def _acquire(self) -> bool:
-        while not self._stop.is_set():
-            if self._slots.acquire(timeout=0.1):
+    @staticmethod
+    def _acquire(run: _Run) -> bool:
+        while not run.stop.is_set():
+            if run.slots.acquire(timeout=0.1):
                 return True
         return False
 
-    def _send(self) -> None:
-        while self._acquire():
+    def _send(self, run: _Run) -> None:
+        while self._acquire(run):
             try:
                 job = self.source.next()
             except StopIteration:
-                self._order.put(None)
+                run.order.put(None)
                 return
             except BaseException as e:  # errors travel as values to the consumer
-                self._order.put(e)
+                run.order.put(e)
                 return
             job.t_dispatch = time.perf_counter()
-            with self._lock:
-                self._inflight.append(job)
+            with run.lock:
+                run.inflight.append(job)
             try:
                 self.submit(job)
             except BaseException as e:
                 job.error = e
-            self._order.put(job)
+            run.order.put(job)
 
-    def _fetch(self) -> None:
-        while not self._stop.is_set():
+    def _fetch(self, run: _Run) -> None:
+        while not run.stop.is_set():
             try:
-                job = self._order.get(timeout=0.1)
+                job = run.order.get(timeout=0.1)
             except queue.Empty:
                 continue
             if job is None or isinstance(job, BaseException):
-                self._out.put(job)
+                run.out.put(job)
                 return
             try:
-                item = job.error if job.error is not None else self.collect(job, self._stop)
+                item = job.error if job.error is not None else self.collect(job, run.stop)
             except BaseException as e:
                 item = e
-            if self._stop.is_set():
-                self.cancel(job)  # stopped mid-collect: whatever it left unread
-            with self._lock:
-                if job in self._inflight:
-                    self._inflight.remove(job)
+            if run.stop.is_set() or isinstance(item, BaseException):
+                self.cancel(job)  # what it left unread (other parts of a failed batch, or a stop mid-collect)
+            with run.lock:
+                if job in run.inflight:
+                    run.inflight.remove(job)
             if self.on_batch is not None and not isinstance(item, BaseException):
                 self.on_batch(job)
-            self._out.put(item)
+            run.out.put(item)
 
     # ---- BaseNode contract --------------------------------------------------------------------------
     def next(self):
+        run = self._run
+        if run is None:
+            raise RuntimeError("this iteration was stopped (the loader was closed or a new iteration began)")
         while True:
             try:
-                item = self._out.get(timeout=0.1)
+                item = run.out.get(timeout=0.1)
                 break
             except queue.Empty:
-                if not any(t.is_alive() for t in self._threads) and self._out.empty():
+                if not any(t.is_alive() for t in run.threads) and run.out.empty():
                     raise RuntimeError("Helix dispatch threads stopped unexpectedly") from None
         if item is None:
-            self._out.put(None)  # stay exhausted
+            run.out.put(None)  # stay exhausted
             raise StopIteration
-        self._slots.release()
+        run.slots.release()
         self._yielded += 1
         if isinstance(item, BaseException):
             raise item

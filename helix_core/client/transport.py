@@ -62,11 +62,12 @@ class ClusterClient:
         self.cluster_id, self.pickle_allowed = hello.cluster_id, hello.pickle_allowed
         reply = self._call(self.coordinator.RegisterClient,
                            pb.RegisterClientRequest(rank=rank, world_size=world_size, host=socket.gethostname()))
-        self.client_id = reply.client_id
+        self.client_id, self.task_id_base = reply.client_id, reply.task_id_base
         self._stubs: dict[str, pbg.DataServerStub] = {}
         self._channels: list[grpc.Channel] = [self._channel]
         self._configured: set[tuple[str, str]] = set()
         self._lock = threading.Lock()
+        self._fired: set = set()  # fire-and-forget calls still in flight
         self.reader = shm.SlabReader()
 
     def _call(self, method, request, timeout: float | None = None):
@@ -92,14 +93,24 @@ class ClusterClient:
             client_id=self.client_id, rank=self.rank, task_id=task_id, cost=term, deadline_s=deadline_s,
             exclude=sorted(exclude)))
 
-    def report(self, task_id: int, server_id: str, latency_s: float, ok: bool) -> None:
-        """Fire and forget: completion feedback for the Coordinator's outstanding counts."""
+    def _fire(self, method, request) -> None:
+        """Fire and forget (``close`` lets these land before it closes the channels)."""
         try:
-            self.coordinator.ReportCompletion.future(pb.CompletionReport(
-                client_id=self.client_id, task_id=task_id, server_id=server_id, latency_s=latency_s, ok=ok),
-                timeout=self.config.rpc_timeout_s, metadata=self.metadata)
-        except grpc.RpcError:
-            pass
+            fut = method.future(request, timeout=self.config.rpc_timeout_s, metadata=self.metadata)
+        except (grpc.RpcError, ValueError):  # ValueError: the channel is closed already
+            return
+        with self._lock:
+            self._fired.add(fut)
+        fut.add_done_callback(self._landed)
+
+    def _landed(self, fut) -> None:
+        with self._lock:
+            self._fired.discard(fut)
+
+    def report(self, task_id: int, server_id: str, latency_s: float, ok: bool) -> None:
+        """Completion feedback for the Coordinator's outstanding counts (fire and forget)."""
+        self._fire(self.coordinator.ReportCompletion, pb.CompletionReport(
+            client_id=self.client_id, task_id=task_id, server_id=server_id, latency_s=latency_s, ok=ok))
 
     def telemetry(self, last_decisions: int = 0) -> dict:
         reply = self._call(self.coordinator.Telemetry, pb.TelemetryRequest(last_decisions=last_decisions))
@@ -139,10 +150,10 @@ class ClusterClient:
 
     def cancel(self, address: str, task_ids: list[int]) -> None:
         try:
-            self.stub(address).Cancel.future(pb.CancelRequest(task_ids=task_ids, client_id=self.client_id),
-                                             timeout=self.config.rpc_timeout_s, metadata=self.metadata)
+            stub = self.stub(address)
         except grpc.RpcError:
-            pass
+            return
+        self._fire(stub.Cancel, pb.CancelRequest(task_ids=task_ids, client_id=self.client_id))
 
     # ---- replies to batches ----------------------------------------------------------------------
     def materialize(self, reply: pb.ExecuteReply, copy: bool):
@@ -177,6 +188,12 @@ class ClusterClient:
         return RuntimeError(f"DataServer task {reply.task_id} failed: {reply.error}")
 
     def close(self) -> None:
+        deadline = time.monotonic() + min(2.0, self.config.rpc_timeout_s)
+        while time.monotonic() < deadline:  # reports and cancels in flight land first (a dead peer: not long)
+            with self._lock:
+                if not self._fired:
+                    break
+            time.sleep(0.005)
         for ch in self._channels:
             ch.close()
         self.reader.close()

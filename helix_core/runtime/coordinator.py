@@ -25,6 +25,7 @@ from .proto import helix_pb2_grpc as pbg
 __all__ = ["CoordinatorServicer", "Registry", "ServerState", "serve_coordinator"]
 
 log = logging.getLogger("helix.coordinator")
+TASK_ID_BITS = 40  # task ids a client may use before it would reach the next client's base
 
 
 @dataclass
@@ -84,11 +85,14 @@ class Registry:
             log.info("registered %s server %s at %s (%d workers)", kind, sid, address, workers)
             return st
 
-    def register_client(self, rank: int, world_size: int, host: str) -> str:
+    def register_client(self, rank: int, world_size: int, host: str) -> tuple[str, int]:
+        """A new client's id and task-id base: its task ids are ``base + 1, base + 2, ...``, so two
+        loaders (same rank or not) never share one."""
         cid = f"c{rank}-{uuid.uuid4().hex[:6]}"
         with self._lock:
-            self.clients[cid] = {"rank": rank, "world_size": world_size, "host": host}
-        return cid
+            base = (len(self.clients) + 1) << TASK_ID_BITS
+            self.clients[cid] = {"rank": rank, "world_size": world_size, "host": host, "task_id_base": base}
+        return cid, base
 
     def heartbeat(self, server_id: str, **stats) -> bool:
         with self._lock:
@@ -251,9 +255,10 @@ class CoordinatorServicer(pbg.CoordinatorServicer):
                                       heartbeat_interval_s=self.registry.config.heartbeat_interval_s)
 
     def RegisterClient(self, request, context):
-        cid = self.registry.register_client(request.rank, request.world_size, request.host)
+        cid, base = self.registry.register_client(request.rank, request.world_size, request.host)
         servers = [_info(s, i) for i, s in enumerate(self.registry.ordered())]
-        return pb.RegisterClientReply(client_id=cid, cluster_id=self.registry.cluster_id, servers=servers)
+        return pb.RegisterClientReply(client_id=cid, cluster_id=self.registry.cluster_id, servers=servers,
+                                      task_id_base=base)
 
     def Heartbeat(self, request, context):
         known = self.registry.heartbeat(request.server_id, queue_depth=request.queue_depth, inflight=request.inflight,

@@ -98,6 +98,8 @@ class DataServerServicer(pbg.DataServerServicer):
             try:
                 delivered = self._stream(request.task_id, result, request.deliver_to)
             except grpc.RpcError as e:
+                if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:  # it is up, but has no room: say so, don't retry
+                    context.abort(e.code(), f"delivery server {request.deliver_to}: {e.details()}")
                 context.abort(grpc.StatusCode.UNAVAILABLE, f"delivery server {request.deliver_to} unreachable: "
                                                            f"{e.code().name}")
             finally:
@@ -146,7 +148,10 @@ class DataServerServicer(pbg.DataServerServicer):
         h = first.header
         if h.tree_pickle and not self.token:
             context.abort(grpc.StatusCode.PERMISSION_DENIED, "pickled batch structure needs a token")
-        slab = self.slabs.acquire(h.total_bytes)
+        try:
+            slab = self.slabs.acquire(h.total_bytes)
+        except shm.ShmCapacityError as e:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"no room for a {h.total_bytes}-byte batch: {e}")
         try:
             writer = ChunkWriter(slab.payload, h.total_bytes)
             for chunk in request_iterator:

@@ -24,7 +24,7 @@ import threading
 import weakref
 
 __all__ = ["ALIGN", "BUSY", "FREE", "HEADER_BYTES", "MAGIC", "SHM_DIR", "ShmCapacityError", "Slab",
-           "SlabPool", "SlabReader", "SlabsBusyError", "list_segments", "release_segment", "sweep"]
+           "SlabPool", "SlabReader", "list_segments", "release_segment", "sweep"]
 
 SHM_DIR = "/dev/shm"
 HEADER_BYTES = 64
@@ -40,11 +40,7 @@ _GEN_AT, _STATE_AT = 8, 16
 
 
 class ShmCapacityError(RuntimeError):
-    """/dev/shm cannot hold a new segment (or, as `SlabsBusyError`, the pool may not create one)."""
-
-
-class SlabsBusyError(ShmCapacityError):
-    """Every slab of a pool at `max_segments` is held by a producer or a client."""
+    """/dev/shm cannot hold a new segment."""
 
 
 def _path(name: str) -> str:
@@ -158,7 +154,10 @@ class SlabPool:
     """The owner of the segments it creates; thread-safe.
 
     Segments are named `f"{prefix}{pid}-{counter}-{random}"`, so names never repeat and a client's
-    cached mapping of a name is never stale. `max_segments` bounds how many files the pool holds.
+    cached mapping of a name is never stale. `max_segments` is how many segments the pool keeps for
+    reuse: while every one of them is held (a user keeping many batches, as a torch DataLoader
+    allows), more are made — /dev/shm's capacity is the limit, checked per segment — and segments
+    beyond `max_segments` are unlinked as soon as they are free again.
     """
 
     def __init__(self, prefix: str, max_segments: int = 64):
@@ -178,8 +177,7 @@ class SlabPool:
 
     def acquire(self, nbytes: int) -> Slab:
         """A BUSY slab with at least `nbytes` payload bytes: the smallest FREE one that fits, or a
-        new one (capacity rounded up to whole MiB). Raises SlabsBusyError when the pool is at
-        `max_segments` and nothing can be freed, ShmCapacityError when /dev/shm is full."""
+        new one (capacity rounded up to whole MiB). Raises ShmCapacityError when /dev/shm is full."""
         if nbytes < 0:
             raise ValueError(f"acquire({nbytes}): bytes must be >= 0")
         with self._lock:
@@ -191,18 +189,15 @@ class SlabPool:
                 self._reused += 1
             else:
                 if len(self._slabs) >= self.max_segments:
-                    self._drop_small_free(nbytes)
-                if len(self._slabs) >= self.max_segments:
-                    raise SlabsBusyError(
-                        f"all {len(self._slabs)} slabs are held by clients or in flight (max_segments="
-                        f"{self.max_segments}); a client is not dropping its batches, or prefetch "
-                        f"is deeper than the pool")
-                slab = self._create(nbytes)
+                    self._drop([s for s in self._slabs if s.capacity < nbytes and s.free])
+                slab = self._create(nbytes)  # past max_segments only while every kept slab is held
             slab._mark_busy()
+            if len(self._slabs) > self.max_segments:  # the overflow of kept batches, once they are free
+                self._drop([s for s in self._slabs if s.free][:len(self._slabs) - self.max_segments])
             return slab
 
-    def _drop_small_free(self, nbytes: int) -> None:
-        for slab in [s for s in self._slabs if s.capacity < nbytes and s.free]:
+    def _drop(self, slabs: list[Slab]) -> None:
+        for slab in slabs:
             self._slabs.remove(slab)
             _unlink_all([slab.name], os.getpid())
             self._names.remove(slab.name)

@@ -99,6 +99,7 @@ def _run_task(task: dict, specs: dict, pool, conn, allow_pickle: bool) -> dict:
                 return {"error_kind": "sample", "error": fail["cause"] + why, "failure": fail, "skipped": skipped}
             skipped.append(fail)
             index = subs.pop(0)
+    slab = None
     try:
         batch = collate(samples)
         tree_json, tree_pickle, tensors = flatten(batch, allow_pickle=allow_pickle)
@@ -106,6 +107,8 @@ def _run_task(task: dict, specs: dict, pool, conn, allow_pickle: bool) -> dict:
         slab = pool.acquire(total)
         metas = write_tensors(slab.payload, tensors, metas)
     except Exception as e:
+        if slab is not None:
+            slab.release()  # nobody will get its handle
         return {"error_kind": "internal", "error": f"collate/deliver failed for task {task['task_id']}: "
                                                      f"{type(e).__name__}: {e}", "skipped": skipped}
     return {"handle": slab.handle(total), "tree_json": tree_json, "tree_pickle": tree_pickle, "metas": metas,

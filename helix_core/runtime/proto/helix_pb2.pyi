@@ -85,14 +85,16 @@ class RegisterClientRequest(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., world_size: _Optional[int] = ..., host: _Optional[str] = ...) -> None: ...
 
 class RegisterClientReply(_message.Message):
-    __slots__ = ("client_id", "cluster_id", "servers")
+    __slots__ = ("client_id", "cluster_id", "servers", "task_id_base")
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     CLUSTER_ID_FIELD_NUMBER: _ClassVar[int]
     SERVERS_FIELD_NUMBER: _ClassVar[int]
+    TASK_ID_BASE_FIELD_NUMBER: _ClassVar[int]
     client_id: str
     cluster_id: str
     servers: _containers.RepeatedCompositeFieldContainer[ServerInfo]
-    def __init__(self, client_id: _Optional[str] = ..., cluster_id: _Optional[str] = ..., servers: _Optional[_Iterable[_Union[ServerInfo, _Mapping]]] = ...) -> None: ...
+    task_id_base: int
+    def __init__(self, client_id: _Optional[str] = ..., cluster_id: _Optional[str] = ..., servers: _Optional[_Iterable[_Union[ServerInfo, _Mapping]]] = ..., task_id_base: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("server_id", "queue_depth", "inflight", "workers_alive", "latency_per_cost", "completed", "cross_ds_bytes")
