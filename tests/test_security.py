@@ -1,5 +1,7 @@
 """Security: tokens on every RPC, no pickle from unauthenticated peers, malformed and oversized
 requests refused with a status while the cluster keeps serving."""
+import os
+
 import grpc
 import pytest
 
@@ -107,3 +109,35 @@ def test_binding_beyond_loopback_needs_a_token():
     server, port = create_server("0.0.0.0", 0, TOKEN, CFG)
     assert port > 0
     server.stop(0)
+
+
+def test_the_torchrun_rendezvous_folder_must_be_private(tmp_path, monkeypatch):
+    import tempfile
+
+    from helix_core.client import embedded
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    folder = tmp_path / f"helix-{os.getuid()}"
+    folder.mkdir()
+    os.chmod(folder, 0o777)  # anyone could plant an address and token there
+    with pytest.raises(hx.ClusterError, match="mode 0700"):
+        embedded._rendezvous_file()
+    os.chmod(folder, 0o700)
+    assert embedded._rendezvous_file().startswith(str(folder) + os.sep)
+
+
+@pytest.mark.parametrize("collate", ["subprocess:call", "os:system", "builtins:eval", "torch.utils.data:Dataset"])
+def test_a_json_spec_names_only_a_dataset_class_and_a_python_collate_function(collate):
+    import json
+
+    from helix_core.runtime.specs import load_spec
+
+    spec = {"dataset": {"target": "helix_core.testing:IndexDataset", "kwargs": {"n": 2}}, "collate_fn": collate}
+    with pytest.raises(TypeError, match="collate_fn"):
+        load_spec(json.dumps(spec).encode(), "json", allow_pickle=False)
+    spec["collate_fn"], spec["dataset"]["target"] = "helix_core.testing:pair_collate", "subprocess:Popen"
+    with pytest.raises(TypeError, match="not a torch Dataset"):
+        load_spec(json.dumps(spec).encode(), "json", allow_pickle=False)
+    spec["dataset"]["target"] = "helix_core.testing:IndexDataset"
+    ds, fn = load_spec(json.dumps(spec).encode(), "json", allow_pickle=False)
+    assert len(ds) == 2 and fn([ds[0], ds[1]])[1].tolist() == [0, 1]

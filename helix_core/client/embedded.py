@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import tempfile
 import threading
 import time
@@ -29,10 +30,25 @@ def _unlink(path: str) -> None:
         pass
 
 
+def _private_dir() -> str:
+    """``$TMPDIR/helix-<uid>``, made 0700 and checked: the rendezvous file holds the cluster's
+    token, so neither its folder nor its contents may come from another user."""
+    path = os.path.join(tempfile.gettempdir(), f"helix-{os.getuid()}")
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+        raise ClusterError(f"{path} must be a folder of user {os.getuid()} with mode 0700 (it is owned by "
+                           f"{st.st_uid} with mode {oct(st.st_mode & 0o777)}): remove it and start again")
+    return path
+
+
 def _rendezvous_file() -> str:
     run = os.environ.get("TORCHELASTIC_RUN_ID", "none")
     port = os.environ.get("MASTER_PORT", "0")
-    return os.path.join(tempfile.gettempdir(), f"helix-embedded-{os.getuid()}-{run}-{port}.json")
+    return os.path.join(_private_dir(), f"embedded-{run}-{port}.json")
 
 
 _SHARED: dict = {"cluster": None, "address": None, "token": None, "refs": 0}

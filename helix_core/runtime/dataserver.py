@@ -201,7 +201,8 @@ def serve_dataserver(coordinator: str, kind: str, local_rank: int, workers: int,
     coord = pbg.CoordinatorStub(connect(coordinator, config))
     hello = check_hello(coord, "dataserver", token, config.rpc_timeout_s, f"the Coordinator at {coordinator}")
     server, bound = create_server(host, port, token, config, threads=config.server_threads)
-    address = f"{host}:{bound}"
+    # bound to every interface: peers need a name that reaches this machine, not the wildcard
+    address = f"{socket.getfqdn() if host in ('0.0.0.0', '::', '') else host}:{bound}"
     tag = f"{kind[0]}{local_rank if kind == 'local' else ''}p{os.getpid()}-"
     slabs = shm.SlabPool(f"helix-{hello.cluster_id}-{tag}d-")
     pool = WorkerPool(workers, f"helix-{hello.cluster_id}-{tag}", allow_pickle=bool(token), config=config)

@@ -10,6 +10,8 @@ from __future__ import annotations
 import hashlib
 import importlib
 import json
+import sys
+import types
 
 __all__ = ["import_path", "load_spec", "make_spec", "resolve", "sample_path"]
 
@@ -82,8 +84,10 @@ def load_spec(payload: bytes, fmt: str, allow_pickle: bool):
     if not (isinstance(cls, type) and issubclass(cls, torch.utils.data.Dataset)):
         raise TypeError(f"{spec['dataset']['target']} is not a torch Dataset class")
     collate = resolve(spec.get("collate_fn") or _DEFAULT_COLLATE)
-    if not callable(collate):
-        raise TypeError(f"collate_fn {spec.get('collate_fn')} is not callable")
+    if not isinstance(collate, types.FunctionType) or collate.__module__.split(".")[0] in sys.stdlib_module_names:
+        # a spec may come from any local peer: only a user's (or a library's) own Python function collates
+        raise TypeError(f"collate_fn {spec.get('collate_fn')} is not a module-level Python function outside "
+                        "the standard library")
     return cls(**spec["dataset"].get("kwargs", {})), collate
 
 
