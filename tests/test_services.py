@@ -56,22 +56,26 @@ def test_embedded_cluster_one_line_loader(monkeypatch):
 _RANK_SCRIPT = textwrap.dedent("""
     import json, os, sys
     import torch
+    import torch.distributed as dist
     import helix_core as hx
     from helix_core.testing import IndexDataset
     ds = IndexDataset(22)
-    ld = hx.DistributedDataLoader(ds, batch_size=3, shuffle=True, seed=5, num_workers=2,
-                                  config=hx.ClusterConfig.for_tests())  # rank / world size from torchrun
+    kw = dict(batch_size=3, shuffle=True, seed=5, num_workers=2, config=hx.ClusterConfig.for_tests())
+    ld = hx.DistributedDataLoader(ds, **kw)  # rank / world size from torchrun
     got = [b["index"].tolist() for b in ld]
+    owner = ld._cluster is not None
+    ld.close()  # local rank 0's last loader: the cluster it shares must stay up for the other ranks
+    dist.init_process_group("gloo")
+    dist.barrier()
+    with hx.DistributedDataLoader(ds, **kw) as again:  # after rank 0 closed: the same cluster, still serving
+        second = [b["index"].tolist() for b in again]
     sampler = torch.utils.data.DistributedSampler(ds, int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"]),
                                                   shuffle=True, seed=5)
     want = [b["index"].tolist() for b in torch.utils.data.DataLoader(ds, batch_size=3, sampler=sampler)]
-    result = {"rank": ld.rank, "ok": got == want, "owner": ld._cluster is not None}
+    result = {"rank": ld.rank, "ok": got == want and second == want, "owner": owner}
     with open(f"result-{ld.rank}.json", "w") as f:  # a file, not stdout: torchrun may redirect the ranks' streams
         json.dump(result, f)
-    import torch.distributed as dist
-    dist.init_process_group("gloo")
-    dist.barrier()  # local rank 0 owns the cluster: it must outlive the other ranks' use
-    ld.close()
+    dist.barrier()  # the owner's process outlives the other ranks' use of its cluster
 """)
 
 

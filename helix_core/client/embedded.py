@@ -51,7 +51,7 @@ def _rendezvous_file() -> str:
     return os.path.join(_private_dir(), f"embedded-{run}-{port}.json")
 
 
-_SHARED: dict = {"cluster": None, "address": None, "token": None, "refs": 0}
+_SHARED: dict = {"cluster": None, "address": None, "token": None, "refs": 0, "shared": False}
 _LOCK = threading.Lock()
 
 
@@ -60,26 +60,34 @@ def acquire_embedded(world_size: int, num_workers: int | None, config: ClusterCo
     with _LOCK:
         if _SHARED["address"] is None or (_SHARED["cluster"] is not None and _SHARED["cluster"]._closed):
             cluster, address, token = embedded_cluster(world_size, num_workers, config)
-            _SHARED.update(cluster=cluster, address=address, token=token, refs=0)
+            _SHARED.update(cluster=cluster, address=address, token=token, refs=0, shared=_local_world(world_size) > 1)
         _SHARED["refs"] += 1
         return _SHARED["cluster"], _SHARED["address"], _SHARED["token"]
 
 
 def release_embedded() -> None:
-    """One loader is done with the embedded cluster; the last one closes it."""
+    """One loader is done with the embedded cluster; the last one closes it — except the cluster
+    local rank 0 shares under torchrun: other ranks may still use it (and know only its address),
+    so it lives until this process exits."""
     with _LOCK:
         _SHARED["refs"] -= 1
+        if _SHARED["cluster"] is not None and _SHARED["shared"]:
+            return
         if _SHARED["refs"] <= 0:
             if _SHARED["cluster"] is not None:
                 _SHARED["cluster"].close()
-            _SHARED.update(cluster=None, address=None, token=None, refs=0)
+            _SHARED.update(cluster=None, address=None, token=None, refs=0, shared=False)
+
+
+def _local_world(world_size: int) -> int:
+    return int(os.environ.get("LOCAL_WORLD_SIZE", world_size if "LOCAL_RANK" in os.environ else 1))
 
 
 def embedded_cluster(world_size: int, num_workers: int | None, config: ClusterConfig):
     """``(cluster or None, address, token)``: the cluster is returned to the process that owns it."""
     from ..runtime.cluster import LocalCluster
 
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world_size if "LOCAL_RANK" in os.environ else 1))
+    local_world = _local_world(world_size)
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     total = num_workers or max(1, (os.cpu_count() or 2))
     per_server = max(1, total // max(local_world, 1))
