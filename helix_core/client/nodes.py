@@ -182,7 +182,8 @@ class Dispatch(BaseNode):
             return
         run.stop.set()
         for t in run.threads:
-            t.join(timeout=10.0)
+            if t is not threading.current_thread():  # the GC may close a dropped loader on one of its threads
+                t.join(timeout=10.0)
         run.threads = []
         with run.lock:
             jobs, run.inflight = run.inflight, []
