@@ -113,4 +113,9 @@ def test_results_round_trip_and_rich_table(tmp_path):
     print_table(console, reloaded)
     out = console.export_text()
     assert "2.00x" in out and "skipped: Ray is not installed" in out and "n/a" in out
+    narrow = Console(record=True, width=80)  # `helix demo` in an 80-column terminal: one row per metric
+    print_table(narrow, reloaded)
+    lines = narrow.export_text().splitlines()
+    assert all(len(line) <= 80 for line in lines)
+    assert any(line.lstrip("│┃ ").startswith("DDL miss") for line in lines) and "2.00x" in "\n".join(lines)
     assert not math.isnan(reloaded["systems"]["helix"]["bound_fraction"])

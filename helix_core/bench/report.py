@@ -224,14 +224,22 @@ def print_table(console, run: Mapping) -> None:
 
     run = _prepare(run)[0]
     title, facts = _heading(run)
-    table = Table(title=title, caption=facts[1] + (f"\n{run['note']}" if run.get("note") else ""))
-    for i, header in enumerate(HEADERS):
-        table.add_column(header, justify="left" if i == 0 else "right", overflow="fold")
-    for row in table_rows(run):
-        if row[1].startswith("skipped: "):
-            table.add_row(row[0], f"[dim]{row[1]}[/dim]", *row[2:])
-        else:
-            table.add_row(*row)
+    caption = facts[1] + (f"\n{run['note']}" if run.get("note") else "")
+    rows = table_rows(run)
+    wide = sum(max(len(h), *(len(r[i]) for r in rows)) + 3 for i, h in enumerate(HEADERS)) <= console.width
+    table = Table(title=title, caption=caption)
+    if wide:  # one row per system, as in report.md
+        for i, header in enumerate(HEADERS):
+            table.add_column(header, justify="left" if i == 0 else "right", overflow="fold")
+        for row in rows:
+            table.add_row(row[0], f"[dim]{row[1]}[/dim]", *row[2:]) if row[1].startswith("skipped: ") \
+                else table.add_row(*row)
+    else:  # a narrow terminal: one row per metric, one column per system
+        table.add_column("", justify="left")
+        for row in rows:
+            table.add_column(row[0], justify="right", overflow="fold")
+        for i, header in enumerate(HEADERS[1:], start=1):
+            table.add_row(header, *(row[i] if i < len(row) else "" for row in rows))
     console.print(table)
 
 
