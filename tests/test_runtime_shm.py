@@ -120,6 +120,16 @@ def test_more_than_dev_shm_holds_raises_quickly_and_leaves_no_file(prefix):
         assert pool.stats()["segments"] == 0
 
 
+def test_slabs_past_max_segments_leave_a_reserve_of_dev_shm(prefix, monkeypatch):
+    monkeypatch.setattr(shm, "OVERFLOW_RESERVE", 1.0)  # as if /dev/shm were full past the reserve
+    with SlabPool(prefix, max_segments=1) as pool:
+        held = pool.acquire(10)  # within max_segments: only the plain capacity check
+        with pytest.raises(ShmCapacityError, match="every slab this pool keeps for reuse is held"):
+            pool.acquire(10)
+        held.release()
+        assert pool.acquire(10) is held and shm.list_segments(prefix) == [held.name]
+
+
 def test_a_failed_reservation_unlinks_the_half_created_file(prefix, monkeypatch):
     def no_space(fd, offset, length):  # what tmpfs answers when statvfs raced another writer
         raise OSError(errno.ENOSPC, "No space left on device")

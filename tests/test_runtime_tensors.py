@@ -246,6 +246,23 @@ def test_merge_batches_keeps_per_sample_tensor_lists():
     b = [torch.ones(16, 2)]
     out = T.merge_batches([a, b], rows=[2, 1])
     assert isinstance(out, list) and len(out) == 3 and out[2].eq(1).all()
+    same = T.merge_batches([[torch.zeros(16, 2)] * 2, [torch.ones(16, 2)] * 2], rows=[2, 2])
+    assert len(same) == 4  # equal lengths, but 16 rows per part where 2 samples were asked: per-sample
+
+
+def test_merge_batches_handles_namedtuples_and_collates_that_drop_samples():
+    import collections
+
+    from torch.utils.data import default_collate
+
+    pair = collections.namedtuple("Pair", "x y")
+    samples = [pair(torch.full((2,), float(i)), i) for i in range(4)]
+    out = T.merge_batches([default_collate(samples[:2]), default_collate(samples[2:])], rows=[2, 2])
+    assert type(out) is pair and out.x.shape == (4, 2) and out.y.tolist() == [0, 1, 2, 3]
+    dropped = default_collate([(torch.zeros(3), 0)])  # a "filter out None" collate kept 1 of 2 samples
+    full = default_collate([(torch.ones(3), 1), (torch.ones(3), 2)])
+    x, y = T.merge_batches([dropped, full], rows=[2, 2])
+    assert x.shape == (3, 3) and y.tolist() == [0, 1, 2]
 
 
 def test_merge_batches_names_what_disagrees():

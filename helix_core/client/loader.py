@@ -7,6 +7,7 @@ ahead of the training loop, and batches arrive through shared memory.
 """
 from __future__ import annotations
 
+import itertools
 import os
 import sys
 import threading
@@ -99,7 +100,7 @@ class DistributedDataLoader:
                               on_batch=self._record)
         self._epoch, self._resume, self._iteration = 0, 0, 0
         self._position = 0  # batches yielded of the epoch (len(self) once it completed)
-        self._next_task = self.client.task_id_base + 1  # unique in the cluster, whoever else asks
+        self._task_ids = itertools.count(self.client.task_id_base + 1)  # unique in the cluster; next() is atomic
         self._unread: set = set()  # cancelled requests whose replies are still on their way
         self._unread_lock = threading.Lock()
         self._closed = False
@@ -137,8 +138,9 @@ class DistributedDataLoader:
         for key in ("seed", "world_size", "batch_size", "shuffle", "drop_last", "num_samples"):
             if key in state and state[key] != mine[key]:
                 raise ValueError(f"cannot resume: state has {key}={state[key]!r}, this loader {mine[key]!r}")
-        self._epoch, self._resume = int(state["epoch"]), int(state["batches_yielded"])
-        self._position = self._resume
+        self._epoch, self._position = int(state["epoch"]), int(state["batches_yielded"])
+        # a state saved after the epoch finished resumes to a fresh pass, never an empty one
+        self._resume = self._position if self._position < len(self) else 0
 
     def stats(self) -> dict:
         """Counters and percentiles (seconds): input_wait_p50_s / p95_s, batch_ready_p95_s,
@@ -180,7 +182,7 @@ class DistributedDataLoader:
     def _submit(self, job: BatchJob) -> None:
         offset = 0
         for part in job.parts:
-            task_id, self._next_task = self._next_task, self._next_task + 1
+            task_id = next(self._task_ids)
             job.task_ids.append(task_id)
             job.excluded.append(set())
             job.attempts.append(0)
@@ -286,12 +288,12 @@ class DistributedDataLoader:
         reply already on the wire and strand its slab): the servers drop tasks not yet started,
         and every reply that still arrives has its slab released. The Coordinator hears of each
         (``ok=False``), so its outstanding counts come back down. Idempotent."""
-        if job.cancelled or sys.is_finalizing():  # at exit no RPC can start (its thread never would)
+        if sys.is_finalizing():  # at exit no RPC can start (its thread never would)
             return
-        job.cancelled = True
         for k, fut in enumerate(job.futures):
-            if fut is None or k in job.taken:
+            if fut is None or k in job.taken or fut in job.cancelled:
                 continue
+            job.cancelled.add(fut)  # per future: a resubmission made after an earlier cancel is cancelled too
             self.client.report(job.task_ids[k], job.routes[k].exec_server_id, 0.0, False)
             if not fut.done():
                 self.client.cancel(job.routes[k].exec_address, [job.task_ids[k]])

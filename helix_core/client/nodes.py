@@ -85,7 +85,7 @@ class BatchJob:
     excluded: list = field(default_factory=list)
     attempts: list = field(default_factory=list)
     taken: set = field(default_factory=set)  # parts whose reply was read (their slab is the batch's)
-    cancelled: bool = False
+    cancelled: set = field(default_factory=set)  # futures already given up (cancel is idempotent per future)
     t_dispatch: float = 0.0
     error: BaseException | None = None
 

@@ -54,6 +54,14 @@ def _free_bytes() -> int:
     return st.f_bavail * st.f_frsize
 
 
+def _total_bytes() -> int:
+    st = os.statvfs(SHM_DIR)
+    return st.f_blocks * st.f_frsize
+
+
+OVERFLOW_RESERVE = 0.25  # segments past a pool's max_segments never eat into the last quarter of /dev/shm
+
+
 def _close_map(mm: mmap.mmap) -> bool:
     """Unmap unless numpy/torch objects still export it (they keep it alive; GC unmaps later)."""
     try:
@@ -109,14 +117,18 @@ class Slab:
         return f"Slab({self.name!r}, capacity={self.capacity}, generation={self.generation}, free={self.free})"
 
 
-def _create_segment(name: str, capacity: int) -> Slab:
+def _create_segment(name: str, capacity: int, reserve: float = 0.0) -> Slab:
     """Create, reserve and map a new segment of `capacity` payload bytes; ShmCapacityError if
-    /dev/shm cannot hold it (no file is left behind then)."""
+    /dev/shm cannot hold it while keeping `reserve` (a fraction of its size) free (no file is left
+    behind then)."""
     size = HEADER_BYTES + capacity
     free = _free_bytes()
-    if size > free:
+    keep = int(reserve * _total_bytes())
+    if size + keep > free:
+        why = (f" while keeping {keep} bytes free for others: every slab this pool keeps for reuse is held "
+               "(are kept batches piling up?)" if keep else "")
         raise ShmCapacityError(f"/dev/shm cannot hold segment {name}: it needs {size} bytes and "
-                               f"{free} bytes are free (raise the tmpfs size or lower the prefetch depth)")
+                               f"{free} bytes are free{why} (raise the tmpfs size or lower the prefetch depth)")
     path = _path(name)
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
@@ -190,7 +202,9 @@ class SlabPool:
             else:
                 if len(self._slabs) >= self.max_segments:
                     self._drop([s for s in self._slabs if s.capacity < nbytes and s.free])
-                slab = self._create(nbytes)  # past max_segments only while every kept slab is held
+                # past max_segments only while every kept slab is held, and never into the last quarter of
+                # /dev/shm (NCCL and other processes need it too)
+                slab = self._create(nbytes, reserve=OVERFLOW_RESERVE if len(self._slabs) >= self.max_segments else 0.0)
             slab._mark_busy()
             if len(self._slabs) > self.max_segments:  # the overflow of kept batches, once they are free
                 self._drop([s for s in self._slabs if s.free][:len(self._slabs) - self.max_segments])
@@ -203,11 +217,11 @@ class SlabPool:
             self._names.remove(slab.name)
             slab._close()
 
-    def _create(self, nbytes: int) -> Slab:
+    def _create(self, nbytes: int, reserve: float = 0.0) -> Slab:
         capacity = max(_MIB, -(-nbytes // _MIB) * _MIB)
         self._counter += 1
         name = f"{self.prefix}{os.getpid()}-{self._counter}-{secrets.token_hex(4)}"
-        slab = _create_segment(name, capacity)
+        slab = _create_segment(name, capacity, reserve)
         self._slabs.append(slab)
         self._names.append(name)
         self._created += 1

@@ -13,7 +13,7 @@ import json
 import sys
 import types
 
-__all__ = ["import_path", "load_spec", "make_spec", "resolve", "sample_path"]
+__all__ = ["import_path", "json_collate", "load_spec", "make_spec", "resolve", "sample_path"]
 
 _DEFAULT_COLLATE = "torch.utils.data:default_collate"
 
@@ -43,12 +43,20 @@ def import_path(fn) -> str | None:
         return None
 
 
+def json_collate(fn) -> bool:
+    """Whether a JSON spec (no token) may name ``fn`` as collate: a module-level Python function
+    outside the standard library (a spec may come from any local peer)."""
+    module = getattr(fn, "__module__", None) or ""
+    return isinstance(fn, types.FunctionType) and bool(module) and module.split(".")[0] not in sys.stdlib_module_names
+
+
 def make_spec(dataset, collate_fn, pickle_allowed: bool) -> tuple[str, bytes, str]:
     """``(spec_id, payload, format)`` for ``Configure``; raises ``ValueError`` saying how to make it
     travel when it needs pickle and the cluster has no token."""
     from torch.utils.data import default_collate
 
-    collate_path = _DEFAULT_COLLATE if collate_fn in (None, default_collate) else import_path(collate_fn)
+    collate_path = (_DEFAULT_COLLATE if collate_fn in (None, default_collate)
+                    else import_path(collate_fn) if json_collate(collate_fn) else None)
     ds_spec = dataset.helix_spec() if hasattr(dataset, "helix_spec") else None
     if ds_spec is not None and collate_path is not None:
         payload = json.dumps({"dataset": ds_spec, "collate_fn": collate_path}, sort_keys=True).encode()
@@ -59,7 +67,8 @@ def make_spec(dataset, collate_fn, pickle_allowed: bool) -> tuple[str, bytes, st
         payload, fmt = cloudpickle.dumps({"dataset": dataset, "collate_fn": collate_fn or default_collate}), "cloudpickle"
     else:
         what = (f"dataset {type(dataset).__name__} (it has no helix_spec())" if ds_spec is None
-                else f"collate_fn {collate_fn!r} (not an importable module-level function)")
+                else f"collate_fn {collate_fn!r} (not an importable module-level Python function outside the "
+                     "standard library)")
         raise ValueError(f"{what} cannot travel to the DataServers without pickle, and this cluster has no "
                          "token. Start the cluster with a token (LocalCluster(token=...), `helix coordinator "
                          "--token-file`, or HELIX_TOKEN) so cloudpickle is allowed, or make it importable.")
@@ -84,8 +93,7 @@ def load_spec(payload: bytes, fmt: str, allow_pickle: bool):
     if not (isinstance(cls, type) and issubclass(cls, torch.utils.data.Dataset)):
         raise TypeError(f"{spec['dataset']['target']} is not a torch Dataset class")
     collate = resolve(spec.get("collate_fn") or _DEFAULT_COLLATE)
-    if not isinstance(collate, types.FunctionType) or collate.__module__.split(".")[0] in sys.stdlib_module_names:
-        # a spec may come from any local peer: only a user's (or a library's) own Python function collates
+    if not json_collate(collate):
         raise TypeError(f"collate_fn {spec.get('collate_fn')} is not a module-level Python function outside "
                         "the standard library")
     return cls(**spec["dataset"].get("kwargs", {})), collate

@@ -320,6 +320,22 @@ def _columns_rows(x: list | tuple) -> int | None:
     return rows.pop() if len(rows) == 1 and None not in rows else None
 
 
+def _are_columns(items: list, rows: list | None) -> bool:
+    """Whether microbatch lists are collated columns (merge field by field) rather than per-sample
+    values (concatenate): equal lengths, every element a collated part with one row count per
+    microbatch. With ``rows`` (samples asked per microbatch), a list as long as its microbatch
+    whose parts don't have that many rows is per-sample (clips of their own sizes); a collate that
+    dropped samples still merges by column. Per-sample tensors whose first dimension equals the
+    microbatch size look exactly like columns: keep such values in a dict or a padded tensor."""
+    lead = [_columns_rows(x) for x in items]
+    if len({len(x) for x in items}) != 1 or None in lead:
+        return False
+    if rows is None:
+        return True
+    per_sample_shaped = all(len(x) == r for x, r in zip(items, rows))
+    return not per_sample_shaped or any(n == r for n, r in zip(lead, rows))
+
+
 def _merge(items: list, path: str, rows: list | None):
     first = items[0]
     if any(type(x) is not type(first) for x in items):
@@ -329,13 +345,13 @@ def _merge(items: list, path: str, rows: list | None):
     if isinstance(first, np.ndarray):
         return _pad_cat(items, path, lambda shape, dt: np.zeros(shape, dtype=dt), np.concatenate)
     if isinstance(first, (list, tuple)):
-        lead = [_columns_rows(x) for x in items]
-        columns = len({len(x) for x in items}) == 1 and None not in lead and (rows is None or lead == rows)
-        if columns:  # (X, Y) batches of tuple samples: merge field by field, never (X1, Y1, X2, Y2)
+        if _are_columns(items, rows):  # (X, Y) batches of tuple samples: field by field, never (X1, Y1, X2, Y2)
             merged = [_merge([x[j] for x in items], f"{path}[{j}]", rows) for j in range(len(first))]
-        else:  # per-sample values (captions, paths): concatenate
+        else:  # per-sample values (captions, paths, clips of their own sizes): concatenate
             merged = [x for item in items for x in item]
-        return merged if type(first) is list else tuple(merged)
+        if type(first) is list:
+            return merged
+        return type(first)(*merged) if hasattr(first, "_fields") else type(first)(merged)  # namedtuples too
     if isinstance(first, dict):
         for item in items[1:]:
             if item.keys() != first.keys():
