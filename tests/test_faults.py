@@ -1,5 +1,6 @@
 """Faults with real processes: SIGKILLed DataServers and workers, a lost Coordinator, and no
 process or shared-memory segment outliving close, a crash or Ctrl-C."""
+import gc
 import os
 import signal
 import subprocess
@@ -144,3 +145,22 @@ def test_training_process_crash_or_ctrl_c_leaves_nothing(tmp_path, how):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_a_loader_dropped_without_close_stops_its_embedded_cluster(monkeypatch):
+    monkeypatch.delenv("HELIX_COORDINATOR", raising=False)
+    ds = IndexDataset(40, shape=(1 << 13,), delays={i: 0.01 for i in range(40)})
+    ld = hx.DistributedDataLoader(ds, batch_size=2, rank=0, world_size=1, num_workers=1, config=CFG)
+    cluster = ld._cluster
+    for i, batch in enumerate(ld):  # requests still in flight when the loader goes
+        if i == 2:
+            break
+    gc.disable()  # as a torch DataLoader may simply be dropped: no reference cycle may keep it alive
+    try:
+        del ld, batch
+        deadline = time.monotonic() + 20
+        while not (cluster._closed and not segments(cluster)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        gc.enable()
+    assert cluster._closed and not segments(cluster)

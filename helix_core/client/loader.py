@@ -13,6 +13,7 @@ import sys
 import threading
 import time
 import warnings
+import weakref
 
 import grpc
 import torch
@@ -96,8 +97,10 @@ class DistributedDataLoader:
             raise
         self._batches = ShardBatches(len(dataset), batch_size, self.rank, self.world_size, shuffle, seed, drop_last)
         self._tagger = CostTagger(self._batches, dataset, seed, microbatch_size)
-        self._root = Dispatch(self._tagger, self._submit, self._collect, self._cancel, prefetch_depth,
-                              on_batch=self._record)
+        # weak callbacks: no loader <-> Dispatch cycle, so a loader dropped without close() closes
+        # once its requests in flight are answered, not at some later cyclic collection
+        self._root = Dispatch(self._tagger, *map(_weak, (self._submit, self._collect, self._cancel)), prefetch_depth,
+                              on_batch=_weak(self._record))
         self._epoch, self._resume, self._iteration = 0, 0, 0
         self._position = 0  # batches yielded of the epoch (len(self) once it completed)
         self._task_ids = itertools.count(self.client.task_id_base + 1)  # unique in the cluster; next() is atomic
@@ -310,6 +313,19 @@ class DistributedDataLoader:
             return
         if reply.batch.slab.segment:
             self.client.reader.release({"segment": reply.batch.slab.segment, "generation": reply.batch.slab.generation})
+
+
+def _weak(method):
+    """A callable that calls ``method`` while its object lives (and raises ReferenceError after)."""
+    ref = weakref.WeakMethod(method)
+
+    def call(*args, **kwargs):
+        bound = ref()
+        if bound is None:
+            raise ReferenceError("the DistributedDataLoader is gone")
+        return bound(*args, **kwargs)
+
+    return call
 
 
 class _LoaderIter:

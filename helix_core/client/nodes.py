@@ -240,6 +240,7 @@ class Dispatch(BaseNode):
             if self.on_batch is not None and not isinstance(item, BaseException):
                 self.on_batch(job)
             run.out.put(item)
+            item = job = None  # an error's traceback holds this frame: don't let it hold the error back (a cycle)
 
     # ---- BaseNode contract --------------------------------------------------------------------------
     def next(self):
