@@ -21,6 +21,13 @@ def pool():
     assert shm.sweep(prefix) == 0, f"/dev/shm segments leaked under {prefix}"
 
 
+def _in_slab(pool, tensors):
+    """layout -> a slab from ``pool`` -> write: what a worker does with a batch."""
+    metas, total = T.layout(tensors)
+    slab = pool.acquire(total)
+    return slab, T.write_tensors(slab.payload, tensors, metas), total
+
+
 def _roundtrip(batch, allow_pickle=False):
     """flatten -> layout -> write into a bytearray -> read -> unflatten."""
     tree_json, tree_pickle, tensors = T.flatten(batch, allow_pickle=allow_pickle)
@@ -133,9 +140,7 @@ def test_read_tensors_are_zero_copy_and_release_after_the_last_view(pool):
     video = torch.arange(1 << 16, dtype=torch.int32).view(256, 256)
     label = torch.arange(2000, dtype=torch.int64)
     _, _, tensors = T.flatten({"video": video, "label": label})
-    metas, total = T.layout(tensors)
-    slab = pool.acquire(total)
-    metas = T.write_tensors(slab.payload, tensors, metas)
+    slab, metas, total = _in_slab(pool, tensors)
     handle = slab.handle(total)
     reader = shm.SlabReader()
     released = []
@@ -159,9 +164,7 @@ def test_read_tensors_are_zero_copy_and_release_after_the_last_view(pool):
 
 def test_release_fires_when_the_batch_dies_in_a_reference_cycle(pool):
     _, _, tensors = T.flatten([torch.ones(10_000)])
-    metas, total = T.layout(tensors)
-    slab = pool.acquire(total)
-    metas = T.write_tensors(slab.payload, tensors, metas)
+    slab, metas, total = _in_slab(pool, tensors)
     handle, reader = slab.handle(total), shm.SlabReader()
     cycle = {"batch": T.read_tensors(reader.view(handle), metas, on_release=lambda: reader.release(handle))}
     cycle["self"] = cycle  # only the cycle collector can free it
@@ -174,9 +177,7 @@ def test_release_fires_when_the_batch_dies_in_a_reference_cycle(pool):
 
 def test_copy_tensors_owns_its_memory(pool):
     _, _, tensors = T.flatten([torch.ones(10_000)])
-    metas, total = T.layout(tensors)
-    slab = pool.acquire(total)
-    metas = T.write_tensors(slab.payload, tensors, metas)
+    slab, metas, total = _in_slab(pool, tensors)
     copies = T.copy_tensors(slab.payload[:total], metas)
     slab.payload[:total] = bytes(total)
     assert copies[0].sum().item() == 10_000

@@ -9,7 +9,7 @@ from helix_core.runtime.proto import helix_pb2 as pb
 def test_data_chunks_encode_as_protobuf_does_and_decode_without_copies(size):
     data = bytes(range(256)) * (size // 256) + bytes(size % 256)
     raw = wire.encode_chunk(memoryview(data))
-    assert raw == pb.StreamChunk(data=data).SerializeToString() or (size == 0 and raw == b"\x12\x00")
+    assert raw == pb.StreamChunk(data=data).SerializeToString()
     got = wire.decode_chunk(raw)
     assert isinstance(got, memoryview) and got.obj is raw and got.tobytes() == data
     assert pb.StreamChunk.FromString(raw).data == data  # any protobuf peer reads it too
@@ -25,6 +25,8 @@ def test_headers_and_non_canonical_chunks_go_through_protobuf():
 
 
 def test_truncated_chunks_are_refused():
+    from google.protobuf.message import DecodeError
+
     raw = wire.encode_chunk(b"x" * 300)
-    with pytest.raises(Exception, match="(?i)truncat|pars|decode|error"):
+    with pytest.raises(DecodeError):
         wire.decode_chunk(raw[:-1])

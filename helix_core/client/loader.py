@@ -20,9 +20,10 @@ import torch
 
 from ..config import ClusterConfig
 from ..errors import ClusterError
-from ..runtime.tensors import merge_batches
+from ..runtime import shm
 from ..runtime.proto import helix_pb2 as pb
 from ..runtime.specs import make_spec
+from ..runtime.tensors import merge_batches
 from ..telemetry import LoaderStats
 from .embedded import acquire_embedded, release_embedded
 from .nodes import BatchJob, CostTagger, Dispatch, ShardBatches
@@ -128,7 +129,7 @@ class DistributedDataLoader:
 
     def state_dict(self) -> dict:
         """Rank-independent resume point: batches yielded to the user (not requests in flight)."""
-        active = self._root._threads and not self._closed
+        active = self._root.running and not self._closed
         yielded = self._root.get_state()[ShardBatches.YIELDED] if active else (self._resume or self._position)
         return {"epoch": self._epoch, "seed": self.seed, "batches_yielded": int(yielded),
                 "world_size": self.world_size, "batch_size": self.batch_size, "shuffle": self.shuffle,
@@ -241,7 +242,7 @@ class DistributedDataLoader:
             try:
                 reply = fut.result()
             except grpc.RpcError as e:
-                if e.code() not in TRANSIENT or "no room for" in (e.details() or ""):  # /dev/shm full: final
+                if e.code() not in TRANSIENT or shm.NO_ROOM in (e.details() or ""):  # a full /dev/shm is final
                     raise ClusterError(f"batch {job.position}: {e.code().name} {e.details()}") from None
                 remote = route.exec_kind == "remote"
                 lost_delivery = remote and "delivery server" in (e.details() or "")

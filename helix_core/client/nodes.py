@@ -158,8 +158,9 @@ class Dispatch(BaseNode):
         self._yielded, self._epoch = 0, 0
 
     @property
-    def _threads(self) -> list[threading.Thread]:
-        return self._run.threads if self._run is not None else []
+    def running(self) -> bool:
+        """An iteration's threads are up (between ``reset`` and ``shutdown``)."""
+        return self._run is not None
 
     # ---- lifecycle ---------------------------------------------------------------------------------
     def reset(self, initial_state: dict | None = None):

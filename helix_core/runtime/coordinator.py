@@ -143,20 +143,15 @@ class Registry:
         """Live servers in cluster order with their static columns, recomputed when membership
         or liveness changes (not per decision)."""
         if self._live is None:
-            live = [s for s in self._ordering()[1] if s.alive]
-            ids = tuple(s.server_id for s in live)
-            self._live = (live, ids, tuple(s.kind for s in live), tuple(s.workers for s in live),
-                          {sid: k for k, sid in enumerate(ids)})
+            self._live = _table([s for s in self._ordering()[1] if s.alive])
             self._beats = None
         return self._live
 
     def _candidates(self, delivery: ServerState, exclude: set[str]) -> Candidates:
         live, ids, kinds, workers, position = self._live_table()
         if exclude and any(sid not in exclude for sid in ids):  # exclusions are hints, never fatal
-            live = [s for s in live if s.server_id not in exclude]
-            ids, kinds, workers = (tuple(s.server_id for s in live), tuple(s.kind for s in live),
-                                   tuple(s.workers for s in live))
-            position, beats = {sid: k for k, sid in enumerate(ids)}, _beats(live)
+            live, ids, kinds, workers, position = _table([s for s in live if s.server_id not in exclude])
+            beats = _beats(live)
         else:
             beats = self._beats = self._beats or _beats(live)
         return Candidates(ids, kinds, workers, tuple(map(_OUTSTANDING, live)), *beats,
@@ -218,6 +213,12 @@ class Registry:
 
 
 _OUTSTANDING = operator.attrgetter("outstanding")
+
+
+def _table(live: list[ServerState]) -> tuple:
+    """(servers, their ids, kinds, workers, id -> position): the columns that change only with membership."""
+    ids = tuple(s.server_id for s in live)
+    return live, ids, tuple(s.kind for s in live), tuple(s.workers for s in live), {sid: k for k, sid in enumerate(ids)}
 
 
 def _beats(live: list[ServerState]) -> tuple[tuple[int, ...], tuple[float, ...]]:

@@ -151,7 +151,7 @@ class DataServerServicer(pbg.DataServerServicer):
         try:
             slab = self.slabs.acquire(h.total_bytes)
         except shm.ShmCapacityError as e:
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"no room for a {h.total_bytes}-byte batch: {e}")
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{shm.NO_ROOM} a {h.total_bytes}-byte batch: {e}")
         try:
             writer = ChunkWriter(slab.payload, h.total_bytes)
             for chunk in request_iterator:

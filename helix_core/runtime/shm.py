@@ -49,16 +49,13 @@ def _path(name: str) -> str:
     return os.path.join(SHM_DIR, name)
 
 
-def _free_bytes() -> int:
+def _space() -> tuple[int, int]:
+    """(free, total) bytes of /dev/shm."""
     st = os.statvfs(SHM_DIR)
-    return st.f_bavail * st.f_frsize
+    return st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize
 
 
-def _total_bytes() -> int:
-    st = os.statvfs(SHM_DIR)
-    return st.f_blocks * st.f_frsize
-
-
+NO_ROOM = "/dev/shm has no room for"  # how a peer's full /dev/shm reads in an RPC's details (final, not transient)
 OVERFLOW_RESERVE = 0.25  # segments past a pool's max_segments never eat into the last quarter of /dev/shm
 
 
@@ -122,8 +119,8 @@ def _create_segment(name: str, capacity: int, reserve: float = 0.0) -> Slab:
     /dev/shm cannot hold it while keeping `reserve` (a fraction of its size) free (no file is left
     behind then)."""
     size = HEADER_BYTES + capacity
-    free = _free_bytes()
-    keep = int(reserve * _total_bytes())
+    free, total = _space()
+    keep = int(reserve * total)
     if size + keep > free:
         why = (f" while keeping {keep} bytes free for others: every slab this pool keeps for reuse is held "
                "(are kept batches piling up?)" if keep else "")
@@ -139,7 +136,7 @@ def _create_segment(name: str, capacity: int, reserve: float = 0.0) -> Slab:
         os.unlink(path)
         if e.errno == errno.ENOSPC:
             raise ShmCapacityError(f"/dev/shm cannot hold segment {name}: it needs {size} bytes and "
-                                   f"{_free_bytes()} bytes are free") from e
+                                   f"{_space()[0]} bytes are free") from e
         raise
     except BaseException:
         os.unlink(path)
