@@ -177,6 +177,14 @@ class DistributedDataLoader:
         self.close()
 
     def __del__(self):
+        if getattr(self, "_closed", True) or sys.is_finalizing():
+            return
+        if threading.current_thread() is threading.main_thread():
+            self._close_quietly()
+        else:  # dropped on one of its own (or gRPC's) threads: closing there could wait on that very thread
+            threading.Thread(target=self._close_quietly, name="helix-loader-close", daemon=True).start()
+
+    def _close_quietly(self) -> None:
         try:
             self.close()
         except Exception:
