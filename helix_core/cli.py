@@ -83,6 +83,17 @@ def _cmd_bench(a, console) -> int:
     return 0
 
 
+def _cmd_planner(a, console) -> int:
+    from .bench.planner import run_planner_bench
+
+    run_planner_bench(_split(a.workload), _split(a.models), _split(a.windows, int), ranks=a.ranks,
+                      batch_size=a.batch_size, clips=a.clips, epochs=a.epochs, seed=a.seed,
+                      data_dir=a.data or _cache_dir() / "bench-data", out=a.out, console=console)
+    if a.out:
+        console.print(f"saved {a.out}")
+    return 0
+
+
 def _cmd_microbench(a, console) -> int:
     from .bench.media import run_microbench
 
@@ -148,6 +159,18 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--data", default=None, help="where workloads are synthesized (cached)")
     s.add_argument("--out", required=True)
     s.set_defaults(fn=_cmd_bench)
+    s = sub.add_parser("planner", help="Tier-1 planner: GPU-cost imbalance per window size, and planner time")
+    s.add_argument("--workload", default="kinetics-mixed,openvid-mixed", help="comma-separated list")
+    s.add_argument("--models", default="videomae,qwen2-vl,wan", help="comma-separated model families")
+    s.add_argument("--windows", default="1,2,4,8", help="comma-separated window sizes (global steps)")
+    s.add_argument("--ranks", type=int, default=4)
+    s.add_argument("--batch-size", type=int, default=2)
+    s.add_argument("--clips", type=int, default=48)
+    s.add_argument("--epochs", type=int, default=20)
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--data", default=None, help="where workloads are synthesized (cached; default: as helix bench)")
+    s.add_argument("--out", default=None, help="write the results as JSON")
+    s.set_defaults(fn=_cmd_planner)
     for role, text in (("coordinator", "run a Coordinator (the metadata-only control plane)"),
                        ("dataserver", "run a DataServer (--local-rank R | --remote) with its worker pool")):
         sub.add_parser(role, help=text, add_help=False)  # handled in main()

@@ -6,7 +6,7 @@ from dataclasses import dataclass, fields
 __all__ = ["ClusterConfig", "PROTOCOL_VERSION"]
 
 #: Wire protocol version; every connection checks it first (Hello).
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 
 @dataclass(frozen=True)

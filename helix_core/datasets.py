@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .costs import CostFit, CostModel
+from .costs import CostFit, CostModel, profile_bucket
 from .descriptors import CostProfile, SampleDescriptor
 from .families import VideoSpec
 from .manifest import Manifest
@@ -84,7 +84,8 @@ class VideoClipDataset(torch.utils.data.Dataset):
         output_px = geo.t * geo.resize_h * geo.resize_w
         return {"cpu_s": self.table.fit.predict(decoded_px, output_px) * t.cost_scale,
                 "out_bytes": geo.t * 3 * geo.out_h * geo.out_w, "tokens": geo.tokens,
-                "t": geo.t, "h": geo.out_h, "w": geo.out_w, "io_bytes": t.columns["bytes"]}
+                "t": geo.t, "h": geo.out_h, "w": geo.out_w, "io_bytes": t.columns["bytes"],
+                "bucket": np.asarray(profile_bucket(t.frames, t.width, t.height)), "ok": t.ok()}
 
     # ---- descriptors and costs (never decode) --------------------------------------------------
     def __len__(self) -> int:
@@ -117,7 +118,8 @@ class VideoClipDataset(torch.utils.data.Dataset):
         if self._costs is not None:
             self.table.descriptor(index)  # raises SampleError for a row that failed to probe
             c = self._costs
-            return CostProfile(cpu_s=float(c["cpu_s"][index]), io_bytes=int(c["io_bytes"][index]),
+            cpu_s = float(c["cpu_s"][index]) * self.cost_model.correction(str(c["bucket"][index]))
+            return CostProfile(cpu_s=cpu_s, io_bytes=int(c["io_bytes"][index]),
                                out_bytes=int(c["out_bytes"][index]), tokens=int(c["tokens"][index]),
                                profile=f"{c['t'][index]}x{c['h'][index]}x{c['w'][index]}")
         d = self.descriptor(index)
@@ -127,9 +129,20 @@ class VideoClipDataset(torch.utils.data.Dataset):
                            tokens=int(g.tokens[0]), profile=f"{t}x{h}x{w}")
 
     def cost_arrays(self) -> dict[str, np.ndarray] | None:
-        """Every row's ``cpu_s``, ``io_bytes``, ``out_bytes``, ``tokens`` and profile ``t/h/w``
-        as arrays (needs a profile table; ``None`` without one)."""
+        """Every row's ``cpu_s`` (offline, without online corrections), ``io_bytes``,
+        ``out_bytes``, ``tokens``, profile ``t/h/w``, source ``bucket`` and ``ok`` (False where
+        the clip failed to probe) as arrays (needs a profile table; ``None`` without one)."""
         return self._costs
+
+    def observe_cost(self, index: int, cpu_s: float) -> None:
+        """Fold one measured decode (CPU seconds of ``ds[index]``) into the online cost model: its
+        profile bucket's correction, which ``estimate_cost`` applies from then on."""
+        try:
+            d = self.descriptor(index)
+        except Exception:  # a sample that cannot be described has no bucket to refine
+            return
+        scale = float(self.table.cost_scale[int(index)]) if self.table is not None else 1.0
+        self.cost_model.update(d, cpu_s, scale=scale)
 
     # ---- fetching ------------------------------------------------------------------------------
     def set_epoch(self, epoch: int) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import collections
 import math
 
-__all__ = ["LoaderStats", "percentile"]
+__all__ = ["CostErrors", "LoaderStats", "percentile"]
 
 
 def percentile(values, q: float) -> float:
@@ -17,6 +17,32 @@ def percentile(values, q: float) -> float:
     return xs[lo] if lo == hi else xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
 
 
+class CostErrors:
+    """Relative errors of CPU-cost predictions, |predicted - measured| / measured, at the start and
+    the end of a run: the first and the last ``k`` decoded samples, ``k = min(n, count // 4)``
+    (so a short run compares its first and last quarters): whether online feedback helped."""
+
+    def __init__(self, n: int = 64):
+        self.n = n
+        self.first: list[float] = []
+        self.last: collections.deque = collections.deque(maxlen=n)
+        self.count = 0
+
+    def add(self, predicted_s: float, measured_s: float) -> None:
+        if not (measured_s > 0 and predicted_s >= 0):
+            return
+        err = abs(predicted_s - measured_s) / measured_s
+        if len(self.first) < self.n:
+            self.first.append(err)
+        self.last.append(err)
+        self.count += 1
+
+    def as_dict(self) -> dict:
+        k = max(1, min(self.n, self.count // 4))
+        return {"cost_error_start": percentile(self.first[:k], 50),
+                "cost_error_end": percentile(list(self.last)[-k:], 50), "cost_samples": self.count}
+
+
 class LoaderStats:
     """Per-loader counters. Times in seconds; a DDL miss is a batch whose input wait exceeded
     ``ddl_tolerance_s``. Keeps the last ``window`` samples of each timing."""
@@ -26,7 +52,11 @@ class LoaderStats:
         self.input_wait = collections.deque(maxlen=window)
         self.batch_ready = collections.deque(maxlen=window)
         self.decision_us = collections.deque(maxlen=window)
-        self.batches = self.skipped = self.resubmits = self.cross_ds_bytes = 0
+        self.route_us = collections.deque(maxlen=window)  # Route round trips as the client sees them
+        self.deadlines = collections.deque(maxlen=window)  # deadline_s sent with each request
+        self.reasons: collections.Counter = collections.Counter()  # placement decisions by reason
+        self.cost_errors = CostErrors()
+        self.batches = self.skipped = self.resubmits = self.cross_ds_bytes = self.fanouts = 0
 
     def as_dict(self) -> dict:
         waits = list(self.input_wait)
@@ -40,4 +70,7 @@ class LoaderStats:
             "cross_ds_bytes": self.cross_ds_bytes,
             "scheduler_overhead_us_p50": percentile(self.decision_us, 50),
             "scheduler_overhead_us_p99": percentile(self.decision_us, 99),
+            "route_us_p50": percentile(self.route_us, 50), "route_us_p99": percentile(self.route_us, 99),
+            "deadline_p50_s": percentile(self.deadlines, 50), "fanouts": self.fanouts,
+            "placement_reasons": dict(self.reasons), **self.cost_errors.as_dict(),
         }

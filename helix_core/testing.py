@@ -7,7 +7,7 @@ import time
 
 import torch
 
-__all__ = ["IndexDataset"]
+__all__ = ["CostedDataset", "IndexDataset"]
 
 
 class IndexDataset(torch.utils.data.Dataset):
@@ -57,3 +57,46 @@ def pair_collate(samples: list[dict]):
     from torch.utils.data import default_collate
 
     return default_collate([(s["x"], s["index"]) for s in samples])
+
+
+class CostedDataset(IndexDataset):
+    """``IndexDataset`` whose samples have known costs without decoding, as a video dataset's
+    profile table gives them: ``tokens[i]`` visual tokens and ``cpu_s[i]`` predicted CPU seconds
+    (``estimate_cost`` / ``cost_arrays``); ``broken`` lists samples whose cost cannot be estimated
+    (``estimate_cost`` raises ``SampleError``, as for a clip that fails to probe)."""
+
+    def __init__(self, n: int, tokens, cpu_s=None, shape=(4,), broken=(), **kwargs):
+        super().__init__(n, shape=shape, **kwargs)
+        self.tokens = [int(t) for t in tokens]
+        self.cpu_s = [float(c) for c in (cpu_s if cpu_s is not None else [t * 1e-5 for t in self.tokens])]
+        self.broken = sorted(int(i) for i in broken)
+        if len(self.tokens) != self.n or len(self.cpu_s) != self.n:
+            raise ValueError(f"CostedDataset: {self.n} samples need {self.n} tokens and cpu_s values")
+
+    def __getitem__(self, i: int) -> dict:
+        sample = super().__getitem__(i)
+        sample["tokens"] = self.tokens[int(i)]
+        return sample
+
+    def estimate_cost(self, i: int):
+        from .descriptors import CostProfile
+        from .errors import SampleError
+
+        i = int(i)
+        if i in self.broken:
+            raise SampleError(i, self.sample_path(i), "cannot be probed")
+        return CostProfile(cpu_s=self.cpu_s[i], io_bytes=0, out_bytes=4, tokens=self.tokens[i],
+                           profile=f"{self.tokens[i]}t")
+
+    def cost_arrays(self) -> dict:
+        import numpy as np
+
+        ok = np.ones(self.n, dtype=bool)
+        ok[self.broken] = False
+        return {"tokens": np.asarray(self.tokens, dtype=np.int64), "cpu_s": np.asarray(self.cpu_s),
+                "bucket": np.array([f"{t}t" for t in self.tokens], dtype=object), "ok": ok}
+
+    def helix_spec(self) -> dict:
+        spec = super().helix_spec()
+        spec["kwargs"].update(tokens=self.tokens, cpu_s=self.cpu_s, broken=self.broken)
+        return spec

@@ -219,14 +219,26 @@ def test_microbatches_of_tuple_samples_merge_field_by_field(cluster):
         assert torch.equal(x, wx) and torch.equal(idx, widx)
 
 
-def test_option_values_not_built_list_valid_ones(cluster):
+def test_bad_option_values_name_the_argument_and_the_valid_ones(cluster):
     ds = IndexDataset(4)
-    with pytest.raises(ValueError, match="least-request"):
-        loader(ds, cluster, scheduler="deadline")
-    with pytest.raises(ValueError, match="valid"):
+    with pytest.raises(ValueError, match=r"scheduler='edf'; valid: deadline, least-request"):
+        loader(ds, cluster, scheduler="edf")
+    with pytest.raises(ValueError, match=r"balance='samples'; valid: None, 'tokens'"):
+        loader(ds, cluster, balance="samples")
+    for window in (0, -1, 2.5, True):
+        with pytest.raises(ValueError, match=r"window=.*int >= 1"):
+            loader(ds, cluster, balance="tokens", window=window)
+    with pytest.raises(ValueError, match="estimate_cost"):  # nothing to plan by: said before any work
         loader(ds, cluster, balance="tokens")
     with pytest.raises(ValueError, match="raise, skip"):
         loader(ds, cluster, on_error="ignore")
+    with pytest.raises(ValueError, match="gpu_cost"):
+        loader(ds, cluster, gpu_cost=3)
+    with loader(ds, cluster) as ld:
+        for bad in (-0.1, float("nan"), float("inf"), "1"):
+            with pytest.raises(ValueError, match=r"report_step_time\(seconds="):
+                ld.report_step_time(bad)
+        ld.report_step_time(0.25)
 
 
 def test_train_and_val_loaders_share_the_embedded_cluster(monkeypatch):

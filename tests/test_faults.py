@@ -120,6 +120,7 @@ _SCRIPT = textwrap.dedent("""
         next(it)
     print("RUNNING", flush=True)
     if sys.argv[1] == "crash":
+        sys.stdin.readline()  # the test has seen the cluster's processes
         os.kill(os.getpid(), signal.SIGKILL)
     for b in it:  # until Ctrl-C
         pass
@@ -130,7 +131,8 @@ _SCRIPT = textwrap.dedent("""
 def test_training_process_crash_or_ctrl_c_leaves_nothing(tmp_path, how):
     script = tmp_path / "train.py"
     script.write_text(_SCRIPT)
-    proc = subprocess.Popen([sys.executable, str(script), how], stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, str(script), how], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            text=True)
     try:
         cluster_id = proc.stdout.readline().split()[1]
         assert proc.stdout.readline().strip() == "RUNNING"
@@ -138,6 +140,9 @@ def test_training_process_crash_or_ctrl_c_leaves_nothing(tmp_path, how):
         assert len(descendants) >= 3  # coordinator, dataserver, worker
         if how == "ctrl-c":
             proc.send_signal(signal.SIGINT)
+        else:
+            proc.stdin.write("crash now\n")
+            proc.stdin.flush()
         proc.wait(timeout=60)
         wait_for(lambda: not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in descendants), 30,
                  "every process of the cluster to exit")

@@ -85,18 +85,21 @@ class StepRecord:
 @dataclass(frozen=True)
 class Bound:
     """The physical bound of a run (DESIGN.md "Metrics"): it can't finish faster than
-    ``max(decode_s / cpu_slots, gpu_s)``.
+    ``max(decode_s / capacity, gpu_s)``.
 
-    ``decode_s``: total decode CPU-seconds of the measured samples (measured once per run);
-    ``gpu_s``: sum over measured steps of the token-balanced GPU step time, seconds
-    (:func:`balanced_gpu_s`); ``cpu_slots``: min(CPU budget, cores); ``samples``: samples consumed
-    over the measured steps, all ranks.
+    ``decode_s``: total decode CPU-seconds of the measured samples at single-decoder speed
+    (measured once per run); ``gpu_s``: sum over measured steps of the token-balanced GPU step
+    time, seconds (:func:`balanced_gpu_s`); ``cpu_slots``: min(CPU budget, cores); ``capacity``:
+    the decode capacity measured on the machine — single-decoder work per wall second of
+    ``cpu_slots`` decoders running together (e.g. 1.85 on two vCPUs, not 2); None: ``cpu_slots``;
+    ``samples``: samples consumed over the measured steps, all ranks.
     """
 
     decode_s: float
     gpu_s: float
     cpu_slots: int
     samples: int
+    capacity: float | None = None
 
     def __post_init__(self):
         _check_time("Bound", "decode_s", self.decode_s)
@@ -105,13 +108,20 @@ class Bound:
             raise ValueError(f"Bound: cpu_slots must be an int >= 1 (min(budget, cores)), got {self.cpu_slots!r}")
         if not _is_count(self.samples) or self.samples < 1:
             raise ValueError(f"Bound: samples must be an int >= 1, got {self.samples!r}")
+        if self.capacity is not None and not (math.isfinite(self.capacity) and 0 < self.capacity <= self.cpu_slots * 1.1):
+            raise ValueError(f"Bound: capacity must be in (0, ~cpu_slots] decoders, got {self.capacity!r}")
         if self.time_s <= 0:
             raise ValueError("Bound: decode_s and gpu_s are both 0, so the bound time is 0 (nothing measured?)")
 
     @property
+    def decoders(self) -> float:
+        """Decode capacity in single-decoder units: the measured one, else ``cpu_slots``."""
+        return self.capacity if self.capacity is not None else float(self.cpu_slots)
+
+    @property
     def cpu_time_s(self) -> float:
         """Seconds the decode needs with every CPU slot busy."""
-        return self.decode_s / self.cpu_slots
+        return self.decode_s / self.decoders
 
     @property
     def time_s(self) -> float:
@@ -133,7 +143,7 @@ class Bound:
         return {
             "throughput_sps": self.throughput_sps, "time_s": self.time_s, "limited_by": self.limited_by,
             "decode_s": self.decode_s, "cpu_time_s": self.cpu_time_s, "gpu_s": self.gpu_s,
-            "cpu_slots": self.cpu_slots, "samples": self.samples,
+            "cpu_slots": self.cpu_slots, "decode_capacity": self.decoders, "samples": self.samples,
         }
 
 

@@ -13,27 +13,24 @@ import json
 import math
 import numbers
 import os
-import textwrap
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from .figures import CAPTIONS, FIGURES, draw_figures
 from .metrics import SYSTEM_METRIC_KEYS
 
 __all__ = [
-    "BOUND_KEYS", "FIGURES", "RUN_KEYS", "print_table", "run_label", "table_rows", "validate_run",
+    "BOUND_KEYS", "FIGURES", "RUN_KEYS", "cpu_rows", "print_table", "run_label", "table_rows", "validate_run",
     "write_report", "write_results",
 ]
 
 RUN_KEYS = ("workload", "regime", "window_scale", "ranks", "budget", "batch_size", "steps", "warmup",
             "ddl_tolerance_s", "bound", "systems")
 BOUND_KEYS = ("throughput_sps", "decode_s", "gpu_s")
-FIGURES = ("fig2_step_time_p95.png", "fig8_wait_breakdown.png", "fig10_throughput.png")
-HEADERS = ("System", "Throughput (samples/s)", "vs native", "Bound (%)", "Input wait p50 (s)",
+HEADERS = ("System", "Throughput (samples/s)", "vs native", "vs ray", "Bound (%)", "Input wait p50 (s)",
            "Input wait p95 (s)", "Batch ready p95 (s)", "DDL miss (%)", "Step time p95 (s)",
-           "Sync wait mean (s)", "Cross-DS (MB)", "Sched. p99 (µs)", "CPU util (%)")
+           "Sync wait mean (s)", "Imbalance", "Decode eff. (%)", "Cross-DS (MB)", "Sched. p99 (µs)", "CPU util (%)")
 _BASELINE = "native"
-_SYSTEM_COLORS = {"native": "tab:gray", "ray": "tab:orange", "helix": "tab:blue"}
-_OTHER_COLORS = ("tab:green", "tab:purple", "tab:brown", "tab:pink", "tab:olive", "tab:cyan", "tab:red")
 _LABEL_KEYS = {"regime": "{}", "batch_size": "bs{}", "ranks": "{} ranks", "budget": "budget {}",
                "remote_servers": "rd{}"}  # how a key that varies across a sweep shows in a label
 
@@ -133,20 +130,40 @@ def table_rows(run: Mapping) -> list[list[str]]:
     """One row of strings per system, columns as :data:`HEADERS`; a skipped system's row holds
     ``skipped: reason`` and blanks. The ratio is throughput over native's (n/a without native)."""
     base = _ran(run).get(_BASELINE, {}).get("throughput_sps")
+    ray = _ran(run).get("ray", {}).get("throughput_sps")
     rows = []
     for name, m in run["systems"].items():
         if "skipped" in m:
             rows.append([name, f"skipped: {m['skipped']}"] + [""] * (len(HEADERS) - 2))
             continue
         ratio = _num(m["throughput_sps"]) / _num(base) if base else math.nan
+        vs_ray = _num(m["throughput_sps"]) / _num(ray) if ray else math.nan
         rows.append([
-            name, _fmt(m["throughput_sps"], ".2f"), _fmt(ratio, ".2f", suffix="x"),
+            name, _fmt(m["throughput_sps"], ".2f"), _fmt(ratio, ".2f", suffix="x"), _fmt(vs_ray, ".2f", suffix="x"),
             _fmt(m["bound_fraction"], ".1f", 100), _fmt_s(m["input_wait_p50_s"]), _fmt_s(m["input_wait_p95_s"]),
             _fmt_s(m["batch_ready_p95_s"]), _fmt(m["ddl_miss_rate"], ".1f", 100), _fmt_s(m["step_time_p95_s"]),
-            _fmt_s(m["sync_wait_mean_s"]), _fmt(m["cross_ds_bytes"], ".1f", 1e-6),
+            _fmt_s(m["sync_wait_mean_s"]), _fmt(m.get("imbalance_ratio"), ".3f"),
+            _fmt(m.get("decode_efficiency"), ".1f", 100), _fmt(m["cross_ds_bytes"], ".1f", 1e-6),
             _fmt(m["scheduler_overhead_us_p99"], ".1f"), _fmt(m["cpu_util"], ".1f", 100),
         ])
     return rows
+
+
+def cpu_rows(run: Mapping) -> tuple[list[str], list[list[str]]]:
+    """Where the CPU went: headers and one row per system that measured it (CPU-seconds per role
+    over the measured steps, their total, decode efficiency, cost-prediction error start -> end)."""
+    ran = {n: m for n, m in _ran(run).items() if m.get("cpu_s_by_role")}
+    roles = sorted({k for m in ran.values() for k in m["cpu_s_by_role"]}, key=lambda k: (k != "decode", k))
+    headers = ["System", *[f"{r} (CPU-s)" for r in roles], "total (CPU-s)", "Decode eff. (%)",
+               "Cost error start → end (%)"]
+    rows = []
+    for name, m in ran.items():
+        by = m["cpu_s_by_role"]
+        err = (f"{_fmt(m.get('cost_error_start'), '.0f', 100)} → {_fmt(m.get('cost_error_end'), '.0f', 100)}"
+               if m.get("cost_error_start") is not None else "n/a")
+        rows.append([name, *[_fmt(by.get(r, 0.0), ".1f") for r in roles], _fmt(sum(by.values()), ".1f"),
+                     _fmt(m.get("decode_efficiency"), ".1f", 100), err])
+    return headers, rows
 
 
 def run_label(run: Mapping, runs: Sequence[Mapping] = ()) -> str:
@@ -166,10 +183,15 @@ def run_label(run: Mapping, runs: Sequence[Mapping] = ()) -> str:
 
 def _bound_line(bound: Mapping) -> str:
     decode, gpu, slots = _num(bound.get("decode_s")), _num(bound.get("gpu_s")), bound.get("cpu_slots")
+    capacity = bound.get("decode_capacity") or slots
     limited = bound.get("limited_by")
-    if limited is None and slots:
-        limited = "cpu" if decode / slots > gpu else "gpu"
-    cpu = f"decode {decode:.2f} CPU-s / {slots} slots = {decode / slots:.2f} s" if slots else f"decode {decode:.2f} CPU-s"
+    if limited is None and capacity:
+        limited = "cpu" if decode / capacity > gpu else "gpu"
+    if capacity:
+        cpu = (f"decode {decode:.2f} CPU-s / {capacity:.2f} decoders' capacity measured on {slots} slots = "
+               f"{decode / capacity:.2f} s")
+    else:
+        cpu = f"decode {decode:.2f} CPU-s"
     return (f"Physical bound: {_fmt(bound['throughput_sps'], '.2f')} samples/s, limited by "
             f"{(limited or 'n/a').upper()} ({cpu}; token-balanced GPU {gpu:.2f} s)")
 
@@ -207,14 +229,18 @@ def _markdown(runs: list[dict], figures: Mapping[str, Path], figure_error: str |
         lines += ["| " + " | ".join(HEADERS) + " |", "|" + "---|" * len(HEADERS)]
         lines += ["| " + " | ".join(_md_cell(c) for c in row) + " |" for row in table_rows(run)]
         lines.append("")
+        headers, rows = cpu_rows(run)
+        if rows:
+            lines += ["Where the CPU went over the measured steps (decode = thread CPU of the decode calls; "
+                      "the decoding processes' role keeps the rest):", ""]
+            lines += ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+            lines += ["| " + " | ".join(_md_cell(c) for c in row) + " |" for row in rows]
+            lines.append("")
     lines += ["## Figures", ""]
     if figure_error:
         lines.append(f"Figures not drawn: {figure_error}.")
-    captions = {"fig2_step_time_p95.png": "Per-rank step-time p95 (paper Fig. 2)",
-                "fig8_wait_breakdown.png": "Mean step breakdown: input wait, compute, sync wait (paper Fig. 8)",
-                "fig10_throughput.png": "Throughput per run and system against the physical bound (paper Fig. 10)"}
     for name, path in figures.items():
-        lines += [f"- [{captions[name]}]({path.name})", f"  ![{captions[name]}]({path.name})"]
+        lines += [f"- [{CAPTIONS[name]}]({path.name})", f"  ![{CAPTIONS[name]}]({path.name})"]
     return "\n".join(lines) + "\n"
 
 
@@ -243,126 +269,6 @@ def print_table(console, run: Mapping) -> None:
     console.print(table)
 
 
-# ---------------------------------------------------------------- figures
-def _colors(runs: list[dict]) -> dict[str, str]:
-    names = dict.fromkeys(n for r in runs for n in r["systems"])
-    others = iter(_OTHER_COLORS * (1 + len(names) // len(_OTHER_COLORS)))
-    return {n: _SYSTEM_COLORS.get(n) or next(others) for n in names}
-
-
-def _grid(fig, runs: list, per_plot: tuple[float, float]):
-    """One axes per run: a column up to three runs, two columns beyond. ``per_plot``: inches."""
-    cols = 1 if len(runs) <= 3 else 2
-    rows = math.ceil(len(runs) / cols)
-    fig.set_size_inches(per_plot[0] * cols, per_plot[1] * rows)
-    return [fig.add_subplot(rows, cols, i + 1) for i in range(len(runs))]
-
-
-def _save(fig, path: Path) -> Path:
-    fig.savefig(path, dpi=110, format="png")
-    return path
-
-
-def _fig2(runs, labels, colors, path: Path) -> Path:
-    from matplotlib.figure import Figure
-
-    widest = (max((len(m["per_rank"]) for r in runs for m in _ran(r).values()), default=1)
-              * max(max(len(_ran(r)) for r in runs), 1))
-    fig = Figure(layout="constrained")
-    for ax, run, label in zip(_grid(fig, runs, (max(7.0, 0.35 * widest + 4.5), 3.4)), runs, labels):
-        ran = _ran(run)
-        width = 0.8 / max(len(ran), 1)
-        for j, (name, m) in enumerate(ran.items()):
-            ranks = [row["rank"] for row in m["per_rank"]]
-            p95 = [_num(row["step_time_p95_s"]) for row in m["per_rank"]]
-            spread = max(p95) / min(p95) if p95 and min(p95) > 0 else math.nan
-            xs = [x + (j - (len(ran) - 1) / 2) * width for x in range(len(ranks))]
-            ax.bar(xs, p95, width, color=colors[name], label=f"{name} (max/min {_fmt(spread, '.2f')}x)")
-            ax.set_xticks(range(len(ranks)), [str(r) for r in ranks])
-        if not ran:
-            ax.text(0.5, 0.5, "no system ran", ha="center", va="center", transform=ax.transAxes)
-        ax.set_title(f"Per-rank step-time p95 — {label}")
-        ax.set_xlabel("rank")
-        ax.set_ylabel("step-time p95 (s)")
-        ax.grid(axis="y", alpha=0.3)
-        if ran:
-            ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.0, 1.0))
-    return _save(fig, path)
-
-
-_PARTS = (("input_wait_mean_s", "input wait", "tab:red"), ("compute_mean_s", "compute (GPU window)", "tab:blue"),
-          ("sync_wait_mean_s", "sync wait", "tab:olive"))
-
-
-def _fig8(runs, labels, path: Path) -> Path:
-    from matplotlib.figure import Figure
-
-    widest = max(len(_ran(r)) for r in runs)
-    fig = Figure(layout="constrained")
-    for i, (ax, run, label) in enumerate(zip(_grid(fig, runs, (max(7.0, 1.6 * widest + 3), 3.8)), runs, labels)):
-        ticks, bottoms = [], []
-        for name, m in _ran(run).items():
-            rows = m["per_rank"]
-            rank0 = next((row for row in rows if row["rank"] == 0), rows[0])
-            mean = {k: sum(_num(row[k]) for row in rows) / len(rows) for k, _, _ in _PARTS}
-            for who, vals in ((f"rank {rank0['rank']}", rank0), ("mean over ranks", mean)):
-                ticks.append(f"{name}\n{who}")
-                bottoms.append([_num(vals[k]) for k, _, _ in _PARTS])
-        xs = range(len(ticks))
-        base = [0.0] * len(ticks)
-        for p, (_, name, color) in enumerate(_PARTS):
-            heights = [b[p] for b in bottoms]
-            ax.bar(xs, heights, 0.6, bottom=base, color=color, label=name if i == 0 else None)
-            base = [b + h for b, h in zip(base, heights)]
-        for x, total in zip(xs, base):
-            ax.annotate(f"{total:.3f} s", (x, total), ha="center", va="bottom", fontsize="x-small")
-        ax.set_xticks(list(xs), ticks, fontsize="small")
-        if not ticks:
-            ax.text(0.5, 0.5, "no system ran", ha="center", va="center", transform=ax.transAxes)
-        ax.set_title(f"Mean step breakdown — {label}")
-        ax.set_ylabel("seconds per step (mean)")
-        ax.grid(axis="y", alpha=0.3)
-        ax.margins(y=0.12)
-    if any(_ran(r) for r in runs):
-        fig.legend(fontsize="small", loc="outside upper center", ncols=len(_PARTS))
-    return _save(fig, path)
-
-
-def _fig10(runs, labels, colors, path: Path) -> Path:
-    from matplotlib.figure import Figure
-
-    names = list(colors)
-    fig = Figure(figsize=(max(7.0, 0.5 * len(runs) * len(names) + 3), 4.5), layout="constrained")
-    ax = fig.add_subplot(1, 1, 1)
-    width = 0.8 / len(names)
-    for j, name in enumerate(names):
-        xs, ys = [], []
-        for x, run in enumerate(runs):
-            m = run["systems"].get(name)
-            x = x + (j - (len(names) - 1) / 2) * width
-            if m is None:
-                continue
-            if "skipped" in m:
-                ax.annotate("skipped", (x, 0), xytext=(0, 4), textcoords="offset points", rotation=90,
-                            ha="center", va="bottom", fontsize="x-small", color="0.4")
-                continue
-            xs.append(x)
-            ys.append(_num(m["throughput_sps"]))
-        bars = ax.bar(xs, ys, width, color=colors[name], label=name)
-        ax.bar_label(bars, fmt="%.1f", fontsize="x-small")
-    for x, run in enumerate(runs):
-        ax.hlines(_num(run["bound"]["throughput_sps"]), x - 0.45, x + 0.45, colors="k", linestyles="--",
-                  label="physical bound" if x == 0 else None)
-    ax.set_xticks(range(len(runs)), [textwrap.fill(label, 16) for label in labels])
-    ax.set_title("End-to-end throughput per run and system")
-    ax.set_xlabel("run")
-    ax.set_ylabel("throughput (samples/s)")
-    ax.grid(axis="y", alpha=0.3)
-    ax.margins(y=0.15)
-    ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.0, 1.0))
-    return _save(fig, path)
-
-
 def write_report(out_dir, runs: Sequence[Mapping] | Mapping) -> dict[str, Path]:
     """Write ``results.json``, ``report.md`` and the :data:`FIGURES` into ``out_dir``.
 
@@ -381,10 +287,7 @@ def write_report(out_dir, runs: Sequence[Mapping] | Mapping) -> dict[str, Path]:
         figure_error = f"matplotlib is not installed ({e}); pip install 'helix[bench]'"
     else:
         figure_error = None
-        colors = _colors(data)
-        figures["fig2_step_time_p95.png"] = _fig2(data, labels, colors, out / FIGURES[0])
-        figures["fig8_wait_breakdown.png"] = _fig8(data, labels, out / FIGURES[1])
-        figures["fig10_throughput.png"] = _fig10(data, labels, colors, out / FIGURES[2])
+        figures = draw_figures(data, labels, out)
     report = out / "report.md"
     report.write_text(_markdown(data, figures, figure_error), encoding="utf-8")
     paths["report.md"] = report

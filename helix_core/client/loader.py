@@ -1,13 +1,17 @@
 """``DistributedDataLoader``: the DataLoader programming model on a Helix cluster.
 
-With the defaults (``scheduler="least-request"``, ``balance=None``, torch ``default_collate``) it
-yields exactly the batches of a torch ``DataLoader`` with ``DistributedSampler(shuffle, seed)``
-and that ``collate_fn`` — while decoding runs in a shared pool of DataServer workers, requests run
-ahead of the training loop, and batches arrive through shared memory.
+With ``balance=None`` (the default) and torch ``default_collate`` it yields exactly the batches of
+a torch ``DataLoader`` with ``DistributedSampler(shuffle, seed)`` and that ``collate_fn`` — while
+decoding runs in a shared pool of DataServer workers, requests run ahead of the training loop with
+the rank's deadline attached, and batches arrive through shared memory. Placement (``scheduler``)
+never changes what a batch holds; ``balance="tokens"`` (Tier 1) recomposes each window of global
+steps so that ranks carry equal GPU cost.
 """
 from __future__ import annotations
 
+import functools
 import itertools
+import math
 import os
 import sys
 import threading
@@ -16,6 +20,7 @@ import warnings
 import weakref
 
 import grpc
+import numpy as np
 import torch
 
 from ..config import ClusterConfig
@@ -25,15 +30,20 @@ from ..runtime.proto import helix_pb2 as pb
 from ..runtime.specs import make_spec
 from ..runtime.tensors import merge_batches
 from ..telemetry import LoaderStats
+from ..collate import pad_collate
+from ..planning.batching import TokenPlanner
+from .costing import PlanCosts, gpu_units
+from .deadline import DeadlineEstimator
 from .embedded import acquire_embedded, release_embedded
-from .nodes import BatchJob, CostTagger, Dispatch, ShardBatches
+from .nodes import BatchJob, CostTagger, Dispatch, PlannedBatches, ShardBatches
 from .transport import TRANSIENT, ClusterClient
 
 __all__ = ["DistributedDataLoader"]
 
-SCHEDULERS = ("least-request",)
-BALANCES = (None,)
+SCHEDULERS = ("deadline", "least-request")
+BALANCES = (None, "tokens")
 ON_ERROR = ("raise", "skip")
+_EXACT_MERGE = (None, torch.utils.data.default_collate, pad_collate)  # collates whose microbatch merge is exact
 
 
 def _default_rank_world() -> tuple[int, int]:
@@ -53,18 +63,28 @@ class DistributedDataLoader:
     ("raise": ``SampleError`` at the batch; "skip": replaced from this rank's shard, counted in
     ``stats()["skipped"]``), ``device`` (copy batches there, non-blocking), ``num_workers`` (worker
     processes of an embedded cluster).
+
+    Co-scheduling: ``scheduler`` names the placement policy of every request ("deadline": paper
+    Eq. 1 against this rank's deadline; "least-request"); ``balance="tokens"`` plans each
+    ``window`` of global steps so that every rank carries the same predicted GPU cost
+    (``gpu_cost``: a model family, a ``GpuCost`` or a callable of token counts; default the
+    dataset's family). Deadlines come from the time between ``next()`` calls, or from
+    ``report_step_time(seconds)``.
     """
 
     def __init__(self, dataset, batch_size: int = 1, *, rank: int | None = None, world_size: int | None = None,
                  coordinator: str | None = None, token: str | None = None, shuffle: bool = False, seed: int = 0,
                  drop_last: bool = False, collate_fn=None, prefetch_depth: int = 4, scheduler: str = "least-request",
-                 balance: str | None = None, microbatch_size: int | None = None, on_error: str = "raise",
-                 pin_memory: bool = False, device=None, num_workers: int | None = None,
+                 balance: str | None = None, window: int = 8, gpu_cost=None, microbatch_size: int | None = None,
+                 on_error: str = "raise", pin_memory: bool = False, device=None, num_workers: int | None = None,
                  config: ClusterConfig | None = None, ddl_tolerance_s: float = 0.010):
         if scheduler not in SCHEDULERS:
             raise ValueError(f"scheduler={scheduler!r}; valid: {', '.join(SCHEDULERS)}")
         if balance not in BALANCES:
-            raise ValueError(f"balance={balance!r}; valid: None (token balancing arrives with the planner)")
+            raise ValueError(f"balance={balance!r}; valid: None, 'tokens'")
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+            raise ValueError(f"window={window!r}: the number of global steps the token planner recomposes "
+                             "together must be an int >= 1 (1: within each step)")
         if on_error not in ON_ERROR:
             raise ValueError(f"on_error={on_error!r}; valid: {', '.join(ON_ERROR)}")
         if batch_size < 1 or prefetch_depth < 1 or (microbatch_size is not None and microbatch_size < 1):
@@ -76,9 +96,19 @@ class DistributedDataLoader:
         self.dataset, self.batch_size, self.seed, self.shuffle = dataset, batch_size, seed, shuffle
         self.drop_last, self.collate_fn, self.on_error = drop_last, collate_fn, on_error
         self.microbatch_size, self.prefetch_depth = microbatch_size, prefetch_depth
+        self.scheduler, self.balance, self.window = scheduler, balance, window
+        self._units, self._step_units = gpu_units(dataset, gpu_cost)
+        self._fanout = microbatch_size is None and collate_fn in _EXACT_MERGE  # automatic fan-out merges exactly
+        self.deadlines = DeadlineEstimator()
         self.pin_memory, self.device = pin_memory, (torch.device(device) if device is not None else None)
         self.config = config or ClusterConfig()
         self._stats = LoaderStats(ddl_tolerance_s)
+        shard = (self.rank, self.world_size, shuffle, seed, drop_last)
+        if balance == "tokens":  # built before any cluster: a dataset it can't cost fails here, holding nothing
+            self._batches = PlannedBatches(len(dataset), batch_size, *shard, TokenPlanner(self.world_size, window),
+                                           PlanCosts(dataset, self._units))
+        else:
+            self._batches = ShardBatches(len(dataset), batch_size, *shard)
         self._cluster, self._embedded = None, False
         address = coordinator or os.environ.get("HELIX_COORDINATOR")
         if address is None:  # shared by this process's loaders (train and val)
@@ -96,7 +126,6 @@ class DistributedDataLoader:
             if self._embedded:
                 release_embedded()
             raise
-        self._batches = ShardBatches(len(dataset), batch_size, self.rank, self.world_size, shuffle, seed, drop_last)
         self._tagger = CostTagger(self._batches, dataset, seed, microbatch_size)
         # weak callbacks: no loader <-> Dispatch cycle, so a loader dropped without close() closes
         # once its requests in flight are answered, not at some later cyclic collection
@@ -133,23 +162,38 @@ class DistributedDataLoader:
         yielded = self._root.get_state()[ShardBatches.YIELDED] if active else (self._resume or self._position)
         return {"epoch": self._epoch, "seed": self.seed, "batches_yielded": int(yielded),
                 "world_size": self.world_size, "batch_size": self.batch_size, "shuffle": self.shuffle,
-                "drop_last": self.drop_last, "num_samples": len(self.dataset)}
+                "drop_last": self.drop_last, "num_samples": len(self.dataset), "balance": self.balance,
+                "window": self.window if self.balance else None}
 
     def load_state_dict(self, state: dict) -> None:
         """Resume from ``state_dict()`` (any rank's): the next iteration continues mid-epoch.
-        A state made with another seed, world size, batch size or dataset is refused."""
+        A state made with another seed, world size, batch size, dataset or balancing plan is refused."""
         mine = self.state_dict()
-        for key in ("seed", "world_size", "batch_size", "shuffle", "drop_last", "num_samples"):
+        for key in ("seed", "world_size", "batch_size", "shuffle", "drop_last", "num_samples", "balance", "window"):
             if key in state and state[key] != mine[key]:
                 raise ValueError(f"cannot resume: state has {key}={state[key]!r}, this loader {mine[key]!r}")
         self._epoch, self._position = int(state["epoch"]), int(state["batches_yielded"])
         # a state saved after the epoch finished resumes to a fresh pass, never an empty one
         self._resume = self._position if self._position < len(self) else 0
 
+    def report_step_time(self, seconds: float) -> None:
+        """The trainer's measured GPU window of the batch being computed (seconds; e.g. CUDA-event
+        timing from ``on_train_batch_start`` to ``on_train_batch_end``). Without it the loader
+        measures the time between a ``next()`` returning and the next ``next()`` call."""
+        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds >= 0 \
+                or seconds == float("inf"):
+            raise ValueError(f"report_step_time(seconds={seconds!r}): seconds must be a finite number >= 0")
+        self.deadlines.report(float(seconds))
+
     def stats(self) -> dict:
         """Counters and percentiles (seconds): input_wait_p50_s / p95_s, batch_ready_p95_s,
-        ddl_miss_rate, skipped, resubmits, cross_ds_bytes, scheduler_overhead_us_p99, ..."""
-        return self._stats.as_dict()
+        ddl_miss_rate, skipped, resubmits, cross_ds_bytes, scheduler_overhead_us_p99 (the
+        Coordinator's decision time), route_us_p50 / p99 (a Route as this client sees it),
+        deadline_p50_s, placement_reasons, fanouts, cost_error_start / cost_error_end (median
+        |predicted - measured| / measured CPU seconds of the first and last decoded samples), ..."""
+        out = self._stats.as_dict()
+        out["window_s_per_unit"] = self.deadlines.seconds_per_unit
+        return out
 
     def batch_ready_s(self) -> list[float]:
         """Batch-ready latency of each batch so far, in order (seconds from dispatch to complete)."""
@@ -192,6 +236,10 @@ class DistributedDataLoader:
 
     # ---- dispatch callbacks (sender / fetcher threads) ----------------------------------------------
     def _submit(self, job: BatchJob) -> None:
+        deadline = self._plan_deadline(job)
+        if self._fanout and len(job.parts) == 1 and deadline is not None:
+            job.parts = _fan_out(job.parts[0], job.costs, deadline)
+            self._stats.fanouts += len(job.parts) > 1
         offset = 0
         for part in job.parts:
             task_id = next(self._task_ids)
@@ -200,25 +248,41 @@ class DistributedDataLoader:
             job.attempts.append(0)
             job.routes.append(None)
             job.futures.append(None)
-            cost = _sum_costs(job.costs[offset:offset + len(part)])
+            job.part_costs.append(_sum_costs(job.costs[offset:offset + len(part)]))
             offset += len(part)
-            self._start(job, len(job.task_ids) - 1, cost)
+            self._start(job, len(job.task_ids) - 1)
 
-    def _start(self, job: BatchJob, k: int, cost=None) -> None:
-        """Route part ``k`` and send it; a server that can't even be configured is excluded."""
+    def _plan_deadline(self, job: BatchJob) -> float | None:
+        """Register the batch's predicted GPU cost with the deadline estimator; its deadline."""
+        if job.costs and all(c is not None for c in job.costs):
+            units = self._units(np.array([c.tokens for c in job.costs], dtype=np.float64))
+            self.deadlines.expect(job.position, float(np.sum(units)) + self._step_units)
+        return self.deadlines.deadline(job.position)
+
+    def _start(self, job: BatchJob, k: int) -> None:
+        """Route part ``k`` with its deadline and send it; a server that can't even be configured
+        is excluded."""
+        cost = job.part_costs[k]
         while True:
-            route = self.client.route(job.task_ids[k], cost, job.excluded[k])
+            deadline = self.deadlines.deadline(job.position)
+            t0 = time.perf_counter()
+            route = self.client.route(job.task_ids[k], cost, job.excluded[k], deadline, self.scheduler)
+            self._stats.route_us.append((time.perf_counter() - t0) * 1e6)
             self._stats.decision_us.append(route.decision_us)
+            self._stats.reasons[route.reason] += 1
+            if deadline is not None:
+                self._stats.deadlines.append(deadline)
             # a local server (same host) delivers by shared memory itself; a remote one streams to ours
             deliver = route.delivery_address if route.exec_kind == "remote" else ""
             req = pb.ExecuteRequest(task_id=job.task_ids[k], spec_id=self.spec[0], indices=job.parts[k],
                                     epoch=self._root.get_state()[ShardBatches.EPOCH], substitutes=job.substitutes,
                                     on_error=self.on_error, deliver_to=deliver, client_id=self.client.client_id,
-                                    attempt=job.attempts[k])
+                                    attempt=job.attempts[k], deadline_s=deadline or 0.0,
+                                    has_deadline=deadline is not None,
+                                    predicted_cpu_s=cost.cpu_s if cost is not None else 0.0)
             job.routes[k] = route
             try:
-                job.futures[k] = self.client.execute(route.exec_address, self.spec, req)
-                return
+                fut = job.futures[k] = self.client.execute(route.exec_address, self.spec, req)
             except grpc.RpcError as e:
                 if e.code() not in TRANSIENT or job.attempts[k] >= self.config.max_resubmits:
                     raise ClusterError(f"cannot send batch {job.position} to {route.exec_address}: "
@@ -227,6 +291,11 @@ class DistributedDataLoader:
                 job.excluded[k].add(route.exec_server_id)
                 job.attempts[k] += 1
                 self._stats.resubmits += 1
+                continue
+            # the Coordinator hears of the completion as soon as the reply lands (its load counts)
+            fut.add_done_callback(functools.partial(_report_done, self.client, job.task_ids[k],
+                                                    route.exec_server_id, time.perf_counter()))
+            return
 
     def _resubmit(self, job: BatchJob, k: int, why: str, *failed: str) -> None:
         """Part ``k`` was lost with a server (or its slab): exclude ``failed`` and send it again.
@@ -237,7 +306,7 @@ class DistributedDataLoader:
         job.excluded[k].update(f for f in failed if f)
         job.attempts[k] += 1
         self._stats.resubmits += 1
-        self._start(job, k, None)
+        self._start(job, k)
 
     def _wait(self, job: BatchJob, k: int, stop) -> pb.ExecuteReply:
         """The reply of part ``k``; on a lost server, exclude it and resubmit (bounded)."""
@@ -274,10 +343,8 @@ class DistributedDataLoader:
                     break
                 except FileNotFoundError:  # its producer died and the slab was swept: run it again
                     self._resubmit(job, k, "slab vanished")
-            route = job.routes[k]
             job.taken.add(k)
-            self.client.report(job.task_ids[k], route.exec_server_id, time.perf_counter() - job.t_dispatch,
-                               not reply.error_kind)
+            self._observe_costs(job, reply)
             self._stats.skipped += len(reply.skipped)
             self._stats.cross_ds_bytes += reply.cross_ds_bytes
             error = error or self.client.error_of(reply)
@@ -291,6 +358,17 @@ class DistributedDataLoader:
         if self.device is not None:
             batch = _map_tensors(batch, lambda t: t.to(self.device, non_blocking=True))
         return batch
+
+    def _observe_costs(self, job: BatchJob, reply) -> None:
+        """Measured decode CPU seconds: the prediction error (stats) and the dataset's online cost
+        model (``observe_cost``), whose refined estimates the next requests carry to placement."""
+        predicted = {i: c.cpu_s for i, c in zip(job.indices, job.costs) if c is not None}
+        observe = getattr(self.dataset, "observe_cost", None)
+        for index, seconds in zip(reply.decoded, reply.decode_cpu_s):
+            if index in predicted:
+                self._stats.cost_errors.add(predicted[index], seconds)
+            if observe is not None:
+                observe(int(index), float(seconds))
 
     def _record(self, job: BatchJob) -> None:
         self._stats.batch_ready.append(time.perf_counter() - job.t_dispatch)
@@ -306,7 +384,6 @@ class DistributedDataLoader:
             if fut is None or k in job.taken or fut in job.cancelled:
                 continue
             job.cancelled.add(fut)  # per future: a resubmission made after an earlier cancel is cancelled too
-            self.client.report(job.task_ids[k], job.routes[k].exec_server_id, 0.0, False)
             if not fut.done():
                 self.client.cancel(job.routes[k].exec_address, [job.task_ids[k]])
                 with self._unread_lock:
@@ -322,6 +399,39 @@ class DistributedDataLoader:
             return
         if reply.batch.slab.segment:
             self.client.reader.release({"segment": reply.batch.slab.segment, "generation": reply.batch.slab.generation})
+
+
+def _report_done(client: ClusterClient, task_id: int, server_id: str, t0: float, fut) -> None:
+    """A request's reply landed (or it failed): tell the Coordinator, fire and forget."""
+    if sys.is_finalizing():
+        return
+    try:
+        ok = not fut.cancelled() and fut.exception() is None and not fut.result().error_kind
+    except Exception:
+        ok = False
+    client.report(task_id, server_id, time.perf_counter() - t0, ok)
+
+
+def _fan_out(indices: list[int], costs: list, deadline_s: float) -> list[list[int]]:
+    """Split a batch whose predicted CPU time exceeds its deadline into contiguous parts of about
+    equal cost (at most one per sample), so several workers prepare it at once; the merge of the
+    parts is exact for the collates that allow it. Unknown costs: no split."""
+    if len(indices) < 2 or any(c is None for c in costs):
+        return [indices]
+    total = sum(c.cpu_s for c in costs)
+    if total <= deadline_s or total <= 0:
+        return [indices]
+    k = min(len(indices), max(2, math.ceil(total / max(deadline_s, 1e-3))))
+    parts, current, acc = [], [], 0.0
+    for i, c in zip(indices, costs):
+        current.append(i)
+        acc += c.cpu_s
+        if acc >= total * (len(parts) + 1) / k and len(parts) < k - 1:
+            parts.append(current)
+            current = []
+    if current:
+        parts.append(current)
+    return parts
 
 
 def _weak(method):
@@ -356,6 +466,7 @@ class _LoaderIter:
         if ld._iteration != self._iteration:
             raise RuntimeError("a newer iteration of this DistributedDataLoader began (iter() was called again); "
                                "this iterator has ended")
+        ld.deadlines.asked()  # the window of the batch it computed (if any) ends here
         t0 = time.perf_counter()
         try:
             batch = next(ld._root)
@@ -367,6 +478,7 @@ class _LoaderIter:
             raise
         ld._stats.input_wait.append(time.perf_counter() - t0)
         ld._stats.batches += 1
+        ld.deadlines.yielded(ld._root.get_state()[ShardBatches.YIELDED] - 1)
         return batch
 
     def _finish(self, completed: bool) -> None:

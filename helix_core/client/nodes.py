@@ -1,7 +1,8 @@
-"""The client's ``torchdata.nodes`` graph: ShardBatches -> CostTagger -> Dispatch.
+"""The client's ``torchdata.nodes`` graph: ShardBatches (or PlannedBatches) -> CostTagger -> Dispatch.
 
 ``ShardBatches`` yields this rank's index batches exactly as a torch DataLoader with
-``DistributedSampler`` would; ``CostTagger`` attaches each sample's ``CostProfile`` (never
+``DistributedSampler`` would; ``PlannedBatches`` recomposes each window of global steps with the
+Tier-1 token planner (every rank plans the same window identically, no communication); ``CostTagger`` attaches each sample's ``CostProfile`` (never
 decoding); ``Dispatch`` runs a sender thread (requests ahead, bounded by ``prefetch_depth``) and a
 fetcher thread (results back in task order), so ``next()`` blocks only when nothing is ready.
 State is what means something to a user: the epoch and the batches yielded.
@@ -17,7 +18,7 @@ import numpy as np
 from torch.utils.data import DistributedSampler
 from torchdata.nodes import BaseNode
 
-__all__ = ["BatchJob", "CostTagger", "Dispatch", "ShardBatches"]
+__all__ = ["BatchJob", "CostTagger", "Dispatch", "PlannedBatches", "ShardBatches"]
 
 
 class _Len:
@@ -70,6 +71,62 @@ class ShardBatches(BaseNode):
         return {self.EPOCH: self.epoch, self.YIELDED: self._pos}
 
 
+class PlannedBatches(ShardBatches):
+    """This rank's batches under Tier-1 token planning (``balance="tokens"``).
+
+    The epoch's global steps are the samplers' (rank r's batch s is what ``DistributedSampler``
+    gives rank r at step s); each window of ``planner.window`` steps (counted from the start of the
+    epoch; the last may be shorter) is recomposed by ``planner.plan_window`` from the samples' GPU
+    costs. ``costs(indices) -> (units, buckets)``: GPU cost units per sample (NaN when unknown)
+    and profile buckets (unknown costs are planned at their bucket's median), identical on every
+    rank. A window is planned when this rank first reaches it, so resuming mid-window lands on
+    exactly the batch the uninterrupted run would have yielded.
+    """
+
+    def __init__(self, num_samples: int, batch_size: int, rank: int, world_size: int, shuffle: bool, seed: int,
+                 drop_last: bool, planner, costs):
+        super().__init__(num_samples, batch_size, rank, world_size, shuffle, seed, drop_last)
+        self.planner, self.costs, self.rank = planner, costs, rank
+        self._samplers = [DistributedSampler(_Len(num_samples), num_replicas=world_size, rank=r, shuffle=shuffle,
+                                             seed=seed, drop_last=drop_last) for r in range(world_size)]
+        self._shards: list[list[int]] = []
+        self._plan: tuple[int, list] | None = None  # (window index, plan) of the window last planned
+
+    def reset(self, initial_state: dict | None = None):
+        super().reset(initial_state)
+        self._shards, self._plan = [], None
+
+    def _steps(self, window: range) -> list[list[list[int]]]:
+        if not self._shards:
+            for sampler in self._samplers:
+                sampler.set_epoch(self.epoch)
+            self._shards = [list(sampler) for sampler in self._samplers]
+        b = self.batch_size
+        return [[shard[s * b:(s + 1) * b] for shard in self._shards] for s in window]
+
+    def window_plan(self, w: int) -> list:
+        """``plan[step in window][rank] -> indices`` of window ``w`` of this epoch."""
+        if self._plan is None or self._plan[0] != w:
+            window = self.planner.windows(len(self))[w]
+            steps = self._steps(window)
+            flat = np.fromiter((i for step in steps for batch in step for i in batch), dtype=np.int64)
+            units, buckets = self.costs(flat)
+            from ..planning.batching import fill_unknown_costs
+
+            units = fill_unknown_costs(units, buckets)
+            by_index = dict(zip(flat.tolist(), units.tolist()))
+            self._plan = (w, self.planner.plan_window(steps, by_index.__getitem__))
+        return self._plan[1]
+
+    def next(self) -> tuple[int, list[int]]:
+        if self._pos >= len(self._batches):
+            raise StopIteration
+        w = self._pos // self.planner.window
+        batch = self.window_plan(w)[self._pos - w * self.planner.window][self.rank]
+        self._pos += 1
+        return self._pos - 1, list(batch)
+
+
 @dataclass
 class BatchJob:
     """One logical batch in flight: its position in the epoch, its parts (microbatch requests) and
@@ -77,8 +134,9 @@ class BatchJob:
 
     position: int
     parts: list[list[int]]
-    costs: list
+    costs: list  # CostProfile (or None) of each sample, in batch order
     substitutes: list[int]
+    part_costs: list = field(default_factory=list)  # summed CostProfile of each part
     task_ids: list[int] = field(default_factory=list)
     futures: list = field(default_factory=list)
     routes: list = field(default_factory=list)
@@ -88,6 +146,11 @@ class BatchJob:
     cancelled: set = field(default_factory=set)  # futures already given up (cancel is idempotent per future)
     t_dispatch: float = 0.0
     error: BaseException | None = None
+
+    @property
+    def indices(self) -> list[int]:
+        """The batch's sample indices, in order."""
+        return [i for part in self.parts for i in part]
 
 
 class CostTagger(BaseNode):

@@ -86,12 +86,15 @@ class ClusterClient:
             time.sleep(delay)
             delay = min(delay * 2, 0.5)
 
-    def route(self, task_id: int, cost, exclude: set[str], deadline_s: float = 0.0) -> pb.RouteReply:
+    def route(self, task_id: int, cost, exclude: set[str], deadline_s: float | None = None,
+              scheduler: str = "") -> pb.RouteReply:
+        """Where to run one request: ``cost`` (a CostProfile or None), ``deadline_s`` (seconds
+        from now; None: unknown) and the placement policy by name (empty: the Coordinator's)."""
         term = pb.CostTerm(cpu_s=cost.cpu_s, io_bytes=cost.io_bytes, out_bytes=cost.out_bytes,
                            tokens=cost.tokens) if cost is not None else pb.CostTerm()
         return self._call(self.coordinator.Route, pb.RouteRequest(
-            client_id=self.client_id, rank=self.rank, task_id=task_id, cost=term, deadline_s=deadline_s,
-            exclude=sorted(exclude)))
+            client_id=self.client_id, rank=self.rank, task_id=task_id, cost=term, deadline_s=deadline_s or 0.0,
+            has_deadline=deadline_s is not None, exclude=sorted(exclude), scheduler=scheduler))
 
     def _fire(self, method, request) -> None:
         """Fire and forget (``close`` lets these land before it closes the channels)."""

@@ -45,11 +45,21 @@ class ServerState:
     latency_per_cost: float = 1.0
     completed: int = 0
     cross_ds_bytes: int = 0
+    queued_cpu_s: float = 0.0  # its last heartbeat: predicted CPU seconds queued or running there
+    pending_cpu_s: float = 0.0  # predicted CPU seconds routed to it since that heartbeat, not yet completed
+    link_bandwidth_bps: float = 0.0
+    link_latency_s: float = 0.0
+
+    @property
+    def load_cpu_s(self) -> float:
+        """Predicted CPU seconds of work ahead of a new task on this server."""
+        return self.queued_cpu_s + self.pending_cpu_s
 
 
 @dataclass
 class Registry:
-    """Servers, clients, heartbeat state and routing. Thread-safe; ``clock`` is injectable."""
+    """Servers, clients, heartbeat state and routing. Thread-safe; ``clock`` is injectable.
+    ``scheduler`` is the policy of requests that name none; each request may name its own."""
 
     config: ClusterConfig
     scheduler: str = "least-request"
@@ -58,12 +68,13 @@ class Registry:
 
     def __post_init__(self):
         self.policy = make_policy(self.scheduler)
+        self._policies = {self.scheduler: self.policy}
         self.servers: dict[str, ServerState] = {}
         self.clients: dict[str, dict] = {}
         self.decisions: collections.deque = collections.deque(maxlen=10_000)
         self.decision_us: collections.deque = collections.deque(maxlen=10_000)
         self.routed = 0
-        self._owner: dict[int, str] = {}  # task_id -> server id it was routed to (until completed)
+        self._owner: dict[int, tuple] = {}  # task_id -> (server id, predicted cpu_s, routed at) until completed
         self._lock = threading.Lock()
         self._order: tuple[list[ServerState], list[ServerState]] | None = None  # (locals, all), cached
         self._live: tuple | None = None  # (live servers, their ids, kinds, workers, id -> position), cached
@@ -104,6 +115,8 @@ class Registry:
             st.last_seen, st.alive = self.clock(), True
             for k, v in stats.items():
                 setattr(st, k, v)
+            if "queued_cpu_s" in stats:  # the server's own count now covers what was routed before it
+                st.pending_cpu_s = 0.0
             self._beats = None
             return True
 
@@ -154,8 +167,9 @@ class Registry:
             beats = _beats(live)
         else:
             beats = self._beats = self._beats or _beats(live)
-        return Candidates(ids, kinds, workers, tuple(map(_OUTSTANDING, live)), *beats,
-                          position.get(delivery.server_id))
+        depth, lpc, bandwidth, latency = beats
+        return Candidates(ids, kinds, workers, tuple(map(_OUTSTANDING, live)), depth, lpc,
+                          position.get(delivery.server_id), tuple(map(_LOAD, live)), bandwidth, latency)
 
     def ordered(self) -> list[ServerState]:
         """Local servers by slot, then remote ones by registration: ``cluster.servers`` order."""
@@ -177,31 +191,57 @@ class Registry:
                     return s
         raise LookupError(f"no live local DataServer can deliver to rank {rank}")
 
-    def route(self, rank: int, task_id: int, cost: dict, exclude: set[str]):
+    def policy_for(self, scheduler: str | None):
+        """The policy a request names (``ValueError`` listing the valid ones), else the default."""
+        if not scheduler:
+            return self.policy
+        policy = self._policies.get(scheduler)
+        if policy is None:
+            policy = self._policies[scheduler] = make_policy(scheduler)
+        return policy
+
+    def route(self, rank: int, task_id: int, cost: dict, exclude: set[str], scheduler: str | None = None,
+              t_arrival: float | None = None):
+        """Place one request. ``cost``: ``PlacementRequest`` fields (cpu_s, io_bytes, out_bytes,
+        tokens, deadline_s). Returns ``(chosen, delivery, decision, us)``; ``us`` counts from
+        ``t_arrival`` (a ``time.perf_counter`` value: the request's arrival, so waiting for the
+        lock counts) or else from the start of the decision."""
+        policy = self.policy_for(scheduler)
+        request = PlacementRequest(rank, task_id, **cost)
         with self._lock:
-            t0 = time.perf_counter()  # the decision itself, not the wait for the lock
+            t0 = time.perf_counter() if t_arrival is None else t_arrival
             delivery = self.delivery_server(rank, exclude)
-            decision = self.policy.choose(PlacementRequest(rank, task_id, **cost), self._candidates(delivery, exclude))
+            decision = policy.choose(request, self._candidates(delivery, exclude))
             chosen = self.servers[decision.server_id]
             prev = self._owner.get(task_id)
-            if prev is not None and prev in self.servers:  # a resubmission: the first routing is void
-                self.servers[prev].outstanding = max(0, self.servers[prev].outstanding - 1)
+            if prev is not None:  # a resubmission: the first routing is void
+                self._release(prev)
             chosen.outstanding += 1
-            self._owner[task_id] = chosen.server_id
+            chosen.pending_cpu_s += request.cpu_s
+            self._owner[task_id] = (chosen.server_id, request.cpu_s, chosen.last_seen)
             self.routed += 1
             us = (time.perf_counter() - t0) * 1e6
         self.decision_us.append(us)
-        self.decisions.append((task_id, rank, delivery.server_id, decision, us))  # made readable on demand
+        self.decisions.append((task_id, rank, delivery.server_id, decision, us, policy.name, request.deadline_s))
         if log.isEnabledFor(logging.DEBUG):
             log.debug("route %s", _decision_entry(self.decisions[-1]))
         return chosen, delivery, decision, us
 
+    def _release(self, owner: tuple) -> None:
+        """A routed task is done (or void): it no longer loads its server (caller holds the lock)."""
+        server_id, cpu_s, beat = owner
+        st = self.servers.get(server_id)
+        if st is None:
+            return
+        st.outstanding = max(0, st.outstanding - 1)
+        if st.last_seen == beat:  # routed since the last heartbeat: still counted as pending
+            st.pending_cpu_s = max(0.0, st.pending_cpu_s - cpu_s)
+
     def complete(self, task_id: int, server_id: str, latency_s: float, ok: bool) -> None:
         with self._lock:
             owner = self._owner.pop(task_id, None)
-            st = self.servers.get(owner or server_id)
-            if st is not None and owner is not None:
-                st.outstanding = max(0, st.outstanding - 1)
+            if owner is not None:
+                self._release(owner)
 
     def telemetry(self, last: int = 100) -> dict:
         us = sorted(self.decision_us)
@@ -213,6 +253,7 @@ class Registry:
 
 
 _OUTSTANDING = operator.attrgetter("outstanding")
+_LOAD = operator.attrgetter("load_cpu_s")
 
 
 def _table(live: list[ServerState]) -> tuple:
@@ -221,14 +262,21 @@ def _table(live: list[ServerState]) -> tuple:
     return live, ids, tuple(s.kind for s in live), tuple(s.workers for s in live), {sid: k for k, sid in enumerate(ids)}
 
 
-def _beats(live: list[ServerState]) -> tuple[tuple[int, ...], tuple[float, ...]]:
-    return tuple([s.queue_depth for s in live]), tuple([s.latency_per_cost for s in live])
+def _beats(live: list[ServerState]) -> tuple:
+    """(queue depths, latency per cost, link bandwidth, link latency) of the live servers: the
+    columns that change only with heartbeats."""
+    return (tuple([s.queue_depth for s in live]), tuple([s.latency_per_cost for s in live]),
+            tuple([s.link_bandwidth_bps for s in live]), tuple([s.link_latency_s for s in live]))
 
 
 def _decision_entry(record: tuple) -> dict:
-    task_id, rank, delivery, decision, us = record
-    return {"task_id": task_id, "rank": rank, "server": decision.server_id, "delivery": delivery,
-            "reason": decision.reason, "scores": decision.scores_by_server(), "us": round(us, 1)}
+    task_id, rank, delivery, decision, us, scheduler, deadline_s = record
+    entry = {"task_id": task_id, "rank": rank, "server": decision.server_id, "delivery": delivery,
+             "scheduler": scheduler, "deadline_s": deadline_s, "reason": decision.reason,
+             "scores": decision.scores_by_server(), "us": round(us, 1)}
+    if decision.finish_s:
+        entry["finish_s"] = decision.finish_by_server()
+    return entry
 
 
 def _info(st: ServerState, index: int) -> pb.ServerInfo:
@@ -263,21 +311,31 @@ class CoordinatorServicer(pbg.CoordinatorServicer):
 
     def Heartbeat(self, request, context):
         known = self.registry.heartbeat(request.server_id, queue_depth=request.queue_depth, inflight=request.inflight,
-                                        latency_per_cost=request.latency_per_cost, completed=request.completed,
-                                        cross_ds_bytes=request.cross_ds_bytes)
+                                        latency_per_cost=request.latency_per_cost or 1.0, completed=request.completed,
+                                        cross_ds_bytes=request.cross_ds_bytes, queued_cpu_s=request.queued_cpu_s,
+                                        link_bandwidth_bps=request.link_bandwidth_bps,
+                                        link_latency_s=request.link_latency_s)
         return pb.HeartbeatReply(known=known)
 
     def Route(self, request, context):
-        cost = {"cpu_s": request.cost.cpu_s, "out_bytes": request.cost.out_bytes, "tokens": request.cost.tokens,
-                "deadline_s": request.deadline_s}
+        t_arrival = time.perf_counter()
+        c = request.cost
+        cost = {"cpu_s": c.cpu_s, "io_bytes": c.io_bytes, "out_bytes": c.out_bytes, "tokens": c.tokens,
+                "deadline_s": request.deadline_s if request.has_deadline else None}
+        try:
+            policy = self.registry.policy_for(request.scheduler)
+        except ValueError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         try:
             chosen, delivery, decision, us = self.registry.route(request.rank, request.task_id, cost,
-                                                                 set(request.exclude))
+                                                                 set(request.exclude), policy.name, t_arrival)
         except (LookupError, ValueError) as e:
             context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        finish = decision.finish_s[decision.candidates.index(decision.server_id)] if decision.finish_s else 0.0
         return pb.RouteReply(exec_server_id=chosen.server_id, exec_address=chosen.address,
                              delivery_server_id=delivery.server_id, delivery_address=delivery.address,
-                             reason=decision.reason, decision_us=us, exec_kind=chosen.kind)
+                             reason=decision.reason, decision_us=us, exec_kind=chosen.kind,
+                             predicted_finish_s=finish)
 
     def ReportCompletion(self, request, context):
         self.registry.complete(request.task_id, request.server_id, request.latency_s, request.ok)

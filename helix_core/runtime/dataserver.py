@@ -13,6 +13,7 @@ import logging
 import os
 import socket
 import threading
+import time
 
 import grpc
 
@@ -49,6 +50,8 @@ class DataServerServicer(pbg.DataServerServicer):
         self.address, self.kind = address, kind
         self.server_id, self.cluster_id = "", ""
         self.cross_ds_bytes = 0
+        self.link_bandwidth_bps = 0.0  # EWMA over delivery streams of >= 1 MiB (remote servers)
+        self.link_latency_s = 0.0  # EWMA of small delivery streams' duration
         self._deliver: dict[str, object] = {}  # address -> Deliver callable (runtime.wire)
         self._lock = threading.Lock()
         # maps of the workers' slabs, kept: they are reused, so a stream never re-faults their pages
@@ -79,7 +82,9 @@ class DataServerServicer(pbg.DataServerServicer):
         if request.on_error not in ("raise", "skip") or not request.indices:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "Execute needs indices and on_error in (raise, skip)")
         task = {"task_id": request.task_id, "spec_id": request.spec_id, "indices": list(request.indices),
-                "epoch": request.epoch, "substitutes": list(request.substitutes), "on_error": request.on_error}
+                "epoch": request.epoch, "substitutes": list(request.substitutes), "on_error": request.on_error,
+                "deadline_s": request.deadline_s if request.has_deadline else None,
+                "predicted_cpu_s": max(0.0, request.predicted_cpu_s)}
         fut = self.pool.submit(task)
         context.add_callback(lambda: self.pool.cancel([request.task_id]) if not fut.done() else None)
         try:
@@ -90,7 +95,8 @@ class DataServerServicer(pbg.DataServerServicer):
         reply = pb.ExecuteReply(task_id=request.task_id, error_kind=result.get("error_kind", ""),
                                 error=result.get("error", ""), failure=_failure_pb(result.get("failure")),
                                 skipped=[_failure_pb(f) for f in result.get("skipped", [])],
-                                exec_s=result.get("exec_s", 0.0))
+                                exec_s=result.get("exec_s", 0.0), decoded=result.get("decoded", ()),
+                                decode_cpu_s=result.get("decode_cpu_s", ()), queue_s=result.get("queue_s", 0.0))
         if "handle" not in result:
             return reply
         remote = request.deliver_to and request.deliver_to != self.address
@@ -133,12 +139,19 @@ class DataServerServicer(pbg.DataServerServicer):
             yield pb.StreamChunk(header=header)
             yield from iter_chunks(payload, total, self.config.stream_chunk_bytes)  # raw: one copy each
 
+        t0 = time.perf_counter()
         try:
             reply = deliver(chunks(), timeout=self.config.execute_timeout_s, metadata=call_metadata(self.token))
         finally:
             payload.release()
+        seconds = time.perf_counter() - t0
         with self._lock:
             self.cross_ds_bytes += total
+            if total >= 1 << 20:  # the link's bandwidth for placement (paper Eq. 1: C_net)
+                bw = total / max(seconds, 1e-6)
+                self.link_bandwidth_bps = bw if not self.link_bandwidth_bps else 0.8 * self.link_bandwidth_bps + 0.2 * bw
+            else:
+                self.link_latency_s = seconds if not self.link_latency_s else 0.8 * self.link_latency_s + 0.2 * seconds
         return reply
 
     def Deliver(self, request_iterator, context):
@@ -184,7 +197,8 @@ def _heartbeats(servicer: DataServerServicer, coord, token, config: ClusterConfi
             reply = coord.Heartbeat(pb.HeartbeatRequest(
                 server_id=servicer.server_id, queue_depth=st["queue_depth"], inflight=st["inflight"],
                 workers_alive=st["workers_alive"], latency_per_cost=st["latency_per_cost"],
-                completed=st["completed"], cross_ds_bytes=servicer.cross_ds_bytes),
+                completed=st["completed"], cross_ds_bytes=servicer.cross_ds_bytes, queued_cpu_s=st["queued_cpu_s"],
+                link_bandwidth_bps=servicer.link_bandwidth_bps, link_latency_s=servicer.link_latency_s),
                 timeout=config.rpc_timeout_s, metadata=call_metadata(token))
             if not reply.known:
                 register()

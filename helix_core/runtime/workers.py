@@ -1,6 +1,8 @@
 """A DataServer's supervised pool of worker processes (spawned, ``OMP_NUM_THREADS=1``).
 
-Each worker loads the dataset and collate function once per spec, then runs whole batch tasks:
+Queued tasks run earliest-deadline-first: a task's key is its arrival time plus its deadline
+(seconds from now, as the client sent it), or its arrival time when it has none — so without
+deadlines the order is first-in-first-out. Each worker loads the dataset and collate function once per spec, then runs whole batch tasks:
 fetch + decode + transform each sample, collate, and write the batch into a reused shared-memory
 slab of its own. The pool's supervisor thread owns every worker pipe: it hands tasks to idle
 workers, collects results, and watches process sentinels. A worker that dies has its task retried
@@ -10,6 +12,8 @@ respawned. Workers exit when their parent's pipe closes.
 from __future__ import annotations
 
 import collections
+import heapq
+import itertools
 import logging
 import multiprocessing as mp
 import os
@@ -80,7 +84,7 @@ def _run_task(task: dict, specs: dict, pool, conn, allow_pickle: bool) -> dict:
         dataset.set_epoch(task["epoch"])
     subs = list(task.get("substitutes", ()))
     bad = task.get("bad", {})
-    samples, skipped = [], []
+    samples, skipped, decoded, decode_cpu = [], [], [], []
     for index in task["indices"]:
         while True:
             path = sample_path(dataset, index)
@@ -88,7 +92,10 @@ def _run_task(task: dict, specs: dict, pool, conn, allow_pickle: bool) -> dict:
             try:
                 if index in bad:
                     raise SampleError(index, path, bad[index])
+                c0 = time.thread_time()
                 samples.append(dataset[index])
+                decode_cpu.append(time.thread_time() - c0)
+                decoded.append(int(index))
                 break
             except SampleError as e:
                 fail = _failure(e.index, e.path, e.cause)
@@ -112,7 +119,7 @@ def _run_task(task: dict, specs: dict, pool, conn, allow_pickle: bool) -> dict:
         return {"error_kind": "internal", "error": f"collate/deliver failed for task {task['task_id']}: "
                                                      f"{type(e).__name__}: {e}", "skipped": skipped}
     return {"handle": slab.handle(total), "tree_json": tree_json, "tree_pickle": tree_pickle, "metas": metas,
-            "skipped": skipped, "exec_s": time.perf_counter() - t0}
+            "skipped": skipped, "exec_s": time.perf_counter() - t0, "decoded": decoded, "decode_cpu_s": decode_cpu}
 
 
 # ---- the supervisor (in the DataServer process) -------------------------------------------------
@@ -128,19 +135,64 @@ class _Worker:
         child.close()
         self.task: dict | None = None
         self.current: tuple[int, str] | None = None  # sample index being fetched, its path
+        self.started = 0.0  # clock() when its task was handed over
         self.specs: set[str] = set()
 
 
-class WorkerPool:
-    """``n`` supervised worker processes. ``submit(task) -> Future`` of the worker's result dict."""
+class _Queue:
+    """Tasks waiting for a worker, earliest deadline first (ties: arrival order).
 
-    def __init__(self, n: int, shm_prefix: str, allow_pickle: bool, config: ClusterConfig):
+    ``key`` is an absolute ``time.monotonic`` value. Cancelled tasks are dropped lazily."""
+
+    def __init__(self):
+        self._heap: list = []
+        self._seq = itertools.count()
+        self._ids: dict[int, dict] = {}  # task id -> task, for the tasks still queued
+        self.cpu_s = 0.0  # predicted CPU seconds of the queued tasks
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+    def push(self, task: dict) -> None:
+        heapq.heappush(self._heap, (task["_key"], next(self._seq), task))
+        self._ids[task["task_id"]] = task
+        self.cpu_s += task.get("predicted_cpu_s", 0.0)
+
+    def pop(self) -> dict | None:
+        while self._heap:
+            _, _, task = heapq.heappop(self._heap)
+            if self._ids.get(task["task_id"]) is task:
+                del self._ids[task["task_id"]]
+                self.cpu_s = max(0.0, self.cpu_s - task.get("predicted_cpu_s", 0.0))
+                return task
+        return None
+
+    def remove(self, task_ids: set[int]) -> None:
+        for tid in task_ids:
+            task = self._ids.pop(tid, None)
+            if task is not None:
+                self.cpu_s = max(0.0, self.cpu_s - task.get("predicted_cpu_s", 0.0))
+        if not self._ids:
+            self._heap.clear()
+
+
+class WorkerPool:
+    """``n`` supervised worker processes. ``submit(task) -> Future`` of the worker's result dict.
+
+    A task may carry ``deadline_s`` (seconds from now: earliest deadline runs first) and
+    ``predicted_cpu_s`` (the client's CPU-cost prediction: the pool learns its latency per unit
+    of predicted cost, ``latency_per_cost``, an EWMA of execution wall seconds / predicted CPU
+    seconds, and reports the predicted CPU seconds queued or running, ``queued_cpu_s``)."""
+
+    LPC_ALPHA = 0.2  # weight of the newest measurement in latency_per_cost
+
+    def __init__(self, n: int, shm_prefix: str, allow_pickle: bool, config: ClusterConfig, clock=time.monotonic):
         if n < 1:
             raise ValueError(f"workers must be >= 1, got {n}")
-        self.prefix, self.allow_pickle, self.config = shm_prefix, allow_pickle, config
+        self.prefix, self.allow_pickle, self.config, self.clock = shm_prefix, allow_pickle, config, clock
         self._lock = threading.Lock()
         self._specs: dict[str, tuple[bytes, str]] = {}
-        self._pending: collections.deque = collections.deque()
+        self._pending = _Queue()
         self._futures: dict[int, Future] = {}
         self._cancelled: set[int] = set()
         self._kills: collections.Counter = collections.Counter()
@@ -148,8 +200,7 @@ class WorkerPool:
         self._stop = threading.Event()
         self.completed, self.respawns = 0, 0
         self._graveyard: list[str] = []  # dead workers' slabs still held by clients
-        self.latency_per_cost = 1.0  # not measured yet: Execute carries no predicted cost (the deadline-aware
-        # placement issue adds it, and with it this feedback term of paper Eq. 1)
+        self.latency_per_cost = 1.0  # wall seconds per predicted CPU second (1 until measured)
         self._workers = [_Worker(i, 0, shm_prefix, allow_pickle) for i in range(n)]
         self._thread = threading.Thread(target=self._supervise, name="helix-supervisor", daemon=True)
         self._thread.start()
@@ -168,15 +219,18 @@ class WorkerPool:
             if self._stop.is_set():
                 raise RuntimeError("worker pool is closed")
             task.setdefault("bad", {})
+            now = self.clock()
+            deadline = task.get("deadline_s")
+            task["_arrival"], task["_key"] = now, now + (max(0.0, deadline) if deadline is not None else 0.0)
             self._futures[task["task_id"]] = fut
-            self._pending.append(task)
+            self._pending.push(task)
         self._wake_w.send_bytes(b"t")
         return fut
 
     def cancel(self, task_ids) -> None:
         with self._lock:
             ids = set(task_ids)
-            self._pending = collections.deque(t for t in self._pending if t["task_id"] not in ids)
+            self._pending.remove(ids)
             for tid in ids:
                 fut = self._futures.pop(tid, None)
                 if fut is not None:
@@ -185,10 +239,14 @@ class WorkerPool:
 
     def stats(self) -> dict:
         with self._lock:
-            busy = sum(w.task is not None for w in self._workers)
-            return {"queue_depth": len(self._pending), "inflight": busy, "completed": self.completed,
+            busy = [w for w in self._workers if w.task is not None]
+            now = self.clock()
+            running = sum(max(0.0, w.task.get("predicted_cpu_s", 0.0) - (now - w.started) / self.latency_per_cost)
+                          for w in busy)
+            return {"queue_depth": len(self._pending), "inflight": len(busy), "completed": self.completed,
                     "workers_alive": sum(w.proc.is_alive() for w in self._workers), "respawns": self.respawns,
-                    "worker_pids": [w.proc.pid for w in self._workers], "latency_per_cost": self.latency_per_cost}
+                    "worker_pids": [w.proc.pid for w in self._workers], "latency_per_cost": self.latency_per_cost,
+                    "queued_cpu_s": self._pending.cpu_s + running}
 
     # ---- supervisor thread ---------------------------------------------------------------------------
     def _supervise(self) -> None:
@@ -219,16 +277,19 @@ class WorkerPool:
                     return
                 if w.task is not None or not w.proc.is_alive():
                     continue
-                task = self._pending.popleft()
+                task = self._pending.pop()
+                if task is None:
+                    return
                 try:
                     if task["spec_id"] not in w.specs:
                         payload, fmt = self._specs.get(task["spec_id"], (b"", "missing"))
                         w.conn.send(("spec", task["spec_id"], payload, fmt))
                         w.specs.add(task["spec_id"])
                     w.conn.send(("task", task))
-                    w.task, w.current = task, None
+                    w.task, w.current, w.started = task, None, self.clock()
+                    task.setdefault("_queue_s", w.started - task["_arrival"])
                 except (BrokenPipeError, OSError):
-                    self._pending.appendleft(task)
+                    self._pending.push(task)
 
     def _drain(self, w: _Worker) -> None:
         while True:
@@ -245,10 +306,18 @@ class WorkerPool:
 
     def _finish(self, w: _Worker, task_id: int, result: dict) -> None:
         with self._lock:
+            task = w.task
             w.task, w.current = None, None
             fut = self._futures.pop(task_id, None)
             self._cancelled.discard(task_id)
             self.completed += 1
+            predicted = task.get("predicted_cpu_s", 0.0) if task is not None else 0.0
+            if predicted > 0 and result.get("exec_s"):
+                a = self.LPC_ALPHA
+                self.latency_per_cost = (1 - a) * self.latency_per_cost + a * min(max(result["exec_s"] / predicted,
+                                                                                        0.05), 50.0)
+            if task is not None:
+                result["queue_s"] = task.get("_queue_s", 0.0)
         if fut is None or fut.cancelled():
             if "handle" in result:  # nobody will read it: free the slab now
                 shm.release_segment(result["handle"])
@@ -287,7 +356,7 @@ class WorkerPool:
                                         "failure": _failure(current[0], current[1], cause), "skipped": []})
                         return
             task["attempt"] = task.get("attempt", 0) + 1
-            self._pending.appendleft(task)
+            self._pending.push(task)  # its key is kept: it goes back near the front
 
     def close(self) -> None:
         if self._stop.is_set():

@@ -97,7 +97,7 @@ class RegisterClientReply(_message.Message):
     def __init__(self, client_id: _Optional[str] = ..., cluster_id: _Optional[str] = ..., servers: _Optional[_Iterable[_Union[ServerInfo, _Mapping]]] = ..., task_id_base: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("server_id", "queue_depth", "inflight", "workers_alive", "latency_per_cost", "completed", "cross_ds_bytes")
+    __slots__ = ("server_id", "queue_depth", "inflight", "workers_alive", "latency_per_cost", "completed", "cross_ds_bytes", "queued_cpu_s", "link_bandwidth_bps", "link_latency_s")
     SERVER_ID_FIELD_NUMBER: _ClassVar[int]
     QUEUE_DEPTH_FIELD_NUMBER: _ClassVar[int]
     INFLIGHT_FIELD_NUMBER: _ClassVar[int]
@@ -105,6 +105,9 @@ class HeartbeatRequest(_message.Message):
     LATENCY_PER_COST_FIELD_NUMBER: _ClassVar[int]
     COMPLETED_FIELD_NUMBER: _ClassVar[int]
     CROSS_DS_BYTES_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_CPU_S_FIELD_NUMBER: _ClassVar[int]
+    LINK_BANDWIDTH_BPS_FIELD_NUMBER: _ClassVar[int]
+    LINK_LATENCY_S_FIELD_NUMBER: _ClassVar[int]
     server_id: str
     queue_depth: int
     inflight: int
@@ -112,7 +115,10 @@ class HeartbeatRequest(_message.Message):
     latency_per_cost: float
     completed: int
     cross_ds_bytes: int
-    def __init__(self, server_id: _Optional[str] = ..., queue_depth: _Optional[int] = ..., inflight: _Optional[int] = ..., workers_alive: _Optional[int] = ..., latency_per_cost: _Optional[float] = ..., completed: _Optional[int] = ..., cross_ds_bytes: _Optional[int] = ...) -> None: ...
+    queued_cpu_s: float
+    link_bandwidth_bps: float
+    link_latency_s: float
+    def __init__(self, server_id: _Optional[str] = ..., queue_depth: _Optional[int] = ..., inflight: _Optional[int] = ..., workers_alive: _Optional[int] = ..., latency_per_cost: _Optional[float] = ..., completed: _Optional[int] = ..., cross_ds_bytes: _Optional[int] = ..., queued_cpu_s: _Optional[float] = ..., link_bandwidth_bps: _Optional[float] = ..., link_latency_s: _Optional[float] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
     __slots__ = ("known",)
@@ -133,23 +139,27 @@ class CostTerm(_message.Message):
     def __init__(self, cpu_s: _Optional[float] = ..., io_bytes: _Optional[int] = ..., out_bytes: _Optional[int] = ..., tokens: _Optional[int] = ...) -> None: ...
 
 class RouteRequest(_message.Message):
-    __slots__ = ("client_id", "rank", "task_id", "cost", "deadline_s", "exclude")
+    __slots__ = ("client_id", "rank", "task_id", "cost", "deadline_s", "exclude", "scheduler", "has_deadline")
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
     COST_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_S_FIELD_NUMBER: _ClassVar[int]
     EXCLUDE_FIELD_NUMBER: _ClassVar[int]
+    SCHEDULER_FIELD_NUMBER: _ClassVar[int]
+    HAS_DEADLINE_FIELD_NUMBER: _ClassVar[int]
     client_id: str
     rank: int
     task_id: int
     cost: CostTerm
     deadline_s: float
     exclude: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, client_id: _Optional[str] = ..., rank: _Optional[int] = ..., task_id: _Optional[int] = ..., cost: _Optional[_Union[CostTerm, _Mapping]] = ..., deadline_s: _Optional[float] = ..., exclude: _Optional[_Iterable[str]] = ...) -> None: ...
+    scheduler: str
+    has_deadline: bool
+    def __init__(self, client_id: _Optional[str] = ..., rank: _Optional[int] = ..., task_id: _Optional[int] = ..., cost: _Optional[_Union[CostTerm, _Mapping]] = ..., deadline_s: _Optional[float] = ..., exclude: _Optional[_Iterable[str]] = ..., scheduler: _Optional[str] = ..., has_deadline: _Optional[bool] = ...) -> None: ...
 
 class RouteReply(_message.Message):
-    __slots__ = ("exec_server_id", "exec_address", "delivery_server_id", "delivery_address", "reason", "decision_us", "exec_kind")
+    __slots__ = ("exec_server_id", "exec_address", "delivery_server_id", "delivery_address", "reason", "decision_us", "exec_kind", "predicted_finish_s")
     EXEC_SERVER_ID_FIELD_NUMBER: _ClassVar[int]
     EXEC_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     DELIVERY_SERVER_ID_FIELD_NUMBER: _ClassVar[int]
@@ -157,6 +167,7 @@ class RouteReply(_message.Message):
     REASON_FIELD_NUMBER: _ClassVar[int]
     DECISION_US_FIELD_NUMBER: _ClassVar[int]
     EXEC_KIND_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_FINISH_S_FIELD_NUMBER: _ClassVar[int]
     exec_server_id: str
     exec_address: str
     delivery_server_id: str
@@ -164,7 +175,8 @@ class RouteReply(_message.Message):
     reason: str
     decision_us: float
     exec_kind: str
-    def __init__(self, exec_server_id: _Optional[str] = ..., exec_address: _Optional[str] = ..., delivery_server_id: _Optional[str] = ..., delivery_address: _Optional[str] = ..., reason: _Optional[str] = ..., decision_us: _Optional[float] = ..., exec_kind: _Optional[str] = ...) -> None: ...
+    predicted_finish_s: float
+    def __init__(self, exec_server_id: _Optional[str] = ..., exec_address: _Optional[str] = ..., delivery_server_id: _Optional[str] = ..., delivery_address: _Optional[str] = ..., reason: _Optional[str] = ..., decision_us: _Optional[float] = ..., exec_kind: _Optional[str] = ..., predicted_finish_s: _Optional[float] = ...) -> None: ...
 
 class CompletionReport(_message.Message):
     __slots__ = ("client_id", "task_id", "server_id", "latency_s", "ok")
@@ -255,7 +267,7 @@ class SampleFailure(_message.Message):
     def __init__(self, index: _Optional[int] = ..., path: _Optional[str] = ..., cause: _Optional[str] = ...) -> None: ...
 
 class ExecuteRequest(_message.Message):
-    __slots__ = ("task_id", "spec_id", "indices", "epoch", "substitutes", "on_error", "deliver_to", "client_id", "attempt")
+    __slots__ = ("task_id", "spec_id", "indices", "epoch", "substitutes", "on_error", "deliver_to", "client_id", "attempt", "deadline_s", "has_deadline", "predicted_cpu_s")
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
     SPEC_ID_FIELD_NUMBER: _ClassVar[int]
     INDICES_FIELD_NUMBER: _ClassVar[int]
@@ -265,6 +277,9 @@ class ExecuteRequest(_message.Message):
     DELIVER_TO_FIELD_NUMBER: _ClassVar[int]
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_S_FIELD_NUMBER: _ClassVar[int]
+    HAS_DEADLINE_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_CPU_S_FIELD_NUMBER: _ClassVar[int]
     task_id: int
     spec_id: str
     indices: _containers.RepeatedScalarFieldContainer[int]
@@ -274,10 +289,13 @@ class ExecuteRequest(_message.Message):
     deliver_to: str
     client_id: str
     attempt: int
-    def __init__(self, task_id: _Optional[int] = ..., spec_id: _Optional[str] = ..., indices: _Optional[_Iterable[int]] = ..., epoch: _Optional[int] = ..., substitutes: _Optional[_Iterable[int]] = ..., on_error: _Optional[str] = ..., deliver_to: _Optional[str] = ..., client_id: _Optional[str] = ..., attempt: _Optional[int] = ...) -> None: ...
+    deadline_s: float
+    has_deadline: bool
+    predicted_cpu_s: float
+    def __init__(self, task_id: _Optional[int] = ..., spec_id: _Optional[str] = ..., indices: _Optional[_Iterable[int]] = ..., epoch: _Optional[int] = ..., substitutes: _Optional[_Iterable[int]] = ..., on_error: _Optional[str] = ..., deliver_to: _Optional[str] = ..., client_id: _Optional[str] = ..., attempt: _Optional[int] = ..., deadline_s: _Optional[float] = ..., has_deadline: _Optional[bool] = ..., predicted_cpu_s: _Optional[float] = ...) -> None: ...
 
 class ExecuteReply(_message.Message):
-    __slots__ = ("task_id", "batch", "error_kind", "error", "failure", "skipped", "delivered_by", "cross_ds_bytes", "exec_s")
+    __slots__ = ("task_id", "batch", "error_kind", "error", "failure", "skipped", "delivered_by", "cross_ds_bytes", "exec_s", "decoded", "decode_cpu_s", "queue_s")
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
     BATCH_FIELD_NUMBER: _ClassVar[int]
     ERROR_KIND_FIELD_NUMBER: _ClassVar[int]
@@ -287,6 +305,9 @@ class ExecuteReply(_message.Message):
     DELIVERED_BY_FIELD_NUMBER: _ClassVar[int]
     CROSS_DS_BYTES_FIELD_NUMBER: _ClassVar[int]
     EXEC_S_FIELD_NUMBER: _ClassVar[int]
+    DECODED_FIELD_NUMBER: _ClassVar[int]
+    DECODE_CPU_S_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_S_FIELD_NUMBER: _ClassVar[int]
     task_id: int
     batch: BatchHandle
     error_kind: str
@@ -296,7 +317,10 @@ class ExecuteReply(_message.Message):
     delivered_by: str
     cross_ds_bytes: int
     exec_s: float
-    def __init__(self, task_id: _Optional[int] = ..., batch: _Optional[_Union[BatchHandle, _Mapping]] = ..., error_kind: _Optional[str] = ..., error: _Optional[str] = ..., failure: _Optional[_Union[SampleFailure, _Mapping]] = ..., skipped: _Optional[_Iterable[_Union[SampleFailure, _Mapping]]] = ..., delivered_by: _Optional[str] = ..., cross_ds_bytes: _Optional[int] = ..., exec_s: _Optional[float] = ...) -> None: ...
+    decoded: _containers.RepeatedScalarFieldContainer[int]
+    decode_cpu_s: _containers.RepeatedScalarFieldContainer[float]
+    queue_s: float
+    def __init__(self, task_id: _Optional[int] = ..., batch: _Optional[_Union[BatchHandle, _Mapping]] = ..., error_kind: _Optional[str] = ..., error: _Optional[str] = ..., failure: _Optional[_Union[SampleFailure, _Mapping]] = ..., skipped: _Optional[_Iterable[_Union[SampleFailure, _Mapping]]] = ..., delivered_by: _Optional[str] = ..., cross_ds_bytes: _Optional[int] = ..., exec_s: _Optional[float] = ..., decoded: _Optional[_Iterable[int]] = ..., decode_cpu_s: _Optional[_Iterable[float]] = ..., queue_s: _Optional[float] = ...) -> None: ...
 
 class StreamHeader(_message.Message):
     __slots__ = ("task_id", "tree_json", "tree_pickle", "tensors", "total_bytes")

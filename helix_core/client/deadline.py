@@ -1,0 +1,110 @@
+"""Deadlines from the training loop (paper §3.3): a rank's GPU compute window is the time budget
+for its next batch.
+
+``DeadlineEstimator`` is pure (an injected clock, no threads of its own). The loader tells it when
+``next()`` returned a batch (the rank starts computing it) and when ``next()`` is called again
+(the window ended), or the trainer reports the window itself (``report_step_time``, CUDA-event
+timings on a GPU). Windows are learnt per unit of predicted GPU cost (EWMA), so a token-heavy
+batch ahead pushes back the deadlines of the batches behind it. A deadline is "seconds from now"
+until the rank will ask for a batch: that is what crosses processes, never a clock value.
+"""
+from __future__ import annotations
+
+import math
+import threading
+import time
+
+__all__ = ["DeadlineEstimator"]
+
+
+class DeadlineEstimator:
+    """Predicts, for each upcoming batch position, the seconds until the rank asks for it.
+
+    ``expect(position, units)``: the batch's predicted GPU cost units (the sender registers each
+    batch it requests); ``yielded(position)``: ``next()`` returned it; ``asked()``: ``next()`` was
+    called (the previous batch's window ended); ``report(seconds)``: the trainer measured the
+    current batch's window. ``deadline(position)`` is None until one window was measured.
+    ``alpha``: weight of the newest window in the EWMA of seconds per unit.
+    """
+
+    def __init__(self, alpha: float = 0.3, clock=time.perf_counter):
+        if not 0.0 < alpha <= 1.0:
+            raise ValueError(f"alpha must be in (0, 1], got {alpha}")
+        self.alpha, self.clock = alpha, clock
+        self._lock = threading.Lock()
+        self._units: dict[int, float] = {}  # position -> predicted GPU cost units
+        self._mean_units = 1.0
+        self.seconds_per_unit: float | None = None
+        self.windows = 0  # windows measured or reported
+        self._current: int | None = None  # the position being computed (yielded, not asked since)
+        self._t_yield = 0.0
+        self._reported: float | None = None  # a window reported for the current batch
+        self._next = 0  # the position the rank asks for next
+
+    # ---- events from the loader / trainer ------------------------------------------------------------
+    def expect(self, position: int, units: float) -> None:
+        units = float(units)
+        if not (math.isfinite(units) and units > 0):
+            return
+        with self._lock:
+            self._units[position] = units
+            self._mean_units += 0.1 * (units - self._mean_units)
+
+    def yielded(self, position: int) -> None:
+        with self._lock:
+            self._current, self._t_yield, self._reported = position, self.clock(), None
+            self._next = position + 1
+            for p in [p for p in self._units if p < position]:
+                del self._units[p]
+
+    def asked(self) -> None:
+        """``next()`` was called: the window of the batch being computed is over."""
+        with self._lock:
+            if self._current is None:
+                return
+            window = self._reported if self._reported is not None else self.clock() - self._t_yield
+            self._learn(self._current, window)
+            self._current = None
+
+    def report(self, seconds: float) -> None:
+        """The trainer's measured window (compute + sync) of the batch being computed, seconds."""
+        seconds = float(seconds)
+        if not (math.isfinite(seconds) and seconds >= 0):
+            raise ValueError(f"report_step_time(seconds) needs a finite number of seconds >= 0, got {seconds!r}")
+        with self._lock:
+            if self._current is not None:
+                self._reported = seconds
+            else:  # reported after next() was called already: learn it for the last batch
+                self._learn(self._next - 1, seconds)
+
+    def _learn(self, position: int, window: float) -> None:
+        spu = window / self._units.get(position, self._mean_units)
+        self.seconds_per_unit = spu if self.seconds_per_unit is None else \
+            (1 - self.alpha) * self.seconds_per_unit + self.alpha * spu
+        self.windows += 1
+
+    # ---- predictions --------------------------------------------------------------------------------
+    def window_s(self, position: int) -> float | None:
+        """Predicted compute window of batch ``position`` (seconds), None before any measurement."""
+        with self._lock:
+            return self._window(position)
+
+    def _window(self, position: int) -> float | None:
+        if self.seconds_per_unit is None:
+            return None
+        return self.seconds_per_unit * self._units.get(position, self._mean_units)
+
+    def deadline(self, position: int) -> float | None:
+        """Seconds from now until the rank asks for batch ``position`` (0: it is asking now or
+        already did); None before any window was measured."""
+        with self._lock:
+            if self.seconds_per_unit is None:
+                return None
+            if position < self._next:
+                return 0.0
+            total = 0.0
+            if self._current is not None:  # computing batch `current`: what is left of its window
+                total += max(0.0, self._window(self._current) - (self.clock() - self._t_yield))
+            for p in range(self._next, position):  # the batches it computes before it asks for `position`
+                total += self._window(p)
+            return total

@@ -1,0 +1,52 @@
+"""The GPU cost model of a sample: what the Tier-1 planner balances and the bench emulates.
+
+Costs are in relative *GPU cost units* (one unit ~ the work of one visual token through a
+linear layer stack); the bench turns units into seconds with a measured ``scale``. Attention makes
+a sample's cost superlinear in its tokens, so a clip with 16x the tokens costs more than 16x.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = ["GPU_COSTS", "GpuCost", "gpu_cost"]
+
+
+@dataclass(frozen=True)
+class GpuCost:
+    """GPU cost units of a sample: ``a * tokens + b * tokens**2``, plus ``c`` units per step.
+
+    ``a``: units per token (linear layers); ``b``: units per token squared (attention);
+    ``c``: units per step whatever the batch holds (optimizer, launch overheads).
+    """
+
+    a: float = 1.0
+    b: float = 0.0
+    c: float = 0.0
+
+    def sample_units(self, tokens):
+        """Cost units of each sample (vectorised: ``tokens`` a number or an array of counts)."""
+        t = np.asarray(tokens, dtype=np.float64)
+        return self.a * t + self.b * t * t
+
+    def step_units(self, tokens) -> float:
+        """Cost units of one rank's step over a batch with these token counts (sum + ``c``)."""
+        return float(np.sum(self.sample_units(tokens)) + self.c)
+
+
+#: relative costs per model family: attention over ~25k tokens doubles a VideoMAE-L sample's cost
+GPU_COSTS = {
+    "videomae": GpuCost(a=1.0, b=1.0 / 25_000, c=500.0),
+    "qwen2-vl": GpuCost(a=1.0, b=1.0 / 16_000, c=800.0),
+    "qwen2.5-vl": GpuCost(a=1.0, b=1.0 / 16_000, c=800.0),
+    "wan": GpuCost(a=1.0, b=1.0 / 32_000, c=1000.0),
+}
+
+
+def gpu_cost(model: str) -> GpuCost:
+    """The cost model of family ``model`` (``ValueError`` listing the valid names)."""
+    try:
+        return GPU_COSTS[model]
+    except KeyError:
+        raise ValueError(f"model={model!r}; valid: {', '.join(GPU_COSTS)}") from None
