@@ -74,7 +74,7 @@ def _cmd_bench(a, console) -> int:
     configs = [BenchConfig(workload=w, model=a.model, ranks=a.ranks, batch_size=b, budget=a.budget,
                            systems=tuple(_split(a.systems)), warmup=a.warmup, steps=a.steps, regime=r,
                            window_scale=a.window_scale, remote_servers=rd, prefetch=a.prefetch, clips=a.clips,
-                           scale=a.scale, seed=a.seed, ddl_tolerance_s=a.ddl_tolerance_ms / 1e3,
+                           scale=a.scale, seed=a.seed, ddl_tolerance_s=a.ddl_tolerance_ms / 1e3, window=a.window,
                            compute=a.compute, device=a.device,
                            data_dir=a.data or str(_cache_dir() / "bench-data"))
                for w in _split(a.workload) for r in _split(a.regime) for b in _split(a.batch_size, int)
@@ -142,7 +142,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--batch-size", default="2", help="comma-separated list (a sweep)")
     s.add_argument("--budget", type=int, default=4, help="worker processes in all, for every system")
     s.add_argument("--systems", default="native,ray,helix",
-                   help="native, ray, helix, and the ablation variants helix-pool, helix-transport")
+                   help="native, ray (idle-actor dispatch), ray-rr (round robin), helix, and the ablation variants "
+                        "helix-pool, helix-transport, helix-prefetch, helix-tier1")
+    s.add_argument("--window", type=int, default=8, help="Tier-1 planning window (global steps) of balanced systems")
     s.add_argument("--warmup", type=int, default=20)
     s.add_argument("--steps", type=int, default=100)
     s.add_argument("--regime", default="gpu-bound", help="gpu-bound, cpu-bound, or both comma-separated")

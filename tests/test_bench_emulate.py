@@ -1,19 +1,19 @@
 """The emulated GPU window and the regime calibration, on hand-made numbers."""
 import pytest
 
-from helix_core.bench.emulate import MODEL_COSTS, ModelCost, regime_window_scale
+from helix_core.bench.emulate import GPU_COSTS, GpuCost, regime_window_scale
 from helix_core.bench.harness import BenchConfig, expected_indices
 
 
 def test_model_cost_is_linear_plus_quadratic():
-    c = ModelCost(a=2.0, b=0.5, c=10.0)
+    c = GpuCost(a=2.0, b=0.5, c=10.0)
     assert c.sample_units(4) == 2 * 4 + 0.5 * 16
     assert c.step_units([1, 2]) == (2 + 0.5) + (4 + 2) + 10
-    assert MODEL_COSTS["videomae"].sample_units(25_000) == pytest.approx(50_000)  # attention doubles it
+    assert GPU_COSTS["videomae"].sample_units(25_000) == pytest.approx(50_000)  # attention doubles it
 
 
 def test_regime_window_scale_hits_the_factor():
-    cost = ModelCost(a=1.0, b=0.0, c=0.0)
+    cost = GpuCost(a=1.0, b=0.0, c=0.0)
     decode = [0.1, 0.3]  # mean 0.2 s per sample
     tokens = [100, 300]  # mean 200 units per sample
     # 4 ranks x batch 2 x 0.2 s over 2 CPU slots = 0.8 s pooled decode per step; a rank's batch = 400 units

@@ -15,10 +15,18 @@ def test_tiny_run_writes_results_for_each_system(tmp_path, monkeypatch):
     runs = run_bench([cfg], tmp_path / "out")
     results = json.loads((tmp_path / "out" / "results.json").read_text())
     assert results["systems"]["ray"] == {"skipped": "Ray is not installed (test)"}
+    # 6 clips, 2 ranks, batch 2: 2 steps an epoch, so a window is an epoch: 1 + 3 steps round to 2 + 4
+    assert (results["warmup"], results["steps"], results["steps_per_epoch"]) == (2, 4, 2)
     for name in ("native", "helix-pool", "helix"):
         m = results["systems"][name]
-        assert m["steps"] == 3 and m["throughput_sps"] > 0 and [r["rank"] for r in m["per_rank"]] == [0, 1]
+        assert m["steps"] == 4 and m["throughput_sps"] > 0 and [r["rank"] for r in m["per_rank"]] == [0, 1]
+        roles = m["cpu_s_by_role"]
+        assert roles["decode"] > 0 and roles["ranks"] > 0 and 0 < m["decode_efficiency"] <= 1.5
+    assert "workers" in results["systems"]["helix"]["cpu_s_by_role"]
+    assert "loader-workers" in results["systems"]["native"]["cpu_s_by_role"]
+    assert results["systems"]["helix"]["imbalance_ratio"] <= results["systems"]["native"]["imbalance_ratio"]
     assert runs[0]["bound"]["decode_s"] > 0 and results["bound"]["throughput_sps"] > 0
+    assert 0.5 < results["bound"]["decode_capacity"] <= 2
     assert "Ray is not installed" in (tmp_path / "out" / "report.md").read_text()
 
 

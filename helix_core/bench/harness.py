@@ -1,9 +1,11 @@
 """`helix bench`: the paper's evaluation (§5) on this machine, with emulated GPU windows.
 
-For each configuration the harness synthesizes (or reuses) the workload, measures the decode cost
-of the exact samples the run will consume (the yardstick every system shares), calibrates the
-emulated GPU window for the regime, then runs each input system with R real rank processes at the
-same CPU budget and checks that every system consumed the same samples.
+For each configuration the harness synthesizes (or reuses) the workload, rounds warm-up and
+measured steps to whole planning windows, measures the decode cost of the exact samples the
+measured steps consume (the yardstick every system shares) and the machine's decode capacity,
+calibrates the emulated GPU window for the regime, then runs each input system with R real rank
+processes at the same CPU budget, checks that every system consumed the same samples, and
+measures where each system's CPU went (``cpu_s_by_role``).
 """
 from __future__ import annotations
 
@@ -18,12 +20,14 @@ from pathlib import Path
 
 import numpy as np
 
-from .emulate import MODEL_COSTS, REGIMES, measure_decode, regime_window_scale
-from .ranks import HELIX_VARIANTS, RankPlan, rank_main
+from ..planning.gpu import GPU_COSTS
+from .emulate import REGIMES, measure_decode, regime_window_scale
+from .ranks import BALANCED, HELIX_VARIANTS, RankPlan, rank_main
 
 __all__ = ["BenchConfig", "SYSTEMS", "run_bench", "run_one"]
 
-SYSTEMS = ("native", "ray", *HELIX_VARIANTS)
+SYSTEMS = ("native", "ray", "ray-rr", *HELIX_VARIANTS)
+RAY_MODES = {"ray": "idle", "ray-rr": "rr"}  # Ray pool: idle-actor dispatch (as its users tune it), round robin
 
 
 @dataclass(frozen=True)
@@ -46,6 +50,7 @@ class BenchConfig:
     scale: float = 1.0
     seed: int = 0
     ddl_tolerance_s: float = 0.010
+    window: int = 8  # Tier-1 planning window (global steps) of the balanced systems
     compute: str = "emulate"  # or "model": a real tiny model's forward and backward (GPU machines)
     device: str = "cpu"
     data_dir: str = str(Path.home() / ".cache" / "helix" / "bench-data")
@@ -58,10 +63,11 @@ class BenchConfig:
             raise ValueError(f"regime={self.regime!r}; valid: {', '.join(REGIMES)}")
         if self.compute not in ("emulate", "model"):
             raise ValueError(f"compute={self.compute!r}; valid: emulate, model")
-        if self.model not in MODEL_COSTS:
-            raise ValueError(f"model={self.model!r}; valid: {', '.join(MODEL_COSTS)}")
-        if min(self.ranks, self.batch_size, self.budget, self.steps, self.prefetch, self.clips) < 1 or self.warmup < 0:
-            raise ValueError("ranks, batch_size, budget, steps, prefetch and clips must be >= 1, warmup >= 0")
+        if self.model not in GPU_COSTS:
+            raise ValueError(f"model={self.model!r}; valid: {', '.join(GPU_COSTS)}")
+        if min(self.ranks, self.batch_size, self.budget, self.steps, self.prefetch, self.clips, self.window) < 1 \
+                or self.warmup < 0:
+            raise ValueError("ranks, batch_size, budget, steps, prefetch, clips and window must be >= 1, warmup >= 0")
         if self.budget < self.ranks + self.remote_servers and "helix" in "".join(self.systems):
             raise ValueError(f"budget {self.budget} is too small for {self.ranks} local + {self.remote_servers} "
                              "remote DataServers (each needs at least one worker)")
@@ -86,29 +92,53 @@ def _dataset(cfg: BenchConfig, progress):
     return VideoClipDataset(root / "manifest.jsonl", model=cfg.model)
 
 
-def expected_indices(n: int, cfg: BenchConfig) -> list[list[list[int]]]:
-    """``[rank][step] -> indices`` every system must consume (DistributedSampler, epoch after epoch)."""
+def steps_per_epoch(n: int, cfg: BenchConfig) -> int:
+    """Global steps of one epoch: DistributedSampler's shard of one rank, in batches."""
+    return -(-(-(-n // cfg.ranks)) // cfg.batch_size)
+
+
+def expected_indices(n: int, cfg: BenchConfig, total_steps: int | None = None) -> list[list[list[int]]]:
+    """``[rank][step] -> indices`` the sampler gives (DistributedSampler, epoch after epoch), for
+    ``total_steps`` steps (default warm-up + measured)."""
     import torch
 
+    total = cfg.warmup + cfg.steps if total_steps is None else total_steps
     out = []
     for r in range(cfg.ranks):
         sampler = torch.utils.data.DistributedSampler(range(n), num_replicas=cfg.ranks, rank=r, shuffle=True,
                                                       seed=cfg.seed)
         steps, epoch = [], 0
-        while len(steps) < cfg.warmup + cfg.steps:
+        while len(steps) < total:
             sampler.set_epoch(epoch)
             idx = list(sampler)
             steps += [idx[i:i + cfg.batch_size] for i in range(0, len(idx), cfg.batch_size)]
             epoch += 1
-        out.append(steps[: cfg.warmup + cfg.steps])
+        out.append(steps[:total])
     return out
 
 
-def _run_system(system: str, cfg: BenchConfig, plan: RankPlan, live) -> tuple[list, list]:
-    """Start the system's shared parts, run the rank processes, return (results, cpu_times)."""
+def _roles(procs, cluster, pool) -> dict[str, list[int]]:
+    roles = {"ranks": [p.pid for p in procs if p.pid]}
+    if cluster is not None:
+        roles["coordinator"] = [cluster._coordinator.pid]
+        roles["dataservers"] = [s.pid for s in cluster.servers]
+    if pool is not None:
+        roles.update(pool.pids())
+    return roles
+
+
+#: the role of the processes that decode, per kind of system (their CPU minus the decode is overhead)
+WORKER_ROLE = {"native": "loader-workers", "ray": "ray-decoders", "helix": "workers"}
+_CHILD_ROLES = {"ranks": "loader-workers", "dataservers": "workers"}
+
+
+def _run_system(system: str, cfg: BenchConfig, plan: RankPlan, live) -> tuple[list, dict]:
+    """Start the system's shared parts, run the rank processes; return (results, measurement):
+    CPU snapshots by role and wall times (``time.time()``) at the start and end of the measured steps."""
     import psutil
 
     from ..runtime.cluster import LocalCluster
+    from .cpuroles import snapshot
 
     ctx = mp.get_context("spawn")
     results, progress = ctx.Queue(), ctx.Queue()
@@ -120,16 +150,21 @@ def _run_system(system: str, cfg: BenchConfig, plan: RankPlan, live) -> tuple[li
             cluster = LocalCluster(local_servers=cfg.ranks, remote_servers=cfg.remote_servers,
                                    workers_per_server=max(1, cfg.budget // servers))
             plan = replace(plan, coordinator=cluster.address)
-        elif system == "ray":
+        elif system in RAY_MODES:
             from .raypool import RayPool
 
-            pool = RayPool(cfg.budget, plan.dataset)
+            pool = RayPool(cfg.budget, plan.dataset, mode=RAY_MODES[system])
             plan = replace(plan, ray=pool.info())
         procs = [ctx.Process(target=rank_main, args=(r, plan, results, progress), daemon=False)
                  for r in range(cfg.ranks)]
         for p in procs:
             p.start()
-        got, cpu = [], [None, None]
+        got, m = [], {}
+        me = os.getpid()
+
+        def measure(key: str) -> None:
+            m[key] = (time.time(), snapshot(_roles(procs, cluster, pool), me, _CHILD_ROLES), psutil.cpu_times())
+
         deadline = time.monotonic() + 3600
         while len(got) < cfg.ranks and time.monotonic() < deadline:
             try:
@@ -137,13 +172,13 @@ def _run_system(system: str, cfg: BenchConfig, plan: RankPlan, live) -> tuple[li
                     _, rank, step = progress.get_nowait()
                     live(system, rank, step)
                     if rank == 0 and step == cfg.warmup:
-                        cpu[0] = psutil.cpu_times()
+                        measure("start")
             except queue.Empty:
                 pass
             try:
-                got.append(results.get(timeout=0.2))
+                got.append(results.get(timeout=0.05))
                 if len(got) == 1:
-                    cpu[1] = psutil.cpu_times()
+                    measure("end")
             except queue.Empty:
                 if not any(p.is_alive() for p in procs) and results.empty():
                     break
@@ -151,7 +186,7 @@ def _run_system(system: str, cfg: BenchConfig, plan: RankPlan, live) -> tuple[li
         if errors or len(got) < cfg.ranks:
             detail = errors[0][2] if errors else "a rank process exited without a result"
             raise RuntimeError(f"{system}: {detail}")
-        return got, cpu
+        return got, m
     finally:
         for p in procs:
             p.join(timeout=30)
@@ -164,10 +199,10 @@ def _run_system(system: str, cfg: BenchConfig, plan: RankPlan, live) -> tuple[li
             pool.close()
 
 
-def _cpu_util(cpu) -> float | None:
-    a, b = cpu
-    if a is None or b is None:
+def _cpu_util(m: dict) -> float | None:
+    if "start" not in m or "end" not in m:
         return None
+    a, b = m["start"][2], m["end"][2]
     total = sum(b) - sum(a)
     idle = (b.idle + getattr(b, "iowait", 0)) - (a.idle + getattr(a, "iowait", 0))
     return max(0.0, min(1.0, 1 - idle / total)) if total > 0 else None
@@ -175,68 +210,110 @@ def _cpu_util(cpu) -> float | None:
 
 def run_one(cfg: BenchConfig, console=None, live=None) -> dict:
     """Run every system of one configuration; return the results dict of ``report.write_report``."""
-    from .metrics import Bound, StepRecord, balanced_gpu_s, system_metrics
+    import tempfile
+
+    from .metrics import Bound, balanced_gpu_s
+    from .samples import round_to_windows, window_spans
+    from .timed import TimedClipDataset, measure_capacity
 
     say = console.print if console is not None else (lambda *a, **k: None)
     live = live or (lambda *a: None)
     ds = _dataset(cfg, progress=console is not None)
+    spe = steps_per_epoch(len(ds), cfg)
+    warmup, steps = round_to_windows(cfg.warmup, cfg.steps, spe, cfg.window)
+    cfg = replace(cfg, warmup=warmup, steps=steps)
     plan_idx = expected_indices(len(ds), cfg)
-    measured = [idx for rank in plan_idx for idx in rank[cfg.warmup:]]
-    say(f"[bold]{cfg.workload}[/] {cfg.model}: measuring the decode yardstick on the run's samples ...")
-    decode = measure_decode(ds, [i for b in measured for i in b])
-    tokens = {i: ds.estimate_cost(i).tokens for i in decode}
+    expected = [rank[warmup:] for rank in plan_idx]  # [rank][measured step]: the sampler's
+    spans = window_spans(warmup, steps, spe, cfg.window)
+    flat = [i for rank in expected for b in rank for i in b]
+    say(f"[bold]{cfg.workload}[/] {cfg.model}: {warmup} warm-up + {steps} measured steps (whole windows of "
+        f"{cfg.window}; {spe} steps an epoch); measuring the decode yardstick and capacity on their samples ...")
+    decode = measure_decode(ds, flat)
     cores = os.cpu_count() or 1
     slots = min(cfg.budget, cores)
-    cost = MODEL_COSTS[cfg.model]
-    scale = cfg.window_scale or regime_window_scale(cfg.regime, [decode[i] for b in measured for i in b],
-                                                    [tokens[i] for b in measured for i in b], cfg.batch_size,
-                                                    cfg.ranks, slots, cost)
-    steps_gpu = [[scale * float(cost.sample_units(tokens[i])) for r in range(cfg.ranks)
-                  for i in plan_idx[r][cfg.warmup + s]] for s in range(cfg.steps)]
-    bound = Bound(decode_s=sum(decode[i] for b in measured for i in b),
-                  gpu_s=balanced_gpu_s(steps_gpu, cfg.ranks, scale * cost.c), cpu_slots=slots,
-                  samples=sum(len(b) for b in measured))
+    capacity = measure_capacity(ds.helix_spec(), sorted(decode), slots, decode) if slots > 1 else 1.0
+    capacity = min(capacity, float(slots))
+    tokens = {i: ds.estimate_cost(i).tokens for i in decode}
+    cost = GPU_COSTS[cfg.model]
+    scale = cfg.window_scale or regime_window_scale(cfg.regime, [decode[i] for i in flat], [tokens[i] for i in flat],
+                                                    cfg.batch_size, cfg.ranks, capacity, cost)
+    steps_gpu = [[scale * float(cost.sample_units(tokens[i])) for r in range(cfg.ranks) for i in expected[r][s]]
+                 for s in range(steps)]
+    bound = Bound(decode_s=sum(decode[i] for i in flat), gpu_s=balanced_gpu_s(steps_gpu, cfg.ranks, scale * cost.c),
+                  cpu_slots=slots, samples=len(flat), capacity=capacity)
     plan = RankPlan(system="", ranks=cfg.ranks, port=0, dataset=ds.helix_spec(), batch_size=cfg.batch_size,
-                    warmup=cfg.warmup, steps=cfg.steps, window_scale=scale, cost=(cost.a, cost.b, cost.c),
+                    warmup=warmup, steps=steps, window_scale=scale, cost=(cost.a, cost.b, cost.c),
                     workers_per_rank=max(1, cfg.budget // cfg.ranks), prefetch=cfg.prefetch, seed=cfg.seed,
-                    compute=cfg.compute, device=cfg.device)
+                    compute=cfg.compute, device=cfg.device, window=cfg.window)
+    units = {i: float(cost.sample_units(t)) for i, t in tokens.items()}
     systems = {}
-    for system in cfg.systems:
-        if system == "ray":
-            from .raypool import ray_available
+    with tempfile.TemporaryDirectory(prefix="helix-bench-") as logs:
+        for system in cfg.systems:
+            if system in RAY_MODES:
+                from .raypool import ray_available
 
-            why = ray_available()
-            if why:
-                say(f"[yellow]ray skipped:[/] {why}")
-                systems[system] = {"skipped": why}
-                continue
-        got, cpu = _run_system(system, cfg, replace(plan, system=system, port=_free_port()), live)
-        records, overhead, cross = [], [], 0
-        for _, rank, recs, extra in sorted(got, key=lambda g: g[1]):
-            ready = extra.get("batch_ready_s") or []
-            for k, rec in enumerate(recs):
-                if rec["indices"] != plan_idx[rank][cfg.warmup + rec["step"]]:
-                    raise RuntimeError(f"{system} rank {rank} step {rec['step']} consumed samples {rec['indices']}, "
-                                       f"expected {plan_idx[rank][cfg.warmup + rec['step']]}")
-                records.append(StepRecord(rank=rank, step=rec["step"], input_wait_s=rec["input_wait_s"],
-                                          compute_s=rec["compute_s"], sync_wait_s=rec["sync_wait_s"],
-                                          step_s=rec["step_s"], batch_ready_s=ready[k] if k < len(ready) else None,
-                                          samples=rec["samples"], tokens=rec["tokens"]))
-            stats = extra.get("stats") or {}
-            cross += int(stats.get("cross_ds_bytes", 0) or 0)
-            p99 = stats.get("scheduler_overhead_us_p99")
-            if p99 is not None and not math.isnan(p99):  # native and ray make no placement decisions
-                overhead.append(float(p99))
-        systems[system] = system_metrics(records, ddl_tolerance_s=cfg.ddl_tolerance_s, bound=bound,
-                                         cross_ds_bytes=cross, scheduler_overhead_us=overhead,
-                                         cpu_util=_cpu_util(cpu))
+                why = ray_available()
+                if why:
+                    say(f"[yellow]{system} skipped:[/] {why}")
+                    systems[system] = {"skipped": why}
+                    continue
+            spec = TimedClipDataset(ds.manifest_path, model=cfg.model, decode_log=Path(logs) / system).helix_spec()
+            got, m = _run_system(system, cfg, replace(plan, system=system, port=_free_port(), dataset=spec), live)
+            systems[system] = _system_result(system, cfg, got, m, expected, spans, bound, decode, units,
+                                             Path(logs) / system)
     return {"workload": cfg.workload, "model": cfg.model, "regime": cfg.regime, "window_scale": scale,
-            "ranks": cfg.ranks, "budget": cfg.budget, "batch_size": cfg.batch_size, "steps": cfg.steps,
-            "warmup": cfg.warmup, "ddl_tolerance_s": cfg.ddl_tolerance_s, "remote_servers": cfg.remote_servers,
-            "compute": cfg.compute,
+            "ranks": cfg.ranks, "budget": cfg.budget, "batch_size": cfg.batch_size, "steps": steps,
+            "warmup": warmup, "window": cfg.window, "steps_per_epoch": spe, "ddl_tolerance_s": cfg.ddl_tolerance_s,
+            "remote_servers": cfg.remote_servers, "compute": cfg.compute,
             "cores": cores, "label": f"{cfg.workload} b{cfg.batch_size} rd{cfg.remote_servers} {cfg.regime}",
             "bound": {**bound.as_dict(), "decode_s_per_sample_mean": float(np.mean(list(decode.values())))},
             "systems": systems}
+
+
+def _system_result(system, cfg, got, m, expected, spans, bound, decode, units, log_dir) -> dict:
+    """One system's metrics: checked samples, step metrics, where the CPU went, planner ratio."""
+    from ..planning.batching import imbalance_ratio
+    from .cpuroles import cpu_by_role, decode_efficiency, split_decode
+    from .metrics import StepRecord, system_metrics
+    from .samples import check_consumed
+    from .timed import read_decode_log
+
+    records, overhead, cross, stats_by_rank, consumed = [], [], 0, [], []
+    for _, rank, recs, extra in sorted(got, key=lambda g: g[1]):
+        ready = extra.get("batch_ready_s") or []
+        consumed.append([rec["indices"] for rec in sorted(recs, key=lambda r: r["step"])])
+        for k, rec in enumerate(recs):
+            records.append(StepRecord(rank=rank, step=rec["step"], input_wait_s=rec["input_wait_s"],
+                                      compute_s=rec["compute_s"], sync_wait_s=rec["sync_wait_s"],
+                                      step_s=rec["step_s"], batch_ready_s=ready[k] if k < len(ready) else None,
+                                      samples=rec["samples"], tokens=rec["tokens"]))
+        stats = extra.get("stats") or {}
+        stats_by_rank.append(stats)
+        cross += int(stats.get("cross_ds_bytes", 0) or 0)
+        p99 = stats.get("scheduler_overhead_us_p99")
+        if p99 is not None and not math.isnan(p99):  # native and ray make no placement decisions
+            overhead.append(float(p99))
+    check_consumed(system, consumed, expected, spans, balanced=system in BALANCED)
+    out = system_metrics(records, ddl_tolerance_s=cfg.ddl_tolerance_s, bound=bound, cross_ds_bytes=cross,
+                         scheduler_overhead_us=overhead, cpu_util=_cpu_util(m))
+    steps = [[consumed[r][s] for r in range(len(consumed))] for s in range(len(consumed[0]))]
+    out["imbalance_ratio"] = imbalance_ratio(steps, units.__getitem__)
+    if "start" in m and "end" in m:
+        (t0, before, _), (t1, after, _) = m["start"], m["end"]
+        decode_cpu, _ = read_decode_log(log_dir, t0, t1)
+        kind = "helix" if system.startswith("helix") else "ray" if system in RAY_MODES else "native"
+        roles = split_decode(cpu_by_role(before, after), decode_cpu, WORKER_ROLE[kind])
+        out["cpu_s_by_role"] = dict(sorted(roles.items()))
+        out["decode_efficiency"] = decode_efficiency(sum(decode[i] for r in consumed for b in r for i in b), roles)
+    for key in ("cost_error_start", "cost_error_end", "route_us_p50", "route_us_p99"):
+        vals = [st[key] for st in stats_by_rank if st.get(key) is not None and not math.isnan(st[key])]
+        out[key] = float(np.median(vals)) if vals else None
+    reasons: dict = {}
+    for st in stats_by_rank:
+        for k, v in (st.get("placement_reasons") or {}).items():
+            reasons[k] = reasons.get(k, 0) + v
+    out["placement_reasons"] = reasons
+    return out
 
 
 def run_bench(configs: list[BenchConfig], out_dir: str | os.PathLike, console=None) -> list[dict]:

@@ -13,14 +13,18 @@ import time
 import traceback
 from dataclasses import dataclass, field
 
-__all__ = ["HELIX_VARIANTS", "RankPlan", "rank_main"]
+__all__ = ["BALANCED", "HELIX_VARIANTS", "RankPlan", "rank_main"]
 
-#: Helix ablation (paper Table 3): loader options that switch mechanisms off.
+#: Helix ablation (paper Table 3), each adding one mechanism to the one before: loader options.
 HELIX_VARIANTS = {
     "helix-pool": {"prefetch_depth": 1, "device": "cpu"},  # shared pool only: copies out, no run-ahead
     "helix-transport": {"prefetch_depth": 1},  # + zero-copy shared-memory delivery
-    "helix": {},  # + prefetch (and, as they land, token batching and cost / deadline placement)
+    "helix-prefetch": {},  # + requests ahead of the training loop
+    "helix-tier1": {"balance": "tokens"},  # + Tier-1 token planning over a window
+    "helix": {"balance": "tokens", "scheduler": "deadline"},  # + deadline placement and server ordering
 }
+#: systems whose batches are recomposed by the planner (the sample check is per window)
+BALANCED = frozenset(name for name, opts in HELIX_VARIANTS.items() if opts.get("balance"))
 
 
 @dataclass(frozen=True)
@@ -35,14 +39,15 @@ class RankPlan:
     warmup: int
     steps: int
     window_scale: float  # seconds per cost unit
-    cost: tuple[float, float, float]  # ModelCost (a, b, c)
+    cost: tuple[float, float, float]  # GpuCost (a, b, c)
     workers_per_rank: int  # native: DataLoader workers of each rank
     prefetch: int
     seed: int = 0
     compute: str = "emulate"  # "emulate": sleep for the cost model's window; "model": a real tiny model
     device: str = "cpu"  # --compute model: where it runs ("cuda" takes GPU rank % count)
     coordinator: str = ""  # helix
-    ray: dict = field(default_factory=dict)  # ray: address, namespace, actor names
+    window: int = 8  # helix variants with balance="tokens": the planning window
+    ray: dict = field(default_factory=dict)  # ray: address, namespace, actor names, mode
 
 
 def _dataset(spec: dict):
@@ -69,8 +74,10 @@ def _helix_loader(plan: RankPlan, rank: int, ds):
     from ..client.loader import DistributedDataLoader
     from ..collate import pad_collate
 
-    opts = dict(prefetch_depth=plan.prefetch)
+    opts = dict(prefetch_depth=plan.prefetch, scheduler="least-request")
     opts.update(HELIX_VARIANTS[plan.system])
+    if opts.get("balance"):
+        opts["window"] = plan.window
     loader = DistributedDataLoader(ds, batch_size=plan.batch_size, rank=rank, world_size=plan.ranks,
                                    coordinator=plan.coordinator, shuffle=True, seed=plan.seed,
                                    collate_fn=pad_collate, **opts)
@@ -100,7 +107,7 @@ def rank_main(rank: int, plan: RankPlan, results, progress) -> None:
         ds = _dataset(plan.dataset)
         if plan.system == "native":
             loader, set_epoch = _native_loader(plan, rank, ds)
-        elif plan.system == "ray":
+        elif plan.system in ("ray", "ray-rr"):
             from .raypool import ray_loader
 
             loader, set_epoch = ray_loader(plan, rank, ds)

@@ -1,0 +1,192 @@
+"""Decode CPU measured the same way in every system, and this machine's decode capacity.
+
+``TimedClipDataset`` is a ``VideoClipDataset`` whose every ``fetch`` logs the thread CPU-seconds
+of the decode to ``<decode_log>/decode-<pid>.log`` — in whichever process decodes it: a torch
+DataLoader worker, a Ray actor or a DataServer worker (the log folder travels in ``helix_spec()``).
+``read_decode_log`` sums a time window of those lines. ``measure_capacity`` measures how many
+single-threaded decoders' worth of work the machine really does at once (DESIGN.md "Metrics":
+two vCPUs gave 1.75–1.97x one decoder here, not 2x), the denominator of the physical bound.
+"""
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+import os
+import queue
+import time
+from pathlib import Path
+
+from ..datasets import VideoClipDataset
+
+__all__ = ["TimedClipDataset", "capacity_from_spans", "measure_capacity", "read_decode_log"]
+
+
+class TimedClipDataset(VideoClipDataset):
+    """``VideoClipDataset`` plus one line per ``fetch`` in ``decode_log/decode-<pid>.log``:
+    ``"<wall_end> <index> <cpu_s>"`` — ``time.time()`` when the fetch ended (seconds since the
+    epoch) and the thread CPU-seconds it took (decode, resize, transforms)."""
+
+    def __init__(self, *args, decode_log: str | os.PathLike, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.decode_log = str(decode_log)
+        self._log = None  # (pid, file): opened once per process, reopened after a fork
+
+    def fetch(self, index: int):
+        c0 = time.thread_time()
+        out = super().fetch(index)
+        cpu = time.thread_time() - c0
+        log = self._file()
+        log.write(f"{time.time():.6f} {int(index)} {cpu:.6f}\n")
+        log.flush()
+        return out
+
+    def _file(self):
+        pid = os.getpid()
+        if self._log is None or self._log[0] != pid:
+            Path(self.decode_log).mkdir(parents=True, exist_ok=True)
+            path = Path(self.decode_log) / f"decode-{pid}.log"
+            self._log = (pid, open(path, "a", encoding="ascii"))  # noqa: SIM115 - open for the process's life
+        return self._log[1]
+
+    def __getstate__(self):  # DataLoader workers get a pickled copy: an open file does not travel
+        state = dict(self.__dict__)
+        state["_log"] = None
+        return state
+
+    def __del__(self):
+        log = getattr(self, "_log", None)
+        if log is not None and log[0] == os.getpid():
+            log[1].close()
+
+    def helix_spec(self) -> dict:
+        spec = super().helix_spec()
+        spec["kwargs"]["decode_log"] = self.decode_log
+        return spec
+
+
+def read_decode_log(folder: str | os.PathLike, t0: float, t1: float) -> tuple[float, int]:
+    """``(cpu_s, samples)``: thread CPU-seconds and count of the fetches that ended within
+    ``[t0, t1]`` (``time.time()`` seconds) in every ``decode-*.log`` of ``folder``. A line a
+    process is still writing (cut short) is ignored."""
+    cpu, n = 0.0, 0
+    for path in sorted(Path(folder).glob("decode-*.log")):
+        for line in path.read_text(encoding="ascii", errors="replace").splitlines():
+            parts = line.split()
+            if len(parts) != 3:
+                continue
+            try:
+                end, c = float(parts[0]), float(parts[2])
+            except ValueError:
+                continue
+            if t0 <= end <= t1:
+                cpu += c
+                n += 1
+    return cpu, n
+
+
+@contextlib.contextmanager
+def _environ(**values: str):
+    """Set environment variables for the duration of a ``with`` block, then restore them."""
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _capacity_main(spec: dict, order: list[int], barrier, results) -> None:
+    """One decoder of ``measure_capacity``: build, warm up, wait for the others, decode ``order``
+    and report ``(index, start, end)`` of every sample: ``time.monotonic()`` seconds, one clock
+    for every process of the machine."""
+    try:
+        import torch
+
+        from ..runtime.specs import resolve
+
+        torch.set_num_threads(1)
+        ds = resolve(spec["target"])(**spec["kwargs"])
+        ds[order[0]]  # codec set-up and imports are not decode work
+        barrier.wait(timeout=120)
+        spans = []
+        for i in order:
+            s = time.monotonic()
+            ds[i]
+            spans.append((i, s, time.monotonic()))
+        results.put(("ok", spans))
+    except BaseException as e:  # noqa: BLE001 - reported to the parent, which raises it
+        results.put(("error", f"{type(e).__name__}: {e}"))
+
+
+def capacity_from_spans(spans: list[list[tuple[int, float, float]]], yardstick: dict[int, float]) -> float:
+    """Decoders' worth of single-decoder work per wall second while all of them ran at once.
+
+    ``spans[p]``: ``(index, start, end)`` of every sample process ``p`` decoded (seconds, one
+    clock). Only the window in which every process was decoding counts — from the last first
+    start to the first last end — and a sample cut by its edges counts for its share inside."""
+    lo = max(s[0][1] for s in spans)
+    hi = min(s[-1][2] for s in spans)
+    if hi <= lo:
+        raise ValueError("the decoders never ran at the same time")
+    work = 0.0
+    for proc in spans:
+        for i, s, e in proc:
+            inside = min(e, hi) - max(s, lo)
+            if inside > 0:
+                work += yardstick[i] * inside / (e - s)
+    return work / (hi - lo)
+
+
+def measure_capacity(dataset_spec: dict, indices: list[int], decoders: int, yardstick: dict[int, float],
+                     timeout_s: float = 600.0) -> float:
+    """Decode capacity of this machine in single-decoder units (e.g. 1.85 on two busy vCPUs).
+
+    ``decoders`` spawned processes (``OMP_NUM_THREADS=1``, one torch thread) each decode every
+    sample of ``indices``, each starting at a different offset, released together by a barrier
+    with nothing else of ours running. ``yardstick[i]``: single-decoder CPU-seconds of sample
+    ``i`` (``emulate.measure_decode``). Returns yardstick-seconds decoded per wall second while
+    all decoders ran (:func:`capacity_from_spans`)."""
+    indices = [int(i) for i in indices]
+    if decoders < 1 or not indices:
+        raise ValueError(f"measure_capacity needs decoders >= 1 and some indices, got {decoders} and {len(indices)}")
+    missing = sorted(set(indices) - set(yardstick))
+    if missing:
+        raise ValueError(f"no yardstick for samples {missing[:8]}")
+    ctx = mp.get_context("spawn")
+    barrier, results = ctx.Barrier(decoders), ctx.Queue()
+    step = max(1, len(indices) // decoders)
+    orders = [indices[p * step % len(indices):] + indices[:p * step % len(indices)] for p in range(decoders)]
+    procs = [ctx.Process(target=_capacity_main, args=(dataset_spec, orders[p], barrier, results), daemon=True)
+             for p in range(decoders)]
+    try:
+        with _environ(OMP_NUM_THREADS="1"):  # spawned children read it before torch is imported
+            for p in procs:
+                p.start()
+        spans, deadline = [], time.monotonic() + timeout_s
+        while len(spans) < decoders:
+            try:
+                status, got = results.get(timeout=0.5)
+            except queue.Empty:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"measure_capacity: decoders did not finish in {timeout_s:g} s") from None
+                if not any(p.is_alive() for p in procs) and results.empty():
+                    raise RuntimeError("measure_capacity: a decoder process died without a result") from None
+                continue
+            if status != "ok":
+                raise RuntimeError(f"measure_capacity: a decoder failed: {got}")
+            spans.append(got)
+        return capacity_from_spans(spans, yardstick)
+    finally:
+        barrier.abort()  # a decoder still waiting for one that failed stops waiting
+        for p in procs:
+            if p.pid is not None:
+                p.join(timeout=10)
+                if p.is_alive():
+                    p.kill()
+                    p.join(timeout=10)
+        results.close()
+        results.join_thread()

@@ -1,0 +1,67 @@
+"""Decode CPU logged where the decode happens, and the machine's measured decode capacity."""
+import os
+import pickle
+import time
+
+import pytest
+
+from helix_core.bench.emulate import measure_decode
+from helix_core.bench.timed import (
+    TimedClipDataset,
+    capacity_from_spans,
+    measure_capacity,
+    read_decode_log,
+)
+from helix_core.datasets import VideoClipDataset
+from helix_core.runtime.specs import resolve
+
+
+def test_fetch_logs_cpu_and_the_spec_round_trips(kmix, tmp_path):
+    log = tmp_path / "log"
+    ds = TimedClipDataset(kmix / "manifest.jsonl", model="videomae", decode_log=str(log))
+    t0 = time.time()
+    sample = ds[1]
+    ds.fetch(2)
+    t1 = time.time()
+    assert sample["index"] == 1
+    lines = (log / f"decode-{os.getpid()}.log").read_text().splitlines()
+    assert [int(line.split()[1]) for line in lines] == [1, 2]
+    cpu, n = read_decode_log(log, t0, t1)
+    assert n == 2 and cpu > 0
+    spec = ds.helix_spec()
+    assert spec["kwargs"]["decode_log"] == str(log)
+    again = resolve(spec["target"])(**spec["kwargs"])  # what a DataServer worker does
+    assert isinstance(again, TimedClipDataset) and again.decode_log == str(log)
+    copy = pickle.loads(pickle.dumps(ds))  # what a DataLoader worker gets: no open file travels
+    copy[0]
+    assert read_decode_log(log, t0, time.time())[1] == 3
+
+
+def test_read_decode_log_window(tmp_path):
+    (tmp_path / "decode-1.log").write_text("10.0 3 0.5\n20.0 4 0.25\n30.0 5 1.0\n")
+    (tmp_path / "decode-2.log").write_text("20.5 6 0.125\n25.0 7")  # a line still being written
+    (tmp_path / "other.txt").write_text("20.0 1 9.0\n")
+    assert read_decode_log(tmp_path, 20.0, 30.0) == (1.375, 3)
+    assert read_decode_log(tmp_path, 0.0, 15.0) == (0.5, 1)
+    assert read_decode_log(tmp_path / "none", 0.0, 99.0) == (0.0, 0)
+
+
+def test_capacity_counts_only_the_overlap():
+    y = {0: 1.0, 1: 2.0}
+    # process A decodes 0 over [0, 1] and 1 over [1, 3]; B decodes 1 over [0.5, 2.5]: both ran in [0.5, 2.5]
+    spans = [[(0, 0.0, 1.0), (1, 1.0, 3.0)], [(1, 0.5, 2.5)]]
+    work = 1.0 * 0.5 / 1.0 + 2.0 * 1.5 / 2.0 + 2.0
+    assert capacity_from_spans(spans, y) == pytest.approx(work / 2.0)
+    with pytest.raises(ValueError, match="same time"):
+        capacity_from_spans([[(0, 0.0, 1.0)], [(0, 2.0, 3.0)]], y)
+
+
+@pytest.mark.timeout(180)
+def test_measure_capacity_on_two_decoders(kmix):
+    ds = VideoClipDataset(kmix / "manifest.jsonl", model="videomae")
+    indices = list(range(len(ds)))
+    yardstick = measure_decode(ds, indices)
+    capacity = measure_capacity(ds.helix_spec(), indices, 2, yardstick)
+    assert 0.5 < capacity <= 2.5
+    with pytest.raises(ValueError, match="yardstick"):
+        measure_capacity(ds.helix_spec(), [0, 99], 1, yardstick)
