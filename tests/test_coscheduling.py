@@ -17,7 +17,7 @@ from helix_core.runtime.proto import helix_pb2 as pb
 from helix_core.runtime.specs import make_spec
 from helix_core.testing import CostedDataset, IndexDataset
 
-from dataplane import CFG, torch_batches
+from dataplane import CFG, busy_segments, torch_batches, wait_for
 
 
 @pytest.fixture(scope="module")
@@ -173,3 +173,24 @@ def test_cost_feedback_lowers_the_prediction_error_on_a_biased_profile(tmp_path,
     assert stats["cost_error_end"] < 0.5 * stats["cost_error_start"], stats
     after = [ds.estimate_cost(i).cpu_s for i in range(len(ds))]
     assert all(a < b for a, b in zip(after, before))  # the refined estimates are what requests now carry
+
+
+def test_requests_run_ahead_into_the_next_epoch_and_are_adopted_or_cancelled(cluster):
+    ds = IndexDataset(12, delays={i: 0.02 for i in range(12)})
+    kw = dict(batch_size=2, coordinator=cluster.address, rank=0, world_size=1, shuffle=True, seed=1,
+              prefetch_depth=3, config=CFG)
+    with hx.DistributedDataLoader(ds, **kw) as ld:
+        routed = ld.client.telemetry()["routed"]
+        ld.set_epoch(0)  # a training loop: epochs advance, so the next one is requested ahead
+        ld.set_epoch(1)
+        first = [b["index"].tolist() for b in ld]
+        # epoch 1 is done; epoch 2's first 3 batches are routed before anyone asks for them
+        wait_for(lambda: ld.client.telemetry()["routed"] == routed + 6 + 3, 10, "requests ahead into epoch 2")
+        ld.set_epoch(2)
+        second = [b["index"].tolist() for b in ld]  # adopted: still exactly the sampler's epoch 2
+        ld.set_epoch(7)  # not the epoch that was requested ahead: those are cancelled, epoch 7 is exact
+        seventh = [b["index"].tolist() for b in ld]
+        assert ld.state_dict()["epoch"] == 7
+    for epoch, got in ((1, first), (2, second), (7, seventh)):
+        assert got == [b["index"].tolist() for b in torch_batches(ds, 2, 0, 1, shuffle=True, seed=1, epoch=epoch)]
+    wait_for(lambda: not busy_segments(cluster), 10, "every slab released after close")

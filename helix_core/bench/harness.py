@@ -298,6 +298,11 @@ def _system_result(system, cfg, got, m, expected, spans, bound, decode, units, l
                          scheduler_overhead_us=overhead, cpu_util=_cpu_util(m))
     steps = [[consumed[r][s] for r in range(len(consumed))] for s in range(len(consumed[0]))]
     out["imbalance_ratio"] = imbalance_ratio(steps, units.__getitem__)
+    waits: dict[int, float] = {}
+    for rec in records:  # the slowest rank's input wait per measured step: where the stalls are
+        waits[rec.step] = max(waits.get(rec.step, 0.0), rec.input_wait_s)
+    out["input_wait_max_by_step_s"] = [round(waits[k], 4) for k in sorted(waits)]
+    out["gpu_units_by_step"] = [round(max(sum(units[i] for i in b) for b in step)) for step in steps]
     if "start" in m and "end" in m:
         (t0, before, _), (t1, after, _) = m["start"], m["end"]
         decode_cpu, _ = read_decode_log(log_dir, t0, t1)

@@ -129,8 +129,9 @@ class DistributedDataLoader:
         self._tagger = CostTagger(self._batches, dataset, seed, microbatch_size)
         # weak callbacks: no loader <-> Dispatch cycle, so a loader dropped without close() closes
         # once its requests in flight are answered, not at some later cyclic collection
+        self._epochs_advance = False  # set_epoch moved the epoch: the next pass is likely the next epoch
         self._root = Dispatch(self._tagger, *map(_weak, (self._submit, self._collect, self._cancel)), prefetch_depth,
-                              on_batch=_weak(self._record))
+                              on_batch=_weak(self._record), next_epoch=_weak(self._next_epoch))
         self._epoch, self._resume, self._iteration = 0, 0, 0
         self._position = 0  # batches yielded of the epoch (len(self) once it completed)
         self._task_ids = itertools.count(self.client.task_id_base + 1)  # unique in the cluster; next() is atomic
@@ -146,7 +147,15 @@ class DistributedDataLoader:
         """Like ``DistributedSampler.set_epoch``: the shuffle order of the next iteration. Setting
         the epoch a loaded state is in keeps its resume point (the usual resume loop does that)."""
         if int(epoch) != self._epoch:
+            self._epochs_advance = True
             self._epoch, self._resume, self._position = int(epoch), 0, 0
+
+    def _next_epoch(self, epoch: int) -> int | None:
+        """The epoch whose first batches are requested ahead once this one's are all sent: the
+        next one where the user advances epochs with ``set_epoch`` (a training loop); None (no
+        requests ahead) for a loader whose epoch never moves (say, a validation loader, which may
+        not run again for a long time)."""
+        return epoch + 1 if self._epochs_advance else None
 
     def __iter__(self) -> "_LoaderIter":
         if self._closed:
@@ -256,15 +265,15 @@ class DistributedDataLoader:
         """Register the batch's predicted GPU cost with the deadline estimator; its deadline."""
         if job.costs and all(c is not None for c in job.costs):
             units = self._units(np.array([c.tokens for c in job.costs], dtype=np.float64))
-            self.deadlines.expect(job.position, float(np.sum(units)) + self._step_units)
-        return self.deadlines.deadline(job.position)
+            self.deadlines.expect(job.seq, float(np.sum(units)) + self._step_units)
+        return self.deadlines.deadline(job.seq)
 
     def _start(self, job: BatchJob, k: int) -> None:
         """Route part ``k`` with its deadline and send it; a server that can't even be configured
         is excluded."""
         cost = job.part_costs[k]
         while True:
-            deadline = self.deadlines.deadline(job.position)
+            deadline = self.deadlines.deadline(job.seq)
             t0 = time.perf_counter()
             route = self.client.route(job.task_ids[k], cost, job.excluded[k], deadline, self.scheduler)
             self._stats.route_us.append((time.perf_counter() - t0) * 1e6)
@@ -275,7 +284,7 @@ class DistributedDataLoader:
             # a local server (same host) delivers by shared memory itself; a remote one streams to ours
             deliver = route.delivery_address if route.exec_kind == "remote" else ""
             req = pb.ExecuteRequest(task_id=job.task_ids[k], spec_id=self.spec[0], indices=job.parts[k],
-                                    epoch=self._root.get_state()[ShardBatches.EPOCH], substitutes=job.substitutes,
+                                    epoch=job.epoch, substitutes=job.substitutes,
                                     on_error=self.on_error, deliver_to=deliver, client_id=self.client.client_id,
                                     attempt=job.attempts[k], deadline_s=deadline or 0.0,
                                     has_deadline=deadline is not None,
@@ -478,7 +487,7 @@ class _LoaderIter:
             raise
         ld._stats.input_wait.append(time.perf_counter() - t0)
         ld._stats.batches += 1
-        ld.deadlines.yielded(ld._root.get_state()[ShardBatches.YIELDED] - 1)
+        ld.deadlines.yielded(ld._root.last_seq)
         return batch
 
     def _finish(self, completed: bool) -> None:
@@ -487,7 +496,10 @@ class _LoaderIter:
             self._done = True
             return
         self._done = True
-        ld._position = len(ld) if completed else ld._root.get_state()[ShardBatches.YIELDED]
+        if completed:  # requests for the next pass run on (adopted by it, or cancelled)
+            ld._position = len(ld)
+            return
+        ld._position = ld._root.get_state()[ShardBatches.YIELDED]
         ld._root.shutdown()  # cancels what is in flight and frees its slabs
 
     def __del__(self):

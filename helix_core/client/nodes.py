@@ -137,6 +137,8 @@ class BatchJob:
     costs: list  # CostProfile (or None) of each sample, in batch order
     substitutes: list[int]
     part_costs: list = field(default_factory=list)  # summed CostProfile of each part
+    epoch: int = 0
+    seq: int = 0  # order among every batch this loader yields, across epochs (the deadline clock's position)
     task_ids: list[int] = field(default_factory=list)
     futures: list = field(default_factory=list)
     routes: list = field(default_factory=list)
@@ -183,7 +185,7 @@ class CostTagger(BaseNode):
         subs = [self._shard[int(k)] for k in rng.integers(0, len(self._shard), size=self.n_subs)] if self._shard else []
         m = self.microbatch_size or len(indices)
         parts = [indices[i:i + m] for i in range(0, len(indices), m)]
-        return BatchJob(position, parts, [self._cost(i) for i in indices], subs)
+        return BatchJob(position, parts, [self._cost(i) for i in indices], subs, epoch=self.source.epoch)
 
     def get_state(self) -> dict:
         return self.source.get_state()
@@ -193,7 +195,7 @@ class _Run:
     """One iteration's threads and queues. Threads get their run as an argument: a thread that
     outlives ``shutdown`` (a slow RPC) only ever sees its own, stopped run, never the next one's."""
 
-    def __init__(self, prefetch_depth: int):
+    def __init__(self, prefetch_depth: int, seq: int):
         self.stop = threading.Event()
         self.slots = threading.BoundedSemaphore(prefetch_depth)
         self.order: queue.Queue = queue.Queue()
@@ -201,6 +203,10 @@ class _Run:
         self.inflight: list[BatchJob] = []
         self.lock = threading.Lock()
         self.threads: list[threading.Thread] = []
+        self.seq = seq  # the next job's sequence number
+        self.ahead: list[BatchJob] | None = None  # the next epoch's first jobs, sent once this epoch's are
+        self.ahead_epoch = -1
+        self.ahead_seq = 0  # sequence number of the first job sent ahead
 
 
 class Dispatch(BaseNode):
@@ -209,16 +215,24 @@ class Dispatch(BaseNode):
     ``submit`` starts a job's requests; ``collect`` waits for them (resubmitting on server loss) and
     returns the batch or raises; ``cancel(job)`` gives up a job's unread requests (idempotent). At
     most ``prefetch_depth`` jobs are in flight or waiting.
+
+    Requests run ahead across the epoch boundary: once an epoch's last job is sent, the sender goes
+    on with the first jobs of the next epoch, ``next_epoch(epoch)`` (None: none), as slots free up. A following
+    ``reset`` to exactly that epoch's start (the usual ``set_epoch(e + 1)``; ``iter()``) adopts them, so an epoch's first
+    batches are not decoded cold while the GPU waits; any other ``reset`` cancels them.
     """
 
     YIELDED, EPOCH = ShardBatches.YIELDED, ShardBatches.EPOCH
 
-    def __init__(self, source: CostTagger, submit, collect, cancel, prefetch_depth: int, on_batch=None):
+    def __init__(self, source: CostTagger, submit, collect, cancel, prefetch_depth: int, on_batch=None,
+                 next_epoch=lambda epoch: epoch + 1):
         super().__init__()
         self.source, self.submit, self.collect, self.cancel = source, submit, collect, cancel
-        self.prefetch_depth, self.on_batch = prefetch_depth, on_batch
+        self.prefetch_depth, self.on_batch, self.next_epoch = prefetch_depth, on_batch, next_epoch
         self._run: _Run | None = None
         self._yielded, self._epoch = 0, 0
+        self._seq = 0  # jobs yielded over this node's life
+        self.last_seq = -1  # sequence number of the job ``next`` returned last
 
     @property
     def running(self) -> bool:
@@ -228,15 +242,42 @@ class Dispatch(BaseNode):
     # ---- lifecycle ---------------------------------------------------------------------------------
     def reset(self, initial_state: dict | None = None):
         super().reset(initial_state)
+        adopted, seq = self._take_ahead(initial_state)
         self.shutdown()
-        self.source.reset(initial_state)
-        st = self.source.get_state()
-        self._epoch, self._yielded = st[self.EPOCH], st[self.YIELDED]
-        run = self._run = _Run(self.prefetch_depth)
+        if adopted is None:
+            self.source.reset(initial_state)  # (adopting: the source is already past the adopted jobs)
+            st = self.source.get_state()
+            self._epoch, self._yielded = st[self.EPOCH], st[self.YIELDED]
+            seq = self._seq
+        else:
+            self._epoch, self._yielded = int(initial_state[self.EPOCH]), 0
+        run = self._run = _Run(self.prefetch_depth, seq)
+        for job in adopted or ():
+            run.slots.acquire()
+            run.inflight.append(job)
+            run.order.put(job)
         run.threads = [threading.Thread(target=self._send, args=(run,), name="helix-sender", daemon=True),
                        threading.Thread(target=self._fetch, args=(run,), name="helix-fetcher", daemon=True)]
         for t in run.threads:
             t.start()
+
+    def _take_ahead(self, state: dict | None):
+        """``(jobs, next seq)`` sent ahead for the epoch ``state`` starts, with the old sender
+        stopped; ``(None, 0)`` when ``state`` is not the start of that epoch."""
+        run = self._run
+        if run is None or run.ahead is None or state is None or int(state.get(self.YIELDED, -1)) != 0 \
+                or int(state.get(self.EPOCH, -1)) != run.ahead_epoch:
+            return None, 0
+        run.stop.set()
+        for t in run.threads:
+            if t is not threading.current_thread():
+                t.join(timeout=10.0)
+        with run.lock:
+            jobs, run.ahead = run.ahead, []
+            run.inflight = [j for j in run.inflight if j not in jobs]
+        if self.source.get_state()[self.YIELDED] != len(jobs):  # the sender stopped holding one it made
+            self.source.reset({self.EPOCH: run.ahead_epoch, self.YIELDED: len(jobs)})
+        return jobs, run.ahead_seq + len(jobs)
 
     def shutdown(self) -> None:
         """Stop both threads, cancel requests in flight and drop finished batches (their slabs are
@@ -269,19 +310,39 @@ class Dispatch(BaseNode):
             try:
                 job = self.source.next()
             except StopIteration:
+                run.slots.release()  # acquired for nothing
+                if run.ahead is not None:  # the next epoch ended too (a tiny epoch): enough
+                    return
                 run.order.put(None)
-                return
+                try:  # go on with the next epoch's first jobs
+                    epoch = self.next_epoch(self.source.get_state()[self.EPOCH])
+                    if epoch is None:
+                        return
+                    nxt = {self.EPOCH: int(epoch), self.YIELDED: 0}
+                    self.source.reset(nxt)
+                except BaseException:
+                    return
+                with run.lock:
+                    run.ahead, run.ahead_epoch, run.ahead_seq = [], nxt[self.EPOCH], run.seq
+                continue
             except BaseException as e:  # errors travel as values to the consumer
-                run.order.put(e)
+                if run.ahead is None:
+                    run.order.put(e)
                 return
             job.t_dispatch = time.perf_counter()
+            job.seq, run.seq = run.seq, run.seq + 1
             with run.lock:
+                if run.stop.is_set():
+                    return
                 run.inflight.append(job)
+                if run.ahead is not None:
+                    run.ahead.append(job)
             try:
                 self.submit(job)
             except BaseException as e:
                 job.error = e
-            run.order.put(job)
+            if run.ahead is None:
+                run.order.put(job)
 
     def _fetch(self, run: _Run) -> None:
         while not run.stop.is_set():
@@ -323,6 +384,8 @@ class Dispatch(BaseNode):
             raise StopIteration
         run.slots.release()
         self._yielded += 1
+        self.last_seq = self._seq
+        self._seq += 1
         if isinstance(item, BaseException):
             raise item
         return item
