@@ -129,7 +129,7 @@ class DistributedDataLoader:
         self._tagger = CostTagger(self._batches, dataset, seed, microbatch_size)
         # weak callbacks: no loader <-> Dispatch cycle, so a loader dropped without close() closes
         # once its requests in flight are answered, not at some later cyclic collection
-        self._epochs_advance = False  # set_epoch moved the epoch: the next pass is likely the next epoch
+        self._epochs_advance = False  # set_epoch was called: the user advances epochs (a training loop)
         self._root = Dispatch(self._tagger, *map(_weak, (self._submit, self._collect, self._cancel)), prefetch_depth,
                               on_batch=_weak(self._record), next_epoch=_weak(self._next_epoch))
         self._epoch, self._resume, self._iteration = 0, 0, 0
@@ -146,8 +146,8 @@ class DistributedDataLoader:
     def set_epoch(self, epoch: int) -> None:
         """Like ``DistributedSampler.set_epoch``: the shuffle order of the next iteration. Setting
         the epoch a loaded state is in keeps its resume point (the usual resume loop does that)."""
+        self._epochs_advance = True  # the user manages epochs: the next pass is likely epoch + 1
         if int(epoch) != self._epoch:
-            self._epochs_advance = True
             self._epoch, self._resume, self._position = int(epoch), 0, 0
 
     def _next_epoch(self, epoch: int) -> int | None:

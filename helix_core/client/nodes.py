@@ -197,7 +197,7 @@ class _Run:
 
     def __init__(self, prefetch_depth: int, seq: int):
         self.stop = threading.Event()
-        self.slots = threading.BoundedSemaphore(prefetch_depth)
+        self.slots = threading.Semaphore(prefetch_depth)  # plain: a stop wakes the sender with one release
         self.order: queue.Queue = queue.Queue()
         self.out: queue.Queue = queue.Queue()
         self.inflight: list[BatchJob] = []
@@ -207,6 +207,12 @@ class _Run:
         self.ahead: list[BatchJob] | None = None  # the next epoch's first jobs, sent once this epoch's are
         self.ahead_epoch = -1
         self.ahead_seq = 0  # sequence number of the first job sent ahead
+
+    def wake(self) -> None:
+        """Stop: the threads see it at once, not at their next poll."""
+        self.stop.set()
+        self.slots.release()
+        self.order.put(None)
 
 
 class Dispatch(BaseNode):
@@ -268,7 +274,7 @@ class Dispatch(BaseNode):
         if run is None or run.ahead is None or state is None or int(state.get(self.YIELDED, -1)) != 0 \
                 or int(state.get(self.EPOCH, -1)) != run.ahead_epoch:
             return None, 0
-        run.stop.set()
+        run.wake()
         for t in run.threads:
             if t is not threading.current_thread():
                 t.join(timeout=10.0)
@@ -285,7 +291,7 @@ class Dispatch(BaseNode):
         run, self._run = self._run, None
         if run is None:
             return
-        run.stop.set()
+        run.wake()
         for t in run.threads:
             if t is not threading.current_thread():  # the GC may close a dropped loader on one of its threads
                 t.join(timeout=10.0)
@@ -302,7 +308,7 @@ class Dispatch(BaseNode):
     def _acquire(run: _Run) -> bool:
         while not run.stop.is_set():
             if run.slots.acquire(timeout=0.1):
-                return True
+                return not run.stop.is_set()
         return False
 
     def _send(self, run: _Run) -> None:
