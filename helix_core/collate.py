@@ -7,7 +7,7 @@ from torch.utils.data import default_collate
 __all__ = ["pad_collate"]
 
 
-def pad_collate(batch: list[dict], pad_token_id: int = 0) -> dict:
+def pad_collate(batch: list[dict], pad_token_id: int = 0, video_out: torch.Tensor | None = None) -> dict:
     """Collate samples whose ``"video"`` differ in T, H or W, and whose ``"input_ids"`` differ in
     length, by zero-padding at the end of each dimension.
 
@@ -15,6 +15,10 @@ def pad_collate(batch: list[dict], pad_token_id: int = 0) -> dict:
     sample), ``"video_sizes"`` ([B, 2]: H, W per sample) and ``"video_mask"`` (bool [B, T_max]:
     True on real frames); ``"input_ids"`` padded with ``pad_token_id`` plus ``"attention_mask"``.
     Every other key goes through torch's ``default_collate``.
+
+    ``video_out``: a preallocated [B, T_max, 3, H_max, W_max] tensor to collate the videos into
+    (a DataServer worker passes one in shared memory); a sample's video that already is its
+    slot's view (decoded in place) is not copied, and only the padding is zeroed.
     """
     if not batch:
         raise ValueError("pad_collate got an empty batch")
@@ -25,9 +29,20 @@ def pad_collate(batch: list[dict], pad_token_id: int = 0) -> dict:
     if "video" in batch[0]:
         vids = [s["video"] for s in batch]
         t, c, h, w = (max(v.shape[d] for v in vids) for d in range(4))
-        video = vids[0].new_zeros((len(vids), t, c, h, w))
+        if video_out is None:
+            video = vids[0].new_zeros((len(vids), t, c, h, w))
+        else:
+            if tuple(video_out.shape) != (len(vids), t, c, h, w) or video_out.dtype != vids[0].dtype:
+                raise ValueError(f"pad_collate: video_out is {tuple(video_out.shape)} {video_out.dtype}, the batch "
+                                 f"needs {(len(vids), t, c, h, w)} {vids[0].dtype}")
+            video = video_out
         for i, v in enumerate(vids):
-            video[i, : v.shape[0], :, : v.shape[2], : v.shape[3]] = v
+            slot = video[i, : v.shape[0], :, : v.shape[2], : v.shape[3]]
+            if video_out is not None:
+                _zero_padding(video[i], v.shape)
+                if slot.data_ptr() == v.data_ptr() and slot.stride() == v.stride():
+                    continue  # decoded in place
+            slot.copy_(v)
         lengths = torch.tensor([v.shape[0] for v in vids], dtype=torch.int64)
         out["video"] = video
         out["video_lengths"] = lengths
@@ -43,3 +58,11 @@ def pad_collate(batch: list[dict], pad_token_id: int = 0) -> dict:
             mask[i, : len(x)] = 1
         out["input_ids"], out["attention_mask"] = padded, mask
     return out
+
+
+def _zero_padding(dst: torch.Tensor, shape) -> None:
+    """Zero what lies outside ``shape`` = (t, c, h, w) in one sample's padded [T, C, H, W] slot."""
+    t, _, h, w = shape
+    dst[t:].zero_()
+    dst[:t, :, h:].zero_()
+    dst[:t, :, :h, w:].zero_()

@@ -151,16 +151,24 @@ class VideoClipDataset(torch.utils.data.Dataset):
     def __getitem__(self, index: int) -> dict:
         return self.fetch(index)[0]
 
-    def fetch(self, index: int):
+    def video_shape(self, index: int) -> tuple[int, int, int, int]:
+        """The shape [T, 3, H, W] of sample ``index``'s ``"video"``, without decoding (so a
+        DataServer worker can decode it straight into its place in a shared-memory batch)."""
+        g = self._geometry(self.descriptor(self._check(index)))
+        return int(g.t[0]), 3, int(g.out_h[0]), int(g.out_w[0])
+
+    def fetch(self, index: int, out: np.ndarray | None = None):
         """``(sample, Decoded)``: the sample and its decode measurements (``decode_s`` wall
-        seconds, ``cpu_s`` CPU seconds, ``strategy``, ``frames_decoded``) for the cost model."""
+        seconds, ``cpu_s`` CPU seconds, ``strategy``, ``frames_decoded``) for the cost model.
+        ``out``: a uint8 array of ``video_shape(index)`` (a view is fine) to decode into; the
+        sample's ``"video"`` is then that memory, unless a transform made a new tensor."""
         index = self._check(index)
         d = self.descriptor(index)
         g = self._geometry(d)
         idx = uniform_indices(d.frames, int(g.t[0]))
         crop = (int(g.out_h[0]), int(g.out_w[0]))
         r = decode_frames(d.path, idx, (int(g.resize_h[0]), int(g.resize_w[0])), crop,
-                          index=index, exact_count=d.frames_source == "header")
+                          index=index, exact_count=d.frames_source == "header", out=out)
         video = torch.from_numpy(r.video)
         rec = self.manifest.records[index]
         sample = {"video": video, "index": index, "tokens": int(g.tokens[0]), "label": int(rec.get("label", -1))}
@@ -206,8 +214,8 @@ class VideoTextDataset(VideoClipDataset):
         self.tokenizer = load_tokenizer(tokenizer)
         self.max_text_len = int(max_text_len)
 
-    def fetch(self, index: int):
-        sample, r = super().fetch(index)
+    def fetch(self, index: int, out: np.ndarray | None = None):
+        sample, r = super().fetch(index, out)
         caption = self.manifest.records[sample["index"]].get("caption", "") or ""
         sample["caption"] = caption
         sample["input_ids"] = torch.as_tensor(self.tokenizer.encode(caption, self.max_text_len), dtype=torch.int64)

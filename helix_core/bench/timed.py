@@ -31,14 +31,14 @@ class TimedClipDataset(VideoClipDataset):
         self.decode_log = str(decode_log)
         self._log = None  # (pid, file): opened once per process, reopened after a fork
 
-    def fetch(self, index: int):
+    def fetch(self, index: int, out=None):
         c0 = time.thread_time()
-        out = super().fetch(index)
+        got = super().fetch(index, out)
         cpu = time.thread_time() - c0
         log = self._file()
         log.write(f"{time.time():.6f} {int(index)} {cpu:.6f}\n")
         log.flush()
-        return out
+        return got
 
     def _file(self):
         pid = os.getpid()

@@ -163,10 +163,18 @@ def unflatten(tree_json: str, tree_pickle: bytes, tensors: list):
     return _Unpickler(io.BytesIO(tree_pickle)).load()
 
 
-def layout(tensors: list[torch.Tensor]) -> tuple[list[dict], int]:
-    """(metas, payload bytes): non-inline tensors packed in order at 64-byte-aligned offsets."""
-    metas, end = [], 0
-    for t in tensors:
+def layout(tensors: list[torch.Tensor], pinned: dict[int, tuple[int, int]] | None = None) -> tuple[list[dict], int]:
+    """(metas, payload bytes): non-inline tensors packed in order at 64-byte-aligned offsets.
+    ``pinned``: ``{tensor position: (offset, nbytes)}`` of tensors already written in place in the
+    payload (decoded straight into it); the others are packed after them."""
+    pinned = pinned or {}
+    metas, end = [], max((off + n for off, n in pinned.values()), default=0)
+    for k, t in enumerate(tensors):
+        if k in pinned:
+            name = _dtype_name(t)
+            metas.append({"dtype": name, "shape": list(t.shape), "offset": pinned[k][0], "nbytes": pinned[k][1],
+                          "is_inline": False})
+            continue
         name = _dtype_name(t)
         if name is None:
             raise TypeError(f"tensor dtype {t.dtype} is not one of {sorted(_DTYPES)}")
@@ -200,7 +208,8 @@ def write_tensors(payload: memoryview, tensors: list[torch.Tensor], metas: list[
             off, n = meta["offset"], meta["nbytes"]
             if off + n > dst.numel():
                 raise ValueError(f"tensor needs payload bytes [{off}, {off + n}); the payload has {dst.numel()}")
-            dst[off:off + n].copy_(_bytes_of(t))
+            if not (n and t.data_ptr() == dst[off:].data_ptr()):  # else already in place (decoded into it)
+                dst[off:off + n].copy_(_bytes_of(t))
         out.append(meta)
     return out
 

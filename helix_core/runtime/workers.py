@@ -73,6 +73,7 @@ def _failure(index: int, path: str, cause: str) -> dict:
 
 def _run_task(task: dict, specs: dict, pool, conn, allow_pickle: bool) -> dict:
     from ..errors import SampleError
+    from .direct import direct_batch, supports_direct
     from .tensors import flatten, layout, write_tensors
 
     t0 = time.perf_counter()
@@ -84,6 +85,14 @@ def _run_task(task: dict, specs: dict, pool, conn, allow_pickle: bool) -> dict:
         dataset.set_epoch(task["epoch"])
     subs = list(task.get("substitutes", ()))
     bad = task.get("bad", {})
+    if not bad and supports_direct(dataset, collate):  # decode straight into the slab: no copies
+        got = direct_batch(dataset, collate, list(task["indices"]), pool, allow_pickle,
+                           lambda i: conn.send(("progress", task["task_id"], int(i), sample_path(dataset, i))))
+        if got is not None:
+            slab, total, tree_json, tree_pickle, metas, cpu = got
+            return {"handle": slab.handle(total), "tree_json": tree_json, "tree_pickle": tree_pickle, "metas": metas,
+                    "skipped": [], "exec_s": time.perf_counter() - t0, "decoded": [int(i) for i in task["indices"]],
+                    "decode_cpu_s": cpu}
     samples, skipped, decoded, decode_cpu = [], [], [], []
     for index in task["indices"]:
         while True:
