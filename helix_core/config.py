@@ -28,10 +28,13 @@ class ClusterConfig:
     max_task_retries: int = 2  # worker deaths on one sample before it becomes a SampleError
     max_resubmits: int = 8  # client: resubmits of one task after server failures
     server_threads: int = 64  # gRPC handler threads of a DataServer (bounds tasks in flight)
+    decode_slots: int = 0  # batches prepared at once per host, by all its workers (0: one per core)
 
     def __post_init__(self):
         for f in fields(self):
             v = getattr(self, f.name)
+            if f.name == "decode_slots" and isinstance(v, int) and not isinstance(v, bool) and v >= 0:
+                continue
             if not isinstance(v, (int, float)) or isinstance(v, bool) or v <= 0:
                 raise ValueError(f"ClusterConfig.{f.name} must be a positive number, got {v!r}")
         if self.heartbeat_timeout_s <= self.heartbeat_interval_s:

@@ -219,7 +219,9 @@ def serve_dataserver(coordinator: str, kind: str, local_rank: int, workers: int,
     address = f"{socket.getfqdn() if host in ('0.0.0.0', '::', '') else host}:{bound}"
     tag = f"{kind[0]}{local_rank if kind == 'local' else ''}p{os.getpid()}-"
     slabs = shm.SlabPool(f"helix-{hello.cluster_id}-{tag}d-")
-    pool = WorkerPool(workers, f"helix-{hello.cluster_id}-{tag}", allow_pickle=bool(token), config=config)
+    slots = config.decode_slots or os.cpu_count() or 1  # one decode per core, across the host's servers
+    pool = WorkerPool(workers, f"helix-{hello.cluster_id}-{tag}", allow_pickle=bool(token), config=config,
+                      cpu_slots=(f"helix-{hello.cluster_id}-cpu", slots))
     servicer = DataServerServicer(pool, slabs, config, token, address, kind)
     servicer.cluster_id = hello.cluster_id
     add_servicer(servicer, server)  # the generated registration, with zero-copy Deliver chunks
@@ -246,3 +248,4 @@ def serve_dataserver(coordinator: str, kind: str, local_rank: int, workers: int,
         slabs.close()
         servicer.reader.close()
         shm.sweep(f"helix-{hello.cluster_id}-{tag}")
+        shm.sweep(f"helix-{hello.cluster_id}-cpu")  # the host's decode slots: the cluster is stopping

@@ -33,13 +33,18 @@ log = logging.getLogger("helix.workers")
 
 
 # ---- the worker process ------------------------------------------------------------------------
-def worker_main(conn, shm_prefix: str, allow_pickle: bool, parent_pid: int) -> None:
-    """Entry point of a worker process: serve ``("spec", ...)`` and ``("task", ...)`` messages."""
+def worker_main(conn, shm_prefix: str, allow_pickle: bool, parent_pid: int, cpu_slots=None) -> None:
+    """Entry point of a worker process: serve ``("spec", ...)`` and ``("task", ...)`` messages.
+    ``cpu_slots``: ``(prefix, n)`` of the host's decode slots (a task runs holding one)."""
     os.environ["OMP_NUM_THREADS"] = "1"
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the owner's to handle
     import torch
 
+    from .cpuslots import CpuSlots
+
     torch.set_num_threads(1)
+    slots = CpuSlots(*cpu_slots) if cpu_slots else None
+    orphaned = (lambda: os.getppid() != parent_pid)
     pool = shm.SlabPool(shm_prefix)
     specs: dict[str, tuple] = {}
     try:
@@ -62,9 +67,18 @@ def worker_main(conn, shm_prefix: str, allow_pickle: bool, parent_pid: int) -> N
                     specs[spec_id] = e
             elif msg[0] == "task":
                 task = msg[1]
-                conn.send(("done", task["task_id"], _run_task(task, specs, pool, conn, allow_pickle)))
+                if slots is not None and not slots.acquire(stop=orphaned):
+                    return
+                try:
+                    result = _run_task(task, specs, pool, conn, allow_pickle)
+                finally:
+                    if slots is not None:
+                        slots.release()
+                conn.send(("done", task["task_id"], result))
     finally:
         pool.close()
+        if slots is not None:
+            slots.close()
 
 
 def _failure(index: int, path: str, cause: str) -> dict:
@@ -133,12 +147,12 @@ def _run_task(task: dict, specs: dict, pool, conn, allow_pickle: bool) -> dict:
 
 # ---- the supervisor (in the DataServer process) -------------------------------------------------
 class _Worker:
-    def __init__(self, wid: int, incarnation: int, prefix: str, allow_pickle: bool):
+    def __init__(self, wid: int, incarnation: int, prefix: str, allow_pickle: bool, cpu_slots=None):
         ctx = mp.get_context("spawn")
         self.wid, self.incarnation = wid, incarnation
         self.prefix = f"{prefix}w{wid}i{incarnation}-"
         self.conn, child = ctx.Pipe(duplex=True)
-        self.proc = ctx.Process(target=worker_main, args=(child, self.prefix, allow_pickle, os.getpid()),
+        self.proc = ctx.Process(target=worker_main, args=(child, self.prefix, allow_pickle, os.getpid(), cpu_slots),
                                 name=f"helix-worker-{wid}", daemon=True)
         self.proc.start()
         child.close()
@@ -195,10 +209,12 @@ class WorkerPool:
 
     LPC_ALPHA = 0.2  # weight of the newest measurement in latency_per_cost
 
-    def __init__(self, n: int, shm_prefix: str, allow_pickle: bool, config: ClusterConfig, clock=time.monotonic):
+    def __init__(self, n: int, shm_prefix: str, allow_pickle: bool, config: ClusterConfig, clock=time.monotonic,
+                 cpu_slots: tuple[str, int] | None = None):
         if n < 1:
             raise ValueError(f"workers must be >= 1, got {n}")
         self.prefix, self.allow_pickle, self.config, self.clock = shm_prefix, allow_pickle, config, clock
+        self.cpu_slots = cpu_slots
         self._lock = threading.Lock()
         self._specs: dict[str, tuple[bytes, str]] = {}
         self._pending = _Queue()
@@ -210,7 +226,7 @@ class WorkerPool:
         self.completed, self.respawns = 0, 0
         self._graveyard: list[str] = []  # dead workers' slabs still held by clients
         self.latency_per_cost = 1.0  # wall seconds per predicted CPU second (1 until measured)
-        self._workers = [_Worker(i, 0, shm_prefix, allow_pickle) for i in range(n)]
+        self._workers = [_Worker(i, 0, shm_prefix, allow_pickle, cpu_slots) for i in range(n)]
         self._thread = threading.Thread(target=self._supervise, name="helix-supervisor", daemon=True)
         self._thread.start()
 
@@ -342,7 +358,7 @@ class WorkerPool:
         # until released, so a reply already sent stays readable
         self._graveyard += [n for n in shm.list_segments(w.prefix) if not shm.unlink_if_free(n)]
         i = self._workers.index(w)
-        self._workers[i] = _Worker(w.wid, w.incarnation + 1, self.prefix, self.allow_pickle)
+        self._workers[i] = _Worker(w.wid, w.incarnation + 1, self.prefix, self.allow_pickle, self.cpu_slots)
         self.respawns += 1
         task, current = w.task, w.current
         log.warning("worker %d died (exit %s) during task %s at sample %s; respawned", w.wid, code,
