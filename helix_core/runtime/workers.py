@@ -67,7 +67,7 @@ def worker_main(conn, shm_prefix: str, allow_pickle: bool, parent_pid: int, cpu_
                     specs[spec_id] = e
             elif msg[0] == "task":
                 task = msg[1]
-                if slots is not None and not slots.acquire(stop=orphaned):
+                if slots is not None and not slots.acquire(task.get("_key"), stop=orphaned):
                     return
                 try:
                     result = _run_task(task, specs, pool, conn, allow_pickle)
