@@ -21,9 +21,9 @@ def _hold(prefix, key, started, order, release):
     slots.close()
 
 
-def _waiting(table: str) -> list[float]:
-    entries = np.fromfile(table, dtype=[("pid", "<i8"), ("key", "<f8")])
-    return [float(e["key"]) for e in entries if e["pid"]]
+def _waiting(table: str) -> list[tuple[float, int]]:
+    entries = np.fromfile(table, dtype=[("pid", "<i8"), ("key", "<f8"), ("eligible", "<i8")])
+    return [(float(e["key"]), int(e["eligible"])) for e in entries if e["pid"]]
 
 
 def test_one_slot_goes_to_the_earliest_deadline_and_a_dead_holder_frees_it(tmp_path):
@@ -41,7 +41,8 @@ def test_one_slot_goes_to_the_earliest_deadline_and_a_dead_holder_frees_it(tmp_p
             p.start()
             procs.append(p)
         table = os.path.join(shm.SHM_DIR, f"{prefix}q")
-        wait_for(lambda: sorted(_waiting(table)) == [5.0, 10.0], 60, "both waiters listed with their deadlines")
+        # both wait; only the one needed sooner may take the slot, though it came second
+        wait_for(lambda: sorted(_waiting(table)) == [(5.0, 1), (10.0, 0)], 60, "both waiters ranked by deadline")
         os.kill(holder.pid, signal.SIGKILL)  # the kernel drops a dead holder's lock
         assert order.get(timeout=30) == 5.0  # the earlier deadline wins
         release[2].set()

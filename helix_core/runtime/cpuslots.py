@@ -12,7 +12,10 @@ Slots are ``n`` files in /dev/shm named for the cluster, locked with ``flock`` (
 the lock of a process that dies, so a killed worker never strands a slot). Workers that wait for
 a slot list themselves in a small shared table with their task's deadline key (an absolute
 ``time.monotonic`` value: CLOCK_MONOTONIC is the same clock in every process of a host); only
-the ``n`` earliest waiters may take a slot that frees up. Waiting is a poll every ``poll_s``.
+the ``n`` earliest waiters may take a slot. Those try for one every ``poll_s`` (two
+non-blocking ``flock`` calls, a few microseconds) and re-read the table every ``rank_s``; a
+waiter further back only re-reads the table, every ``rank_s``. (Blocking in ``flock`` would cost
+no CPU at all, but the kernel then wakes waiters in arrival order, not by deadline.)
 """
 from __future__ import annotations
 
@@ -26,7 +29,7 @@ import numpy as np
 __all__ = ["CpuSlots"]
 
 _ENTRIES = 128  # waiters a host can list (more wait unranked, after the listed ones)
-_ENTRY = np.dtype([("pid", "<i8"), ("key", "<f8")])
+_ENTRY = np.dtype([("pid", "<i8"), ("key", "<f8"), ("eligible", "<i8")])  # eligible: among the n earliest
 
 
 class CpuSlots:
@@ -58,6 +61,7 @@ class CpuSlots:
             if len(free):
                 k = int(free[0])
                 self._table["key"][k] = key
+                self._table["eligible"][k] = 0
                 self._table["pid"][k] = self._pid
                 self._entry = k
         finally:
@@ -68,8 +72,9 @@ class CpuSlots:
             self._table["pid"][self._entry] = 0
             self._entry = None
 
-    def _eligible(self, key: float) -> bool:
-        """Fewer than ``n`` live waiters are ahead of this one (earlier key, ties by pid)."""
+    def _ahead(self, key: float) -> int:
+        """How many live waiters are ahead of this one (earlier key, ties by pid), counting up to
+        ``n``."""
         pids, keys = self._table["pid"], self._table["key"]
         ahead = np.flatnonzero((pids != 0) & (pids != self._pid) &
                                ((keys < key) | ((keys == key) & (pids < self._pid))))
@@ -86,8 +91,8 @@ class CpuSlots:
                 pass
             live += 1
             if live >= len(self._fds):
-                return False
-        return True
+                break
+        return live
 
     # ---- slots ------------------------------------------------------------------------------------------
     def _try(self) -> bool:
@@ -102,8 +107,9 @@ class CpuSlots:
             return True
         return False
 
-    def acquire(self, key: float | None = None, stop=lambda: False, poll_s: float = 0.002) -> bool:
-        """Take a slot (blocking) for a task whose deadline key is ``key`` (None: now); False if
+    def acquire(self, key: float | None = None, stop=lambda: False, poll_s: float = 0.002,
+                rank_s: float = 0.02) -> bool:
+        """Take a slot for a task whose deadline key is ``key`` (None: now), blocking; False if
         ``stop()`` turned true first."""
         if self._held is not None:
             return True
@@ -111,11 +117,23 @@ class CpuSlots:
         self._enlist(key)
         try:
             while True:
-                if self._eligible(key) and self._try():
-                    return True
+                eligible = self._ahead(key) < len(self._fds)
+                if self._entry is not None:
+                    self._table["eligible"][self._entry] = int(eligible)
+                if eligible:  # among the n earliest: try until the next re-read
+                    until = time.monotonic() + rank_s
+                    while True:
+                        if self._try():
+                            return True
+                        if time.monotonic() >= until:
+                            break
+                        time.sleep(poll_s)
+                elif stop():
+                    return False
+                else:
+                    time.sleep(rank_s)
                 if stop():
                     return False
-                time.sleep(poll_s)
         finally:
             self._delist()
 
