@@ -70,7 +70,7 @@ def test_deadlines_and_reasons_reach_the_decision_log(cluster):
     assert got == [b["index"].tolist() for b in torch_batches(ds, 2, 0, 1)]  # placement never changes batches
     assert all(d["scheduler"] == "deadline" for d in decisions)
     late = [d for d in decisions if d["deadline_s"] is not None]
-    assert late and all(d["reason"] in ("local-meets", "pool-gain", "meets-deadline", "earliest-finish")
+    assert late and all(d["reason"] in ("local-meets", "remote-gain", "meets-deadline", "earliest-finish")
                         for d in late)
     assert all(set(d["finish_s"]) == {s.server_id for s in cluster.servers} for d in late)
     assert stats["deadline_p50_s"] > 0 and stats["window_s_per_unit"] is not None

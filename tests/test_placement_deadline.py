@@ -29,10 +29,13 @@ def test_finish_time_is_queue_plus_cpu_scaled_by_measured_latency_plus_network()
     assert t[2] == pytest.approx(0.1 + 0.1 + P.default_link_latency_s)  # 10 MB over 100 MB/s
 
 
-def test_all_meet_stays_local():
-    d = P.choose(req(deadline_s=2.0), cands([0.5, 0.0, 0.0]))
+def test_all_meet_stays_local_and_the_own_server_wins_near_ties():
+    d = P.choose(req(deadline_s=2.0), cands([0.05, 0.0, 0.0]))
     assert d.server_id == "s0" and d.reason == "local-meets"
-    assert d.finish_by_server()["s0"] == pytest.approx(0.6)
+    assert d.finish_by_server()["s0"] == pytest.approx(0.15)
+    # another local server (shared memory too) is ready much sooner: it takes the batch
+    d = P.choose(req(deadline_s=2.0), cands([1.5, 0.0, 0.2]))
+    assert d.server_id == "s1" and d.reason == "local-meets"
 
 
 def test_all_miss_goes_to_the_earliest_finish():
@@ -44,22 +47,22 @@ def test_all_miss_goes_to_the_earliest_finish():
 
 def test_remote_gain_below_and_above_the_threshold():
     kinds = ["local", "remote"]
-    # own server meets (0.9 <= 1.0); the sidecar is ready 0.8 s sooner: more than 0.5 x D -> move
+    # the local server meets (0.9 <= 1.0); the sidecar is ready 0.8 s sooner: more than 0.5 x D -> move
     d = P.choose(req(cpu_s=0.1, deadline_s=1.0), cands([0.8, 0.0], kinds=kinds, local=0))
     assert d.server_id == "s1" and d.reason == "remote-gain"
-    # gain 0.3 s < 0.5 x D: stay local
+    # gain 0.3 s < 0.5 x D: stay local, shared memory costs nothing
     d = P.choose(req(cpu_s=0.1, deadline_s=1.0), cands([0.3, 0.0], kinds=kinds, local=0))
     assert d.server_id == "s0" and d.reason == "local-meets"
-    # another local server with the same gain: "pool-gain"
-    d = P.choose(req(cpu_s=0.1, deadline_s=1.0), cands([0.8, 0.0], local=0))
-    assert d.server_id == "s1" and d.reason == "pool-gain"
+    # only the sidecar can meet the deadline
+    d = P.choose(req(cpu_s=0.1, deadline_s=1.0), cands([2.0, 0.0], kinds=kinds, local=0))
+    assert d.server_id == "s1" and d.reason == "meets-deadline"
 
 
-def test_own_misses_best_meeting_candidate_by_locality_and_backpressure():
-    # own (s0) misses; s1 (remote) and s2 (local) both meet with equal finish: locality prefers s2
+def test_best_meeting_candidate_by_locality_and_backpressure():
+    # the own server (s0) misses; s1 (remote) and s2 (local) both meet with equal finish: locality prefers s2
     c = cands([2.0, 0.1, 0.1], kinds=["local", "remote", "local"], local=0)
     d = P.choose(req(cpu_s=0.1, deadline_s=1.0), c)
-    assert d.server_id == "s2" and d.reason == "meets-deadline"
+    assert d.server_id == "s2" and d.reason == "local-meets"
     # equal finish and kind: fewer outstanding requests per worker wins (backpressure)
     c = cands([2.0, 0.1, 0.1], local=0, outstanding=[0, 6, 1])
     assert P.choose(req(cpu_s=0.1, deadline_s=1.0), c).server_id == "s2"

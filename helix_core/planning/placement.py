@@ -131,13 +131,15 @@ class DeadlineAware:
     with ``default_*`` until the link was measured). Same-host local servers deliver by shared
     memory, so their ``C_net`` is 0.
 
-    Selection: no deadline -> earliest finish; every candidate misses -> earliest finish; the
-    rank's own server meets -> it keeps the batch ("local-meets") unless another candidate is
-    ready more than ``gain_threshold`` x D sooner ("remote-gain" / "pool-gain": a remote sidecar /
-    another local server); otherwise the lowest score among those that meet ("meets-deadline"),
-    score = lateness ``10 * M_i / D`` + ``T_i / D`` + locality (0 own, ``pool_penalty`` another
-    local server, ``remote_penalty`` a remote one) + ``backpressure`` x outstanding per worker.
-    Ties go to the lowest position. Units: seconds, bytes, bytes/s.
+    Locality is the network: every local server delivers through shared memory on the rank's
+    host, so among them the batch goes where it is ready soonest (the rank's own server wins near
+    ties), while a remote sidecar costs a stream. Selection: no deadline, or every candidate
+    misses -> earliest finish ("earliest-finish"); a local server meets -> the best local one by
+    score ("local-meets"), unless a remote one is ready more than ``gain_threshold`` x D sooner
+    ("remote-gain"); only remote servers meet -> the best of them ("meets-deadline"). Score =
+    lateness ``10 * M_i / D`` + ``T_i / D`` + locality (0 own server, ``pool_penalty`` another
+    local one, ``remote_penalty`` a remote one) + ``backpressure`` x outstanding per worker. Ties
+    go to the lowest position. Units: seconds, bytes, bytes/s.
     """
 
     name = "deadline"
@@ -184,14 +186,15 @@ class DeadlineAware:
         meets = [k for k, t in enumerate(finish) if t <= d]
         if not meets:
             return self._earliest(c, finish, tuple(scores), own)
-        if own is not None and finish[own] <= d:
-            others = [k for k in range(len(c)) if k != own]
-            if others:
-                j = min(others, key=lambda k: (finish[k], k))
-                if finish[own] - finish[j] > self.gain_threshold * d:
-                    reason = "remote-gain" if c.kinds[j] == "remote" else "pool-gain"
-                    return Decision(c.server_ids[j], reason, c.server_ids, tuple(scores), tuple(finish))
-            return Decision(c.server_ids[own], "local-meets", c.server_ids, tuple(scores), tuple(finish))
+        local = [k for k in meets if c.kinds[k] != "remote"]
+        if local:
+            k = min(local, key=lambda k: (scores[k], k))
+            remote = [j for j in range(len(c)) if c.kinds[j] == "remote"]
+            if remote:
+                j = min(remote, key=lambda j: (finish[j], j))
+                if finish[k] - finish[j] > self.gain_threshold * d:
+                    return Decision(c.server_ids[j], "remote-gain", c.server_ids, tuple(scores), tuple(finish))
+            return Decision(c.server_ids[k], "local-meets", c.server_ids, tuple(scores), tuple(finish))
         k = min(meets, key=lambda k: (scores[k], k))
         return Decision(c.server_ids[k], "meets-deadline", c.server_ids, tuple(scores), tuple(finish))
 

@@ -337,10 +337,9 @@ class WorkerPool:
             self._cancelled.discard(task_id)
             self.completed += 1
             predicted = task.get("predicted_cpu_s", 0.0) if task is not None else 0.0
-            if predicted > 0 and result.get("exec_s"):
-                a = self.LPC_ALPHA
-                self.latency_per_cost = (1 - a) * self.latency_per_cost + a * min(max(result["exec_s"] / predicted,
-                                                                                        0.05), 50.0)
+            if predicted > 0 and "handle" in result:  # wall time at the worker, waiting for a decode slot included
+                a, ratio = self.LPC_ALPHA, (self.clock() - w.started) / predicted
+                self.latency_per_cost = (1 - a) * self.latency_per_cost + a * min(max(ratio, 0.05), 50.0)
             if task is not None:
                 result["queue_s"] = task.get("_queue_s", 0.0)
         if fut is None or fut.cancelled():
