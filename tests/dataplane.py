@@ -28,7 +28,7 @@ def busy_segments(cluster) -> list[str]:
                 head = f.read(shm.HEADER_BYTES)
         except FileNotFoundError:
             continue
-        if int.from_bytes(head[16:24], "little") != shm.FREE:
+        if head[:8] == shm.MAGIC and int.from_bytes(head[16:24], "little") != shm.FREE:  # a slab (not a decode slot)
             out.append(name)
     return out
 
