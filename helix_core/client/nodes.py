@@ -9,6 +9,7 @@ State is what means something to a user: the epoch and the batches yielded.
 """
 from __future__ import annotations
 
+import collections
 import queue
 import threading
 import time
@@ -192,8 +193,11 @@ class CostTagger(BaseNode):
 
 
 class _Run:
-    """One iteration's threads and queues. Threads get their run as an argument: a thread that
-    outlives ``shutdown`` (a slow RPC) only ever sees its own, stopped run, never the next one's."""
+    """The threads and queues of a run of epochs. Threads get their run as an argument: a thread
+    that outlives ``shutdown`` (a slow RPC) only ever sees its own, stopped run, never the next one's.
+
+    ``order`` and ``out`` hold an epoch's jobs / results, then ``END``, then the next epoch's (sent
+    ahead), and so on; ``epochs`` lists the epochs whose jobs follow the current one's."""
 
     def __init__(self, prefetch_depth: int, seq: int):
         self.stop = threading.Event()
@@ -204,15 +208,17 @@ class _Run:
         self.lock = threading.Lock()
         self.threads: list[threading.Thread] = []
         self.seq = seq  # the next job's sequence number
-        self.ahead: list[BatchJob] | None = None  # the next epoch's first jobs, sent once this epoch's are
-        self.ahead_epoch = -1
-        self.ahead_seq = 0  # sequence number of the first job sent ahead
+        self.epochs: collections.deque = collections.deque()  # epochs sent ahead, in order
+        self.ended = False  # the current epoch's END was read: next() stops until a reset adopts the next
 
     def wake(self) -> None:
         """Stop: the threads see it at once, not at their next poll."""
         self.stop.set()
         self.slots.release()
-        self.order.put(None)
+        self.order.put(_STOP)
+
+
+_END, _STOP = "end-of-epoch", "stop"  # markers in a run's queues
 
 
 class Dispatch(BaseNode):
@@ -222,10 +228,11 @@ class Dispatch(BaseNode):
     returns the batch or raises; ``cancel(job)`` gives up a job's unread requests (idempotent). At
     most ``prefetch_depth`` jobs are in flight or waiting.
 
-    Requests run ahead across the epoch boundary: once an epoch's last job is sent, the sender goes
-    on with the first jobs of the next epoch, ``next_epoch(epoch)`` (None: none), as slots free up. A following
-    ``reset`` to exactly that epoch's start (the usual ``set_epoch(e + 1)``; ``iter()``) adopts them, so an epoch's first
-    batches are not decoded cold while the GPU waits; any other ``reset`` cancels them.
+    Requests run ahead across epoch boundaries: once an epoch's last job is sent, the sender goes on
+    with the jobs of ``next_epoch(epoch)`` (None: it stops there), as slots free up. A ``reset`` to
+    exactly that epoch's start (the usual ``set_epoch(e + 1); iter()``) carries on with the same
+    threads, so an epoch's first batches are neither decoded cold nor delayed by a thread restart;
+    any other ``reset`` cancels what was sent ahead and starts afresh.
     """
 
     YIELDED, EPOCH = ShardBatches.YIELDED, ShardBatches.EPOCH
@@ -242,52 +249,33 @@ class Dispatch(BaseNode):
 
     @property
     def running(self) -> bool:
-        """An iteration's threads are up (between ``reset`` and ``shutdown``)."""
+        """A run's threads are up (between ``reset`` and ``shutdown``)."""
         return self._run is not None
 
     # ---- lifecycle ---------------------------------------------------------------------------------
     def reset(self, initial_state: dict | None = None):
         super().reset(initial_state)
-        adopted, seq = self._take_ahead(initial_state)
+        run = self._run
+        if run is not None and run.ended and initial_state is not None and run.epochs \
+                and int(initial_state.get(self.YIELDED, -1)) == 0 \
+                and int(initial_state.get(self.EPOCH, -1)) == run.epochs[0]:
+            with run.lock:  # adopt what was sent ahead: same threads, same queues
+                self._epoch, self._yielded = run.epochs.popleft(), 0
+                run.ended = False
+            return
         self.shutdown()
-        if adopted is None:
-            self.source.reset(initial_state)  # (adopting: the source is already past the adopted jobs)
-            st = self.source.get_state()
-            self._epoch, self._yielded = st[self.EPOCH], st[self.YIELDED]
-            seq = self._seq
-        else:
-            self._epoch, self._yielded = int(initial_state[self.EPOCH]), 0
-        run = self._run = _Run(self.prefetch_depth, seq)
-        for job in adopted or ():
-            run.slots.acquire()
-            run.inflight.append(job)
-            run.order.put(job)
+        self.source.reset(initial_state)
+        st = self.source.get_state()
+        self._epoch, self._yielded = st[self.EPOCH], st[self.YIELDED]
+        run = self._run = _Run(self.prefetch_depth, self._seq)
         run.threads = [threading.Thread(target=self._send, args=(run,), name="helix-sender", daemon=True),
                        threading.Thread(target=self._fetch, args=(run,), name="helix-fetcher", daemon=True)]
         for t in run.threads:
             t.start()
 
-    def _take_ahead(self, state: dict | None):
-        """``(jobs, next seq)`` sent ahead for the epoch ``state`` starts, with the old sender
-        stopped; ``(None, 0)`` when ``state`` is not the start of that epoch."""
-        run = self._run
-        if run is None or run.ahead is None or state is None or int(state.get(self.YIELDED, -1)) != 0 \
-                or int(state.get(self.EPOCH, -1)) != run.ahead_epoch:
-            return None, 0
-        run.wake()
-        for t in run.threads:
-            if t is not threading.current_thread():
-                t.join(timeout=10.0)
-        with run.lock:
-            jobs, run.ahead = run.ahead, []
-            run.inflight = [j for j in run.inflight if j not in jobs]
-        if self.source.get_state()[self.YIELDED] != len(jobs):  # the sender stopped holding one it made
-            self.source.reset({self.EPOCH: run.ahead_epoch, self.YIELDED: len(jobs)})
-        return jobs, run.ahead_seq + len(jobs)
-
     def shutdown(self) -> None:
-        """Stop both threads, cancel requests in flight and drop finished batches (their slabs are
-        released when the dropped tensors are collected)."""
+        """Stop both threads, cancel requests in flight (sent ahead too) and drop finished batches
+        (their slabs are released when the dropped tensors are collected)."""
         run, self._run = self._run, None
         if run is None:
             return
@@ -317,23 +305,19 @@ class Dispatch(BaseNode):
                 job = self.source.next()
             except StopIteration:
                 run.slots.release()  # acquired for nothing
-                if run.ahead is not None:  # the next epoch ended too (a tiny epoch): enough
-                    return
-                run.order.put(None)
-                try:  # go on with the next epoch's first jobs
+                run.order.put(_END)
+                try:  # go on with the next epoch's jobs
                     epoch = self.next_epoch(self.source.get_state()[self.EPOCH])
                     if epoch is None:
                         return
-                    nxt = {self.EPOCH: int(epoch), self.YIELDED: 0}
-                    self.source.reset(nxt)
+                    self.source.reset({self.EPOCH: int(epoch), self.YIELDED: 0})
                 except BaseException:
                     return
                 with run.lock:
-                    run.ahead, run.ahead_epoch, run.ahead_seq = [], nxt[self.EPOCH], run.seq
+                    run.epochs.append(int(epoch))
                 continue
             except BaseException as e:  # errors travel as values to the consumer
-                if run.ahead is None:
-                    run.order.put(e)
+                run.order.put(e)
                 return
             job.t_dispatch = time.perf_counter()
             job.seq, run.seq = run.seq, run.seq + 1
@@ -341,14 +325,11 @@ class Dispatch(BaseNode):
                 if run.stop.is_set():
                     return
                 run.inflight.append(job)
-                if run.ahead is not None:
-                    run.ahead.append(job)
             try:
                 self.submit(job)
             except BaseException as e:
                 job.error = e
-            if run.ahead is None:
-                run.order.put(job)
+            run.order.put(job)
 
     def _fetch(self, run: _Run) -> None:
         while not run.stop.is_set():
@@ -356,8 +337,12 @@ class Dispatch(BaseNode):
                 job = run.order.get(timeout=0.1)
             except queue.Empty:
                 continue
-            if job is None or isinstance(job, BaseException):
+            if job is _STOP:
+                return
+            if job is _END or isinstance(job, BaseException):
                 run.out.put(job)
+                if job is _END:
+                    continue
                 return
             try:
                 item = job.error if job.error is not None else self.collect(job, run.stop)
@@ -378,6 +363,8 @@ class Dispatch(BaseNode):
         run = self._run
         if run is None:
             raise RuntimeError("this iteration was stopped (the loader was closed or a new iteration began)")
+        if run.ended:
+            raise StopIteration
         while True:
             try:
                 item = run.out.get(timeout=0.1)
@@ -385,8 +372,8 @@ class Dispatch(BaseNode):
             except queue.Empty:
                 if not any(t.is_alive() for t in run.threads) and run.out.empty():
                     raise RuntimeError("Helix dispatch threads stopped unexpectedly") from None
-        if item is None:
-            run.out.put(None)  # stay exhausted
+        if item is _END:
+            run.ended = True
             raise StopIteration
         run.slots.release()
         self._yielded += 1
