@@ -75,9 +75,11 @@ def test_quick_remote_and_route_run(tmp_path):
     assert set(figures) == {"meta", "remote", "route"}
     for row in figures["remote"]:
         assert row["e2e_gb_s"] > 0 and row["bytes"] > 0
-    assert [r["threads"] for r in figures["route"]] == [1, 4]
+    assert [(r["scheduler"], r["threads"]) for r in figures["route"]] == \
+        [("least-request", 1), ("least-request", 4), ("deadline", 1), ("deadline", 4)]
     for row in figures["route"]:
         assert row["requests_per_s"] > 0 and row["decision_us_p50"] > 0 and row["candidates"] == 64
+        assert row["route_us_p50"] >= row["decision_us_p50"]  # the client's round trip holds the decision
     assert json.loads(out.read_text())["route"][0]["requests"] == figures["route"][0]["requests"]
     left = _new_children(before)
     assert not left, f"processes left running: {left}"

@@ -55,13 +55,15 @@ def stream_figures(nbytes: int, remote_s, local_s, remote_exec_s=(), local_exec_
     return out
 
 
-def route_figures(threads: int, counts, seconds: float, decision_us) -> dict:
+def route_figures(threads: int, counts, seconds: float, decision_us, route_us=()) -> dict:
     """Routed requests/s of ``threads`` client threads that completed ``counts`` calls in
-    ``seconds``, and the Coordinator's decision time (µs) p50/p99 over those calls."""
+    ``seconds``; the Coordinator's decision time (µs, from the request's arrival at its handler to
+    the reply, locks included) p50/p99; the round trip a client sees (µs) p50/p99."""
     n = sum(counts)
     return {"threads": threads, "requests": n, "seconds": seconds,
             "requests_per_s": n / seconds if seconds > 0 else 0.0,
-            "decision_us_p50": percentile(decision_us, 50), "decision_us_p99": percentile(decision_us, 99)}
+            "decision_us_p50": percentile(decision_us, 50), "decision_us_p99": percentile(decision_us, 99),
+            "route_us_p50": percentile(route_us, 50), "route_us_p99": percentile(route_us, 99)}
 
 
 def e2e_figures(system: str, ranks: int, workers: int, results: list[dict]) -> dict:
@@ -163,9 +165,12 @@ def _add_candidates(cluster, n: int, config) -> None:
 
 
 def bench_route(threads=(1, 4, 16), seconds: float = 3.0, candidates: int = 64, console=None,
-                progress=None) -> list[dict]:
+                progress=None, schedulers=("least-request", "deadline")) -> list[dict]:
     """Routed requests/s from N threads sharing one client for ``seconds`` each, against a
-    Coordinator with ``candidates`` servers (1 real local one plus placeholders)."""
+    Coordinator with ``candidates`` servers (1 real local one plus placeholders), per placement
+    policy (the deadline policy's requests carry a predicted cost and a deadline)."""
+    from ..descriptors import CostProfile
+
     from ..config import ClusterConfig
     from ..client.transport import ClusterClient
     from ..runtime.cluster import LocalCluster
@@ -177,15 +182,20 @@ def bench_route(threads=(1, 4, 16), seconds: float = 3.0, candidates: int = 64, 
         client = ClusterClient(cluster.address, None, config, 0, 1)
         try:
             client.route(next(ids), None, set())  # warm the channel
-            task = progress.add_task("route", total=len(threads)) if progress else None
-            for n in threads:
-                counts, decisions, errors = [0] * n, [[] for _ in range(n)], []
+            cost = CostProfile(cpu_s=0.1, io_bytes=1 << 20, out_bytes=16 << 20, tokens=1568, profile="16x224x224")
+            task = progress.add_task("route", total=len(threads) * len(schedulers)) if progress else None
+            for sched, n in itertools.product(schedulers, threads):
+                counts, decisions, trips, errors = [0] * n, [[] for _ in range(n)], [[] for _ in range(n)], []
                 deadline = time.perf_counter() + seconds
+                budget = 0.5 if sched == "deadline" else None
 
                 def loop(k: int) -> None:
                     try:
                         while time.perf_counter() < deadline:
-                            decisions[k].append(client.route(next(ids), None, set()).decision_us)
+                            t0 = time.perf_counter()
+                            reply = client.route(next(ids), cost, set(), budget, sched)
+                            trips[k].append((time.perf_counter() - t0) * 1e6)
+                            decisions[k].append(reply.decision_us)
                             counts[k] += 1
                     except Exception as e:  # re-raised below, naming the thread count
                         errors.append(e)
@@ -201,7 +211,9 @@ def bench_route(threads=(1, 4, 16), seconds: float = 3.0, candidates: int = 64, 
                         raise RuntimeError(f"a route thread did not finish within {seconds} s + timeouts")
                 if errors:
                     raise RuntimeError(f"Route failed with {n} threads: {errors[0]!r}") from errors[0]
-                rows.append(route_figures(n, counts, time.perf_counter() - t0, [d for ds in decisions for d in ds]))
+                rows.append({"scheduler": sched, **route_figures(n, counts, time.perf_counter() - t0,
+                                                                  [d for ds in decisions for d in ds],
+                                                                  [t for ts in trips for t in ts])})
                 if progress:
                     progress.advance(task)
             tele = client.telemetry()
@@ -212,9 +224,11 @@ def bench_route(threads=(1, 4, 16), seconds: float = 3.0, candidates: int = 64, 
         finally:
             client.close()
     _print_table(console, f"Coordinator Route, {rows[0]['candidates']} candidate servers ({seconds:g} s per row)",
-                 ["threads", "requests/s", "decision µs p50", "decision µs p99"],
-                 [[str(r["threads"]), f"{r['requests_per_s']:.0f}", f"{r['decision_us_p50']:.1f}",
-                   f"{r['decision_us_p99']:.1f}"] for r in rows])
+                 ["scheduler", "threads", "requests/s", "decision µs p50", "decision µs p99", "client route µs p50",
+                  "client route µs p99"],
+                 [[r["scheduler"], str(r["threads"]), f"{r['requests_per_s']:.0f}", f"{r['decision_us_p50']:.1f}",
+                   f"{r['decision_us_p99']:.1f}", f"{r['route_us_p50']:.0f}", f"{r['route_us_p99']:.0f}"]
+                  for r in rows])
     return rows
 
 

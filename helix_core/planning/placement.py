@@ -13,7 +13,8 @@ meets, scored by lateness, locality and backpressure.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from operator import truediv
+
+import numpy as np
 
 __all__ = ["Candidates", "DeadlineAware", "Decision", "LeastRequest", "POLICIES", "PlacementRequest", "make_policy"]
 
@@ -21,8 +22,9 @@ __all__ = ["Candidates", "DeadlineAware", "Decision", "LeastRequest", "POLICIES"
 @dataclass(frozen=True)
 class Candidates:
     """The live DataServers as the Coordinator sees them, as columns in cluster order (one entry
-    per server; position = cluster index order, so ties can go to the lowest position). Columns,
-    not one object per server: a decision over 64 servers stays well under 100 µs in Python.
+    per server; position = cluster index order, so ties can go to the lowest position). Columns —
+    tuples, or numpy arrays that the Coordinator keeps up to date — not one object per server, so a
+    decision over 64 servers is a handful of vector operations.
 
     ``outstanding``: requests routed to a server and not yet completed; ``workers``: its worker
     processes; ``queue_depth`` / ``latency_per_cost`` (wall seconds of execution per predicted
@@ -41,6 +43,12 @@ class Candidates:
     queued_cpu_s: tuple[float, ...] = ()
     bandwidth_bps: tuple[float, ...] = ()
     link_latency_s: tuple[float, ...] = ()
+    remote_mask: np.ndarray | None = None  # kinds == "remote", precomputed (the Coordinator caches it)
+    # precomputed by the Coordinator (None: derived here): effective latency per cost (> 0), and the
+    # network terms of Eq. 1 per server — seconds per output byte and seconds per delivery, 0 for local ones
+    effective_lpc: np.ndarray | None = None
+    net_s_per_byte: np.ndarray | None = None
+    net_latency_s: np.ndarray | None = None
 
     def __post_init__(self):
         n = len(self.server_ids)
@@ -49,8 +57,11 @@ class Candidates:
         if not (len(self.kinds) == len(self.workers) == len(self.outstanding) == n) or \
                 any(len(col) not in (0, n) for col in optional):
             raise ValueError("Candidates: columns of different lengths")
-        if n and min(self.workers) < 1:
-            raise ValueError(f"Candidates: a server with {min(self.workers)} workers")
+        fewest = (self.workers.min() if isinstance(self.workers, np.ndarray) else min(self.workers)) if n else 1
+        if fewest < 1:
+            raise ValueError(f"Candidates: a server with {fewest} workers")
+        if isinstance(self.kinds, np.ndarray):
+            raise ValueError("Candidates.kinds must be a tuple of str")
         if self.local is not None and not 0 <= self.local < n:
             raise ValueError(f"Candidates.local={self.local}: no such position among {n} servers")
 
@@ -86,23 +97,42 @@ class PlacementRequest:
     io_bytes: int = 0
 
 
-@dataclass(frozen=True)
 class Decision:
     """The chosen server, why, and every candidate's score (lower is better), aligned with
     ``candidates`` (the servers' ids); ``finish_s``: each candidate's predicted ready time, seconds
-    from now (deadline-aware policies; empty otherwise)."""
+    from now (deadline-aware policies; empty otherwise); ``index``: the chosen one's position.
+    ``scores`` may be given as a function computing them: a decision needs only the best
+    candidates, the log shows every score when someone reads it."""
 
-    server_id: str
-    reason: str
-    candidates: tuple[str, ...]
-    scores: tuple[float, ...]
-    finish_s: tuple[float, ...] = ()
+    __slots__ = ("server_id", "reason", "candidates", "_scores", "finish_s", "index")
+
+    def __init__(self, server_id: str, reason: str, candidates: tuple[str, ...], scores, finish_s=(), index: int = -1):
+        self.server_id, self.reason, self.candidates = server_id, reason, candidates
+        self._scores, self.finish_s, self.index = scores, finish_s, index
+
+    @property
+    def scores(self):
+        if callable(self._scores):
+            self._scores = self._scores()
+        return self._scores
 
     def scores_by_server(self) -> dict[str, float]:
-        return dict(zip(self.candidates, self.scores))
+        return dict(zip(self.candidates, map(float, self.scores)))
 
     def finish_by_server(self) -> dict[str, float]:
-        return dict(zip(self.candidates, self.finish_s))
+        return dict(zip(self.candidates, map(float, self.finish_s)))
+
+    @property
+    def finish(self) -> float:
+        """The chosen server's predicted ready time (seconds from now); 0 when not predicted."""
+        return float(self.finish_s[self.index]) if len(self.finish_s) and self.index >= 0 else 0.0
+
+    def __repr__(self) -> str:
+        return f"Decision({self.server_id!r}, {self.reason!r}, finish={self.finish:.4f})"
+
+
+def _col(values, n: int, default: float) -> np.ndarray:
+    return np.asarray(values, dtype=np.float64) if len(values) else np.full(n, default)
 
 
 class LeastRequest:
@@ -112,13 +142,15 @@ class LeastRequest:
     name = "least-request"
 
     def choose(self, request: PlacementRequest, candidates: Candidates) -> Decision:
-        if not len(candidates):
+        c = candidates
+        if not len(c):
             raise ValueError(f"no live DataServer to place task {request.task_id} of rank {request.rank}")
-        scores = tuple(map(truediv, candidates.outstanding, candidates.workers))  # workers >= 1
-        best, local = min(scores), candidates.local
-        k = local if local is not None and scores[local] == best else scores.index(best)
-        reason = "local-least-request" if k == local else "least-request"
-        return Decision(candidates.server_ids[k], reason, candidates.server_ids, scores)
+        scores = _col(c.outstanding, len(c), 0.0) / _col(c.workers, len(c), 1.0)  # workers >= 1
+        k = int(scores.argmin())
+        if c.local is not None and scores[c.local] == scores[k]:
+            k = c.local
+        reason = "local-least-request" if k == c.local else "least-request"
+        return Decision(c.server_ids[k], reason, c.server_ids, scores, (), k)
 
 
 @dataclass(frozen=True)
@@ -151,58 +183,89 @@ class DeadlineAware:
     default_bandwidth_bps: float = 1e9
     default_link_latency_s: float = 2e-3
 
-    def finish_times(self, request: PlacementRequest, c: Candidates) -> list[float]:
+    def network_terms(self, c: Candidates, remote: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(seconds per output byte, seconds per delivery) of each candidate: 0 for local servers,
+        the measured link (else the defaults) for remote ones."""
+        if c.net_s_per_byte is not None and c.net_latency_s is not None:
+            return c.net_s_per_byte, c.net_latency_s
+        n = len(c)
+        bw, lat = _col(c.bandwidth_bps, n, 0.0), _col(c.link_latency_s, n, 0.0)
+        spb = np.where(remote, 1.0 / np.where(bw > 0, bw, self.default_bandwidth_bps), 0.0)
+        return spb, np.where(remote, np.where(lat > 0, lat, self.default_link_latency_s), 0.0)
+
+    def finish_times(self, request: PlacementRequest, c: Candidates, remote: np.ndarray | None = None) -> np.ndarray:
         """Predicted seconds from now until the batch is ready at the client, per candidate."""
         n = len(c)
-        lpc = c.latency_per_cost or (1.0,) * n
-        queued = c.queued_cpu_s or (0.0,) * n
-        io = request.io_bytes / self.io_bps
-        cpu = request.cpu_s
-        out = []
-        for k, (q, w, l, kind) in enumerate(zip(queued, c.workers, lpc, c.kinds)):
-            l = l if l > 0 else 1.0
-            t = q * l / w + cpu * l + io
-            if kind == "remote":
-                bw = c.bandwidth_bps[k] if c.bandwidth_bps and c.bandwidth_bps[k] > 0 else self.default_bandwidth_bps
-                lat = c.link_latency_s[k] if c.link_latency_s and c.link_latency_s[k] > 0 else self.default_link_latency_s
-                t += request.out_bytes / bw + lat
-            out.append(t)
-        return out
+        lpc = c.effective_lpc
+        if lpc is None:
+            lpc = _col(c.latency_per_cost, n, 1.0)
+            lpc = np.where(lpc > 0, lpc, 1.0)
+        spb, lat = self.network_terms(c, _remote(c) if remote is None else remote)
+        t = (_col(c.queued_cpu_s, n, 0.0) / _col(c.workers, n, 1.0) + request.cpu_s) * lpc
+        t += spb * request.out_bytes
+        t += lat + request.io_bytes / self.io_bps
+        return t
+
+    def scores(self, request: PlacementRequest, c: Candidates, finish: np.ndarray, outstanding=None) -> np.ndarray:
+        """Every candidate's score (lower is better; see the class docstring)."""
+        n, d = len(c), max(float(request.deadline_s or 0.0), 0.0)
+        inv = 1.0 / max(d, 1e-3)
+        remote = _remote(c)
+        out = _col(c.outstanding if outstanding is None else outstanding, n, 0.0)
+        scores = np.maximum(finish - d, 0.0) * (10.0 * inv) + finish * inv \
+            + np.where(remote, self.remote_penalty, self.pool_penalty) + self.backpressure * out / _col(c.workers, n, 1.0)
+        if c.local is not None:
+            scores[c.local] -= self.remote_penalty if remote[c.local] else self.pool_penalty  # the rank's own: no penalty
+        return scores
 
     def choose(self, request: PlacementRequest, candidates: Candidates) -> Decision:
         c = candidates
         if not len(c):
             raise ValueError(f"no live DataServer to place task {request.task_id} of rank {request.rank}")
-        finish = self.finish_times(request, c)
+        remote = _remote(c)
+        finish = self.finish_times(request, c, remote)
         own, d = c.local, request.deadline_s
         if d is None:
             return self._earliest(c, finish, finish, own)
         d = max(float(d), 0.0)
-        scale = 1.0 / max(d, 1e-3)
-        scores = []
-        for k, (t, kind, o, w) in enumerate(zip(finish, c.kinds, c.outstanding, c.workers)):
-            place = 0.0 if k == own else (self.remote_penalty if kind == "remote" else self.pool_penalty)
-            scores.append(10.0 * max(0.0, t - d) * scale + t * scale + place + self.backpressure * o / w)
-        meets = [k for k, t in enumerate(finish) if t <= d]
-        if not meets:
-            return self._earliest(c, finish, tuple(scores), own)
-        local = [k for k in meets if c.kinds[k] != "remote"]
-        if local:
-            k = min(local, key=lambda k: (scores[k], k))
-            remote = [j for j in range(len(c)) if c.kinds[j] == "remote"]
-            if remote:
-                j = min(remote, key=lambda j: (finish[j], j))
-                if finish[k] - finish[j] > self.gain_threshold * d:
-                    return Decision(c.server_ids[j], "remote-gain", c.server_ids, tuple(scores), tuple(finish))
-            return Decision(c.server_ids[k], "local-meets", c.server_ids, tuple(scores), tuple(finish))
-        k = min(meets, key=lambda k: (scores[k], k))
-        return Decision(c.server_ids[k], "meets-deadline", c.server_ids, tuple(scores), tuple(finish))
+        outstanding = np.array(c.outstanding, dtype=np.float64)  # a snapshot: the Coordinator's columns move on
+        lazy = (lambda: self.scores(request, c, finish, outstanding))
+        kinds = c.kinds
+        n_local = kinds.index("remote") if "remote" in kinds else len(kinds)
+        if kinds.count("remote") == len(kinds) - n_local:  # locals first (the Coordinator's order): no masks
+            local_ok = [k for k, t in enumerate(finish[:n_local].tolist()) if t <= d]
+            j = n_local + int(finish[n_local:].argmin()) if n_local < len(kinds) else None
+        else:
+            local_ok = np.flatnonzero((finish <= d) > remote).tolist()
+            j = int((finish + np.where(remote, 0.0, np.inf)).argmin()) if remote.any() else None
+        if local_ok:  # few (one per rank at most): scored in plain Python
+            inv, best = 1.0 / max(d, 1e-3), None
+            for k in local_ok:
+                score = finish.item(k) * inv + (0.0 if k == own else self.pool_penalty) \
+                    + self.backpressure * outstanding.item(k) / float(c.workers[k])
+                if best is None or score < best[0]:
+                    best = (score, k)
+            k = best[1]
+            if j is not None and finish.item(k) - finish.item(j) > self.gain_threshold * d:
+                return Decision(c.server_ids[j], "remote-gain", c.server_ids, lazy, finish, j)
+            return Decision(c.server_ids[k], "local-meets", c.server_ids, lazy, finish, k)
+        meets = finish <= d
+        if not meets.any():
+            return self._earliest(c, finish, lazy, own)
+        k = int(np.where(meets, self.scores(request, c, finish, outstanding), np.inf).argmin())
+        return Decision(c.server_ids[k], "meets-deadline", c.server_ids, lazy, finish, k)
 
     @staticmethod
-    def _earliest(c: Candidates, finish: list[float], scores, own) -> Decision:
-        best = min(finish)
-        k = own if own is not None and finish[own] == best else finish.index(best)
-        return Decision(c.server_ids[k], "earliest-finish", c.server_ids, tuple(scores), tuple(finish))
+    def _earliest(c: Candidates, finish: np.ndarray, scores, own) -> Decision:
+        k = int(finish.argmin())
+        if own is not None and finish[own] == finish[k]:
+            k = own
+        return Decision(c.server_ids[k], "earliest-finish", c.server_ids, scores, finish, k)
+
+
+def _remote(c: Candidates) -> np.ndarray:
+    remote = getattr(c, "remote_mask", None)
+    return remote if remote is not None else np.array([k == "remote" for k in c.kinds], dtype=bool)
 
 
 POLICIES = {"deadline": DeadlineAware, "least-request": LeastRequest}

@@ -12,7 +12,8 @@ import secrets
 
 import grpc
 
-__all__ = ["TOKEN_METADATA", "TokenInterceptor", "call_metadata", "check_bind", "load_token", "new_token"]
+__all__ = ["AioTokenInterceptor", "TOKEN_METADATA", "TokenInterceptor", "call_metadata", "check_bind", "load_token",
+           "new_token"]
 
 TOKEN_METADATA = "helix-token"
 
@@ -75,6 +76,29 @@ class TokenInterceptor(grpc.ServerInterceptor):
         if hmac.compare_digest(got.encode(), self._token):
             return continuation(handler_call_details)
         handler = continuation(handler_call_details)
+        if handler is not None and handler.request_streaming:
+            return self._deny_stream
+        return self._deny_unary
+
+
+class AioTokenInterceptor(grpc.aio.ServerInterceptor):
+    """``TokenInterceptor`` for grpc.aio services (the Coordinator)."""
+
+    def __init__(self, token: str):
+        self._token = token.encode()
+
+        async def deny(request, context):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                                "missing or wrong Helix token (pass token=... or set HELIX_TOKEN)")
+
+        self._deny_unary = grpc.unary_unary_rpc_method_handler(deny)
+        self._deny_stream = grpc.stream_unary_rpc_method_handler(deny)
+
+    async def intercept_service(self, continuation, handler_call_details):
+        got = dict(handler_call_details.invocation_metadata or ()).get(TOKEN_METADATA, "")
+        if hmac.compare_digest(got.encode(), self._token):
+            return await continuation(handler_call_details)
+        handler = await continuation(handler_call_details)
         if handler is not None and handler.request_streaming:
             return self._deny_stream
         return self._deny_unary

@@ -9,16 +9,17 @@ import collections
 import gc
 import json
 import logging
-import operator
 import threading
 import time
 import uuid
 from dataclasses import asdict, dataclass, field
 
+import numpy as np
+
 import grpc
 
 from ..config import PROTOCOL_VERSION, ClusterConfig
-from ..planning.placement import Candidates, PlacementRequest, make_policy
+from ..planning.placement import Candidates, DeadlineAware, PlacementRequest, make_policy
 from .proto import helix_pb2 as pb
 from .proto import helix_pb2_grpc as pbg
 
@@ -49,11 +50,7 @@ class ServerState:
     pending_cpu_s: float = 0.0  # predicted CPU seconds routed to it since that heartbeat, not yet completed
     link_bandwidth_bps: float = 0.0
     link_latency_s: float = 0.0
-
-    @property
-    def load_cpu_s(self) -> float:
-        """Predicted CPU seconds of work ahead of a new task on this server."""
-        return self.queued_cpu_s + self.pending_cpu_s
+    load_cpu_s: float = 0.0  # queued + pending: predicted CPU seconds of work ahead of a new task here
 
 
 @dataclass
@@ -77,8 +74,7 @@ class Registry:
         self._owner: dict[int, tuple] = {}  # task_id -> (server id, predicted cpu_s, routed at) until completed
         self._lock = threading.Lock()
         self._order: tuple[list[ServerState], list[ServerState]] | None = None  # (locals, all), cached
-        self._live: tuple | None = None  # (live servers, their ids, kinds, workers, id -> position), cached
-        self._beats: tuple | None = None  # (queue depths, latency per cost) of the live servers, cached
+        self._live: _Table | None = None  # the live servers' columns
 
     # ---- membership ----------------------------------------------------------------------------
     def register_server(self, address: str, kind: str, local_rank: int, host: str, workers: int) -> ServerState:
@@ -117,7 +113,8 @@ class Registry:
                 setattr(st, k, v)
             if "queued_cpu_s" in stats:  # the server's own count now covers what was routed before it
                 st.pending_cpu_s = 0.0
-            self._beats = None
+            st.load_cpu_s = st.queued_cpu_s + st.pending_cpu_s
+            self._sync(st)
             return True
 
     def sweep(self) -> list[str]:
@@ -152,24 +149,23 @@ class Registry:
             self._order = (locals_, locals_ + self._remotes())
         return self._order
 
-    def _live_table(self) -> tuple:
-        """Live servers in cluster order with their static columns, recomputed when membership
-        or liveness changes (not per decision)."""
+    def _live_table(self) -> "_Table":
+        """Live servers in cluster order as numpy columns, rebuilt when membership or liveness
+        changes and updated in place by routing, completions and heartbeats (never per decision)."""
         if self._live is None:
-            self._live = _table([s for s in self._ordering()[1] if s.alive])
-            self._beats = None
+            self._live = _Table([s for s in self._ordering()[1] if s.alive])
         return self._live
 
+    def _sync(self, st: ServerState) -> None:
+        """Copy a server's changed state into the live table (caller holds the lock)."""
+        if self._live is not None:
+            self._live.sync(st)
+
     def _candidates(self, delivery: ServerState, exclude: set[str]) -> Candidates:
-        live, ids, kinds, workers, position = self._live_table()
-        if exclude and any(sid not in exclude for sid in ids):  # exclusions are hints, never fatal
-            live, ids, kinds, workers, position = _table([s for s in live if s.server_id not in exclude])
-            beats = _beats(live)
-        else:
-            beats = self._beats = self._beats or _beats(live)
-        depth, lpc, bandwidth, latency = beats
-        return Candidates(ids, kinds, workers, tuple(map(_OUTSTANDING, live)), depth, lpc,
-                          position.get(delivery.server_id), tuple(map(_LOAD, live)), bandwidth, latency)
+        table = self._live_table()
+        if exclude and any(sid not in exclude for sid in table.ids):  # exclusions are hints, never fatal
+            table = _Table([s for s in table.servers if s.server_id not in exclude])
+        return table.candidates(table.position.get(delivery.server_id))
 
     def ordered(self) -> list[ServerState]:
         """Local servers by slot, then remote ones by registration: ``cluster.servers`` order."""
@@ -218,6 +214,8 @@ class Registry:
                 self._release(prev)
             chosen.outstanding += 1
             chosen.pending_cpu_s += request.cpu_s
+            chosen.load_cpu_s += request.cpu_s
+            self._sync(chosen)
             self._owner[task_id] = (chosen.server_id, request.cpu_s, chosen.last_seen)
             self.routed += 1
             us = (time.perf_counter() - t0) * 1e6
@@ -236,6 +234,8 @@ class Registry:
         st.outstanding = max(0, st.outstanding - 1)
         if st.last_seen == beat:  # routed since the last heartbeat: still counted as pending
             st.pending_cpu_s = max(0.0, st.pending_cpu_s - cpu_s)
+            st.load_cpu_s = st.queued_cpu_s + st.pending_cpu_s
+        self._sync(st)
 
     def complete(self, task_id: int, server_id: str, latency_s: float, ok: bool) -> None:
         with self._lock:
@@ -252,21 +252,48 @@ class Registry:
                 "decisions": [_decision_entry(d) for d in list(self.decisions)[-last:]] if last else []}
 
 
-_OUTSTANDING = operator.attrgetter("outstanding")
-_LOAD = operator.attrgetter("load_cpu_s")
 
 
-def _table(live: list[ServerState]) -> tuple:
-    """(servers, their ids, kinds, workers, id -> position): the columns that change only with membership."""
-    ids = tuple(s.server_id for s in live)
-    return live, ids, tuple(s.kind for s in live), tuple(s.workers for s in live), {sid: k for k, sid in enumerate(ids)}
+class _Table:
+    """The live servers' columns for placement: static ones (ids, kinds, workers) and dynamic ones
+    (outstanding, load, heartbeat terms) as numpy arrays that ``sync`` updates in place."""
 
+    def __init__(self, live: list[ServerState]):
+        self.servers = live
+        self.ids = tuple(s.server_id for s in live)
+        self.kinds = tuple(s.kind for s in live)
+        self.position = {sid: k for k, sid in enumerate(self.ids)}
+        self.workers = np.array([s.workers for s in live], dtype=np.float64)
+        self.remote = np.array([s.kind == "remote" for s in live], dtype=bool)
+        n = len(live)
+        self.outstanding, self.load, self.lpc, self.bw, self.lat, self.spb, self.net_lat = (np.zeros(n) for _ in range(7))
+        self.depth = np.zeros(n, dtype=np.int64)
+        self._candidates: dict = {}
+        for s in live:
+            self.sync(s)
 
-def _beats(live: list[ServerState]) -> tuple:
-    """(queue depths, latency per cost, link bandwidth, link latency) of the live servers: the
-    columns that change only with heartbeats."""
-    return (tuple([s.queue_depth for s in live]), tuple([s.latency_per_cost for s in live]),
-            tuple([s.link_bandwidth_bps for s in live]), tuple([s.link_latency_s for s in live]))
+    def sync(self, st: ServerState) -> None:
+        k = self.position.get(st.server_id)
+        if k is None or self.servers[k] is not st:
+            return
+        self.outstanding[k], self.load[k], self.depth[k] = st.outstanding, st.load_cpu_s, st.queue_depth
+        self.lpc[k], self.bw[k], self.lat[k] = st.latency_per_cost, st.link_bandwidth_bps, st.link_latency_s
+        # Eq. 1's terms in effective form, worked out here once per change rather than per decision
+        self.lpc[k] = st.latency_per_cost if st.latency_per_cost > 0 else 1.0
+        if st.kind == "remote":
+            bw = st.link_bandwidth_bps if st.link_bandwidth_bps > 0 else DeadlineAware.default_bandwidth_bps
+            self.spb[k] = 1.0 / bw
+            self.net_lat[k] = st.link_latency_s if st.link_latency_s > 0 else DeadlineAware.default_link_latency_s
+
+    def candidates(self, local: int | None) -> Candidates:
+        """The columns as ``Candidates`` for a rank whose own server sits at ``local``: one object
+        per position, made once — its arrays are this table's, which ``sync`` keeps current."""
+        got = self._candidates.get(local)
+        if got is None:
+            got = self._candidates[local] = Candidates(
+                self.ids, self.kinds, self.workers, self.outstanding, self.depth, self.lpc, local, self.load,
+                self.bw, self.lat, self.remote, self.lpc, self.spb, self.net_lat)
+        return got
 
 
 def _decision_entry(record: tuple) -> dict:
@@ -274,7 +301,7 @@ def _decision_entry(record: tuple) -> dict:
     entry = {"task_id": task_id, "rank": rank, "server": decision.server_id, "delivery": delivery,
              "scheduler": scheduler, "deadline_s": deadline_s, "reason": decision.reason,
              "scores": decision.scores_by_server(), "us": round(us, 1)}
-    if decision.finish_s:
+    if len(decision.finish_s):
         entry["finish_s"] = decision.finish_by_server()
     return entry
 
@@ -285,31 +312,33 @@ def _info(st: ServerState, index: int) -> pb.ServerInfo:
 
 
 class CoordinatorServicer(pbg.CoordinatorServicer):
-    """Thin: converts messages and calls ``Registry``; errors go back as status codes."""
+    """Thin: converts messages and calls ``Registry``; errors go back as status codes. Its
+    handlers are coroutines on one asyncio loop (grpc.aio): every one is short and never blocks,
+    so decisions never wait for the GIL behind another handler thread."""
 
     def __init__(self, registry: Registry, stop: threading.Event, pickle_allowed: bool):
         self.registry, self.stop, self.pickle_allowed = registry, stop, pickle_allowed
 
-    def Hello(self, request, context):
+    async def Hello(self, request, context):
         return pb.HelloReply(protocol_version=PROTOCOL_VERSION, cluster_id=self.registry.cluster_id,
                              pickle_allowed=self.pickle_allowed)
 
-    def RegisterServer(self, request, context):
+    async def RegisterServer(self, request, context):
         try:
             st = self.registry.register_server(request.address, request.kind, request.local_rank,
                                                request.host, request.workers)
         except ValueError as e:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         return pb.RegisterServerReply(server_id=st.server_id, cluster_id=self.registry.cluster_id,
                                       heartbeat_interval_s=self.registry.config.heartbeat_interval_s)
 
-    def RegisterClient(self, request, context):
+    async def RegisterClient(self, request, context):
         cid, base = self.registry.register_client(request.rank, request.world_size, request.host)
         servers = [_info(s, i) for i, s in enumerate(self.registry.ordered())]
         return pb.RegisterClientReply(client_id=cid, cluster_id=self.registry.cluster_id, servers=servers,
                                       task_id_base=base)
 
-    def Heartbeat(self, request, context):
+    async def Heartbeat(self, request, context):
         known = self.registry.heartbeat(request.server_id, queue_depth=request.queue_depth, inflight=request.inflight,
                                         latency_per_cost=request.latency_per_cost or 1.0, completed=request.completed,
                                         cross_ds_bytes=request.cross_ds_bytes, queued_cpu_s=request.queued_cpu_s,
@@ -317,34 +346,33 @@ class CoordinatorServicer(pbg.CoordinatorServicer):
                                         link_latency_s=request.link_latency_s)
         return pb.HeartbeatReply(known=known)
 
-    def Route(self, request, context):
-        t_arrival = time.perf_counter()
+    async def Route(self, request, context):
+        t_arrival = time.perf_counter()  # the decision's time counts from here: the handler's whole work
         c = request.cost
         cost = {"cpu_s": c.cpu_s, "io_bytes": c.io_bytes, "out_bytes": c.out_bytes, "tokens": c.tokens,
                 "deadline_s": request.deadline_s if request.has_deadline else None}
         try:
             policy = self.registry.policy_for(request.scheduler)
         except ValueError as e:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         try:
             chosen, delivery, decision, us = self.registry.route(request.rank, request.task_id, cost,
                                                                  set(request.exclude), policy.name, t_arrival)
         except (LookupError, ValueError) as e:
-            context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
-        finish = decision.finish_s[decision.candidates.index(decision.server_id)] if decision.finish_s else 0.0
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         return pb.RouteReply(exec_server_id=chosen.server_id, exec_address=chosen.address,
                              delivery_server_id=delivery.server_id, delivery_address=delivery.address,
                              reason=decision.reason, decision_us=us, exec_kind=chosen.kind,
-                             predicted_finish_s=finish)
+                             predicted_finish_s=decision.finish)
 
-    def ReportCompletion(self, request, context):
+    async def ReportCompletion(self, request, context):
         self.registry.complete(request.task_id, request.server_id, request.latency_s, request.ok)
         return pb.Ack(ok=True)
 
-    def Telemetry(self, request, context):
+    async def Telemetry(self, request, context):
         return pb.TelemetryReply(json=json.dumps(self.registry.telemetry(request.last_decisions)))
 
-    def Shutdown(self, request, context):
+    async def Shutdown(self, request, context):
         self.stop.set()
         return pb.Ack(ok=True)
 
@@ -352,20 +380,29 @@ class CoordinatorServicer(pbg.CoordinatorServicer):
 def serve_coordinator(host: str, port: int, token: str | None, config: ClusterConfig, scheduler: str,
                       stop: threading.Event, on_ready=None, cluster_id: str | None = None) -> None:
     """Run a Coordinator until ``stop`` is set (blocking). ``on_ready(address)`` after binding."""
-    from .rpc import create_server
+    import asyncio
+
+    asyncio.run(_serve(host, port, token, config, scheduler, stop, on_ready, cluster_id))
+
+
+async def _serve(host, port, token, config, scheduler, stop, on_ready, cluster_id) -> None:
+    import asyncio
+
+    from .rpc import create_aio_server
 
     registry = Registry(config, scheduler, cluster_id=cluster_id or uuid.uuid4().hex[:12])
-    server, bound = create_server(host, port, token, config, threads=32)
+    server, bound = create_aio_server(host, port, token, config)
     # A long-lived service with a stable heap: keep startup objects out of collections and collect
     # the young generation rarely, so a collection lands in fewer than 1 in 1,000 routing decisions.
     gc.freeze()
     gc.set_threshold(50_000, 20, 20)
     pbg.add_CoordinatorServicer_to_server(CoordinatorServicer(registry, stop, bool(token)), server)
-    server.start()
+    await server.start()
     if on_ready is not None:
         on_ready(f"{host}:{bound}", registry.cluster_id)
     try:
-        while not stop.wait(config.heartbeat_interval_s / 2):
+        while not stop.is_set():
+            await asyncio.sleep(min(config.heartbeat_interval_s / 2, 0.25))
             registry.sweep()
     finally:
-        server.stop(grace=min(1.0, config.stop_timeout_s)).wait(config.stop_timeout_s)
+        await server.stop(grace=min(1.0, config.stop_timeout_s))

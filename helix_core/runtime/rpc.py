@@ -7,10 +7,10 @@ import grpc
 
 from ..config import PROTOCOL_VERSION, ClusterConfig
 from ..errors import ClusterError
-from .auth import TokenInterceptor, call_metadata, check_bind
+from .auth import AioTokenInterceptor, TokenInterceptor, call_metadata, check_bind
 from .proto import helix_pb2 as pb
 
-__all__ = ["channel_options", "check_hello", "connect", "create_server"]
+__all__ = ["channel_options", "check_hello", "connect", "create_aio_server", "create_server"]
 
 
 def channel_options(config: ClusterConfig) -> list[tuple[str, int]]:
@@ -28,6 +28,17 @@ def create_server(host: str, port: int, token: str | None, config: ClusterConfig
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="helix-rpc"),
                          interceptors=[TokenInterceptor(token)] if token else [],
                          options=channel_options(config))
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise ClusterError(f"cannot listen on {host}:{port}")
+    return server, bound
+
+
+def create_aio_server(host: str, port: int, token: str | None, config: ClusterConfig):
+    """``create_server`` for an asyncio service (grpc.aio; call it inside the running loop)."""
+    check_bind(host, token)
+    server = grpc.aio.server(interceptors=[AioTokenInterceptor(token)] if token else [],
+                             options=channel_options(config))
     bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
         raise ClusterError(f"cannot listen on {host}:{port}")
