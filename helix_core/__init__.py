@@ -23,6 +23,7 @@ _EXPORTS = {
     "decode_frames": "media.decode", "uniform_indices": "media.decode",
     "pad_collate": "collate",
     "probe": "media.probe",
+    "GPU_COSTS": "planning.gpu", "GpuCost": "planning.gpu", "TokenPlanner": "planning.batching",
 }
 _MODULES = {"synth": "media.synth", "tokens": "tokens"}
 

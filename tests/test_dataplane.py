@@ -19,6 +19,9 @@ def cluster():
 
 def loader(ds, cluster, **kw):
     kw.setdefault("config", CFG)
+    # these tests drive every server, the remote one too: least-request spreads requests evenly
+    # (deadline placement keeps work local while deadlines are met: tests/test_coscheduling.py)
+    kw.setdefault("scheduler", "least-request")
     return hx.DistributedDataLoader(ds, coordinator=cluster.address, **kw)
 
 

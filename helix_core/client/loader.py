@@ -74,7 +74,7 @@ class DistributedDataLoader:
 
     def __init__(self, dataset, batch_size: int = 1, *, rank: int | None = None, world_size: int | None = None,
                  coordinator: str | None = None, token: str | None = None, shuffle: bool = False, seed: int = 0,
-                 drop_last: bool = False, collate_fn=None, prefetch_depth: int = 4, scheduler: str = "least-request",
+                 drop_last: bool = False, collate_fn=None, prefetch_depth: int = 4, scheduler: str = "deadline",
                  balance: str | None = None, window: int = 8, gpu_cost=None, microbatch_size: int | None = None,
                  on_error: str = "raise", pin_memory: bool = False, device=None, num_workers: int | None = None,
                  config: ClusterConfig | None = None, ddl_tolerance_s: float = 0.010):

@@ -52,7 +52,7 @@ class LocalCluster:
 
     def __init__(self, local_servers: int = 1, remote_servers: int = 0, workers_per_server: int = 1,
                  token: str | bool | None = None, host: str = "127.0.0.1", config: ClusterConfig | None = None,
-                 scheduler: str = "least-request", start: bool = True):
+                 scheduler: str = "deadline", start: bool = True):
         if local_servers < 1 or remote_servers < 0 or workers_per_server < 1:
             raise ValueError(f"LocalCluster needs local_servers >= 1, remote_servers >= 0, workers_per_server >= 1 "
                              f"(got {local_servers}, {remote_servers}, {workers_per_server})")

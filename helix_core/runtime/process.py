@@ -48,7 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("coordinator")
     c.add_argument("--host", default="127.0.0.1")
     c.add_argument("--port", type=int, default=7070)
-    c.add_argument("--scheduler", default="least-request")
+    c.add_argument("--scheduler", default="deadline", help="placement policy of requests that name none")
     c.add_argument("--cluster-id", default=None)
     d = sub.add_parser("dataserver")
     d.add_argument("--coordinator", required=True)
