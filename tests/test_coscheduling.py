@@ -7,6 +7,7 @@ import threading
 import time
 
 import pytest
+import torch
 from torch.utils.data import DistributedSampler
 
 import helix_core as hx
@@ -194,3 +195,19 @@ def test_requests_run_ahead_into_the_next_epoch_and_are_adopted_or_cancelled(clu
     for epoch, got in ((1, first), (2, second), (7, seventh)):
         assert got == [b["index"].tolist() for b in torch_batches(ds, 2, 0, 1, shuffle=True, seed=1, epoch=epoch)]
     wait_for(lambda: not busy_segments(cluster), 10, "every slab released after close")
+
+
+def test_a_batch_that_would_miss_its_deadline_fans_out_and_merges_exactly(cluster):
+    ds = CostedDataset(16, [1568] * 16, cpu_s=[1.0] * 16, shape=(3, 8, 8))  # predicted 1 s a sample
+    with hx.DistributedDataLoader(ds, batch_size=4, coordinator=cluster.address, rank=0, world_size=1,
+                                  prefetch_depth=2, config=CFG) as ld:
+        got = []
+        for batch in ld:
+            got.append(batch)
+            ld.report_step_time(0.01)  # a 10 ms GPU window: no single worker prepares 4 s of work in time
+        fanouts = ld.stats()["fanouts"]
+    assert fanouts > 0
+    want = torch_batches(ds, 4, 0, 1)
+    assert len(got) == len(want)
+    for a, b in zip(got, want):
+        assert torch.equal(a["x"], b["x"]) and torch.equal(a["index"], b["index"]) and torch.equal(a["tokens"], b["tokens"])

@@ -117,3 +117,17 @@ def test_deadlines_come_from_measured_windows_per_unit_of_gpu_cost():
     assert est.seconds_per_unit == pytest.approx(0.01)
     with pytest.raises(ValueError, match="report_step_time"):
         est.report(-1.0)
+
+
+def test_a_batch_fans_out_only_when_one_worker_would_miss_its_deadline():
+    from helix_core.client.loader import _fan_out
+    from helix_core.descriptors import CostProfile
+
+    def costs(*cpu):
+        return [CostProfile(cpu_s=c, io_bytes=0, out_bytes=0, tokens=0, profile="") for c in cpu]
+
+    assert _fan_out([7, 8], costs(0.1, 0.1), deadline_s=1.0) == [[7, 8]]  # one worker makes it
+    assert _fan_out([7, 8], costs(0.1, 0.1), deadline_s=0.05) == [[7], [8]]  # two large clips: ready in the time of one
+    assert _fan_out([1, 2, 3, 4], costs(0.3, 0.1, 0.1, 0.1), deadline_s=0.3) == [[1], [2, 3, 4]]  # contiguous, equal cost
+    assert _fan_out([7, 8], [None, None], deadline_s=0.0) == [[7, 8]]  # unknown costs: never split
+    assert _fan_out([7], costs(5.0), deadline_s=0.0) == [[7]]
