@@ -8,9 +8,9 @@ import time
 
 import pytest
 import torch
-from torch.utils.data import DistributedSampler
 
 import helix_core as hx
+from helix_core.bench.planner import sampler_steps as bench_sampler_steps
 from helix_core.client.transport import ClusterClient
 from helix_core.planning.batching import TokenPlanner, imbalance_ratio
 from helix_core.planning.gpu import gpu_cost
@@ -80,13 +80,7 @@ def test_deadlines_and_reasons_reach_the_decision_log(cluster):
 
 def sampler_steps(n, batch_size, world_size, shuffle=False, seed=0, epoch=0):
     """``steps[s][r]``: what DistributedSampler + batching give rank r at global step s."""
-    shards = []
-    for r in range(world_size):
-        sampler = DistributedSampler(range(n), num_replicas=world_size, rank=r, shuffle=shuffle, seed=seed)
-        sampler.set_epoch(epoch)
-        idx = list(sampler)
-        shards.append([idx[i:i + batch_size] for i in range(0, len(idx), batch_size)])
-    return [list(step) for step in zip(*shards)]
+    return bench_sampler_steps(n, world_size, batch_size, seed, epoch, shuffle=shuffle)
 
 
 def _planned(ds, world_size, batch_size, window):

@@ -40,13 +40,14 @@ class PlannerResult:
     windows_planned: dict[int, int]
 
 
-def sampler_steps(n: int, ranks: int, batch_size: int, seed: int, epoch: int) -> list[list[list[int]]]:
-    """``steps[s][r]``: rank r's batch at global step s, exactly as the bench's ranks draw them."""
+def sampler_steps(n: int, ranks: int, batch_size: int, seed: int, epoch: int, shuffle: bool = True) -> list[list[list[int]]]:
+    """``steps[s][r]``: rank r's batch at global step s, exactly as the bench's ranks draw them
+    (DistributedSampler, then batches of ``batch_size``)."""
     from torch.utils.data import DistributedSampler
 
     shards = []
     for r in range(ranks):
-        sampler = DistributedSampler(range(n), num_replicas=ranks, rank=r, shuffle=True, seed=seed)
+        sampler = DistributedSampler(range(n), num_replicas=ranks, rank=r, shuffle=shuffle, seed=seed)
         sampler.set_epoch(epoch)
         idx = list(sampler)
         shards.append([idx[i:i + batch_size] for i in range(0, len(idx), batch_size)])
