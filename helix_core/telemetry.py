@@ -64,6 +64,7 @@ class LoaderStats:
         return {
             "batches": self.batches,
             "input_wait_p50_s": percentile(waits, 50), "input_wait_p95_s": percentile(waits, 95),
+            "input_wait_last_s": waits[-1] if waits else math.nan,
             "batch_ready_p50_s": percentile(self.batch_ready, 50), "batch_ready_p95_s": percentile(self.batch_ready, 95),
             "ddl_miss_rate": misses / len(waits) if waits else math.nan, "ddl_tolerance_s": self.ddl_tolerance_s,
             "skipped": self.skipped, "resubmits": self.resubmits,

@@ -132,7 +132,7 @@ class DistributedDataLoader:
         self._epochs_advance = False  # set_epoch was called: the user advances epochs (a training loop)
         self._root = Dispatch(self._tagger, *map(_weak, (self._submit, self._collect, self._cancel)), prefetch_depth,
                               on_batch=_weak(self._record), next_epoch=_weak(self._next_epoch))
-        self._epoch, self._resume, self._iteration = 0, 0, 0
+        self._epoch, self._resume, self._iteration, self._started = 0, 0, 0, 0
         self._position = 0  # batches yielded of the epoch (len(self) once it completed)
         self._task_ids = itertools.count(self.client.task_id_base + 1)  # unique in the cluster; next() is atomic
         self._unread: set = set()  # cancelled requests whose replies are still on their way
@@ -160,14 +160,30 @@ class DistributedDataLoader:
     def __iter__(self) -> "_LoaderIter":
         if self._closed:
             raise RuntimeError("this DistributedDataLoader is closed")
+        self._iteration += 1  # starts no work: the epoch and resume point are read at the first next()
+        return _LoaderIter(self, self._iteration)
+
+    def _begin(self, iteration: int) -> None:
+        """The first ``next()`` of an iteration: request its epoch's batches (adopting requests
+        already running ahead for exactly that epoch and position)."""
         self._root.reset({ShardBatches.EPOCH: self._epoch, ShardBatches.YIELDED: self._resume})
         self._resume = 0  # a resume point applies to one iteration; the next starts the epoch afresh
-        self._iteration += 1
-        return _LoaderIter(self, self._iteration)
+        self._started = iteration
+
+    @property
+    def epoch(self) -> int:
+        """The epoch the next (or current) pass iterates."""
+        return self._epoch
+
+    @property
+    def sampler(self) -> "_EpochSampler":
+        """A sampler-like view (``set_epoch``, ``len``) for trainers that call
+        ``loader.sampler.set_epoch(e)`` at each epoch's start, as Lightning does."""
+        return _EpochSampler(self)
 
     def state_dict(self) -> dict:
         """Rank-independent resume point: batches yielded to the user (not requests in flight)."""
-        active = self._root.running and not self._closed
+        active = self._started == self._iteration and self._root.running and not self._closed
         yielded = self._root.get_state()[ShardBatches.YIELDED] if active else (self._resume or self._position)
         return {"epoch": self._epoch, "seed": self.seed, "batches_yielded": int(yielded),
                 "world_size": self.world_size, "batch_size": self.batch_size, "shuffle": self.shuffle,
@@ -475,6 +491,8 @@ class _LoaderIter:
         if ld._iteration != self._iteration:
             raise RuntimeError("a newer iteration of this DistributedDataLoader began (iter() was called again); "
                                "this iterator has ended")
+        if ld._started != self._iteration:
+            ld._begin(self._iteration)
         ld.deadlines.asked()  # the window of the batch it computed (if any) ends here
         t0 = time.perf_counter()
         try:
@@ -488,12 +506,14 @@ class _LoaderIter:
         ld._stats.input_wait.append(time.perf_counter() - t0)
         ld._stats.batches += 1
         ld.deadlines.yielded(ld._root.last_seq)
+        if ld._root.get_state()[ShardBatches.YIELDED] >= len(ld):
+            ld._position = len(ld)  # a trainer may stop after len batches without asking for more
         return batch
 
     def _finish(self, completed: bool) -> None:
         ld = self._loader
-        if self._done or ld._iteration != self._iteration or ld._closed:
-            self._done = True
+        if self._done or ld._iteration != self._iteration or ld._started != self._iteration or ld._closed:
+            self._done = True  # superseded, or never started (nothing to stop)
             return
         self._done = True
         if completed:  # requests for the next pass run on (adopted by it, or cancelled)
@@ -509,6 +529,23 @@ class _LoaderIter:
             self._finish(completed=False)
         except Exception:
             pass
+
+
+class _EpochSampler:
+    """``loader.sampler``: what a trainer may call on a DataLoader's ``DistributedSampler``."""
+
+    def __init__(self, loader: DistributedDataLoader):
+        self._loader = loader
+
+    def set_epoch(self, epoch: int) -> None:
+        self._loader.set_epoch(epoch)
+
+    @property
+    def epoch(self) -> int:
+        return self._loader.epoch
+
+    def __len__(self) -> int:  # this rank's samples per epoch, as DistributedSampler's len
+        return len(self._loader._batches.sampler)
 
 
 def _sum_costs(costs):

@@ -1,0 +1,83 @@
+"""The recipes run each shipped config for a few steps on CPU (tiny models, small synthesized
+clips): Lightning (LightningCLI, one process here; DDP is in test_lightning.py) and Accelerate
+(one process here; ``accelerate launch`` is in test_accelerate.py), Helix and the torch baseline."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
+
+
+def small(config: Path, tmp: Path, **data) -> Path:
+    """The config on a handful of quarter-scale clips, one process, two steps."""
+    cfg = yaml.safe_load(config.read_text())
+    cfg["data"]["dataset"].update(clips=4, scale=0.25)
+    cfg["data"].update(data)
+    cfg["data"]["loader_options"]["num_workers"] = 1
+    cfg["trainer"].update(devices=1, strategy="auto", max_steps=2, log_every_n_steps=1, enable_progress_bar=False)
+    path = tmp / config.name
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+@pytest.fixture(autouse=True)
+def cache(tmp_path_factory, monkeypatch):
+    monkeypatch.setenv("HELIX_CACHE", str(tmp_path_factory.getbasetemp() / "recipes-cache"))  # shared: synth once
+    monkeypatch.delenv("HELIX_COORDINATOR", raising=False)
+
+
+def test_the_three_configs_ship():
+    assert {c.name for c in CONFIGS} == {"qwen2_vl_kinetics_mixed.yaml", "videomae_kinetics_mixed.yaml",
+                                         "wan_openvid_mixed.yaml"}
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: c.stem)
+def test_lightning_recipe_trains_a_few_steps(config, tmp_path):
+    from recipes.train_lightning import main
+
+    main(["fit", "--config", str(small(config, tmp_path)), "--trainer.default_root_dir", str(tmp_path)])
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: c.stem)
+def test_accelerate_recipe_trains_a_few_steps(config, tmp_path):
+    from accelerate.state import AcceleratorState, GradientState
+
+    from recipes.train_accelerate import main
+
+    try:
+        summary = main(["--config", str(small(config, tmp_path)), "--output-dir", str(tmp_path / "out")])
+    finally:
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+    assert summary["steps"] == 2 and summary["steps_per_s"] > 0
+
+
+def test_the_torch_baseline_runs_the_same_recipe(tmp_path):
+    from recipes.train_lightning import main
+
+    config = small(ROOT / "configs" / "videomae_kinetics_mixed.yaml", tmp_path, loader="torch")
+    with pytest.warns(UserWarning, match="ignores Helix's options"):
+        main(["fit", "--config", str(config), "--trainer.default_root_dir", str(tmp_path)])
+
+
+def test_a_bad_config_fails_before_training_naming_the_key(tmp_path):
+    from recipes.train_lightning import main
+
+    cfg = yaml.safe_load((ROOT / "configs" / "videomae_kinetics_mixed.yaml").read_text())
+    cfg["model"]["family"] = "llava"
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    with pytest.raises(ValueError, match=r"model.family='llava'.*qwen2-vl, videomae, wan"):
+        main(["fit", "--config", str(path)])
+    cfg["model"]["family"], cfg["model"]["config"] = "wan", {}  # the data is decoded for videomae
+    path.write_text(yaml.safe_dump(cfg))
+    with pytest.raises(ValueError, match=r"data.dataset.model='videomae' but model.family='wan'"):
+        main(["fit", "--config", str(path)])
+    cfg["model"].update(family="videomae", config={"task": "pretraining"}, pretrained=str(tmp_path / "no-such-folder"))
+    path.write_text(yaml.safe_dump(cfg))
+    with pytest.raises(FileNotFoundError, match="model.pretrained"):
+        main(["fit", "--config", str(path)])
