@@ -67,7 +67,7 @@ class TrainState:
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--config", required=True)
-    p.add_argument("--output-dir", default="helix-accelerate-out")
+    p.add_argument("--output-dir", default="helix-accelerate-out", help="checkpoints and traces")
     p.add_argument("--max-steps", type=int, default=None, help="overrides trainer.max_steps")
     p.add_argument("--checkpoint-every", type=int, default=0)
     p.add_argument("--resume", default=None, help="a folder written by --checkpoint-every")
