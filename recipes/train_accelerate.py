@@ -73,6 +73,8 @@ def main(argv=None) -> dict:
     p.add_argument("--resume", default=None, help="a folder written by --checkpoint-every")
     p.add_argument("--trace", action="store_true", help="write each rank's batches to OUTPUT/trace-rank<r>.jsonl")
     p.add_argument("--fail-after-step", type=int, default=None, help="simulate a crash (for resume tests)")
+    p.add_argument("--warmup", type=int, default=0, help="steps left out of the summary's steps/s and input wait")
+    p.add_argument("--summary", default=None, help="the main process writes the run's summary here (JSON)")
     a = p.parse_args(argv)
     cfg = load_config(a.config)
     model_cfg, data, trainer = cfg["model"], cfg["data"], cfg["trainer"]
@@ -104,7 +106,8 @@ def main(argv=None) -> dict:
     max_steps = a.max_steps if a.max_steps is not None else int(trainer.get("max_steps", -1))
     max_epochs = int(trainer.get("max_epochs", -1) or -1)
     log_every = int(trainer.get("log_every_n_steps", 50))
-    t0, first_step = time.perf_counter(), state.step
+    waits_before = 0
+    t0, first_step = time.perf_counter(), state.step + a.warmup
     try:
         epoch = loader.epoch
         while (max_epochs < 0 or epoch < max_epochs) and (max_steps < 0 or state.step < max_steps):
@@ -119,6 +122,8 @@ def main(argv=None) -> dict:
                     optimizer.step()
                     optimizer.zero_grad()
                 state.step += 1
+                if state.step == first_step:  # the warm-up ends: the summary counts from here
+                    t0, waits_before = time.perf_counter(), len(loader.input_waits)
                 if state.step % log_every == 0:
                     metrics = plugin.log(state.step)
                     accelerator.print(f"step {state.step} loss {loss.item():.4f} " +
@@ -132,9 +137,15 @@ def main(argv=None) -> dict:
             epoch += 1
         accelerator.wait_for_everyone()
         elapsed = time.perf_counter() - t0
-        summary = {"steps": state.step - first_step, "seconds": elapsed,
-                   "steps_per_s": (state.step - first_step) / elapsed if elapsed > 0 else 0.0, **plugin.stats()}
+        steps = max(0, state.step - first_step)
+        waits = loader.input_waits[waits_before:] if a.warmup else loader.input_waits
+        total = accelerator.gather(torch.tensor([float(sum(waits))], device=accelerator.device))
+        summary = {"steps": steps, "seconds": elapsed, "steps_per_s": steps / elapsed if elapsed > 0 else 0.0,
+                   "input_wait_s_per_step": float(total.max()) / max(steps, 1),  # the slowest rank's
+                   "loader": data.get("loader", "helix"), "processes": accelerator.num_processes, **plugin.stats()}
         accelerator.print(json.dumps(summary))
+        if a.summary and accelerator.is_main_process:
+            Path(a.summary).write_text(json.dumps(summary, indent=1))
         return summary
     finally:
         if trace is not None:

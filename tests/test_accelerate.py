@@ -79,6 +79,7 @@ def test_plugin_prepares_a_loader_that_ends_epochs_like_a_prepared_dataloader(km
         assert ends == [False] * (len(loader) - 1) + [True]
         assert not accelerator.gradient_state.in_dataloader
         assert plugin.stats()["helix/ddl_miss_rate"] >= 0.0
+        assert set(plugin.log(step=1)) == {"helix/input_wait_s", "helix/ddl_miss_rate", "helix/batch_ready_p95_s"}
 
         # save_state / load_state carry the loader's position: mid-epoch here
         loader.set_epoch(1)
