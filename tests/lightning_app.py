@@ -85,10 +85,15 @@ def main(argv=None) -> int:
     p.add_argument("--devices", type=int, default=2)
     p.add_argument("--gpu-s", type=float, default=0.0)
     p.add_argument("--after-s", type=float, default=0.0)
+    p.add_argument("--uneven", action="store_true")
     a = p.parse_args(argv)
     Path(a.out).mkdir(parents=True, exist_ok=True)
-    dm = HelixDataModule({"manifest": a.manifest, "model": "videomae", "num_frames": 4, "size": 32}, a.batch_size,
-                         shuffle=True, seed=7, balance=a.balance, window=2, num_workers=2)
+    dataset = {"manifest": a.manifest, "model": "videomae", "num_frames": 4, "size": 32}
+    if a.uneven:  # a dataset whose length differs on each rank
+        from helix_core.testing import IndexDataset
+
+        dataset = IndexDataset(6 + int(os.environ.get("LOCAL_RANK", 0)))
+    dm = HelixDataModule(dataset, a.batch_size, shuffle=True, seed=7, balance=a.balance, window=2, num_workers=2)
     callbacks = [HelixDeadlineCallback(log_every_n_steps=1)]
     if a.ckpt_every:
         callbacks.append(pl.callbacks.ModelCheckpoint(dirpath=os.path.join(a.out, "ckpt"), every_n_train_steps=a.ckpt_every,

@@ -20,17 +20,15 @@ ROOT = Path(__file__).resolve().parents[1]
 DATASET = {"model": "videomae", "num_frames": 4, "size": 32}
 
 
-def run_app(tmp: Path, name: str, manifest: Path, *args: str, ok: bool = True) -> dict:
+def run_app(tmp: Path, name: str, manifest: Path, *args: str, ok: bool = True, ranks: int = 2) -> dict:
     out = tmp / name
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.pop("HELIX_COORDINATOR", None)
     proc = subprocess.run([sys.executable, str(APP), "--manifest", str(manifest), "--out", str(out), *args],
                           capture_output=True, text=True, timeout=280, env=env, cwd=tmp, check=False)
     assert (proc.returncode == 0) == ok, proc.stderr[-4000:]
-    ranks = {}
-    for r in range(2):
-        ranks[r] = json.loads((out / f"rank{r}.json").read_text())
-    return {"ranks": ranks, "stderr": proc.stderr, "out": out}
+    found = {r: json.loads((out / f"rank{r}.json").read_text()) for r in range(ranks)}
+    return {"ranks": found, "stderr": proc.stderr, "out": out}
 
 
 def sampler_batches(n: int, rank: int, epochs: int, batch_size: int = 1, seed: int = 7) -> list[dict]:
@@ -81,6 +79,12 @@ def test_ddp_resume_after_a_crash_mid_epoch_continues_exactly_on_every_rank(kmix
         before = crashed["ranks"][r]["seen"]
         assert before == expected[:2]  # two steps ran; the checkpoint is after the second, mid-epoch
         assert resumed["ranks"][r]["seen"] == expected[2:]  # exactly the rest: nothing lost or repeated
+
+
+@pytest.mark.slow
+def test_a_dataset_whose_length_differs_across_ranks_stops_every_rank_with_an_error(kmix, tmp_path):
+    run = run_app(tmp_path, "uneven", kmix / "manifest.jsonl", "--uneven", ok=False, ranks=0)
+    assert "different length on each rank (rank 0: 6, rank 1: 7)" in run["stderr"]
 
 
 def test_lightning_skipping_the_loader_restore_is_detected_and_repaired(kmix):
