@@ -5,7 +5,7 @@ Accelerate has no third-party plugin hook (``prepare`` passes unknown objects th
 
     plugin = HelixAcceleratePlugin(balance="tokens")
     loader = plugin.prepare(accelerator, dataset, batch_size=2)
-    for epoch in range(loader.epoch, epochs):
+    for epoch in range(loader.start_epoch, epochs):
         loader.set_epoch(epoch)
         for batch in loader:
             with plugin.step(), accelerator.accumulate(model):
@@ -41,10 +41,12 @@ __all__ = ["HelixAcceleratePlugin", "HelixAcceleratedLoader"]
 class HelixAcceleratedLoader:
     """A prepared loader: iterates the Helix loader and keeps Accelerate's gradient state
     (``end_of_dataloader``) as a prepared DataLoader does. Everything else is the loader's
-    (``len``, ``set_epoch``, ``epoch``, ``sampler``, ``state_dict``, ``stats``, ...)."""
+    (``len``, ``set_epoch``, ``epoch``, ``sampler``, ``state_dict``, ``stats``, ...). ``remainder``
+    stays -1: ``DistributedSampler``'s padding of the last step is not undone by
+    ``gather_for_metrics`` (as with any loader Accelerate did not shard itself)."""
 
-    def __init__(self, loader, gradient_state):
-        self.loader, self.gradient_state = loader, gradient_state
+    def __init__(self, loader, gradient_state, training: bool = True):
+        self.loader, self.gradient_state, self.training = loader, gradient_state, training
         self.end_of_dataloader, self.remainder = False, -1
         self.input_waits: list[float] = []  # seconds blocked in next(), whichever loader it is
 
@@ -62,6 +64,15 @@ class HelixAcceleratedLoader:
     @property
     def epoch(self) -> int:
         return getattr(self.loader, "epoch", getattr(self.loader.sampler, "epoch", 0))
+
+    @property
+    def start_epoch(self) -> int:
+        """The epoch a training loop starts (or resumes) at: the loaded state's epoch, or the next
+        one when that state was saved at the end of its epoch."""
+        if not hasattr(self.loader, "state_dict"):
+            return self.epoch
+        state = self.loader.state_dict()
+        return state["epoch"] + (state["batches_yielded"] >= len(self.loader))
 
     def state_dict(self) -> dict:
         return self.loader.state_dict()
@@ -139,7 +150,7 @@ class HelixAcceleratePlugin:
             options.setdefault("device", accelerator.device)
         raw = build_loader(self.loader_kind, dataset, batch_size, accelerator.process_index, accelerator.num_processes,
                            coordinator=self.coordinator, options=options)
-        loader = HelixAcceleratedLoader(raw, accelerator.gradient_state)
+        loader = HelixAcceleratedLoader(raw, accelerator.gradient_state, training=not validation)
         if not validation and hasattr(raw, "state_dict"):  # the torch baseline has no position to keep
             accelerator.register_for_checkpointing(loader)
         self.loaders.append(loader)
@@ -158,7 +169,8 @@ class HelixAcceleratePlugin:
         finally:
             for seconds in self._window.stop():
                 for loader in self.loaders:
-                    loader.report_step_time(seconds)
+                    if loader.training and hasattr(loader.loader, "report_step_time"):  # not the torch baseline
+                        loader.report_step_time(seconds)
 
     def stats(self) -> dict:
         """The training loader's ``helix/...`` metrics on this process."""

@@ -92,7 +92,7 @@ class HelixDeadlineCallback(pl.Callback):
             for loader in loaders:
                 loader.report_step_time(seconds)
         every = self.log_every_n_steps or trainer.log_every_n_steps
-        if not loaders or batch_idx % every:  # the same condition on every rank: reductions stay matched
+        if not loaders or not every or batch_idx % every:  # the same on every rank: reductions stay matched
             return
         stats = loaders[0].stats()
         for name, (key, reduce) in METRICS.items():

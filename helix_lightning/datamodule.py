@@ -65,6 +65,8 @@ class HelixDataModule(pl.LightningDataModule):
         loader_options = {**(loader_options or {}), **options}
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size={batch_size!r}: must be an int >= 1")
+        if dataset is None:
+            raise ValueError("dataset is required: a torch Dataset or a mapping naming one (data.dataset in YAML)")
         if loader not in LOADERS:
             raise ValueError(f"loader={loader!r}; valid: {', '.join(LOADERS)}")
         options = check_loader_options(loader_options)
@@ -93,6 +95,11 @@ class HelixDataModule(pl.LightningDataModule):
         rank, world = (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
         if trainer is not None:
             self._add_callback(trainer)
+            if trainer.overfit_batches:
+                raise ValueError("HelixDataModule does not support Trainer(overfit_batches=...): it rewrites torch "
+                                 "DataLoaders; use limit_train_batches and a small dataset instead")
+        if stage not in (None, "fit"):
+            self._stash = None  # a position loaded for validate/test must not move a later fit
         if self.train_loader is None and stage in (None, "fit"):
             dataset = self._dataset("dataset", self.dataset)
             self._check_lengths(trainer, "dataset", len(dataset))
@@ -101,7 +108,7 @@ class HelixDataModule(pl.LightningDataModule):
         if self.val_loader is None and self.val_dataset is not None and stage in (None, "fit", "validate"):
             dataset = self._dataset("val_dataset", self.val_dataset)
             self._check_lengths(trainer, "val_dataset", len(dataset))
-            val = {**self.loader_options, "shuffle": False, "balance": None}
+            val = {**self.loader_options, "shuffle": False, "balance": None, "drop_last": False}
             if self.loader == "torch":
                 val.pop("balance")
             self.val_loader = build_loader(self.loader, dataset, self.batch_size, rank, world,

@@ -109,7 +109,7 @@ def main(argv=None) -> dict:
     waits_before = 0
     t0, first_step = time.perf_counter(), state.step + a.warmup
     try:
-        epoch = loader.epoch
+        epoch = loader.start_epoch  # a state saved at an epoch's end resumes at the next epoch
         while (max_epochs < 0 or epoch < max_epochs) and (max_steps < 0 or state.step < max_steps):
             loader.set_epoch(epoch)  # the epoch a resumed loader stands in keeps its position
             for batch in loader:

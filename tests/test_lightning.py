@@ -156,3 +156,32 @@ def test_validation_covers_the_whole_set_every_time_unshuffled_and_unbalanced(km
         assert [b["index"].tolist() for b in val] == full
     finally:
         dm.teardown()
+
+
+def test_fit_with_validation_in_one_process_and_epochs_adopt_the_requests_sent_ahead(kmix, tmp_path):
+    import lightning.pytorch as pl
+
+    class Module(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.layer, self.val_seen, self.runs = torch.nn.Linear(3, 1), [], []
+
+        def training_step(self, batch, batch_idx):
+            if batch_idx == 0:  # the dispatch run serving this epoch: one for the whole fit
+                self.runs.append(id(self.trainer.datamodule.train_loader._root._run))
+            return self.layer(batch["video"].float().mean(dim=(1, 3, 4))).pow(2).mean()
+
+        def validation_step(self, batch, batch_idx):
+            self.val_seen.append(batch["index"].tolist())
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    spec = {"manifest": str(kmix / "manifest.jsonl"), **DATASET}
+    dm = HelixDataModule(spec, 2, val_dataset=spec, shuffle=True, seed=1, num_workers=1)
+    model = Module()
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_epochs=3, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path)
+    trainer.fit(model, datamodule=dm)
+    assert model.val_seen == [[0, 1], [2, 3]] + [[0, 1], [2, 3], [4, 5]] * 3  # sanity check, then whole sets
+    assert len(model.runs) == 3 and len(set(model.runs)) == 1  # epochs 1, 2 adopted what epoch 0's run sent ahead

@@ -175,6 +175,8 @@ class DistributedDataLoader:
         """The epoch the next (or current) pass iterates."""
         return self._epoch
 
+    batch_sampler = None  # batches are planned by the loader itself (trainers probe this attribute)
+
     @property
     def sampler(self) -> "_EpochSampler":
         """A sampler-like view (``set_epoch``, ``len``) for trainers that call
@@ -183,7 +185,8 @@ class DistributedDataLoader:
 
     def state_dict(self) -> dict:
         """Rank-independent resume point: batches yielded to the user (not requests in flight)."""
-        active = self._started == self._iteration and self._root.running and not self._closed
+        active = self._started == self._iteration and self._root.running and not self._closed \
+            and self._root.get_state()[ShardBatches.EPOCH] == self._epoch  # not a run set_epoch moved past
         yielded = self._root.get_state()[ShardBatches.YIELDED] if active else (self._resume or self._position)
         return {"epoch": self._epoch, "seed": self.seed, "batches_yielded": int(yielded),
                 "world_size": self.world_size, "batch_size": self.batch_size, "shuffle": self.shuffle,
@@ -506,8 +509,10 @@ class _LoaderIter:
         ld._stats.input_wait.append(time.perf_counter() - t0)
         ld._stats.batches += 1
         ld.deadlines.yielded(ld._root.last_seq)
-        if ld._root.get_state()[ShardBatches.YIELDED] >= len(ld):
-            ld._position = len(ld)  # a trainer may stop after len batches without asking for more
+        if ld._root.get_state()[ShardBatches.YIELDED] >= len(ld) and ld._root.read_end():
+            # the epoch is complete: a trainer may stop after len batches without asking for more, and
+            # the requests already running ahead for the next epoch must survive for it to adopt
+            self._finish(completed=True)
         return batch
 
     def _finish(self, completed: bool) -> None:

@@ -383,5 +383,25 @@ class Dispatch(BaseNode):
             raise item
         return item
 
+    def read_end(self, timeout: float = 2.0) -> bool:
+        """After an epoch's last batch: take its end marker (it follows within moments), so a
+        ``reset`` to the next epoch adopts what was sent ahead even when the consumer never asks
+        for more. False when anything else comes next (it stays queued) or nothing within ``timeout``."""
+        run = self._run
+        if run is None:
+            return False
+        deadline = time.monotonic() + timeout
+        while not run.ended:
+            with run.out.mutex:
+                head = run.out.queue[0] if run.out.queue else None
+            if head is _END:
+                run.out.get_nowait()
+                run.ended = True
+            elif head is not None or time.monotonic() > deadline or run.stop.is_set():
+                return False
+            else:
+                time.sleep(0.0005)
+        return True
+
     def get_state(self) -> dict:
         return {self.EPOCH: self._epoch, self.YIELDED: self._yielded}
