@@ -81,3 +81,18 @@ def test_a_bad_config_fails_before_training_naming_the_key(tmp_path):
     path.write_text(yaml.safe_dump(cfg))
     with pytest.raises(FileNotFoundError, match="model.pretrained"):
         main(["fit", "--config", str(path)])
+
+
+def test_the_torch_baseline_runs_the_accelerate_recipe(tmp_path):
+    from accelerate.state import AcceleratorState, GradientState
+
+    from recipes.train_accelerate import main
+
+    config = small(ROOT / "configs" / "videomae_kinetics_mixed.yaml", tmp_path, loader="torch")
+    try:
+        with pytest.warns(UserWarning, match="ignores Helix's options"):
+            summary = main(["--config", str(config), "--output-dir", str(tmp_path / "out")])
+    finally:
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+    assert summary["loader"] == "torch" and summary["steps"] == 2 and summary["input_wait_s_per_step"] >= 0
