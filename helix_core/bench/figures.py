@@ -48,6 +48,16 @@ def _grid(fig, runs: list, per_plot: tuple[float, float]):
     return [fig.add_subplot(rows, cols, i + 1) for i in range(len(runs))]
 
 
+def _frame(ax, empty: bool, empty_text: str, title: str, ylabel: str, ymargin: float) -> None:
+    """A bar panel's title, label, grid and headroom; a note in the middle when it has no bars."""
+    if empty:
+        ax.text(0.5, 0.5, empty_text, ha="center", va="center", transform=ax.transAxes)
+    ax.set_title(title)
+    ax.set_ylabel(ylabel)
+    ax.grid(axis="y", alpha=0.3)
+    ax.margins(y=ymargin)
+
+
 def _save(fig, path: Path) -> Path:
     fig.savefig(path, dpi=110, format="png")
     return path
@@ -107,12 +117,7 @@ def _fig8(runs, labels, path: Path) -> Path:
         for x, total in zip(xs, base):
             ax.annotate(f"{total:.3f} s", (x, total), ha="center", va="bottom", fontsize="x-small")
         ax.set_xticks(list(xs), ticks, fontsize="small")
-        if not ticks:
-            ax.text(0.5, 0.5, "no system ran", ha="center", va="center", transform=ax.transAxes)
-        ax.set_title(f"Mean step breakdown — {label}")
-        ax.set_ylabel("seconds per step (mean)")
-        ax.grid(axis="y", alpha=0.3)
-        ax.margins(y=0.12)
+        _frame(ax, not ticks, "no system ran", f"Mean step breakdown — {label}", "seconds per step (mean)", 0.12)
     if any(_ran(r) for r in runs):
         fig.legend(fontsize="small", loc="outside upper center", ncols=len(_PARTS))
     return _save(fig, path)
@@ -178,12 +183,7 @@ def _fig_cpu(runs, labels, path: Path) -> Path:
             ax.annotate(f"{total:.0f} s\neff {_fmt(eff, '.2f')}", (x, total), ha="center", va="bottom",
                         fontsize="x-small")
         ax.set_xticks(range(len(names)), names, fontsize="small", rotation=20)
-        if not names:
-            ax.text(0.5, 0.5, "not measured", ha="center", va="center", transform=ax.transAxes)
-        ax.set_title(f"CPU-seconds by role — {label}")
-        ax.set_ylabel("CPU-seconds (measured steps)")
-        ax.grid(axis="y", alpha=0.3)
-        ax.margins(y=0.15)
+        _frame(ax, not names, "not measured", f"CPU-seconds by role — {label}", "CPU-seconds (measured steps)", 0.15)
     if roles:
         fig.legend(fontsize="small", loc="outside upper center", ncols=min(len(roles), 5))
     return _save(fig, path)
