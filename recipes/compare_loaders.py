@@ -74,7 +74,30 @@ def main(argv=None) -> list[dict]:
     (args.out / "compare.md").write_text("\n".join(md) + "\n\ninput wait: seconds per step blocked in next(), "
                                          "the slowest rank\n")
     (args.out / "compare.json").write_text(json.dumps(rows, indent=1))
+    picture(rows, args.out / "compare.png")
+    Console().print(f"table, JSON and picture in {args.out}")
     return rows
+
+
+def picture(rows: list[dict], path: Path) -> None:
+    """Steps/s and input wait per step, torch vs Helix, one pair of bars per config."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6), layout="constrained")
+    xs = range(len(rows))
+    for ax, key, title in ((axes[0], "steps_per_s", "training steps/s"),
+                           (axes[1], "input_wait_s", "input wait per step, s (slowest rank)")):
+        for k, loader in enumerate(("torch", "helix")):
+            ax.bar([x + 0.4 * k - 0.2 for x in xs], [r[f"{loader}_{key}"] for r in rows], 0.4, label=loader)
+        ax.set_xticks(list(xs), [r["config"] for r in rows], fontsize="small", rotation=10)
+        ax.set_title(title)
+        ax.grid(axis="y", alpha=0.3)
+    axes[0].legend(fontsize="small")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 if __name__ == "__main__":
