@@ -183,7 +183,7 @@ def _fig_cpu(runs, labels, path: Path) -> Path:
             ax.annotate(f"{total:.0f} s\neff {_fmt(eff, '.2f')}", (x, total), ha="center", va="bottom",
                         fontsize="x-small")
         ax.set_xticks(range(len(names)), names, fontsize="small", rotation=20)
-        _frame(ax, not names, "not measured", f"CPU-seconds by role — {label}", "CPU-seconds (measured steps)", 0.15)
+        _frame(ax, not names, "not measured", f"CPU-seconds by role — {label}", "CPU-seconds (measured steps)", 0.3)
     if roles:
         fig.legend(fontsize="small", loc="outside upper center", ncols=min(len(roles), 5))
     return _save(fig, path)
