@@ -183,6 +183,8 @@ def _fig_cpu(runs, labels, path: Path) -> Path:
             ax.annotate(f"{total:.0f} s\neff {_fmt(eff, '.2f')}", (x, total), ha="center", va="bottom",
                         fontsize="x-small")
         ax.set_xticks(range(len(names)), names, fontsize="small", rotation=20)
+        if base:
+            ax.set_ylim(0, max(base) * 1.25)  # room for the totals above the tallest bar
         _frame(ax, not names, "not measured", f"CPU-seconds by role — {label}", "CPU-seconds (measured steps)", 0.3)
     if roles:
         fig.legend(fontsize="small", loc="outside upper center", ncols=min(len(roles), 5))
