@@ -11,7 +11,7 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "BatchRequest": "descriptors", "CostProfile": "descriptors", "SampleDescriptor": "descriptors",
-    "ClusterConfig": "config",
+    "ClusterConfig": "config", "cache_dir": "config",
     "ClusterError": "errors", "ManifestError": "errors", "SampleError": "errors",
     "CostFit": "costs", "CostModel": "costs", "calibrate": "costs", "profile_bucket": "costs",
     "DistributedDataLoader": "client.loader",

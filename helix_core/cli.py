@@ -6,11 +6,9 @@ import os
 import sys
 from pathlib import Path
 
+from .config import cache_dir
+
 __all__ = ["main"]
-
-
-def _cache_dir() -> Path:
-    return Path(os.environ.get("HELIX_CACHE", Path.home() / ".cache" / "helix"))
 
 
 def _print_profile(table, console) -> None:
@@ -54,12 +52,12 @@ def _cmd_demo(a, console) -> int:
     """The embedded default job: a small kinetics-mixed run, native DataLoader against Helix."""
     from .bench.harness import BenchConfig, run_bench
 
-    out = Path(a.out) if a.out else _cache_dir() / "demo-report"
+    out = Path(a.out) if a.out else cache_dir() / "demo-report"
     console.print(f"[bold]Helix demo[/]: {a.ranks} emulated ranks (gloo) on kinetics-mixed, {a.budget} decode workers "
-                  f"in all, native torch DataLoader vs Helix; data cached in {_cache_dir()}")
+                  f"in all, native torch DataLoader vs Helix; data cached in {cache_dir()}")
     cfg = BenchConfig(workload="kinetics-mixed", model="videomae", ranks=a.ranks, batch_size=2, budget=a.budget,
                       systems=("native", "helix"), warmup=a.warmup, steps=a.steps, regime="gpu-bound",
-                      clips=a.clips, scale=a.scale, data_dir=str(_cache_dir() / "bench-data"))
+                      clips=a.clips, scale=a.scale, data_dir=str(cache_dir() / "bench-data"))
     run_bench([cfg], out, console=console)
     return 0
 
@@ -76,7 +74,7 @@ def _cmd_bench(a, console) -> int:
                            window_scale=a.window_scale, remote_servers=rd, prefetch=a.prefetch, clips=a.clips,
                            scale=a.scale, seed=a.seed, ddl_tolerance_s=a.ddl_tolerance_ms / 1e3, window=a.window,
                            compute=a.compute, device=a.device,
-                           data_dir=a.data or str(_cache_dir() / "bench-data"))
+                           data_dir=a.data or str(cache_dir() / "bench-data"))
                for w in _split(a.workload) for r in _split(a.regime) for b in _split(a.batch_size, int)
                for rd in _split(a.remote_servers, int)]
     run_bench(configs, a.out, console=console)
@@ -88,7 +86,7 @@ def _cmd_planner(a, console) -> int:
 
     run_planner_bench(_split(a.workload), _split(a.models), _split(a.windows, int), ranks=a.ranks,
                       batch_size=a.batch_size, clips=a.clips, epochs=a.epochs, seed=a.seed,
-                      data_dir=a.data or _cache_dir() / "bench-data", out=a.out, console=console)
+                      data_dir=a.data or cache_dir() / "bench-data", out=a.out, console=console)
     if a.out:
         console.print(f"saved {a.out}")
     return 0
@@ -177,7 +175,7 @@ def build_parser() -> argparse.ArgumentParser:
                        ("dataserver", "run a DataServer (--local-rank R | --remote) with its worker pool")):
         sub.add_parser(role, help=text, add_help=False)  # handled in main()
     s = sub.add_parser("microbench", help="decode frames/s per profile, probe ms/file, profile-table load time")
-    s.add_argument("--out", default=str(_cache_dir() / "microbench"), help="folder for the generated clips and table")
+    s.add_argument("--out", default=str(cache_dir() / "microbench"), help="folder for the generated clips and table")
     s.add_argument("--clips", type=int, default=6, help="clips per kinetics profile")
     s.add_argument("--rows", type=int, default=1_000_000, help="rows of the synthetic profile table")
     s.set_defaults(fn=_cmd_microbench)

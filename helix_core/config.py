@@ -1,9 +1,17 @@
 """Frozen, validated configuration of a Helix cluster (heartbeats, timeouts, limits)."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, fields
+from pathlib import Path
 
-__all__ = ["ClusterConfig", "PROTOCOL_VERSION"]
+__all__ = ["PROTOCOL_VERSION", "ClusterConfig", "cache_dir"]
+
+def cache_dir() -> Path:
+    """``$HELIX_CACHE``, else ``~/.cache/helix``: where synthesized workloads, bench data and
+    reports are kept between runs."""
+    return Path(os.environ.get("HELIX_CACHE", Path.home() / ".cache" / "helix"))
+
 
 #: Wire protocol version; every connection checks it first (Hello).
 PROTOCOL_VERSION = 2

@@ -17,7 +17,7 @@ import torch
 
 import helix_core as hx
 
-__all__ = ["LOADERS", "LOADER_OPTIONS", "DatasetConfig", "build_loader", "cache_dir", "check_loader_options",
+__all__ = ["LOADERS", "LOADER_OPTIONS", "DatasetConfig", "build_loader", "check_loader_options",
            "dataset_length_error"]
 
 LOADERS = ("helix", "torch")
@@ -34,10 +34,6 @@ _KINDS = ("video", "video-text")
 _TEXT_MODELS = ("qwen2-vl", "qwen2.5-vl", "wan")  # families trained on captions
 
 
-def cache_dir() -> Path:
-    """``$HELIX_CACHE``, else ``~/.cache/helix``: where named workloads are synthesized once."""
-    return Path(os.environ.get("HELIX_CACHE", Path.home() / ".cache" / "helix"))
-
 
 def check_loader_options(options: Mapping, where: str = "loader_options") -> dict:
     """``options`` as a dict, or a ``ValueError`` naming the first unknown key."""
@@ -53,7 +49,7 @@ class DatasetConfig:
 
     - ``{"manifest": PATH, "model": "videomae", "num_frames": 16, "size": 224, ...}``
     - ``{"workload": "kinetics-mixed", "clips": 48, "seed": 0, "scale": 1.0, "model": ...}``:
-      synthesized (and profiled) into ``cache_dir()/data/<workload>-<clips>-s<scale>-seed<seed>``
+      synthesized (and profiled) into ``hx.cache_dir()/data/<workload>-<clips>-s<scale>-seed<seed>``
       by ``prepare()``, once; later runs reuse it.
 
     ``kind``: ``"video"`` (``VideoClipDataset``) or ``"video-text"`` (``VideoTextDataset``: captions
@@ -68,7 +64,7 @@ class DatasetConfig:
                 raise ValueError(f"{key}: unknown key {k!r}; valid: {', '.join(sorted(_DATASET_KEYS))}")
         if ("manifest" in spec) == ("workload" in spec):
             raise ValueError(f"{key}: give exactly one of 'manifest' (a manifest.jsonl) or 'workload' "
-                             f"(one of {', '.join(hx.synth.WORKLOADS)}, synthesized into {cache_dir()})")
+                             f"(one of {', '.join(hx.synth.WORKLOADS)}, synthesized into {hx.cache_dir()})")
         model = spec.setdefault("model", "videomae")
         if model not in hx.MODELS:
             raise ValueError(f"{key}.model: unknown model family {model!r}; valid: {', '.join(hx.MODELS)}")
@@ -98,7 +94,7 @@ class DatasetConfig:
     def root(self) -> Path:
         """The folder of the synthesized workload (``workload`` configs only)."""
         s = self.synth
-        return cache_dir() / "data" / f"{s['workload']}-{s['clips']}-s{s['scale']:g}-seed{s['seed']}"
+        return hx.cache_dir() / "data" / f"{s['workload']}-{s['clips']}-s{s['scale']:g}-seed{s['seed']}"
 
     def manifest(self) -> Path:
         return self.root / "manifest.jsonl" if self.synth else Path(self.kwargs["manifest"])

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Mapping
 
 import torch
 import torch.nn.functional as F
@@ -25,7 +26,7 @@ from helix_core.collate import pad_collate
 from .specs import SPECS, Qwen2VLSpec, VideoMAESpec, WanSpec, mask_count
 
 __all__ = ["FAMILIES", "Qwen2VLSpec", "VideoMAESpec", "VideoModel", "WanSpec", "build_model",
-           "dataset_kind", "default_collate_for"]
+           "check_families", "dataset_kind", "default_collate_for"]
 
 FAMILIES = ("qwen2-vl", "videomae", "wan")
 _CLIP_MEAN, _CLIP_STD = (0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711)
@@ -50,6 +51,16 @@ def default_collate_for(family: str):
     """The collate function of a family's batches: ``helix_core.pad_collate`` for all."""
     _check_family(family)
     return pad_collate
+
+
+def check_families(family: str, datasets: Mapping) -> None:
+    """The data must be decoded for the model being trained (frames, geometry, captions):
+    ``datasets`` maps config keys (``dataset``, ``val_dataset``) to their specs; specs that are
+    not mappings (torch datasets) are the user's to match."""
+    for key, spec in datasets.items():
+        if isinstance(spec, Mapping) and spec.get("model", "videomae") != family:
+            raise ValueError(f"data.{key}.model={spec.get('model', 'videomae')!r} but model.family={family!r}: "
+                             "decode the clips for the model being trained")
 
 
 def build_model(family: str, *, pretrained: str | os.PathLike | None = None, **config) -> VideoModel:

@@ -25,7 +25,7 @@ import yaml
 
 from helix_lightning import HelixAcceleratePlugin
 from helix_lightning.data import DatasetConfig
-from recipes.models import build_model
+from recipes.models import build_model, check_families
 
 __all__ = ["load_config", "main"]
 
@@ -78,9 +78,7 @@ def main(argv=None) -> dict:
     a = p.parse_args(argv)
     cfg = load_config(a.config)
     model_cfg, data, trainer = cfg["model"], cfg["data"], cfg["trainer"]
-    ds_model = data["dataset"].get("model", "videomae")
-    if ds_model != model_cfg.get("family", "videomae"):
-        raise ValueError(f"data.dataset.model={ds_model!r} but model.family={model_cfg.get('family')!r}")
+    check_families(model_cfg.get("family", "videomae"), {k: data.get(k) for k in ("dataset", "val_dataset")})
     model = build_model(model_cfg.get("family", "videomae"), pretrained=model_cfg.get("pretrained"),
                         **(model_cfg.get("config") or {}))
 

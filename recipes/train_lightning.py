@@ -10,7 +10,6 @@ checked before any process starts.
 from __future__ import annotations
 
 import sys
-from collections.abc import Mapping
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script: make ``recipes`` importable
@@ -21,9 +20,9 @@ import torch
 from lightning.pytorch.cli import LightningCLI
 
 from helix_lightning import HelixDataModule
-from recipes.models import build_model
+from recipes.models import build_model, check_families
 
-__all__ = ["VideoTrainingModule", "check_families", "main"]
+__all__ = ["VideoTrainingModule", "main"]
 
 
 class VideoTrainingModule(pl.LightningModule):
@@ -51,18 +50,10 @@ class VideoTrainingModule(pl.LightningModule):
         return torch.optim.AdamW(params, lr=self.hparams.lr, weight_decay=self.hparams.weight_decay)
 
 
-def check_families(model_family: str, data) -> None:
-    """The data must be decoded for the model being trained (frames, geometry, captions)."""
-    for key in ("dataset", "val_dataset"):
-        spec = getattr(data, key, None)
-        if isinstance(spec, Mapping) and spec.get("model", "videomae") != model_family:
-            raise ValueError(f"data.{key}.model={spec.get('model', 'videomae')!r} but model.family={model_family!r}: "
-                             "decode the clips for the model being trained")
-
-
 class _RecipeCLI(LightningCLI):
     def before_fit(self) -> None:
-        check_families(self.model.hparams.family, self.datamodule)
+        dm = self.datamodule
+        check_families(self.model.hparams.family, {"dataset": dm.dataset, "val_dataset": dm.val_dataset})
 
 
 def main(args=None) -> None:
