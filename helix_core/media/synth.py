@@ -148,7 +148,10 @@ def write_clip(path: str | os.PathLike, spec: ClipSpec, container: str | None = 
         stream = out.add_stream("libx264", rate=rate)
         stream.width, stream.height, stream.pix_fmt = spec.width, spec.height, "yuv420p"
         stream.codec_context.thread_count = 1
-        stream.options = {"preset": "veryfast", "crf": "26", "g": str(int(2 * spec.fps)), "threads": "1"}
+        # mbtree off: its float propagation made the same spec give different bytes now and then (1 encode
+        # in ~20 under CPU load, one thread, identical input frames; never in 100 without it)
+        stream.options = {"preset": "veryfast", "crf": "26", "g": str(int(2 * spec.fps)), "threads": "1",
+                          "x264-params": "mbtree=0"}
         for rgb in _frames(spec):
             frame = av.VideoFrame.from_ndarray(rgb, format="rgb24")
             out.mux(stream.encode(frame))
