@@ -12,7 +12,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "BatchRequest": "descriptors", "CostProfile": "descriptors", "SampleDescriptor": "descriptors",
     "ClusterConfig": "config", "cache_dir": "config",
-    "ClusterError": "errors", "ManifestError": "errors", "SampleError": "errors",
+    "ClusterError": "errors", "ManifestError": "errors", "SampleError": "errors", "SpecError": "errors",
     "CostFit": "costs", "CostModel": "costs", "calibrate": "costs", "profile_bucket": "costs",
     "DistributedDataLoader": "client.loader",
     "LocalCluster": "runtime.cluster",

@@ -49,11 +49,16 @@ class VideoClipDataset(torch.utils.data.Dataset):
                  seed: int = 0, random_flip: float = 0.0, transform=None):
         if not 0.0 <= random_flip <= 1.0:
             raise ValueError(f"random_flip must be a probability in [0, 1], got {random_flip}")
-        self.manifest_path = Path(manifest)
+        self.manifest_path = Path(manifest).absolute()
         self.spec = VideoSpec(model, num_frames, size)
         self.manifest = Manifest(manifest)
         self.seed, self.epoch = int(seed), 0
+        if isinstance(transform, str):  # an import path, as a JSON spec carries it
+            from .runtime.specs import resolve_function
+
+            transform = resolve_function(transform, "transform")
         self.random_flip, self.transform = float(random_flip), transform
+        self._profiles = profiles if profiles in (None, True, False) else Path(profiles).absolute()
         self.table = self._load_table(profiles)
         self._hints = (np.asarray(self.manifest.hint("num_frames")), np.asarray(self.manifest.hint("size")))
         self._probed: dict[int, SampleDescriptor] = {}
@@ -193,12 +198,28 @@ class VideoClipDataset(torch.utils.data.Dataset):
         return i
 
     def helix_spec(self) -> dict:
-        """Import path plus JSON arguments that rebuild this dataset in another process."""
-        return {"target": f"{type(self).__module__}.{type(self).__qualname__}",
-                "kwargs": {"manifest": str(self.manifest_path), "model": self.spec.model,
-                           "num_frames": self.spec.num_frames,
-                           "size": list(self.spec.size) if isinstance(self.spec.size, tuple) else self.spec.size,
-                           "seed": self.seed, "random_flip": self.random_flip}}
+        """Import path plus JSON arguments that rebuild this very dataset in another process (paths
+        absolute); ``SpecError`` naming the argument when one cannot travel as JSON (a ``transform``
+        that is not a module-level function; a subclass that does not define its own
+        ``helix_spec``, whose fields would be lost) — it then needs cloudpickle, so a token."""
+        from .errors import SpecError
+        from .runtime.specs import function_path
+
+        name = type(self).__name__
+        if "helix_spec" not in type(self).__dict__:
+            raise SpecError(name, f"the fields of subclass {name}",
+                            f"define {name}.helix_spec() (extend super().helix_spec()), or give the cluster a token")
+        kwargs = {"manifest": str(self.manifest_path), "model": self.spec.model,
+                  "num_frames": self.spec.num_frames,
+                  "size": list(self.spec.size) if isinstance(self.spec.size, tuple) else self.spec.size,
+                  "seed": self.seed, "random_flip": self.random_flip,
+                  "profiles": str(self._profiles) if isinstance(self._profiles, Path) else self._profiles}
+        if self.transform is not None:
+            kwargs["transform"] = function_path(self.transform)
+            if kwargs["transform"] is None:
+                raise SpecError(name, f"transform={self.transform!r}",
+                                "make it a module-level function of an importable module, or give the cluster a token")
+        return {"target": f"{type(self).__module__}.{type(self).__qualname__}", "kwargs": kwargs}
 
 
 class VideoTextDataset(VideoClipDataset):
@@ -222,9 +243,15 @@ class VideoTextDataset(VideoClipDataset):
         return sample, r
 
     def helix_spec(self) -> dict:
+        from .errors import SpecError
+
         spec = super().helix_spec()
-        if not isinstance(self.tokenizer.source, (str, type(None))):
-            raise ValueError("a tokenizer object cannot travel as JSON; pass its local folder path instead")
-        spec["kwargs"].update(tokenizer=self.tokenizer.source, max_text_len=self.max_text_len)
+        source = self.tokenizer.source
+        if not isinstance(source, (str, os.PathLike, type(None))):
+            raise SpecError(type(self).__name__, "tokenizer (an object)",
+                            "pass its local folder path instead, or give the cluster a token")
+        if source is not None and Path(source).exists():
+            source = str(Path(source).absolute())
+        spec["kwargs"].update(tokenizer=None if source is None else str(source), max_text_len=self.max_text_len)
         return spec
 

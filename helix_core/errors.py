@@ -1,7 +1,7 @@
 """Exception types of Helix: every error names the thing it is about."""
 from __future__ import annotations
 
-__all__ = ["ClusterError", "ManifestError", "SampleError"]
+__all__ = ["ClusterError", "ManifestError", "SampleError", "SpecError"]
 
 
 class SampleError(Exception):
@@ -36,3 +36,16 @@ class ManifestError(ValueError):
 
 class ClusterError(RuntimeError):
     """The Helix cluster (Coordinator or DataServers) cannot be reached or failed."""
+
+
+class SpecError(ValueError):
+    """A dataset's ``helix_spec()`` cannot carry one of its arguments as JSON (a ``transform``
+    that is not a module-level function, a tokenizer object, a subclass's own fields): it must
+    travel by cloudpickle, which needs a token. ``argument`` names it, ``fix`` says what to do."""
+
+    def __init__(self, dataset: str, argument: str, fix: str):
+        self.dataset, self.argument, self.fix = str(dataset), str(argument), str(fix)
+        super().__init__(f"{self.dataset}: {self.argument} cannot travel as JSON; {self.fix}")
+
+    def __reduce__(self):
+        return (SpecError, (self.dataset, self.argument, self.fix))

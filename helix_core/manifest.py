@@ -15,7 +15,7 @@ class Manifest:
     """Parsed manifest: ``records[i]`` is the i-th line's dict, ``paths[i]`` its resolved path."""
 
     def __init__(self, path: str | os.PathLike):
-        self.path = Path(path)
+        self.path = Path(path).absolute()  # clip paths are the same from any working directory
         self.root = self.path.parent
         self.records: list[dict] = []
         try:

@@ -7,7 +7,14 @@ import time
 
 import torch
 
-__all__ = ["CostedDataset", "IndexDataset"]
+__all__ = ["CostedDataset", "IndexDataset", "flip_video"]
+
+
+def flip_video(sample: dict, generator: torch.Generator) -> dict:
+    """A module-level ``transform=`` for video datasets: mirror the clip left to right (a JSON spec
+    can name it, so it travels to DataServers of a cluster without a token)."""
+    sample["video"] = sample["video"].flip(-1)
+    return sample
 
 
 class IndexDataset(torch.utils.data.Dataset):

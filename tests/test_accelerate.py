@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -38,9 +39,17 @@ def launch(tmp: Path, config: Path, out: Path, *args: str, ok: bool = True) -> s
            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
            str(ROOT / "recipes" / "train_accelerate.py"), "--config", str(config), "--output-dir", str(out), "--trace",
            *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=280, env=env, cwd=tmp, check=False)
-    assert (proc.returncode == 0) == ok, proc.stdout[-3000:] + proc.stderr[-4000:]
-    return proc.stdout + proc.stderr
+    # a session of its own: a timeout kills the launcher and its ranks (an orphaned rank would keep its cluster)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp,
+                            start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=280)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        pytest.fail("accelerate launch did not finish within 280 s:\n" + stdout[-3000:] + stderr[-4000:])
+    assert (proc.returncode == 0) == ok, stdout[-3000:] + stderr[-4000:]
+    return stdout + stderr
 
 
 @pytest.mark.slow

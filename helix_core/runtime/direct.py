@@ -27,8 +27,16 @@ HEADROOM = 1 << 20  # slab bytes reserved for the batch's other non-inline tenso
 
 
 def supports_direct(dataset, collate) -> bool:
-    return collate in (default_collate, pad_collate) and callable(getattr(dataset, "video_shape", None)) \
-        and callable(getattr(dataset, "fetch", None))
+    """The collate is one whose layout we know, and the dataset decodes into given memory
+    (``video_shape``, ``fetch(index, out=)``) with a ``__getitem__`` that is ``fetch``'s: a
+    subclass that overrides ``__getitem__`` below the class defining ``fetch`` takes the generic
+    path, or its override would be skipped."""
+    if collate not in (default_collate, pad_collate) or not callable(getattr(dataset, "video_shape", None)) \
+            or not callable(getattr(dataset, "fetch", None)):
+        return False
+    mro = type(dataset).__mro__
+    definer = {name: next(i for i, cls in enumerate(mro) if name in cls.__dict__) for name in ("__getitem__", "fetch")}
+    return definer["__getitem__"] >= definer["fetch"]
 
 
 def direct_batch(dataset, collate, indices: list[int], pool, allow_pickle: bool, progress=lambda index: None):

@@ -13,7 +13,8 @@ import json
 import sys
 import types
 
-__all__ = ["import_path", "json_collate", "load_spec", "make_spec", "resolve", "sample_path"]
+__all__ = ["function_path", "import_path", "json_function", "load_spec", "make_spec", "resolve", "resolve_function",
+           "sample_path"]
 
 _DEFAULT_COLLATE = "torch.utils.data:default_collate"
 
@@ -43,35 +44,58 @@ def import_path(fn) -> str | None:
         return None
 
 
-def json_collate(fn) -> bool:
-    """Whether a JSON spec (no token) may name ``fn`` as collate: a module-level Python function
-    outside the standard library (a spec may come from any local peer)."""
+def json_function(fn) -> bool:
+    """Whether a JSON spec (no token) may name ``fn`` (a collate function, a transform): a
+    module-level Python function outside the standard library (a spec may come from any local peer)."""
     module = getattr(fn, "__module__", None) or ""
     return isinstance(fn, types.FunctionType) and bool(module) and module.split(".")[0] not in sys.stdlib_module_names
 
 
+def function_path(fn) -> str | None:
+    """``"module:qualname"`` of a function a JSON spec may carry (``json_function``), else None."""
+    return import_path(fn) if json_function(fn) else None
+
+
+def resolve_function(path: str, what: str):
+    """The function a JSON spec names by ``path``; ``TypeError`` naming ``what`` if it may not be one."""
+    fn = resolve(path)
+    if not json_function(fn):
+        raise TypeError(f"{what} {path} is not a module-level Python function outside the standard library")
+    return fn
+
+
+_NEEDS_TOKEN = ("Start the cluster with a token (LocalCluster(token=...), `helix coordinator --token-file`, or "
+                "HELIX_TOKEN) so cloudpickle is allowed")
+
+
 def make_spec(dataset, collate_fn, pickle_allowed: bool) -> tuple[str, bytes, str]:
-    """``(spec_id, payload, format)`` for ``Configure``; raises ``ValueError`` saying how to make it
-    travel when it needs pickle and the cluster has no token."""
+    """``(spec_id, payload, format)`` for ``Configure``. JSON when the dataset's ``helix_spec()``
+    and the collate function carry everything; else cloudpickle when the cluster allows it; else
+    ``ValueError`` naming what cannot travel and the fix — never a spec that silently loses state."""
     from torch.utils.data import default_collate
 
-    collate_path = (_DEFAULT_COLLATE if collate_fn in (None, default_collate)
-                    else import_path(collate_fn) if json_collate(collate_fn) else None)
-    ds_spec = dataset.helix_spec() if hasattr(dataset, "helix_spec") else None
-    if ds_spec is not None and collate_path is not None:
-        payload = json.dumps({"dataset": ds_spec, "collate_fn": collate_path}, sort_keys=True).encode()
-        fmt = "json"
+    from ..errors import SpecError
+
+    collate_path = _DEFAULT_COLLATE if collate_fn in (None, default_collate) else function_path(collate_fn)
+    lost = None if collate_path is not None else \
+        f"collate_fn {collate_fn!r} (not an importable module-level Python function outside the standard library)"
+    ds_spec = None
+    try:
+        if hasattr(dataset, "helix_spec"):
+            ds_spec = dataset.helix_spec()
+        else:
+            lost = lost or f"dataset {type(dataset).__name__} (it has no helix_spec())"
+    except SpecError as e:
+        lost = lost or f"{e.dataset}'s {e.argument} ({e.fix})"
+    if lost is None:
+        payload, fmt = json.dumps({"dataset": ds_spec, "collate_fn": collate_path}, sort_keys=True).encode(), "json"
     elif pickle_allowed:
         import cloudpickle
 
         payload, fmt = cloudpickle.dumps({"dataset": dataset, "collate_fn": collate_fn or default_collate}), "cloudpickle"
     else:
-        what = (f"dataset {type(dataset).__name__} (it has no helix_spec())" if ds_spec is None
-                else f"collate_fn {collate_fn!r} (not an importable module-level Python function outside the "
-                     "standard library)")
-        raise ValueError(f"{what} cannot travel to the DataServers without pickle, and this cluster has no "
-                         "token. Start the cluster with a token (LocalCluster(token=...), `helix coordinator "
-                         "--token-file`, or HELIX_TOKEN) so cloudpickle is allowed, or make it importable.")
+        raise ValueError(f"{lost} cannot travel to the DataServers without pickle, and this cluster has no token. "
+                         f"{_NEEDS_TOKEN}.")
     return hashlib.sha256(fmt.encode() + payload).hexdigest()[:16], payload, fmt
 
 
@@ -92,10 +116,7 @@ def load_spec(payload: bytes, fmt: str, allow_pickle: bool):
     cls = resolve(spec["dataset"]["target"])
     if not (isinstance(cls, type) and issubclass(cls, torch.utils.data.Dataset)):
         raise TypeError(f"{spec['dataset']['target']} is not a torch Dataset class")
-    collate = resolve(spec.get("collate_fn") or _DEFAULT_COLLATE)
-    if not json_collate(collate):
-        raise TypeError(f"collate_fn {spec.get('collate_fn')} is not a module-level Python function outside "
-                        "the standard library")
+    collate = resolve_function(spec.get("collate_fn") or _DEFAULT_COLLATE, "collate_fn")
     return cls(**spec["dataset"].get("kwargs", {})), collate
 
 
