@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import gc
 import os
+import stat
 import time
 
 import psutil
@@ -23,8 +24,11 @@ def busy_segments(cluster) -> list[str]:
     """Segments of the cluster whose header says a client still holds them."""
     out = []
     for name in segments(cluster):
+        path = os.path.join(shm.SHM_DIR, name)
         try:
-            with open(os.path.join(shm.SHM_DIR, name), "rb") as f:
+            if not stat.S_ISREG(os.stat(path).st_mode):
+                continue  # a decode-slot waiter's FIFO
+            with open(path, "rb") as f:
                 head = f.read(shm.HEADER_BYTES)
         except FileNotFoundError:
             continue

@@ -54,3 +54,56 @@ def test_one_slot_goes_to_the_earliest_deadline_and_a_dead_holder_frees_it(tmp_p
             if p.is_alive():
                 p.kill()
         shm.sweep(prefix)
+
+
+def test_the_last_dataserver_of_a_host_unlinks_the_slots_and_only_it():
+    from helix_core.runtime.cpuslots import HostSlots
+
+    prefix = f"helix-test-{os.getpid()}-own"
+    a, b = HostSlots(prefix), HostSlots(prefix)  # two DataServers of one host
+    worker = CpuSlots(prefix, 2)
+    worker.close()
+    files = shm.list_segments(prefix)
+    assert len(files) == 4  # two slots, the waiting table, the membership file
+    assert a.close() is False and shm.list_segments(prefix) == files  # one server stops: the other's slots stay
+    c = HostSlots(prefix)  # a server joining now shares the same files
+    assert b.close() is False and shm.list_segments(prefix) == files
+    assert c.close() is True and shm.list_segments(prefix) == []  # the last one cleans up
+    d = HostSlots(prefix)  # and the next generation starts afresh
+    assert d.close() is True and shm.list_segments(prefix) == []
+
+
+def _release_after(prefix, holding, go):
+    slots = CpuSlots(prefix, 1)
+    assert slots.acquire(0.0)
+    holding.set()
+    go.wait(30)
+    slots.release()
+    slots.close()
+
+
+def test_a_waiter_blocks_without_polling_and_a_release_wakes_it():
+    import threading
+
+    prefix = f"helix-test-{os.getpid()}-wake"
+    ctx = mp.get_context("spawn")
+    holding, go = ctx.Event(), ctx.Event()
+    holder = ctx.Process(target=_release_after, args=(prefix, holding, go), daemon=True)
+    holder.start()
+    try:
+        assert holding.wait(60)
+        slots = CpuSlots(prefix, 1, patience_s=3600.0)  # only a wake-up can end its wait
+        got = threading.Event()
+        t = threading.Thread(target=lambda: got.set() if slots.acquire(1.0) else None, daemon=True)
+        t.start()
+        table = os.path.join(shm.SHM_DIR, f"{prefix}q")
+        wait_for(lambda: _waiting(table) == [(1.0, 1)], 30, "the waiter to list itself")
+        assert not got.is_set()
+        go.set()
+        assert got.wait(30)  # the release's byte in its FIFO woke it
+        t.join(10)
+        slots.release()
+        slots.close()
+    finally:
+        holder.join(timeout=10)
+        shm.sweep(prefix)

@@ -402,7 +402,8 @@ async def _serve(host, port, token, config, scheduler, stop, on_ready, cluster_i
         on_ready(f"{host}:{bound}", registry.cluster_id)
     try:
         while not stop.is_set():
-            await asyncio.sleep(min(config.heartbeat_interval_s / 2, 0.25))
+            # a dead server is found within heartbeat_timeout_s * 1.2 (an idle server beats every timeout / 3)
+            await asyncio.sleep(config.heartbeat_timeout_s / 5)
             registry.sweep()
     finally:
         await server.stop(grace=min(1.0, config.stop_timeout_s))

@@ -12,40 +12,96 @@ Slots are ``n`` files in /dev/shm named for the cluster, locked with ``flock`` (
 the lock of a process that dies, so a killed worker never strands a slot). Workers that wait for
 a slot list themselves in a small shared table with their task's deadline key (an absolute
 ``time.monotonic`` value: CLOCK_MONOTONIC is the same clock in every process of a host); only
-the ``n`` earliest waiters may take a slot. Those try for one every ``poll_s`` (two
-non-blocking ``flock`` calls, a few microseconds) and re-read the table every ``rank_s``; a
-waiter further back only re-reads the table, every ``rank_s``. (Blocking in ``flock`` would cost
-no CPU at all, but the kernel then wakes waiters in arrival order, not by deadline.)
+the ``n`` earliest waiters may take a slot. A waiter blocks in ``select`` on a FIFO of its own
+(no CPU, no poll period): whoever releases a slot writes a byte to the FIFOs of the ``n``
+earliest waiters, which wake at once and try. (Blocking in ``flock`` would cost no CPU either,
+but the kernel then wakes waiters in arrival order, not by deadline.) A holder that dies releases
+its lock without a word: its DataServer's supervisor sees the death and calls ``notify``; a
+waiter also re-checks after ``patience_s`` whatever happened.
+
+The files have one owner: the host's DataServers hold a shared lock on a membership file
+(``HostSlots``), and the last one to leave unlinks them — so one server stopping among several
+never removes the slots the others' workers use (a respawned worker would re-create them, and
+the host's decode cap would double).
 """
 from __future__ import annotations
 
+import errno
 import fcntl
 import mmap
 import os
+import select
 import time
 
 import numpy as np
 
-__all__ = ["CpuSlots"]
+__all__ = ["CpuSlots", "HostSlots", "notify"]
 
 _ENTRIES = 128  # waiters a host can list (more wait unranked, after the listed ones)
 _ENTRY = np.dtype([("pid", "<i8"), ("key", "<f8"), ("eligible", "<i8")])  # eligible: among the n earliest
 
 
+def _fifo(shm_dir: str, prefix: str, pid: int) -> str:
+    return os.path.join(shm_dir, f"{prefix}w{pid}")
+
+
+def _table(shm_dir: str, prefix: str) -> tuple[int, mmap.mmap, np.ndarray]:
+    fd = os.open(os.path.join(shm_dir, f"{prefix}q"), os.O_RDWR | os.O_CREAT, 0o600)
+    size = _ENTRIES * _ENTRY.itemsize
+    if os.fstat(fd).st_size < size:
+        os.posix_fallocate(fd, 0, size)  # zero-filled: every entry empty (pid 0)
+    m = mmap.mmap(fd, size)
+    return fd, m, np.frombuffer(m, dtype=_ENTRY, count=_ENTRIES)
+
+
+def _wake(shm_dir: str, prefix: str, table: np.ndarray, n: int, skip: int = 0) -> None:
+    """Write a byte to the FIFOs of the ``n`` earliest listed waiters (except pid ``skip``)."""
+    pids, keys = table["pid"].copy(), table["key"].copy()
+    listed = np.flatnonzero((pids != 0) & (pids != skip))
+    for k in listed[np.lexsort((pids[listed], keys[listed]))][:n]:
+        try:
+            fd = os.open(_fifo(shm_dir, prefix, int(pids[k])), os.O_WRONLY | os.O_NONBLOCK)
+        except OSError:  # gone (it got a slot and left, or died): nothing to wake
+            continue
+        try:
+            os.write(fd, b"w")
+        except OSError as e:  # a full FIFO already holds a wake-up
+            if e.errno != errno.EAGAIN:
+                raise
+        finally:
+            os.close(fd)
+
+
+def notify(prefix: str, n: int, shm_dir: str = "/dev/shm") -> None:
+    """Wake the ``n`` earliest waiters of ``prefix`` (say, a holder died: its slot is free)."""
+    if not os.path.exists(os.path.join(shm_dir, f"{prefix}q")):
+        return
+    fd, m, table = _table(shm_dir, prefix)
+    try:
+        _wake(shm_dir, prefix, table, n)
+    finally:
+        del table
+        m.close()
+        os.close(fd)
+
+
 class CpuSlots:
     """``n`` decode slots shared by every process that opens the same ``prefix`` on this host."""
 
-    def __init__(self, prefix: str, n: int, shm_dir: str = "/dev/shm"):
+    def __init__(self, prefix: str, n: int, shm_dir: str = "/dev/shm", patience_s: float = 1.0):
         if n < 1:
             raise ValueError(f"CpuSlots(n={n}): need at least one slot")
+        self.prefix, self.shm_dir, self.patience_s = prefix, shm_dir, patience_s
         self._fds = [os.open(os.path.join(shm_dir, f"{prefix}{k}"), os.O_RDWR | os.O_CREAT, 0o600) for k in range(n)]
-        self._qfd = os.open(os.path.join(shm_dir, f"{prefix}q"), os.O_RDWR | os.O_CREAT, 0o600)
-        size = _ENTRIES * _ENTRY.itemsize
-        if os.fstat(self._qfd).st_size < size:
-            os.posix_fallocate(self._qfd, 0, size)  # zero-filled: every entry empty (pid 0)
-        self._map = mmap.mmap(self._qfd, size)
-        self._table = np.frombuffer(self._map, dtype=_ENTRY, count=_ENTRIES)
+        self._qfd, self._map, self._table = _table(shm_dir, prefix)
         self._pid = os.getpid()
+        self._fifo_path = _fifo(shm_dir, prefix, self._pid)
+        try:
+            os.unlink(self._fifo_path)  # a dead process of the same pid left it
+        except FileNotFoundError:
+            pass
+        os.mkfifo(self._fifo_path, 0o600)
+        self._wakeup = os.open(self._fifo_path, os.O_RDWR | os.O_NONBLOCK)  # read-write: never at EOF
         self._held: int | None = None
         self._entry: int | None = None
         self._next = self._pid % n  # processes start their search at different slots
@@ -107,33 +163,31 @@ class CpuSlots:
             return True
         return False
 
-    def acquire(self, key: float | None = None, stop=lambda: False, poll_s: float = 0.002,
-                rank_s: float = 0.02) -> bool:
+    def _drain(self) -> None:
+        try:
+            while os.read(self._wakeup, 64):
+                pass
+        except BlockingIOError:
+            pass
+
+    def acquire(self, key: float | None = None, stop=lambda: False) -> bool:
         """Take a slot for a task whose deadline key is ``key`` (None: now), blocking; False if
-        ``stop()`` turned true first."""
+        ``stop()`` turned true first (it is checked on every wake-up and every ``patience_s``)."""
         if self._held is not None:
             return True
         key = time.monotonic() if key is None else float(key)
         self._enlist(key)
         try:
             while True:
+                self._drain()  # before trying: a release after the try leaves a byte that wakes us
                 eligible = self._ahead(key) < len(self._fds)
                 if self._entry is not None:
                     self._table["eligible"][self._entry] = int(eligible)
-                if eligible:  # among the n earliest: try until the next re-read
-                    until = time.monotonic() + rank_s
-                    while True:
-                        if self._try():
-                            return True
-                        if time.monotonic() >= until:
-                            break
-                        time.sleep(poll_s)
-                elif stop():
-                    return False
-                else:
-                    time.sleep(rank_s)
+                if eligible and self._try():
+                    return True
                 if stop():
                     return False
+                select.select([self._wakeup], [], [], self.patience_s)
         finally:
             self._delist()
 
@@ -141,12 +195,59 @@ class CpuSlots:
         if self._held is not None:
             fcntl.flock(self._fds[self._held], fcntl.LOCK_UN)
             self._held = None
+            _wake(self.shm_dir, self.prefix, self._table, len(self._fds), skip=self._pid)
 
     def close(self) -> None:
         self.release()
         self._delist()
         del self._table
         self._map.close()
-        for fd in (*self._fds, self._qfd):
+        for fd in (*self._fds, self._qfd, self._wakeup):
             os.close(fd)
         self._fds = []
+        try:
+            os.unlink(self._fifo_path)
+        except FileNotFoundError:
+            pass
+
+
+class HostSlots:
+    """A DataServer's membership of its host's decode slots: a shared ``flock`` on the
+    ``{prefix}m`` file for as long as it lives (the kernel drops it if the process dies). ``close``
+    unlinks the slot files only when no other member is left."""
+
+    def __init__(self, prefix: str, shm_dir: str = "/dev/shm"):
+        self.prefix, self.shm_dir = prefix, shm_dir
+        self._path = os.path.join(shm_dir, f"{prefix}m")
+        while True:
+            fd = os.open(self._path, os.O_RDWR | os.O_CREAT, 0o600)
+            fcntl.flock(fd, fcntl.LOCK_SH)  # waits while a last member is unlinking
+            try:
+                if os.stat(self._path).st_ino == os.fstat(fd).st_ino:
+                    break
+            except FileNotFoundError:
+                pass
+            os.close(fd)  # unlinked under us: join the next generation of files
+        self._fd: int | None = fd
+
+    def close(self) -> bool:
+        """Leave; unlink the host's slot files if this was the last member. True if it did."""
+        if self._fd is None:
+            return False
+        fd, self._fd = self._fd, None
+        last = False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # upgrade: only when no one else holds it
+            last = True
+        except BlockingIOError:
+            pass
+        if last:
+            for name in os.listdir(self.shm_dir):
+                if name.startswith(self.prefix) and name != os.path.basename(self._path):
+                    try:
+                        os.unlink(os.path.join(self.shm_dir, name))
+                    except FileNotFoundError:
+                        pass
+            os.unlink(self._path)  # last: a server that opened it meanwhile sees another inode and retries
+        os.close(fd)
+        return last

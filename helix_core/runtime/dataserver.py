@@ -25,6 +25,7 @@ from .proto import helix_pb2_grpc as pbg
 from .rpc import connect
 from .tensors import ChunkWriter, iter_chunks
 from .wire import add_servicer, deliver_callable
+from .cpuslots import HostSlots
 from .workers import WorkerPool
 
 __all__ = ["DataServerServicer", "serve_dataserver"]
@@ -189,21 +190,37 @@ class DataServerServicer(pbg.DataServerServicer):
                               pid=os.getpid())
 
 
+def heartbeat_intervals(config: ClusterConfig):
+    """A generator of the waits between heartbeats: ``send(changed)`` says whether the server's
+    state changed since the last one. Busy: every ``heartbeat_interval_s``; idle, the wait doubles
+    up to a third of ``heartbeat_timeout_s`` (so an idle server is never taken for dead)."""
+    base = config.heartbeat_interval_s
+    longest = max(base, config.heartbeat_timeout_s / 3)
+    wait = base
+    while True:
+        changed = yield wait
+        wait = base if changed else min(longest, wait * 2)
+
+
 def _heartbeats(servicer: DataServerServicer, coord, token, config: ClusterConfig, stop: threading.Event,
                 register) -> None:
-    while not stop.wait(config.heartbeat_interval_s):
+    intervals, last = heartbeat_intervals(config), None
+    wait = next(intervals)
+    while not stop.wait(wait):
         st = servicer.pool.stats()
+        req = pb.HeartbeatRequest(
+            server_id=servicer.server_id, queue_depth=st["queue_depth"], inflight=st["inflight"],
+            workers_alive=st["workers_alive"], latency_per_cost=st["latency_per_cost"],
+            completed=st["completed"], cross_ds_bytes=servicer.cross_ds_bytes, queued_cpu_s=st["queued_cpu_s"],
+            link_bandwidth_bps=servicer.link_bandwidth_bps, link_latency_s=servicer.link_latency_s)
         try:
-            reply = coord.Heartbeat(pb.HeartbeatRequest(
-                server_id=servicer.server_id, queue_depth=st["queue_depth"], inflight=st["inflight"],
-                workers_alive=st["workers_alive"], latency_per_cost=st["latency_per_cost"],
-                completed=st["completed"], cross_ds_bytes=servicer.cross_ds_bytes, queued_cpu_s=st["queued_cpu_s"],
-                link_bandwidth_bps=servicer.link_bandwidth_bps, link_latency_s=servicer.link_latency_s),
-                timeout=config.rpc_timeout_s, metadata=call_metadata(token))
+            reply = coord.Heartbeat(req, timeout=config.rpc_timeout_s, metadata=call_metadata(token))
             if not reply.known:
                 register()
         except grpc.RpcError as e:
             log.debug("heartbeat failed: %s", e.code())
+        wait = intervals.send(req != last)
+        last = req
 
 
 def serve_dataserver(coordinator: str, kind: str, local_rank: int, workers: int, token: str | None,
@@ -220,6 +237,7 @@ def serve_dataserver(coordinator: str, kind: str, local_rank: int, workers: int,
     tag = f"{kind[0]}{local_rank if kind == 'local' else ''}p{os.getpid()}-"
     slabs = shm.SlabPool(f"helix-{hello.cluster_id}-{tag}d-")
     slots = config.decode_slots or os.cpu_count() or 1  # one decode per core, across the host's servers
+    host_slots = HostSlots(f"helix-{hello.cluster_id}-cpu")  # the last server of the host unlinks them
     pool = WorkerPool(workers, f"helix-{hello.cluster_id}-{tag}", allow_pickle=bool(token), config=config,
                       cpu_slots=(f"helix-{hello.cluster_id}-cpu", slots))
     servicer = DataServerServicer(pool, slabs, config, token, address, kind)
@@ -240,7 +258,7 @@ def serve_dataserver(coordinator: str, kind: str, local_rank: int, workers: int,
         hb.start()
         if on_ready is not None:
             on_ready(address, servicer.server_id)
-        while not stop.wait(0.5):
+        while not stop.wait(30.0):  # woken by stop (a signal handler sets it); the timeout is only a backstop
             pass
     finally:
         server.stop(grace=min(1.0, config.stop_timeout_s)).wait(config.stop_timeout_s)
@@ -248,4 +266,4 @@ def serve_dataserver(coordinator: str, kind: str, local_rank: int, workers: int,
         slabs.close()
         servicer.reader.close()
         shm.sweep(f"helix-{hello.cluster_id}-{tag}")
-        shm.sweep(f"helix-{hello.cluster_id}-cpu")  # the host's decode slots: the cluster is stopping
+        host_slots.close()

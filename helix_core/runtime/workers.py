@@ -24,7 +24,7 @@ from concurrent.futures import Future
 from multiprocessing.connection import wait as mp_wait
 
 from ..config import ClusterConfig
-from . import shm
+from . import cpuslots, shm
 from .specs import load_spec, sample_path
 
 __all__ = ["WorkerPool", "worker_main"]
@@ -49,7 +49,7 @@ def worker_main(conn, shm_prefix: str, allow_pickle: bool, parent_pid: int, cpu_
     specs: dict[str, tuple] = {}
     try:
         while True:
-            if not conn.poll(0.5):
+            if not conn.poll(2.0):  # a closed pipe wakes it at once; this only catches a parent that vanished
                 if os.getppid() != parent_pid:
                     return  # orphaned
                 continue
@@ -280,8 +280,8 @@ class WorkerPool:
             if self._graveyard:
                 self._graveyard = [n for n in self._graveyard if not shm.unlink_if_free(n)]
             objs = [self._wake_r] + [w.conn for w in self._workers] + [w.proc.sentinel for w in self._workers]
-            try:
-                ready = mp_wait(objs, timeout=0.2)
+            try:  # every event wakes it (a task, a result, a death, close); dead workers' slabs are re-checked
+                ready = mp_wait(objs, timeout=1.0 if self._graveyard else None)
             except OSError:
                 continue
             for obj in ready:
@@ -356,6 +356,8 @@ class WorkerPool:
         # its slabs: free ones go now; those a client still holds (maybe not even mapped yet) stay
         # until released, so a reply already sent stays readable
         self._graveyard += [n for n in shm.list_segments(w.prefix) if not shm.unlink_if_free(n)]
+        if self.cpu_slots:  # a decode slot it held is free now, and the kernel tells no one
+            cpuslots.notify(*self.cpu_slots)
         i = self._workers.index(w)
         self._workers[i] = _Worker(w.wid, w.incarnation + 1, self.prefix, self.allow_pickle, self.cpu_slots)
         self.respawns += 1
@@ -386,6 +388,7 @@ class WorkerPool:
         if self._stop.is_set():
             return
         self._stop.set()
+        self._wake_w.send_bytes(b"s")
         self._thread.join(timeout=self.config.stop_timeout_s)
         for w in self._workers:
             try:
