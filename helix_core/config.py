@@ -14,7 +14,7 @@ def cache_dir() -> Path:
 
 
 #: Wire protocol version; every connection checks it first (Hello).
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 
 
 @dataclass(frozen=True)

@@ -67,3 +67,15 @@ def assert_same_batches(got, want):
                 assert torch.equal(a[k], b[k]), k
             else:
                 assert a[k] == b[k], k
+
+
+def helix_children() -> list:
+    """This process's live Helix service processes (Coordinator, DataServers)."""
+    out = []
+    for p in psutil.Process().children(recursive=True):
+        try:
+            if "helix_core.runtime.process" in " ".join(p.cmdline()) and p.status() != psutil.STATUS_ZOMBIE:
+                out.append(p)
+        except psutil.Error:
+            pass
+    return out

@@ -8,7 +8,7 @@ import torch
 import helix_core as hx
 from helix_core.testing import IndexDataset
 
-from dataplane import CFG, assert_same_batches, busy_segments, torch_batches, wait_for
+from dataplane import CFG, assert_same_batches, busy_segments, helix_children, torch_batches, wait_for
 
 
 @pytest.fixture(scope="module")
@@ -246,17 +246,17 @@ def test_bad_option_values_name_the_argument_and_the_valid_ones(cluster):
 
 def test_train_and_val_loaders_share_the_embedded_cluster(monkeypatch):
     monkeypatch.delenv("HELIX_COORDINATOR", raising=False)
+    before = {p.pid for p in helix_children()}  # other tests' clusters
     train = hx.DistributedDataLoader(IndexDataset(8), batch_size=2, rank=0, world_size=1, num_workers=1, config=CFG)
     val = hx.DistributedDataLoader(IndexDataset(4), batch_size=2, rank=0, world_size=1, num_workers=1, config=CFG)
     try:
-        assert train._cluster is val._cluster and train._cluster is not None
+        assert train.coordinator == val.coordinator  # one embedded cluster
         train.close()
         assert [b["index"].tolist() for b in val] == [[0, 1], [2, 3]]  # still served after train closed
     finally:
-        cluster = val._cluster
         train.close()
         val.close()
-    assert cluster._closed and all(not s.alive for s in cluster.servers)
+    wait_for(lambda: not [p for p in helix_children() if p.pid not in before], 15, "the embedded cluster's processes to stop with the last loader")
 
 
 def test_device_copy_releases_the_slab(cluster):

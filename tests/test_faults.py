@@ -18,7 +18,7 @@ from helix_core.runtime.proto import helix_pb2 as pb
 from helix_core.runtime.proto import helix_pb2_grpc as pbg
 from helix_core.testing import IndexDataset
 
-from dataplane import CFG, assert_same_batches, children, segments, torch_batches, wait_for
+from dataplane import CFG, assert_same_batches, children, helix_children, segments, torch_batches, wait_for
 
 
 def _worker_pids(server) -> list[int]:
@@ -85,7 +85,7 @@ def test_lost_coordinator_raises_cluster_error_not_a_hang():
                                       config=CFG) as ld:
             it = iter(ld)
             next(it)
-            cluster._coordinator.kill()
+            cluster.kill_coordinator()
             t0 = time.monotonic()
             with pytest.raises(hx.ClusterError, match="Coordinator"):
                 for _ in it:
@@ -113,8 +113,7 @@ _SCRIPT = textwrap.dedent("""
     cfg = hx.ClusterConfig.for_tests()
     ds = IndexDataset(1000, shape=(1 << 14,), delays={i: 0.01 for i in range(1000)})
     loader = hx.DistributedDataLoader(ds, batch_size=4, rank=0, world_size=1, config=cfg)  # embedded cluster
-    cluster = loader._cluster
-    print("CLUSTER", cluster.cluster_id, flush=True)
+    print("CLUSTER", loader.cluster_id, flush=True)
     it = iter(loader)
     for _ in range(3):
         next(it)
@@ -155,17 +154,19 @@ def test_training_process_crash_or_ctrl_c_leaves_nothing(tmp_path, how):
 def test_a_loader_dropped_without_close_stops_its_embedded_cluster(monkeypatch):
     monkeypatch.delenv("HELIX_COORDINATOR", raising=False)
     ds = IndexDataset(40, shape=(1 << 13,), delays={i: 0.01 for i in range(40)})
+    before = {p.pid for p in helix_children()}
     ld = hx.DistributedDataLoader(ds, batch_size=2, rank=0, world_size=1, num_workers=1, config=CFG)
-    cluster = ld._cluster
+    prefix = f"helix-{ld.cluster_id}-"
     for i, batch in enumerate(ld):  # requests still in flight when the loader goes
         if i == 2:
             break
+    gone = (lambda: not shm.list_segments(prefix) and not [p for p in helix_children() if p.pid not in before])
     gc.disable()  # as a torch DataLoader may simply be dropped: no reference cycle may keep it alive
     try:
         del ld, batch
         deadline = time.monotonic() + 20
-        while not (cluster._closed and not segments(cluster)) and time.monotonic() < deadline:
+        while not gone() and time.monotonic() < deadline:  # a condition with a deadline (no collection may run)
             time.sleep(0.05)
     finally:
         gc.enable()
-    assert cluster._closed and not segments(cluster)
+    assert gone(), "the embedded cluster's processes and segments outlived the dropped loader"

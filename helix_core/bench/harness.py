@@ -120,7 +120,7 @@ def expected_indices(n: int, cfg: BenchConfig, total_steps: int | None = None) -
 def _roles(procs, cluster, pool) -> dict[str, list[int]]:
     roles = {"ranks": [p.pid for p in procs if p.pid]}
     if cluster is not None:
-        roles["coordinator"] = [cluster._coordinator.pid]
+        roles["coordinator"] = [cluster.coordinator_pid]
         roles["dataservers"] = [s.pid for s in cluster.servers]
     if pool is not None:
         roles.update(pool.pids())

@@ -21,13 +21,14 @@ from ..runtime.proto import helix_pb2 as pb
 from ..runtime.proto import helix_pb2_grpc as pbg
 from ..runtime.rpc import check_hello, connect
 from ..runtime.tensors import copy_tensors, read_tensors, unflatten
+from ..protocol import ErrorKind, Route, route_request
 
 __all__ = ["ClusterClient", "TRANSIENT"]
 
 #: Status codes that mean "this server (or the path to it) is gone": resubmit elsewhere.
+#: (A full /dev/shm is not among them: it comes back as ``ErrorKind.NO_ROOM``, final.)
 TRANSIENT = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED,
-             grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL, grpc.StatusCode.FAILED_PRECONDITION,
-             grpc.StatusCode.RESOURCE_EXHAUSTED}
+             grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL, grpc.StatusCode.FAILED_PRECONDITION}
 
 
 class _Unavailable(grpc.RpcError):
@@ -68,6 +69,8 @@ class ClusterClient:
         self._configured: set[tuple[str, str]] = set()
         self._lock = threading.Lock()
         self._fired: set = set()  # fire-and-forget calls still in flight
+        self._landed_cond = threading.Condition(self._lock)
+        self._completed: list[int] = []  # task ids whose replies landed, for the next Route to carry
         self.reader = shm.SlabReader()
 
     def _call(self, method, request, timeout: float | None = None):
@@ -86,15 +89,31 @@ class ClusterClient:
             time.sleep(delay)
             delay = min(delay * 2, 0.5)
 
-    def route(self, task_id: int, cost, exclude: set[str], deadline_s: float | None = None,
-              scheduler: str = "") -> pb.RouteReply:
-        """Where to run one request: ``cost`` (a CostProfile or None), ``deadline_s`` (seconds
-        from now; None: unknown) and the placement policy by name (empty: the Coordinator's)."""
-        term = pb.CostTerm(cpu_s=cost.cpu_s, io_bytes=cost.io_bytes, out_bytes=cost.out_bytes,
-                           tokens=cost.tokens) if cost is not None else pb.CostTerm()
-        return self._call(self.coordinator.Route, pb.RouteRequest(
-            client_id=self.client_id, rank=self.rank, task_id=task_id, cost=term, deadline_s=deadline_s or 0.0,
-            has_deadline=deadline_s is not None, exclude=sorted(exclude), scheduler=scheduler))
+    def route(self, part, deadline_s: float | None = None, scheduler: str = "") -> Route:
+        """Where to run one ``Part``: its cost, ``deadline_s`` (seconds from now; None: unknown)
+        and the placement policy by name (empty: the Coordinator's). The tasks completed since
+        the last Route ride along (no RPC of their own)."""
+        with self._lock:
+            done, self._completed = self._completed, []
+        try:
+            return Route.from_pb(self._call(self.coordinator.Route,
+                                            route_request(self.client_id, self.rank, part, deadline_s, scheduler, done)))
+        except BaseException:
+            with self._lock:
+                self._completed[:0] = done
+            raise
+
+    def completed(self, task_id: int) -> None:
+        """A request's reply landed (or it failed or was given up): the next Route tells the Coordinator."""
+        with self._lock:
+            self._completed.append(task_id)
+
+    def flush_completions(self) -> None:
+        """Tell the Coordinator now of the completions no Route has carried yet (fire and forget)."""
+        with self._lock:
+            done, self._completed = self._completed, []
+        if done:
+            self._fire(self.coordinator.ReportCompletion, pb.Completions(client_id=self.client_id, task_ids=done))
 
     def _fire(self, method, request) -> None:
         """Fire and forget (``close`` lets these land before it closes the channels)."""
@@ -109,11 +128,7 @@ class ClusterClient:
     def _landed(self, fut) -> None:
         with self._lock:
             self._fired.discard(fut)
-
-    def report(self, task_id: int, server_id: str, latency_s: float, ok: bool) -> None:
-        """Completion feedback for the Coordinator's outstanding counts (fire and forget)."""
-        self._fire(self.coordinator.ReportCompletion, pb.CompletionReport(
-            client_id=self.client_id, task_id=task_id, server_id=server_id, latency_s=latency_s, ok=ok))
+            self._landed_cond.notify_all()
 
     def telemetry(self, last_decisions: int = 0) -> dict:
         reply = self._call(self.coordinator.Telemetry, pb.TelemetryRequest(last_decisions=last_decisions))
@@ -179,24 +194,29 @@ class ClusterClient:
             del buf
         return unflatten(b.tree_json, b.tree_pickle, tensors)
 
+    def release(self, reply: pb.ExecuteReply) -> None:
+        """Give a reply's slab back unread (its request was cancelled)."""
+        if reply.batch.slab.segment:
+            self.reader.release({"segment": reply.batch.slab.segment, "generation": reply.batch.slab.generation})
+
     @staticmethod
     def error_of(reply: pb.ExecuteReply) -> Exception | None:
-        if not reply.error_kind:
+        kind = ErrorKind(reply.error_kind)
+        if kind is ErrorKind.NONE:
             return None
-        if reply.error_kind == "sample":
+        if kind is ErrorKind.SAMPLE:
             f = reply.failure
             return SampleError(f.index, f.path, f.cause)
-        if reply.error_kind == "spec":
+        if kind is ErrorKind.SPEC:
             return ClusterError(f"DataServer could not load the dataset: {reply.error}")
-        return RuntimeError(f"DataServer task {reply.task_id} failed: {reply.error}")
+        if kind is ErrorKind.NO_ROOM:
+            return ClusterError(f"batch of task {reply.task_id}: {reply.error}")
+        return RuntimeError(f"DataServer task {reply.task_id} failed ({kind.name}): {reply.error}")
 
     def close(self) -> None:
-        deadline = time.monotonic() + min(2.0, self.config.rpc_timeout_s)
-        while time.monotonic() < deadline:  # reports and cancels in flight land first (a dead peer: not long)
-            with self._lock:
-                if not self._fired:
-                    break
-            time.sleep(0.005)
+        self.flush_completions()
+        with self._lock:  # reports and cancels in flight land first (a dead peer: not long)
+            self._landed_cond.wait_for(lambda: not self._fired, min(2.0, self.config.rpc_timeout_s))
         for ch in self._channels:
             ch.close()
         self.reader.close()

@@ -135,6 +135,17 @@ class LocalCluster:
             s.process.kill()
             s.process.wait(timeout=self.config.stop_timeout_s)
 
+    def kill_coordinator(self) -> None:
+        """SIGKILL the Coordinator (fault injection: clients must fail within their timeout)."""
+        if self._coordinator is not None and self._coordinator.poll() is None:
+            self._coordinator.kill()
+            self._coordinator.wait(timeout=self.config.stop_timeout_s)
+
+    @property
+    def coordinator_pid(self) -> int | None:
+        """The Coordinator's process id (for CPU accounting), None before ``start``."""
+        return self._coordinator.pid if self._coordinator is not None else None
+
     def close(self) -> None:
         """Stop every process gracefully (close its pipe, then SIGTERM), SIGKILL what is left after
         ``stop_timeout_s``, and sweep the cluster's shared-memory segments. Idempotent."""

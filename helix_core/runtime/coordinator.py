@@ -19,6 +19,7 @@ import numpy as np
 import grpc
 
 from ..config import PROTOCOL_VERSION, ClusterConfig
+from ..telemetry import percentile
 from ..planning.placement import Candidates, DeadlineAware, PlacementRequest, make_policy
 from .proto import helix_pb2 as pb
 from .proto import helix_pb2_grpc as pbg
@@ -59,7 +60,7 @@ class Registry:
     ``scheduler`` is the policy of requests that name none; each request may name its own."""
 
     config: ClusterConfig
-    scheduler: str = "least-request"
+    scheduler: str = "deadline"  # the loader's default too
     clock: callable = time.monotonic
     cluster_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
 
@@ -237,17 +238,18 @@ class Registry:
             st.load_cpu_s = st.queued_cpu_s + st.pending_cpu_s
         self._sync(st)
 
-    def complete(self, task_id: int, server_id: str, latency_s: float, ok: bool) -> None:
+    def complete(self, task_ids) -> None:
+        """Tasks whose replies landed (or that were given up): they no longer load their servers."""
         with self._lock:
-            owner = self._owner.pop(task_id, None)
-            if owner is not None:
-                self._release(owner)
+            for task_id in task_ids:
+                owner = self._owner.pop(task_id, None)
+                if owner is not None:
+                    self._release(owner)
 
     def telemetry(self, last: int = 100) -> dict:
-        us = sorted(self.decision_us)
-        p = (lambda q: us[min(len(us) - 1, int(q * len(us)))] if us else 0.0)
+        us = list(self.decision_us)
         return {"cluster_id": self.cluster_id, "routed": self.routed, "scheduler": self.scheduler,
-                "decision_us_p50": p(0.5), "decision_us_p99": p(0.99),
+                "scheduler_overhead_us_p50": percentile(us, 50), "scheduler_overhead_us_p99": percentile(us, 99),
                 "servers": [asdict(s) for s in self.ordered()], "clients": dict(self.clients),
                 "decisions": [_decision_entry(d) for d in list(self.decisions)[-last:]] if last else []}
 
@@ -306,11 +308,6 @@ def _decision_entry(record: tuple) -> dict:
     return entry
 
 
-def _info(st: ServerState, index: int) -> pb.ServerInfo:
-    return pb.ServerInfo(server_id=st.server_id, address=st.address, kind=st.kind, local_rank=st.local_rank,
-                         host=st.host, workers=st.workers, alive=st.alive, index=index)
-
-
 class CoordinatorServicer(pbg.CoordinatorServicer):
     """Thin: converts messages and calls ``Registry``; errors go back as status codes. Its
     handlers are coroutines on one asyncio loop (grpc.aio): every one is short and never blocks,
@@ -334,9 +331,7 @@ class CoordinatorServicer(pbg.CoordinatorServicer):
 
     async def RegisterClient(self, request, context):
         cid, base = self.registry.register_client(request.rank, request.world_size, request.host)
-        servers = [_info(s, i) for i, s in enumerate(self.registry.ordered())]
-        return pb.RegisterClientReply(client_id=cid, cluster_id=self.registry.cluster_id, servers=servers,
-                                      task_id_base=base)
+        return pb.RegisterClientReply(client_id=cid, cluster_id=self.registry.cluster_id, task_id_base=base)
 
     async def Heartbeat(self, request, context):
         known = self.registry.heartbeat(request.server_id, queue_depth=request.queue_depth, inflight=request.inflight,
@@ -355,6 +350,8 @@ class CoordinatorServicer(pbg.CoordinatorServicer):
             policy = self.registry.policy_for(request.scheduler)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        if request.completed:  # the client's completions ride on its next Route
+            self.registry.complete(request.completed)
         try:
             chosen, delivery, decision, us = self.registry.route(request.rank, request.task_id, cost,
                                                                  set(request.exclude), policy.name, t_arrival)
@@ -362,11 +359,10 @@ class CoordinatorServicer(pbg.CoordinatorServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         return pb.RouteReply(exec_server_id=chosen.server_id, exec_address=chosen.address,
                              delivery_server_id=delivery.server_id, delivery_address=delivery.address,
-                             reason=decision.reason, decision_us=us, exec_kind=chosen.kind,
-                             predicted_finish_s=decision.finish)
+                             reason=decision.reason, decision_us=us, exec_kind=chosen.kind)
 
     async def ReportCompletion(self, request, context):
-        self.registry.complete(request.task_id, request.server_id, request.latency_s, request.ok)
+        self.registry.complete(request.task_ids)
         return pb.Ack(ok=True)
 
     async def Telemetry(self, request, context):

@@ -20,6 +20,7 @@ import grpc
 from ..config import PROTOCOL_VERSION, ClusterConfig
 from . import shm
 from .auth import call_metadata
+from ..protocol import ErrorKind
 from .proto import helix_pb2 as pb
 from .proto import helix_pb2_grpc as pbg
 from .rpc import connect
@@ -92,8 +93,8 @@ class DataServerServicer(pbg.DataServerServicer):
             result = fut.result(timeout=self.config.execute_timeout_s)
         except Exception as e:  # cancelled by the client or timed out
             self.pool.cancel([request.task_id])
-            return pb.ExecuteReply(task_id=request.task_id, error_kind="internal", error=f"task not completed: {e!r}")
-        reply = pb.ExecuteReply(task_id=request.task_id, error_kind=result.get("error_kind", ""),
+            return pb.ExecuteReply(task_id=request.task_id, error_kind=ErrorKind.NOT_COMPLETED, error=repr(e))
+        reply = pb.ExecuteReply(task_id=request.task_id, error_kind=result.get("error_kind", ErrorKind.NONE),
                                 error=result.get("error", ""), failure=_failure_pb(result.get("failure")),
                                 skipped=[_failure_pb(f) for f in result.get("skipped", [])],
                                 exec_s=result.get("exec_s", 0.0), decoded=result.get("decoded", ()),
@@ -104,11 +105,10 @@ class DataServerServicer(pbg.DataServerServicer):
         if remote:
             try:
                 delivered = self._stream(request.task_id, result, request.deliver_to)
-            except grpc.RpcError as e:
-                if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:  # it is up, but has no room: say so, don't retry
-                    context.abort(e.code(), f"delivery server {request.deliver_to}: {e.details()}")
-                context.abort(grpc.StatusCode.UNAVAILABLE, f"delivery server {request.deliver_to} unreachable: "
-                                                           f"{e.code().name}")
+            except grpc.RpcError as e:  # it is up but has no room (final), or it is gone (run it elsewhere)
+                kind = ErrorKind.NO_ROOM if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED else ErrorKind.DELIVERY_LOST
+                reply.error_kind, reply.error = kind, f"delivery server {request.deliver_to}: {e.code().name} {e.details()}"
+                return reply
             finally:
                 shm.release_segment(result["handle"])  # streamed (or failed): our slab is free again
             reply.batch.CopyFrom(delivered.batch)

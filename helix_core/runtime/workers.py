@@ -24,6 +24,7 @@ from concurrent.futures import Future
 from multiprocessing.connection import wait as mp_wait
 
 from ..config import ClusterConfig
+from ..protocol import ErrorKind
 from . import cpuslots, shm
 from .specs import load_spec, sample_path
 
@@ -93,7 +94,7 @@ def _run_task(task: dict, specs: dict, pool, conn, allow_pickle: bool) -> dict:
     t0 = time.perf_counter()
     spec = specs.get(task["spec_id"])
     if spec is None or isinstance(spec, Exception):
-        return {"error_kind": "spec", "error": f"cannot load dataset spec {task['spec_id']}: {spec!r}"}
+        return {"error_kind": ErrorKind.SPEC, "error": f"cannot load dataset spec {task['spec_id']}: {spec!r}"}
     dataset, collate = spec
     if hasattr(dataset, "set_epoch"):
         dataset.set_epoch(task["epoch"])
@@ -126,7 +127,7 @@ def _run_task(task: dict, specs: dict, pool, conn, allow_pickle: bool) -> dict:
                 fail = _failure(index, path, f"{type(e).__name__}: {e}")
             if task.get("on_error") != "skip" or not subs:
                 why = "" if task.get("on_error") != "skip" else " (no substitute left)"
-                return {"error_kind": "sample", "error": fail["cause"] + why, "failure": fail, "skipped": skipped}
+                return {"error_kind": ErrorKind.SAMPLE, "error": fail["cause"] + why, "failure": fail, "skipped": skipped}
             skipped.append(fail)
             index = subs.pop(0)
     slab = None
@@ -139,8 +140,9 @@ def _run_task(task: dict, specs: dict, pool, conn, allow_pickle: bool) -> dict:
     except Exception as e:
         if slab is not None:
             slab.release()  # nobody will get its handle
-        return {"error_kind": "internal", "error": f"collate/deliver failed for task {task['task_id']}: "
-                                                     f"{type(e).__name__}: {e}", "skipped": skipped}
+        kind = ErrorKind.NO_ROOM if isinstance(e, shm.ShmCapacityError) else ErrorKind.INTERNAL
+        return {"error_kind": kind, "error": f"collate/deliver failed for task {task['task_id']}: "
+                                             f"{type(e).__name__}: {e}", "skipped": skipped}
     return {"handle": slab.handle(total), "tree_json": tree_json, "tree_pickle": tree_pickle, "metas": metas,
             "skipped": skipped, "exec_s": time.perf_counter() - t0, "decoded": decoded, "decode_cpu_s": decode_cpu}
 
@@ -378,10 +380,9 @@ class WorkerPool:
                         task["bad"][current[0]] = cause
                     else:
                         fut = self._futures.pop(task["task_id"])
-                        fut.set_result({"error_kind": "sample", "error": cause,
+                        fut.set_result({"error_kind": ErrorKind.SAMPLE, "error": cause,
                                         "failure": _failure(current[0], current[1], cause), "skipped": []})
                         return
-            task["attempt"] = task.get("attempt", 0) + 1
             self._pending.push(task)  # its key is kept: it goes back near the front
 
     def close(self) -> None:

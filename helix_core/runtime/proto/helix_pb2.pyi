@@ -1,10 +1,28 @@
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class ErrorKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ERROR_NONE: _ClassVar[ErrorKind]
+    ERROR_SAMPLE: _ClassVar[ErrorKind]
+    ERROR_SPEC: _ClassVar[ErrorKind]
+    ERROR_INTERNAL: _ClassVar[ErrorKind]
+    ERROR_NOT_COMPLETED: _ClassVar[ErrorKind]
+    ERROR_DELIVERY_LOST: _ClassVar[ErrorKind]
+    ERROR_NO_ROOM: _ClassVar[ErrorKind]
+ERROR_NONE: ErrorKind
+ERROR_SAMPLE: ErrorKind
+ERROR_SPEC: ErrorKind
+ERROR_INTERNAL: ErrorKind
+ERROR_NOT_COMPLETED: ErrorKind
+ERROR_DELIVERY_LOST: ErrorKind
+ERROR_NO_ROOM: ErrorKind
 
 class HelloRequest(_message.Message):
     __slots__ = ("protocol_version", "role")
@@ -29,26 +47,6 @@ class Ack(_message.Message):
     OK_FIELD_NUMBER: _ClassVar[int]
     ok: bool
     def __init__(self, ok: _Optional[bool] = ...) -> None: ...
-
-class ServerInfo(_message.Message):
-    __slots__ = ("server_id", "address", "kind", "local_rank", "host", "workers", "alive", "index")
-    SERVER_ID_FIELD_NUMBER: _ClassVar[int]
-    ADDRESS_FIELD_NUMBER: _ClassVar[int]
-    KIND_FIELD_NUMBER: _ClassVar[int]
-    LOCAL_RANK_FIELD_NUMBER: _ClassVar[int]
-    HOST_FIELD_NUMBER: _ClassVar[int]
-    WORKERS_FIELD_NUMBER: _ClassVar[int]
-    ALIVE_FIELD_NUMBER: _ClassVar[int]
-    INDEX_FIELD_NUMBER: _ClassVar[int]
-    server_id: str
-    address: str
-    kind: str
-    local_rank: int
-    host: str
-    workers: int
-    alive: bool
-    index: int
-    def __init__(self, server_id: _Optional[str] = ..., address: _Optional[str] = ..., kind: _Optional[str] = ..., local_rank: _Optional[int] = ..., host: _Optional[str] = ..., workers: _Optional[int] = ..., alive: _Optional[bool] = ..., index: _Optional[int] = ...) -> None: ...
 
 class RegisterServerRequest(_message.Message):
     __slots__ = ("address", "kind", "local_rank", "host", "workers")
@@ -85,16 +83,14 @@ class RegisterClientRequest(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., world_size: _Optional[int] = ..., host: _Optional[str] = ...) -> None: ...
 
 class RegisterClientReply(_message.Message):
-    __slots__ = ("client_id", "cluster_id", "servers", "task_id_base")
+    __slots__ = ("client_id", "cluster_id", "task_id_base")
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     CLUSTER_ID_FIELD_NUMBER: _ClassVar[int]
-    SERVERS_FIELD_NUMBER: _ClassVar[int]
     TASK_ID_BASE_FIELD_NUMBER: _ClassVar[int]
     client_id: str
     cluster_id: str
-    servers: _containers.RepeatedCompositeFieldContainer[ServerInfo]
     task_id_base: int
-    def __init__(self, client_id: _Optional[str] = ..., cluster_id: _Optional[str] = ..., servers: _Optional[_Iterable[_Union[ServerInfo, _Mapping]]] = ..., task_id_base: _Optional[int] = ...) -> None: ...
+    def __init__(self, client_id: _Optional[str] = ..., cluster_id: _Optional[str] = ..., task_id_base: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("server_id", "queue_depth", "inflight", "workers_alive", "latency_per_cost", "completed", "cross_ds_bytes", "queued_cpu_s", "link_bandwidth_bps", "link_latency_s")
@@ -139,7 +135,7 @@ class CostTerm(_message.Message):
     def __init__(self, cpu_s: _Optional[float] = ..., io_bytes: _Optional[int] = ..., out_bytes: _Optional[int] = ..., tokens: _Optional[int] = ...) -> None: ...
 
 class RouteRequest(_message.Message):
-    __slots__ = ("client_id", "rank", "task_id", "cost", "deadline_s", "exclude", "scheduler", "has_deadline")
+    __slots__ = ("client_id", "rank", "task_id", "cost", "deadline_s", "exclude", "scheduler", "has_deadline", "completed")
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
@@ -148,6 +144,7 @@ class RouteRequest(_message.Message):
     EXCLUDE_FIELD_NUMBER: _ClassVar[int]
     SCHEDULER_FIELD_NUMBER: _ClassVar[int]
     HAS_DEADLINE_FIELD_NUMBER: _ClassVar[int]
+    COMPLETED_FIELD_NUMBER: _ClassVar[int]
     client_id: str
     rank: int
     task_id: int
@@ -156,10 +153,11 @@ class RouteRequest(_message.Message):
     exclude: _containers.RepeatedScalarFieldContainer[str]
     scheduler: str
     has_deadline: bool
-    def __init__(self, client_id: _Optional[str] = ..., rank: _Optional[int] = ..., task_id: _Optional[int] = ..., cost: _Optional[_Union[CostTerm, _Mapping]] = ..., deadline_s: _Optional[float] = ..., exclude: _Optional[_Iterable[str]] = ..., scheduler: _Optional[str] = ..., has_deadline: _Optional[bool] = ...) -> None: ...
+    completed: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, client_id: _Optional[str] = ..., rank: _Optional[int] = ..., task_id: _Optional[int] = ..., cost: _Optional[_Union[CostTerm, _Mapping]] = ..., deadline_s: _Optional[float] = ..., exclude: _Optional[_Iterable[str]] = ..., scheduler: _Optional[str] = ..., has_deadline: _Optional[bool] = ..., completed: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class RouteReply(_message.Message):
-    __slots__ = ("exec_server_id", "exec_address", "delivery_server_id", "delivery_address", "reason", "decision_us", "exec_kind", "predicted_finish_s")
+    __slots__ = ("exec_server_id", "exec_address", "delivery_server_id", "delivery_address", "reason", "decision_us", "exec_kind")
     EXEC_SERVER_ID_FIELD_NUMBER: _ClassVar[int]
     EXEC_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     DELIVERY_SERVER_ID_FIELD_NUMBER: _ClassVar[int]
@@ -167,7 +165,6 @@ class RouteReply(_message.Message):
     REASON_FIELD_NUMBER: _ClassVar[int]
     DECISION_US_FIELD_NUMBER: _ClassVar[int]
     EXEC_KIND_FIELD_NUMBER: _ClassVar[int]
-    PREDICTED_FINISH_S_FIELD_NUMBER: _ClassVar[int]
     exec_server_id: str
     exec_address: str
     delivery_server_id: str
@@ -175,22 +172,15 @@ class RouteReply(_message.Message):
     reason: str
     decision_us: float
     exec_kind: str
-    predicted_finish_s: float
-    def __init__(self, exec_server_id: _Optional[str] = ..., exec_address: _Optional[str] = ..., delivery_server_id: _Optional[str] = ..., delivery_address: _Optional[str] = ..., reason: _Optional[str] = ..., decision_us: _Optional[float] = ..., exec_kind: _Optional[str] = ..., predicted_finish_s: _Optional[float] = ...) -> None: ...
+    def __init__(self, exec_server_id: _Optional[str] = ..., exec_address: _Optional[str] = ..., delivery_server_id: _Optional[str] = ..., delivery_address: _Optional[str] = ..., reason: _Optional[str] = ..., decision_us: _Optional[float] = ..., exec_kind: _Optional[str] = ...) -> None: ...
 
-class CompletionReport(_message.Message):
-    __slots__ = ("client_id", "task_id", "server_id", "latency_s", "ok")
+class Completions(_message.Message):
+    __slots__ = ("client_id", "task_ids")
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
-    TASK_ID_FIELD_NUMBER: _ClassVar[int]
-    SERVER_ID_FIELD_NUMBER: _ClassVar[int]
-    LATENCY_S_FIELD_NUMBER: _ClassVar[int]
-    OK_FIELD_NUMBER: _ClassVar[int]
+    TASK_IDS_FIELD_NUMBER: _ClassVar[int]
     client_id: str
-    task_id: int
-    server_id: str
-    latency_s: float
-    ok: bool
-    def __init__(self, client_id: _Optional[str] = ..., task_id: _Optional[int] = ..., server_id: _Optional[str] = ..., latency_s: _Optional[float] = ..., ok: _Optional[bool] = ...) -> None: ...
+    task_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, client_id: _Optional[str] = ..., task_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class TelemetryRequest(_message.Message):
     __slots__ = ("last_decisions",)
@@ -267,7 +257,7 @@ class SampleFailure(_message.Message):
     def __init__(self, index: _Optional[int] = ..., path: _Optional[str] = ..., cause: _Optional[str] = ...) -> None: ...
 
 class ExecuteRequest(_message.Message):
-    __slots__ = ("task_id", "spec_id", "indices", "epoch", "substitutes", "on_error", "deliver_to", "client_id", "attempt", "deadline_s", "has_deadline", "predicted_cpu_s")
+    __slots__ = ("task_id", "spec_id", "indices", "epoch", "substitutes", "on_error", "deliver_to", "client_id", "deadline_s", "has_deadline", "predicted_cpu_s")
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
     SPEC_ID_FIELD_NUMBER: _ClassVar[int]
     INDICES_FIELD_NUMBER: _ClassVar[int]
@@ -276,7 +266,6 @@ class ExecuteRequest(_message.Message):
     ON_ERROR_FIELD_NUMBER: _ClassVar[int]
     DELIVER_TO_FIELD_NUMBER: _ClassVar[int]
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
-    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_S_FIELD_NUMBER: _ClassVar[int]
     HAS_DEADLINE_FIELD_NUMBER: _ClassVar[int]
     PREDICTED_CPU_S_FIELD_NUMBER: _ClassVar[int]
@@ -288,11 +277,10 @@ class ExecuteRequest(_message.Message):
     on_error: str
     deliver_to: str
     client_id: str
-    attempt: int
     deadline_s: float
     has_deadline: bool
     predicted_cpu_s: float
-    def __init__(self, task_id: _Optional[int] = ..., spec_id: _Optional[str] = ..., indices: _Optional[_Iterable[int]] = ..., epoch: _Optional[int] = ..., substitutes: _Optional[_Iterable[int]] = ..., on_error: _Optional[str] = ..., deliver_to: _Optional[str] = ..., client_id: _Optional[str] = ..., attempt: _Optional[int] = ..., deadline_s: _Optional[float] = ..., has_deadline: _Optional[bool] = ..., predicted_cpu_s: _Optional[float] = ...) -> None: ...
+    def __init__(self, task_id: _Optional[int] = ..., spec_id: _Optional[str] = ..., indices: _Optional[_Iterable[int]] = ..., epoch: _Optional[int] = ..., substitutes: _Optional[_Iterable[int]] = ..., on_error: _Optional[str] = ..., deliver_to: _Optional[str] = ..., client_id: _Optional[str] = ..., deadline_s: _Optional[float] = ..., has_deadline: _Optional[bool] = ..., predicted_cpu_s: _Optional[float] = ...) -> None: ...
 
 class ExecuteReply(_message.Message):
     __slots__ = ("task_id", "batch", "error_kind", "error", "failure", "skipped", "delivered_by", "cross_ds_bytes", "exec_s", "decoded", "decode_cpu_s", "queue_s")
@@ -310,7 +298,7 @@ class ExecuteReply(_message.Message):
     QUEUE_S_FIELD_NUMBER: _ClassVar[int]
     task_id: int
     batch: BatchHandle
-    error_kind: str
+    error_kind: ErrorKind
     error: str
     failure: SampleFailure
     skipped: _containers.RepeatedCompositeFieldContainer[SampleFailure]
@@ -320,7 +308,7 @@ class ExecuteReply(_message.Message):
     decoded: _containers.RepeatedScalarFieldContainer[int]
     decode_cpu_s: _containers.RepeatedScalarFieldContainer[float]
     queue_s: float
-    def __init__(self, task_id: _Optional[int] = ..., batch: _Optional[_Union[BatchHandle, _Mapping]] = ..., error_kind: _Optional[str] = ..., error: _Optional[str] = ..., failure: _Optional[_Union[SampleFailure, _Mapping]] = ..., skipped: _Optional[_Iterable[_Union[SampleFailure, _Mapping]]] = ..., delivered_by: _Optional[str] = ..., cross_ds_bytes: _Optional[int] = ..., exec_s: _Optional[float] = ..., decoded: _Optional[_Iterable[int]] = ..., decode_cpu_s: _Optional[_Iterable[float]] = ..., queue_s: _Optional[float] = ...) -> None: ...
+    def __init__(self, task_id: _Optional[int] = ..., batch: _Optional[_Union[BatchHandle, _Mapping]] = ..., error_kind: _Optional[_Union[ErrorKind, str]] = ..., error: _Optional[str] = ..., failure: _Optional[_Union[SampleFailure, _Mapping]] = ..., skipped: _Optional[_Iterable[_Union[SampleFailure, _Mapping]]] = ..., delivered_by: _Optional[str] = ..., cross_ds_bytes: _Optional[int] = ..., exec_s: _Optional[float] = ..., decoded: _Optional[_Iterable[int]] = ..., decode_cpu_s: _Optional[_Iterable[float]] = ..., queue_s: _Optional[float] = ...) -> None: ...
 
 class StreamHeader(_message.Message):
     __slots__ = ("task_id", "tree_json", "tree_pickle", "tensors", "total_bytes")

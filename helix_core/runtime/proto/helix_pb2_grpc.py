@@ -61,7 +61,7 @@ class CoordinatorStub:
                 _registered_method=True)
         self.ReportCompletion = channel.unary_unary(
                 '/helix.v1.Coordinator/ReportCompletion',
-                request_serializer=helix__pb2.CompletionReport.SerializeToString,
+                request_serializer=helix__pb2.Completions.SerializeToString,
                 response_deserializer=helix__pb2.Ack.FromString,
                 _registered_method=True)
         self.Telemetry = channel.unary_unary(
@@ -157,7 +157,7 @@ def add_CoordinatorServicer_to_server(servicer, server):
             ),
             'ReportCompletion': grpc.unary_unary_rpc_method_handler(
                     servicer.ReportCompletion,
-                    request_deserializer=helix__pb2.CompletionReport.FromString,
+                    request_deserializer=helix__pb2.Completions.FromString,
                     response_serializer=helix__pb2.Ack.SerializeToString,
             ),
             'Telemetry': grpc.unary_unary_rpc_method_handler(
@@ -331,7 +331,7 @@ class Coordinator:
             request,
             target,
             '/helix.v1.Coordinator/ReportCompletion',
-            helix__pb2.CompletionReport.SerializeToString,
+            helix__pb2.Completions.SerializeToString,
             helix__pb2.Ack.FromString,
             options,
             channel_credentials,
