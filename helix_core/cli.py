@@ -48,9 +48,20 @@ def _cmd_profile(a, console) -> int:
     return 0
 
 
+def _need_bench() -> None:
+    """The bench lives in ``helix_bench`` behind the ``bench`` extra: say so when it is missing."""
+    import importlib.util
+
+    for module in ("helix_bench", "matplotlib", "psutil"):
+        if importlib.util.find_spec(module) is None:
+            raise ValueError(f"this command needs the bench extra ({module} is missing): "
+                             "pip install 'helix[bench]' (from a checkout: pip install -e '.[bench]')")
+
+
 def _cmd_demo(a, console) -> int:
     """The embedded default job: a small kinetics-mixed run, native DataLoader against Helix."""
-    from .bench.harness import BenchConfig, run_bench
+    _need_bench()
+    from helix_bench.harness import BenchConfig, run_bench
 
     out = Path(a.out) if a.out else cache_dir() / "demo-report"
     console.print(f"[bold]Helix demo[/]: {a.ranks} emulated ranks (gloo) on kinetics-mixed, {a.budget} decode workers "
@@ -67,7 +78,15 @@ def _split(text: str, kind=str) -> list:
 
 
 def _cmd_bench(a, console) -> int:
-    from .bench.harness import BenchConfig, run_bench
+    _need_bench()
+    if a.overhead:
+        from helix_bench.overhead import run_overhead
+
+        run_overhead(out=Path(a.out) / "overhead.json" if a.out else None, console=console)
+        return 0
+    if not a.out:
+        raise ValueError("helix bench needs --out DIR (where the report goes)")
+    from helix_bench.harness import BenchConfig, run_bench
 
     configs = [BenchConfig(workload=w, model=a.model, ranks=a.ranks, batch_size=b, budget=a.budget,
                            systems=tuple(_split(a.systems)), warmup=a.warmup, steps=a.steps, regime=r,
@@ -82,7 +101,8 @@ def _cmd_bench(a, console) -> int:
 
 
 def _cmd_planner(a, console) -> int:
-    from .bench.planner import run_planner_bench
+    _need_bench()
+    from helix_bench.planner import run_planner_bench
 
     run_planner_bench(_split(a.workload), _split(a.models), _split(a.windows, int), ranks=a.ranks,
                       batch_size=a.batch_size, clips=a.clips, epochs=a.epochs, seed=a.seed,
@@ -93,7 +113,8 @@ def _cmd_planner(a, console) -> int:
 
 
 def _cmd_microbench(a, console) -> int:
-    from .bench.media import run_microbench
+    _need_bench()
+    from helix_bench.media import run_microbench
 
     run_microbench(a.out, clips=a.clips, rows=a.rows, console=console)
     return 0
@@ -157,7 +178,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--ddl-tolerance-ms", type=float, default=10.0)
     s.add_argument("--data", default=None, help="where workloads are synthesized (cached)")
-    s.add_argument("--out", required=True)
+    s.add_argument("--out", default=None, help="report folder (required, except with --overhead)")
+    s.add_argument("--overhead", action="store_true",
+                   help="instead: Helix's own CPU (idle, per batch by role) and wake-up latency, near-free samples")
     s.set_defaults(fn=_cmd_bench)
     s = sub.add_parser("planner", help="Tier-1 planner: GPU-cost imbalance per window size, and planner time")
     s.add_argument("--workload", default="kinetics-mixed,openvid-mixed", help="comma-separated list")

@@ -66,6 +66,7 @@ class Part:
     attempts: int = 0
     route: Route | None = None
     future: object = None
+    landed: float = 0.0  # time.perf_counter when its reply landed (the done-callback ran)
 
 
 @dataclass(eq=False)
@@ -85,6 +86,8 @@ class Task:
     taken: set = field(default_factory=set)  # part numbers whose reply was read (their slab is the batch's)
     cancelled: set = field(default_factory=set)  # futures given up already (cancel is idempotent per future)
     t_dispatch: float = 0.0
+    landed: float = 0.0  # when its last reply landed
+    result: object = None  # the batch, once collected
     error: BaseException | None = None
 
     def splits(self) -> list[list[int]]:

@@ -51,6 +51,7 @@ class LoaderStats:
         self.ddl_tolerance_s = ddl_tolerance_s
         self.input_wait = collections.deque(maxlen=window)
         self.batch_ready = collections.deque(maxlen=window)
+        self.wakeup = collections.deque(maxlen=window)  # reply landed -> next() returned, while the rank waited
         self.decision_us = collections.deque(maxlen=window)
         self.route_us = collections.deque(maxlen=window)  # Route round trips as the client sees them
         self.deadlines = collections.deque(maxlen=window)  # deadline_s sent with each request
@@ -66,6 +67,7 @@ class LoaderStats:
             "input_wait_p50_s": percentile(waits, 50), "input_wait_p95_s": percentile(waits, 95),
             "input_wait_last_s": waits[-1] if waits else math.nan,
             "batch_ready_p50_s": percentile(self.batch_ready, 50), "batch_ready_p95_s": percentile(self.batch_ready, 95),
+            "wakeup_p50_s": percentile(self.wakeup, 50), "wakeup_p99_s": percentile(self.wakeup, 99),
             "ddl_miss_rate": misses / len(waits) if waits else math.nan, "ddl_tolerance_s": self.ddl_tolerance_s,
             "skipped": self.skipped, "resubmits": self.resubmits,
             "cross_ds_bytes": self.cross_ds_bytes,

@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from helix_core.bench.cpuroles import (
+from helix_bench.cpuroles import (
     assign_roles,
     cpu_by_role,
     decode_efficiency,

@@ -1,4 +1,4 @@
-"""`python -m helix_core.bench.dataplane`: figure arithmetic on hand-made numbers, and one small
+"""`python -m helix_bench.dataplane`: figure arithmetic on hand-made numbers, and one small
 real run of the remote-stream and route parts (nothing here asserts a speed)."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import math
 import psutil
 import pytest
 
-from helix_core.bench import dataplane as bd
+from helix_bench import dataplane as bd
 
 
 def _new_children(before: set[int]) -> list[psutil.Process]:

@@ -3,13 +3,13 @@ import json
 
 import pytest
 
-from helix_core.bench import harness
-from helix_core.bench.harness import BenchConfig, run_bench
+from helix_bench import harness
+from helix_bench.harness import BenchConfig, run_bench
 
 
 @pytest.mark.timeout(400)
 def test_tiny_run_writes_results_for_each_system(tmp_path, monkeypatch):
-    monkeypatch.setattr("helix_core.bench.raypool.ray_available", lambda: "Ray is not installed (test)")
+    monkeypatch.setattr("helix_bench.raypool.ray_available", lambda: "Ray is not installed (test)")
     cfg = BenchConfig(ranks=2, budget=2, batch_size=2, warmup=1, steps=3, clips=6, scale=0.25,
                       systems=("native", "ray", "helix-pool", "helix"), data_dir=str(tmp_path / "data"))
     runs = run_bench([cfg], tmp_path / "out")

@@ -6,7 +6,7 @@ import math
 import numpy as np
 import pytest
 
-from helix_core.bench.metrics import (
+from helix_bench.metrics import (
     PER_RANK_KEYS, SYSTEM_METRIC_KEYS, Bound, StepRecord, balanced_gpu_s, percentile, system_metrics,
 )
 

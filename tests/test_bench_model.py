@@ -1,7 +1,7 @@
 """`--compute model`: the tiny video transformer trains on a padded batch (CPU, small clips)."""
 import torch
 
-from helix_core.bench.model import ModelCompute, TinyVideoTransformer
+from helix_bench.model import ModelCompute, TinyVideoTransformer
 
 
 def test_tiny_model_forward_shapes_and_token_cost():

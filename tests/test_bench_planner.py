@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from helix_core.bench.planner import measure_planner, run_planner_bench, sampler_steps
+from helix_bench.planner import measure_planner, run_planner_bench, sampler_steps
 
 
 def test_planner_bench_balances_the_sampler_steps(kmix):

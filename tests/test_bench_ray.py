@@ -11,7 +11,7 @@ import torch
 
 pytest.importorskip("ray")
 
-from helix_core.bench.raypool import RayPool, ray_loader
+from helix_bench.raypool import RayPool, ray_loader
 from helix_core.datasets import VideoClipDataset
 from helix_core.runtime.specs import resolve
 

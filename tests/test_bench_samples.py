@@ -2,7 +2,7 @@
 repeats a sample (pure)."""
 import pytest
 
-from helix_core.bench.samples import check_consumed, round_to_windows, window_spans
+from helix_bench.samples import check_consumed, round_to_windows, window_spans
 
 
 def test_warmup_and_steps_round_up_to_whole_windows():

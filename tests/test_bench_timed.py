@@ -5,8 +5,8 @@ import time
 
 import pytest
 
-from helix_core.bench.emulate import measure_decode
-from helix_core.bench.timed import (
+from helix_bench.emulate import measure_decode
+from helix_bench.timed import (
     TimedClipDataset,
     capacity_from_spans,
     measure_capacity,

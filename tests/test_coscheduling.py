@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import helix_core as hx
-from helix_core.bench.planner import sampler_steps as bench_sampler_steps
+from helix_core.planning.sampling import steps as sampler_order
 from helix_core.client.transport import ClusterClient
 from helix_core.planning.batching import TokenPlanner, imbalance_ratio
 from helix_core.planning.gpu import gpu_cost
@@ -80,7 +80,7 @@ def test_deadlines_and_reasons_reach_the_decision_log(cluster):
 
 def sampler_steps(n, batch_size, world_size, shuffle=False, seed=0, epoch=0):
     """``steps[s][r]``: what DistributedSampler + batching give rank r at global step s."""
-    return bench_sampler_steps(n, world_size, batch_size, seed, epoch, shuffle=shuffle)
+    return sampler_order(n, batch_size, world_size, shuffle, seed, epoch)
 
 
 def _planned(ds, world_size, batch_size, window):

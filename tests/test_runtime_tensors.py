@@ -282,7 +282,7 @@ def test_transport_benchmark_runs_and_cleans_up():
 
     from rich.console import Console
 
-    from helix_core.bench.transport import bench_local_delivery
+    from helix_bench.transport import bench_local_delivery
 
     rows = bench_local_delivery(sizes_mb=(1,), repeats=1, console=Console(file=io.StringIO()))
     assert rows[0]["size_mb"] == 1 and rows[0]["reused_gb_s"] > 0 and rows[0]["read_us"] > 0

@@ -47,7 +47,7 @@ def test_embedded_cluster_one_line_loader(monkeypatch):
     monkeypatch.delenv("HELIX_COORDINATOR", raising=False)
     ds = IndexDataset(9)
     with hx.DistributedDataLoader(ds, batch_size=4, rank=0, world_size=1, num_workers=1, config=CFG) as ld:
-        cluster = ld._cluster
+        cluster = ld.cluster
         assert cluster is not None and cluster.token  # an embedded cluster makes its own token
         assert_same_batches(list(ld), torch_batches(ds, 4, 0, 1))
     assert all(not s.alive for s in cluster.servers)
@@ -63,7 +63,7 @@ _RANK_SCRIPT = textwrap.dedent("""
     kw = dict(batch_size=3, shuffle=True, seed=5, num_workers=2, config=hx.ClusterConfig.for_tests())
     ld = hx.DistributedDataLoader(ds, **kw)  # rank / world size from torchrun
     got = [b["index"].tolist() for b in ld]
-    owner = ld._cluster is not None
+    owner = ld.cluster is not None
     ld.close()  # local rank 0's last loader: the cluster it shares must stay up for the other ranks
     dist.init_process_group("gloo")
     dist.barrier()

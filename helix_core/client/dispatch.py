@@ -149,7 +149,9 @@ class Dispatch(BaseNode):
         self._run: _Run | None = None
         self._yielded, self._epoch = 0, 0
         self._seq = 0  # tasks yielded over this node's life
+        self.runs = 0  # runs started (threads and queues); an epoch that adopts requests sent ahead starts none
         self.last_seq = -1  # sequence number of the task ``next`` returned last
+        self.last_task = None  # the task ``next`` returned last (its ``landed`` time)
 
     @property
     def running(self) -> bool:
@@ -172,6 +174,7 @@ class Dispatch(BaseNode):
         st = self.source.get_state()
         self._epoch, self._yielded = st[self.EPOCH], st[self.YIELDED]
         run = self._run = _Run(self.prefetch_depth, self._seq)
+        self.runs += 1
         run.threads = [threading.Thread(target=self._send, args=(run,), name="helix-sender", daemon=True),
                        threading.Thread(target=self._fetch, args=(run,), name="helix-fetcher", daemon=True)]
         for t in run.threads:
@@ -243,7 +246,10 @@ class Dispatch(BaseNode):
                         continue
                     return
                 try:
-                    item = task.error if task.error is not None else self.requests.collect(task, run.stop)
+                    item = task.error
+                    if item is None:
+                        task.result = self.requests.collect(task, run.stop)
+                        item = task
                 except BaseException as e:
                     item = e
                 if run.stop.is_set() or isinstance(item, BaseException):
@@ -276,7 +282,9 @@ class Dispatch(BaseNode):
         self._seq += 1
         if isinstance(item, BaseException):
             raise item
-        return item
+        self.last_task = item
+        batch, item.result = item.result, None
+        return batch
 
     def read_end(self, timeout_s: float = 2.0) -> bool:
         """After an epoch's last batch: take its end marker (it follows within moments), so a

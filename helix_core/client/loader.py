@@ -105,10 +105,10 @@ class DistributedDataLoader:
                                            PlanCosts(dataset, units))
         else:
             self._batches = ShardBatches(len(dataset), batch_size, *shard)
-        self._embedded = False
+        self._embedded, self.cluster = False, None  # cluster: the LocalCluster this process started for it
         address = coordinator or os.environ.get("HELIX_COORDINATOR")
         if address is None:  # shared by this process's loaders (train and val)
-            _, address, token = acquire_embedded(self.world_size, num_workers, self.config)
+            self.cluster, address, token = acquire_embedded(self.world_size, num_workers, self.config)
             self._embedded = True
         self._closed = True  # until construction succeeded (close() must not touch what isn't there)
         try:
@@ -215,6 +215,7 @@ class DistributedDataLoader:
         |predicted - measured| / measured CPU seconds of the first and last decoded samples), ..."""
         out = self._stats.as_dict()
         out["window_s_per_unit"] = self.deadlines.seconds_per_unit
+        out["dispatch_runs"] = self._root.runs  # send/fetch threads started: an adopting epoch starts none
         return out
 
     def batch_ready_s(self) -> list[float]:
@@ -291,7 +292,10 @@ class _LoaderIter:
             ld._stats.input_wait.append(time.perf_counter() - t0)
             ld._position += 1  # a failed batch (SampleError) counts: the pass goes on after it
             raise
-        ld._stats.input_wait.append(time.perf_counter() - t0)
+        now = time.perf_counter()
+        ld._stats.input_wait.append(now - t0)
+        if ld._root.last_task.landed > t0:  # the rank was waiting when its reply landed: how long it took to wake
+            ld._stats.wakeup.append(now - ld._root.last_task.landed)
         ld._stats.batches += 1
         ld._position += 1
         ld.deadlines.yielded(ld._root.last_seq)

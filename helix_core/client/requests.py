@@ -80,8 +80,12 @@ class Requests:
                                        f"{e.code().name} {e.details()}") from None
                 self._exclude(part, route.exec_server_id)
                 continue
-            part.future.add_done_callback(lambda _, tid=part.task_id: self.client.completed(tid))
+            part.future.add_done_callback(lambda _, p=part: self._landed(p))
             return
+
+    def _landed(self, part: Part) -> None:
+        part.landed = time.perf_counter()
+        self.client.completed(part.task_id)
 
     def _exclude(self, part: Part, server_id: str) -> None:
         self.client.forget(part.route.exec_address)
@@ -140,6 +144,7 @@ class Requests:
                 batches.append(batch)
         if error is not None:
             raise error
+        task.landed = max(p.landed for p in task.parts)
         self.stats.batch_ready.append(time.perf_counter() - task.t_dispatch)
         if len(batches) == 1:
             return batches[0]

@@ -27,7 +27,7 @@ from .rpc import connect
 from .tensors import ChunkWriter, iter_chunks
 from .wire import add_servicer, deliver_callable
 from .cpuslots import HostSlots
-from .workers import WorkerPool
+from .pool import WorkerPool
 
 __all__ = ["DataServerServicer", "serve_dataserver"]
 

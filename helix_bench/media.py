@@ -14,7 +14,7 @@ _PROFILES = ("kinetics-small", "kinetics-mid", "kinetics-large")
 
 def _decode_rates(root: Path, model_frames: int, size: int, repeats: int = 3) -> tuple[float, float]:
     """(source frames decoded per CPU second, sampled frames per CPU second), medians."""
-    from ..datasets import VideoClipDataset
+    from helix_core.datasets import VideoClipDataset
 
     ds = VideoClipDataset(root / "manifest.jsonl", model="videomae", num_frames=model_frames, size=size, profiles=False)
     src, out = [], []
@@ -27,7 +27,7 @@ def _decode_rates(root: Path, model_frames: int, size: int, repeats: int = 3) ->
 
 
 def _probe_ms(paths: list[Path], repeats: int = 5) -> float:
-    from ..media.probe import probe
+    from helix_core.media.probe import probe
 
     times = []
     for _ in range(repeats):
@@ -55,8 +55,8 @@ def run_microbench(out: str, clips: int = 6, rows: int = 1_000_000, console=None
     from rich.console import Console
     from rich.table import Table
 
-    from ..media.synth import make_dataset
-    from ..profiles import ProfileTable
+    from helix_core.media.synth import make_dataset
+    from helix_core.profiles import ProfileTable
 
     console = console or Console()
     out = Path(out)

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ..planning.batching import TokenPlanner, fill_unknown_costs, imbalance_ratio
-from ..planning.gpu import gpu_cost
+from helix_core.planning.batching import TokenPlanner, fill_unknown_costs, imbalance_ratio
+from helix_core.planning.gpu import gpu_cost
 
 __all__ = ["PlannerResult", "measure_planner", "run_planner_bench", "sample_costs", "sampler_steps"]
 
@@ -42,22 +42,16 @@ class PlannerResult:
 
 def sampler_steps(n: int, ranks: int, batch_size: int, seed: int, epoch: int, shuffle: bool = True) -> list[list[list[int]]]:
     """``steps[s][r]``: rank r's batch at global step s, exactly as the bench's ranks draw them
-    (DistributedSampler, then batches of ``batch_size``)."""
-    from torch.utils.data import DistributedSampler
+    (``helix_core.planning.sampling``: the loader's own order)."""
+    from helix_core.planning.sampling import steps
 
-    shards = []
-    for r in range(ranks):
-        sampler = DistributedSampler(range(n), num_replicas=ranks, rank=r, shuffle=shuffle, seed=seed)
-        sampler.set_epoch(epoch)
-        idx = list(sampler)
-        shards.append([idx[i:i + batch_size] for i in range(0, len(idx), batch_size)])
-    return [list(step) for step in zip(*shards)]
+    return steps(n, batch_size, ranks, shuffle, seed, epoch)
 
 
 def sample_costs(manifest: str | os.PathLike, model: str) -> np.ndarray:
     """Every sample's predicted GPU cost (units of ``gpu_cost(model)``) from the profile table;
     a clip that failed to probe gets its profile bucket's median (``fill_unknown_costs``)."""
-    from ..datasets import VideoClipDataset
+    from helix_core.datasets import VideoClipDataset
 
     table = VideoClipDataset(manifest, model=model).cost_arrays()
     if table is None:
@@ -104,8 +98,8 @@ def _shape_and_samples(steps) -> tuple[list, Counter]:
 
 def _dataset(workload: str, clips: int, seed: int, data_dir: Path) -> Path:
     """The workload's manifest, synthesized and profiled once (the folder `helix bench` uses)."""
-    from ..media.synth import make_dataset
-    from ..profiles import profile_dataset
+    from helix_core.media.synth import make_dataset
+    from helix_core.profiles import profile_dataset
 
     scale = 1.0  # full-size clips: tokens, hence costs, depend on the real geometry
     root = make_dataset(data_dir / f"{workload}-{clips}-s{scale:g}-seed{seed}", workload, clips, seed=seed,
@@ -120,7 +114,7 @@ def run_planner_bench(workloads: Sequence[str], models: Sequence[str], windows: 
                       data_dir: str | os.PathLike | None = None, out: str | os.PathLike | None = None,
                       console=None) -> list[PlannerResult]:
     """Every workload x model: print a table and, with ``out``, write the results as JSON."""
-    from ..media.synth import WORKLOADS
+    from helix_core.media.synth import WORKLOADS
 
     bad = [w for w in workloads if w not in WORKLOADS]
     if bad:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..planning.gpu import GPU_COSTS
+from helix_core.planning.gpu import GPU_COSTS
 from .emulate import REGIMES, measure_decode, regime_window_scale
 from .ranks import BALANCED, HELIX_VARIANTS, RankPlan, rank_main
 
@@ -80,9 +80,9 @@ def _free_port() -> int:
 
 
 def _dataset(cfg: BenchConfig, progress):
-    from ..datasets import VideoClipDataset
-    from ..media.synth import make_dataset
-    from ..profiles import profile_dataset
+    from helix_core.datasets import VideoClipDataset
+    from helix_core.media.synth import make_dataset
+    from helix_core.profiles import profile_dataset
 
     root = Path(cfg.data_dir) / f"{cfg.workload}-{cfg.clips}-s{cfg.scale:g}-seed{cfg.seed}"
     make_dataset(root, cfg.workload, cfg.clips, seed=cfg.seed, scale=cfg.scale, workers=os.cpu_count() or 1,
@@ -100,18 +100,14 @@ def steps_per_epoch(n: int, cfg: BenchConfig) -> int:
 def expected_indices(n: int, cfg: BenchConfig, total_steps: int | None = None) -> list[list[list[int]]]:
     """``[rank][step] -> indices`` the sampler gives (DistributedSampler, epoch after epoch), for
     ``total_steps`` steps (default warm-up + measured)."""
-    import torch
+    from helix_core.planning.sampling import rank_batches
 
     total = cfg.warmup + cfg.steps if total_steps is None else total_steps
     out = []
     for r in range(cfg.ranks):
-        sampler = torch.utils.data.DistributedSampler(range(n), num_replicas=cfg.ranks, rank=r, shuffle=True,
-                                                      seed=cfg.seed)
         steps, epoch = [], 0
         while len(steps) < total:
-            sampler.set_epoch(epoch)
-            idx = list(sampler)
-            steps += [idx[i:i + cfg.batch_size] for i in range(0, len(idx), cfg.batch_size)]
+            steps += rank_batches(n, cfg.batch_size, r, cfg.ranks, True, cfg.seed, epoch)
             epoch += 1
         out.append(steps[:total])
     return out
@@ -137,7 +133,7 @@ def _run_system(system: str, cfg: BenchConfig, plan: RankPlan, live) -> tuple[li
     CPU snapshots by role and wall times (``time.time()``) at the start and end of the measured steps."""
     import psutil
 
-    from ..runtime.cluster import LocalCluster
+    from helix_core.runtime.cluster import LocalCluster
     from .cpuroles import snapshot
 
     ctx = mp.get_context("spawn")
@@ -272,7 +268,7 @@ def run_one(cfg: BenchConfig, console=None, live=None) -> dict:
 
 def _system_result(system, cfg, got, m, expected, spans, bound, decode, units, log_dir) -> dict:
     """One system's metrics: checked samples, step metrics, where the CPU went, planner ratio."""
-    from ..planning.batching import imbalance_ratio
+    from helix_core.planning.batching import imbalance_ratio
     from .cpuroles import cpu_by_role, decode_efficiency, split_decode
     from .metrics import StepRecord, system_metrics
     from .samples import check_consumed

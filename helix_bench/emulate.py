@@ -13,7 +13,7 @@ import time
 
 import numpy as np
 
-from ..planning.gpu import GPU_COSTS, GpuCost
+from helix_core.planning.gpu import GPU_COSTS, GpuCost
 
 __all__ = ["GPU_COSTS", "GpuCost", "REGIMES", "measure_decode", "regime_window_scale"]
 

@@ -1,7 +1,7 @@
 """Bench report: ``results.json``, ``report.md`` and PNG figures (paper Table 2, Fig. 2, 8, 10).
 
 A *run* is one ``helix bench`` configuration: a dict with :data:`RUN_KEYS` whose ``systems`` maps a
-system name to :func:`helix_core.bench.metrics.system_metrics`'s dict, or to
+system name to :func:`helix_bench.metrics.system_metrics`'s dict, or to
 ``{"skipped": "reason"}`` for a system that could not run. Optional keys: ``note`` (printed under
 the run's heading), ``label`` (the run's name in figures; by default the workload plus whatever
 differs between the runs of a sweep, e.g. ``remote_servers``). Times are seconds, bytes are bytes,

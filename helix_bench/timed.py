@@ -16,7 +16,7 @@ import queue
 import time
 from pathlib import Path
 
-from ..datasets import VideoClipDataset
+from helix_core.datasets import VideoClipDataset
 
 __all__ = ["TimedClipDataset", "capacity_from_spans", "measure_capacity", "read_decode_log"]
 
@@ -106,7 +106,7 @@ def _capacity_main(spec: dict, order: list[int], barrier, results) -> None:
     try:
         import torch
 
-        from ..runtime.specs import resolve
+        from helix_core.runtime.specs import resolve
 
         torch.set_num_threads(1)
         ds = resolve(spec["target"])(**spec["kwargs"])

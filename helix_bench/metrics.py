@@ -15,7 +15,7 @@ import numbers
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from ..telemetry import percentile as _percentile
+from helix_core.telemetry import percentile as _percentile
 
 __all__ = [
     "PER_RANK_KEYS",

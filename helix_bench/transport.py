@@ -1,4 +1,4 @@
-"""`python -m helix_core.bench.transport`: how fast a batch moves through a shared-memory slab on
+"""`python -m helix_bench.transport`: how fast a batch moves through a shared-memory slab on
 one host. Per tensor size: write_tensors into a reused slab (GB/s), into a fresh slab each time
 (GB/s, creating the segment included: tmpfs page allocation is the first-touch cost), and the
 client's attach + read_tensors on an already cached mapping (microseconds). Medians over repeats.
@@ -13,8 +13,8 @@ import time
 
 import torch
 
-from ..runtime import shm
-from ..runtime.tensors import layout, read_tensors, write_tensors
+from helix_core.runtime import shm
+from helix_core.runtime.tensors import layout, read_tensors, write_tensors
 
 __all__ = ["bench_local_delivery", "main"]
 
@@ -91,7 +91,7 @@ def bench_local_delivery(sizes_mb=(16, 64, 256), repeats: int = 5, console=None)
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m helix_core.bench.transport", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m helix_bench.transport", description=__doc__)
     parser.add_argument("--sizes-mb", type=int, nargs="+", default=[16, 64, 256], help="tensor sizes (MiB)")
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args(argv)

@@ -1,4 +1,4 @@
-"""`python -m helix_core.bench.dataplane`: the data plane's own figures, medians over repeats.
+"""`python -m helix_bench.dataplane`: the data plane's own figures, medians over repeats.
 
 - **local**: shared-memory delivery on one host (``bench.transport.bench_local_delivery``).
 - **remote**: a remote DataServer streams a batch over gRPC to a local one (loopback). Stream
@@ -25,7 +25,7 @@ import time
 import traceback
 from pathlib import Path
 
-from ..telemetry import percentile
+from helix_core.telemetry import percentile
 
 __all__ = ["bench_e2e", "bench_remote", "bench_route", "e2e_figures", "main", "route_figures", "stream_figures"]
 
@@ -88,8 +88,8 @@ def e2e_figures(system: str, ranks: int, workers: int, results: list[dict]) -> d
 # ---- remote: one stream between two DataServers -------------------------------------------------------
 def _execute(client, address: str, spec, task_id: int, batch: int, deliver_to: str, timeout_s: float):
     """Wall seconds and worker seconds of one ``Execute``; releases the batch's slab."""
-    from ..runtime import shm
-    from ..runtime.proto import helix_pb2 as pb
+    from helix_core.runtime import shm
+    from helix_core.runtime.proto import helix_pb2 as pb
 
     req = pb.ExecuteRequest(task_id=task_id, spec_id=spec[0], indices=list(range(batch)), epoch=0, on_error="raise",
                             deliver_to=deliver_to, client_id=client.client_id)
@@ -109,11 +109,11 @@ def bench_remote(sizes_mb=(64, 256), sample_mb: int = 16, repeats: int = 5, cons
     """Stream GB/s from a remote DataServer to a local one on loopback, per batch size (MiB;
     samples of ``sample_mb`` MiB). One warm-up pair per size, then ``repeats`` pairs, alternating
     streamed and local calls so that machine noise hits both alike. See ``stream_figures``."""
-    from ..config import ClusterConfig
-    from ..runtime.cluster import LocalCluster
-    from ..runtime.specs import make_spec
-    from ..testing import IndexDataset
-    from ..client.transport import ClusterClient
+    from helix_core.config import ClusterConfig
+    from helix_core.runtime.cluster import LocalCluster
+    from helix_core.runtime.specs import make_spec
+    from helix_core.testing import IndexDataset
+    from helix_core.client.transport import ClusterClient
 
     config = ClusterConfig()
     rows, ids = [], itertools.count(1)
@@ -148,10 +148,10 @@ def bench_remote(sizes_mb=(64, 256), sample_mb: int = 16, repeats: int = 5, cons
 def _add_candidates(cluster, n: int, config) -> None:
     """Register ``n`` placeholder remote servers (TEST-NET addresses nobody dials) so that each
     placement decision scores as many candidates as a large cluster would."""
-    from ..runtime.auth import call_metadata
-    from ..runtime.proto import helix_pb2 as pb
-    from ..runtime.proto import helix_pb2_grpc as pbg
-    from ..runtime.rpc import connect
+    from helix_core.runtime.auth import call_metadata
+    from helix_core.runtime.proto import helix_pb2 as pb
+    from helix_core.runtime.proto import helix_pb2_grpc as pbg
+    from helix_core.runtime.rpc import connect
 
     channel = connect(cluster.address, config)
     try:
@@ -169,11 +169,12 @@ def bench_route(threads=(1, 4, 16), seconds: float = 3.0, candidates: int = 64, 
     """Routed requests/s from N threads sharing one client for ``seconds`` each, against a
     Coordinator with ``candidates`` servers (1 real local one plus placeholders), per placement
     policy (the deadline policy's requests carry a predicted cost and a deadline)."""
-    from ..descriptors import CostProfile
+    from helix_core.descriptors import CostProfile
 
-    from ..config import ClusterConfig
-    from ..client.transport import ClusterClient
-    from ..runtime.cluster import LocalCluster
+    from helix_core.config import ClusterConfig
+    from helix_core.client.transport import ClusterClient
+    from helix_core.protocol import Part
+    from helix_core.runtime.cluster import LocalCluster
 
     config = ClusterConfig(heartbeat_timeout_s=3600.0)  # placeholders send no heartbeats: keep them alive
     rows, ids = [], itertools.count(1)
@@ -181,7 +182,7 @@ def bench_route(threads=(1, 4, 16), seconds: float = 3.0, candidates: int = 64, 
         _add_candidates(cluster, max(0, candidates - 1), config)
         client = ClusterClient(cluster.address, None, config, 0, 1)
         try:
-            client.route(next(ids), None, set())  # warm the channel
+            client.route(Part(next(ids), [0]))  # warm the channel
             cost = CostProfile(cpu_s=0.1, io_bytes=1 << 20, out_bytes=16 << 20, tokens=1568, profile="16x224x224")
             task = progress.add_task("route", total=len(threads) * len(schedulers)) if progress else None
             for sched, n in itertools.product(schedulers, threads):
@@ -193,7 +194,7 @@ def bench_route(threads=(1, 4, 16), seconds: float = 3.0, candidates: int = 64, 
                     try:
                         while time.perf_counter() < deadline:
                             t0 = time.perf_counter()
-                            reply = client.route(next(ids), cost, set(), budget, sched)
+                            reply = client.route(Part(next(ids), [0], cost), budget, sched)
                             trips[k].append((time.perf_counter() - t0) * 1e6)
                             decisions[k].append(reply.decision_us)
                             counts[k] += 1
@@ -320,8 +321,8 @@ def _run_ranks(system: str, ranks: int, manifest: str, address: str, workers: in
 
 def _workload(data_dir: Path, clips: int) -> Path:
     """The cached kinetics-mixed workload (scale 0.5) with its profile table; returns the manifest."""
-    from ..media.synth import make_dataset
-    from ..profiles import profile_dataset
+    from helix_core.media.synth import make_dataset
+    from helix_core.profiles import profile_dataset
 
     root = make_dataset(data_dir / f"kinetics-mixed-{clips}", "kinetics-mixed", clips, seed=0, scale=0.5, progress=True)
     manifest = root / "manifest.jsonl"
@@ -336,7 +337,7 @@ def bench_e2e(ranks=(2, 4), workers: int = 2, clips: int = 24, batch_size: int =
     """One epoch per system and rank count; one row per (ranks, system), plus the helix/native
     samples/s ratio on the helix row. ``workers``: total worker processes W, i.e. max(1, W // R)
     per rank (native) or per local DataServer (helix)."""
-    from ..runtime.cluster import LocalCluster
+    from helix_core.runtime.cluster import LocalCluster
 
     manifest = str(_workload(Path(data_dir).expanduser(), clips))
     rows = []
@@ -410,7 +411,7 @@ def main(argv=None) -> dict:
 
     from .transport import bench_local_delivery
 
-    p = argparse.ArgumentParser(prog="python -m helix_core.bench.dataplane", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m helix_bench.dataplane", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--only", type=_parts, default=list(PARTS), help=f"comma-separated parts of {','.join(PARTS)}")
     p.add_argument("--quick", action="store_true", help="small sizes and counts (a smoke run, not a measurement)")

@@ -1,13 +1,11 @@
-"""A DataServer's supervised pool of worker processes (spawned, ``OMP_NUM_THREADS=1``).
+"""A DataServer's supervised pool of worker processes (``worker.py`` is the child's side).
 
 Queued tasks run earliest-deadline-first: a task's key is its arrival time plus its deadline
 (seconds from now, as the client sent it), or its arrival time when it has none — so without
-deadlines the order is first-in-first-out. Each worker loads the dataset and collate function once per spec, then runs whole batch tasks:
-fetch + decode + transform each sample, collate, and write the batch into a reused shared-memory
-slab of its own. The pool's supervisor thread owns every worker pipe: it hands tasks to idle
-workers, collects results, and watches process sentinels. A worker that dies has its task retried
-(bounded per sample: a sample that keeps killing workers becomes a ``SampleError``) and is
-respawned. Workers exit when their parent's pipe closes.
+deadlines the order is first-in-first-out. The pool's supervisor thread owns every worker pipe: it
+hands tasks to idle workers, collects results, and watches process sentinels, blocking on all of
+them at once. A worker that dies has its task retried (bounded per sample: a sample that keeps
+killing workers becomes a ``SampleError``) and is respawned.
 """
 from __future__ import annotations
 
@@ -17,7 +15,6 @@ import itertools
 import logging
 import multiprocessing as mp
 import os
-import signal
 import threading
 import time
 from concurrent.futures import Future
@@ -26,140 +23,26 @@ from multiprocessing.connection import wait as mp_wait
 from ..config import ClusterConfig
 from ..protocol import ErrorKind
 from . import cpuslots, shm
-from .specs import load_spec, sample_path
+from .worker import Progress, _failure, worker_main
 
-__all__ = ["WorkerPool", "worker_main"]
+__all__ = ["WorkerPool"]
 
 log = logging.getLogger("helix.workers")
 
 
-# ---- the worker process ------------------------------------------------------------------------
-def worker_main(conn, shm_prefix: str, allow_pickle: bool, parent_pid: int, cpu_slots=None) -> None:
-    """Entry point of a worker process: serve ``("spec", ...)`` and ``("task", ...)`` messages.
-    ``cpu_slots``: ``(prefix, n)`` of the host's decode slots (a task runs holding one)."""
-    os.environ["OMP_NUM_THREADS"] = "1"
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the owner's to handle
-    import torch
-
-    from .cpuslots import CpuSlots
-
-    torch.set_num_threads(1)
-    slots = CpuSlots(*cpu_slots) if cpu_slots else None
-    orphaned = (lambda: os.getppid() != parent_pid)
-    pool = shm.SlabPool(shm_prefix)
-    specs: dict[str, tuple] = {}
-    try:
-        while True:
-            if not conn.poll(2.0):  # a closed pipe wakes it at once; this only catches a parent that vanished
-                if os.getppid() != parent_pid:
-                    return  # orphaned
-                continue
-            try:
-                msg = conn.recv()
-            except (EOFError, OSError):
-                return  # the parent's pipe closed
-            if msg[0] == "stop":
-                return
-            if msg[0] == "spec":
-                _, spec_id, payload, fmt = msg
-                try:
-                    specs[spec_id] = load_spec(payload, fmt, allow_pickle)
-                except Exception as e:  # reported with the next task of this spec
-                    specs[spec_id] = e
-            elif msg[0] == "task":
-                task = msg[1]
-                if slots is not None and not slots.acquire(task.get("_key"), stop=orphaned):
-                    return
-                try:
-                    result = _run_task(task, specs, pool, conn, allow_pickle)
-                finally:
-                    if slots is not None:
-                        slots.release()
-                conn.send(("done", task["task_id"], result))
-    finally:
-        pool.close()
-        if slots is not None:
-            slots.close()
-
-
-def _failure(index: int, path: str, cause: str) -> dict:
-    return {"index": int(index), "path": str(path), "cause": str(cause)}
-
-
-def _run_task(task: dict, specs: dict, pool, conn, allow_pickle: bool) -> dict:
-    from ..errors import SampleError
-    from .direct import direct_batch, supports_direct
-    from .tensors import flatten, layout, write_tensors
-
-    t0 = time.perf_counter()
-    spec = specs.get(task["spec_id"])
-    if spec is None or isinstance(spec, Exception):
-        return {"error_kind": ErrorKind.SPEC, "error": f"cannot load dataset spec {task['spec_id']}: {spec!r}"}
-    dataset, collate = spec
-    if hasattr(dataset, "set_epoch"):
-        dataset.set_epoch(task["epoch"])
-    subs = list(task.get("substitutes", ()))
-    bad = task.get("bad", {})
-    if not bad and supports_direct(dataset, collate):  # decode straight into the slab: no copies
-        got = direct_batch(dataset, collate, list(task["indices"]), pool, allow_pickle,
-                           lambda i: conn.send(("progress", task["task_id"], int(i), sample_path(dataset, i))))
-        if got is not None:
-            slab, total, tree_json, tree_pickle, metas, cpu = got
-            return {"handle": slab.handle(total), "tree_json": tree_json, "tree_pickle": tree_pickle, "metas": metas,
-                    "skipped": [], "exec_s": time.perf_counter() - t0, "decoded": [int(i) for i in task["indices"]],
-                    "decode_cpu_s": cpu}
-    samples, skipped, decoded, decode_cpu = [], [], [], []
-    for index in task["indices"]:
-        while True:
-            path = sample_path(dataset, index)
-            conn.send(("progress", task["task_id"], int(index), path))
-            try:
-                if index in bad:
-                    raise SampleError(index, path, bad[index])
-                c0 = time.thread_time()
-                samples.append(dataset[index])
-                decode_cpu.append(time.thread_time() - c0)
-                decoded.append(int(index))
-                break
-            except SampleError as e:
-                fail = _failure(e.index, e.path, e.cause)
-            except Exception as e:  # a user dataset's own error still names the sample
-                fail = _failure(index, path, f"{type(e).__name__}: {e}")
-            if task.get("on_error") != "skip" or not subs:
-                why = "" if task.get("on_error") != "skip" else " (no substitute left)"
-                return {"error_kind": ErrorKind.SAMPLE, "error": fail["cause"] + why, "failure": fail, "skipped": skipped}
-            skipped.append(fail)
-            index = subs.pop(0)
-    slab = None
-    try:
-        batch = collate(samples)
-        tree_json, tree_pickle, tensors = flatten(batch, allow_pickle=allow_pickle)
-        metas, total = layout(tensors)
-        slab = pool.acquire(total)
-        metas = write_tensors(slab.payload, tensors, metas)
-    except Exception as e:
-        if slab is not None:
-            slab.release()  # nobody will get its handle
-        kind = ErrorKind.NO_ROOM if isinstance(e, shm.ShmCapacityError) else ErrorKind.INTERNAL
-        return {"error_kind": kind, "error": f"collate/deliver failed for task {task['task_id']}: "
-                                             f"{type(e).__name__}: {e}", "skipped": skipped}
-    return {"handle": slab.handle(total), "tree_json": tree_json, "tree_pickle": tree_pickle, "metas": metas,
-            "skipped": skipped, "exec_s": time.perf_counter() - t0, "decoded": decoded, "decode_cpu_s": decode_cpu}
-
-
-# ---- the supervisor (in the DataServer process) -------------------------------------------------
 class _Worker:
     def __init__(self, wid: int, incarnation: int, prefix: str, allow_pickle: bool, cpu_slots=None):
         ctx = mp.get_context("spawn")
         self.wid, self.incarnation = wid, incarnation
         self.prefix = f"{prefix}w{wid}i{incarnation}-"
         self.conn, child = ctx.Pipe(duplex=True)
-        self.proc = ctx.Process(target=worker_main, args=(child, self.prefix, allow_pickle, os.getpid(), cpu_slots),
-                                name=f"helix-worker-{wid}", daemon=True)
+        self.progress = Progress(ctx)
+        self.progress.clear()
+        self.proc = ctx.Process(target=worker_main, args=(child, self.prefix, allow_pickle, os.getpid(), cpu_slots,
+                                                          self.progress), name=f"helix-worker-{wid}", daemon=True)
         self.proc.start()
         child.close()
         self.task: dict | None = None
-        self.current: tuple[int, str] | None = None  # sample index being fetched, its path
         self.started = 0.0  # clock() when its task was handed over
         self.specs: set[str] = set()
 
@@ -313,7 +196,7 @@ class WorkerPool:
                         w.conn.send(("spec", task["spec_id"], payload, fmt))
                         w.specs.add(task["spec_id"])
                     w.conn.send(("task", task))
-                    w.task, w.current, w.started = task, None, self.clock()
+                    w.task, w.started = task, self.clock()
                     task.setdefault("_queue_s", w.started - task["_arrival"])
                 except (BrokenPipeError, OSError):
                     self._pending.push(task)
@@ -326,15 +209,13 @@ class WorkerPool:
                 msg = w.conn.recv()
             except (EOFError, OSError):
                 return
-            if msg[0] == "progress":
-                w.current = (msg[2], msg[3])
-            elif msg[0] == "done":
+            if msg[0] == "done":
                 self._finish(w, msg[1], msg[2])
 
     def _finish(self, w: _Worker, task_id: int, result: dict) -> None:
         with self._lock:
             task = w.task
-            w.task, w.current = None, None
+            w.task = None
             fut = self._futures.pop(task_id, None)
             self._cancelled.discard(task_id)
             self.completed += 1
@@ -363,7 +244,7 @@ class WorkerPool:
         i = self._workers.index(w)
         self._workers[i] = _Worker(w.wid, w.incarnation + 1, self.prefix, self.allow_pickle, self.cpu_slots)
         self.respawns += 1
-        task, current = w.task, w.current
+        task, current = w.task, w.progress.get()
         log.warning("worker %d died (exit %s) during task %s at sample %s; respawned", w.wid, code,
                     task and task["task_id"], current and current[0])
         if task is None:
