@@ -10,13 +10,17 @@ import math
 import textwrap
 from pathlib import Path
 
+from .slots import draw_timeline
+
 __all__ = ["FIGURES", "draw_figures"]
 
-FIGURES = ("fig2_step_time_p95.png", "fig8_wait_breakdown.png", "fig10_throughput.png", "fig_cpu_by_role.png")
+FIGURES = ("fig2_step_time_p95.png", "fig8_wait_breakdown.png", "fig10_throughput.png", "fig_cpu_by_role.png",
+           "fig_decode_slots.png")
 CAPTIONS = {"fig2_step_time_p95.png": "Per-rank step-time p95 (paper Fig. 2)",
             "fig8_wait_breakdown.png": "Mean step breakdown: input wait, compute, sync wait (paper Fig. 8)",
             "fig10_throughput.png": "Throughput per run and system against the physical bound (paper Fig. 10)",
-            "fig_cpu_by_role.png": "Where the CPU went over the measured steps: CPU-seconds by role per system"}
+            "fig_cpu_by_role.png": "Where the CPU went over the measured steps: CPU-seconds by role per system",
+            "fig_decode_slots.png": "Decode slots over the measured steps: each decoding process's decodes (gaps: idle CPU)"}
 _SYSTEM_COLORS = {"native": "tab:gray", "ray": "tab:orange", "helix": "tab:blue"}
 _OTHER_COLORS = ("tab:green", "tab:purple", "tab:brown", "tab:pink", "tab:olive", "tab:cyan", "tab:red")
 
@@ -197,4 +201,5 @@ def draw_figures(runs: list, labels: list[str], out: Path) -> dict[str, Path]:
     return {FIGURES[0]: _fig2(runs, labels, colors, out / FIGURES[0]),
             FIGURES[1]: _fig8(runs, labels, out / FIGURES[1]),
             FIGURES[2]: _fig10(runs, labels, colors, out / FIGURES[2]),
-            FIGURES[3]: _fig_cpu(runs, labels, out / FIGURES[3])}
+            FIGURES[3]: _fig_cpu(runs, labels, out / FIGURES[3]),
+            FIGURES[4]: draw_timeline(runs, labels, out / FIGURES[4])}

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from helix_core.planning.gpu import GPU_COSTS
+from helix_core.planning.gpu import GPU_COSTS, GpuCost
 from .emulate import REGIMES, measure_decode, regime_window_scale
 from .ranks import BALANCED, HELIX_VARIANTS, RankPlan, rank_main
 
@@ -53,6 +53,8 @@ class BenchConfig:
     window: int = 8  # Tier-1 planning window (global steps) of the balanced systems
     compute: str = "emulate"  # or "model": a real tiny model's forward and backward (GPU machines)
     device: str = "cpu"
+    gpu_cost: str = "family"  # the emulated GPU cost: the model family's (superlinear) or "linear" (tokens only)
+    profiles: bool = True  # False: no profile table (costs from probing each clip, as a new user's data)
     data_dir: str = str(Path.home() / ".cache" / "helix" / "bench-data")
 
     def __post_init__(self):
@@ -63,6 +65,8 @@ class BenchConfig:
             raise ValueError(f"regime={self.regime!r}; valid: {', '.join(REGIMES)}")
         if self.compute not in ("emulate", "model"):
             raise ValueError(f"compute={self.compute!r}; valid: emulate, model")
+        if self.gpu_cost not in ("family", "linear"):
+            raise ValueError(f"gpu_cost={self.gpu_cost!r}; valid: family, linear")
         if self.model not in GPU_COSTS:
             raise ValueError(f"model={self.model!r}; valid: {', '.join(GPU_COSTS)}")
         if min(self.ranks, self.batch_size, self.budget, self.steps, self.prefetch, self.clips, self.window) < 1 \
@@ -87,9 +91,9 @@ def _dataset(cfg: BenchConfig, progress):
     root = Path(cfg.data_dir) / f"{cfg.workload}-{cfg.clips}-s{cfg.scale:g}-seed{cfg.seed}"
     make_dataset(root, cfg.workload, cfg.clips, seed=cfg.seed, scale=cfg.scale, workers=os.cpu_count() or 1,
                  progress=progress)
-    if not (root / "profiles.jsonl").exists():
+    if cfg.profiles and not (root / "profiles.jsonl").exists():
         profile_dataset(root / "manifest.jsonl", calibrate_per_bucket=1, progress=progress)
-    return VideoClipDataset(root / "manifest.jsonl", model=cfg.model)
+    return VideoClipDataset(root / "manifest.jsonl", model=cfg.model, profiles=None if cfg.profiles else False)
 
 
 def steps_per_epoch(n: int, cfg: BenchConfig) -> int:
@@ -231,6 +235,8 @@ def run_one(cfg: BenchConfig, console=None, live=None) -> dict:
     capacity = min(capacity, float(slots))
     tokens = {i: ds.estimate_cost(i).tokens for i in decode}
     cost = GPU_COSTS[cfg.model]
+    if cfg.gpu_cost == "linear":  # the attention term off: native's ranks wait on each other less
+        cost = GpuCost(a=cost.a, b=0.0, c=cost.c)
     scale = cfg.window_scale or regime_window_scale(cfg.regime, [decode[i] for i in flat], [tokens[i] for i in flat],
                                                     cfg.batch_size, cfg.ranks, capacity, cost)
     steps_gpu = [[scale * float(cost.sample_units(tokens[i])) for r in range(cfg.ranks) for i in expected[r][s]]
@@ -253,11 +259,13 @@ def run_one(cfg: BenchConfig, console=None, live=None) -> dict:
                     say(f"[yellow]{system} skipped:[/] {why}")
                     systems[system] = {"skipped": why}
                     continue
-            spec = TimedClipDataset(ds.manifest_path, model=cfg.model, decode_log=Path(logs) / system).helix_spec()
+            spec = TimedClipDataset(ds.manifest_path, model=cfg.model, decode_log=Path(logs) / system,
+                                    profiles=None if cfg.profiles else False).helix_spec()
             got, m = _run_system(system, cfg, replace(plan, system=system, port=_free_port(), dataset=spec), live)
             systems[system] = _system_result(system, cfg, got, m, expected, spans, bound, decode, units,
                                              Path(logs) / system)
     return {"workload": cfg.workload, "model": cfg.model, "regime": cfg.regime, "window_scale": scale,
+            "gpu_cost": cfg.gpu_cost, "profiles": cfg.profiles, "prefetch": cfg.prefetch,
             "ranks": cfg.ranks, "budget": cfg.budget, "batch_size": cfg.batch_size, "steps": steps,
             "warmup": warmup, "window": cfg.window, "steps_per_epoch": spe, "ddl_tolerance_s": cfg.ddl_tolerance_s,
             "remote_servers": cfg.remote_servers, "compute": cfg.compute,
@@ -272,6 +280,7 @@ def _system_result(system, cfg, got, m, expected, spans, bound, decode, units, l
     from .cpuroles import cpu_by_role, decode_efficiency, split_decode
     from .metrics import StepRecord, system_metrics
     from .samples import check_consumed
+    from .slots import decode_spans, slot_busy, timeline
     from .timed import read_decode_log
 
     records, overhead, cross, stats_by_rank, consumed = [], [], 0, [], []
@@ -306,6 +315,11 @@ def _system_result(system, cfg, got, m, expected, spans, bound, decode, units, l
         roles = split_decode(cpu_by_role(before, after), decode_cpu, WORKER_ROLE[kind])
         out["cpu_s_by_role"] = dict(sorted(roles.items()))
         out["decode_efficiency"] = decode_efficiency(sum(decode[i] for r in consumed for b in r for i in b), roles)
+        spans_by_pid = decode_spans(log_dir, t0, t1)
+        busy = slot_busy(spans_by_pid, min(cfg.budget, os.cpu_count() or 1), t0, t1)
+        out["decode_slots_busy"] = busy["busy_fraction"]  # min(decoding, slots) over the window / slots
+        out["decode_slots"] = busy["slots"]
+        out["decode_timeline"] = timeline(spans_by_pid, t0)
     for key in ("cost_error_start", "cost_error_end", "route_us_p50", "route_us_p99"):
         vals = [st[key] for st in stats_by_rank if st.get(key) is not None and not math.isnan(st[key])]
         out[key] = float(np.median(vals)) if vals else None

@@ -78,9 +78,11 @@ def _helix_loader(plan: RankPlan, rank: int, ds):
     opts.update(HELIX_VARIANTS[plan.system])
     if opts.get("balance"):
         opts["window"] = plan.window
+    from helix_core.planning.gpu import GpuCost
+
     loader = DistributedDataLoader(ds, batch_size=plan.batch_size, rank=rank, world_size=plan.ranks,
                                    coordinator=plan.coordinator, shuffle=True, seed=plan.seed,
-                                   collate_fn=pad_collate, **opts)
+                                   collate_fn=pad_collate, gpu_cost=GpuCost(*plan.cost), **opts)
     return loader, loader.set_epoch
 
 

@@ -154,7 +154,7 @@ def cpu_rows(run: Mapping) -> tuple[list[str], list[list[str]]]:
     over the measured steps, their total, decode efficiency, cost-prediction error start -> end)."""
     ran = {n: m for n, m in _ran(run).items() if m.get("cpu_s_by_role")}
     roles = sorted({k for m in ran.values() for k in m["cpu_s_by_role"]}, key=lambda k: (k != "decode", k))
-    headers = ["System", *[f"{r} (CPU-s)" for r in roles], "total (CPU-s)", "Decode eff. (%)",
+    headers = ["System", *[f"{r} (CPU-s)" for r in roles], "total (CPU-s)", "Decode eff. (%)", "Slots busy (%)",
                "Cost error start → end (%)"]
     rows = []
     for name, m in ran.items():
@@ -162,7 +162,7 @@ def cpu_rows(run: Mapping) -> tuple[list[str], list[list[str]]]:
         err = (f"{_fmt(m.get('cost_error_start'), '.0f', 100)} → {_fmt(m.get('cost_error_end'), '.0f', 100)}"
                if m.get("cost_error_start") is not None else "n/a")
         rows.append([name, *[_fmt(by.get(r, 0.0), ".1f") for r in roles], _fmt(sum(by.values()), ".1f"),
-                     _fmt(m.get("decode_efficiency"), ".1f", 100), err])
+                     _fmt(m.get("decode_efficiency"), ".1f", 100), _fmt(m.get("decode_slots_busy"), ".1f", 100), err])
     return headers, rows
 
 

@@ -23,8 +23,8 @@ __all__ = ["TimedClipDataset", "capacity_from_spans", "measure_capacity", "read_
 
 class TimedClipDataset(VideoClipDataset):
     """``VideoClipDataset`` plus one line per ``fetch`` in ``decode_log/decode-<pid>.log``:
-    ``"<wall_end> <index> <cpu_s>"`` — ``time.time()`` when the fetch ended (seconds since the
-    epoch) and the thread CPU-seconds it took (decode, resize, transforms)."""
+    ``"<wall_end> <index> <cpu_s> <wall_start>"`` — ``time.time()`` when the fetch ended and began
+    (seconds since the epoch) and the thread CPU-seconds it took (decode, resize, transforms)."""
 
     def __init__(self, *args, decode_log: str | os.PathLike, **kwargs):
         super().__init__(*args, **kwargs)
@@ -32,11 +32,11 @@ class TimedClipDataset(VideoClipDataset):
         self._log = None  # (pid, file): opened once per process, reopened after a fork
 
     def fetch(self, index: int, out=None):
-        c0 = time.thread_time()
+        w0, c0 = time.time(), time.thread_time()
         got = super().fetch(index, out)
         cpu = time.thread_time() - c0
         log = self._file()
-        log.write(f"{time.time():.6f} {int(index)} {cpu:.6f}\n")
+        log.write(f"{time.time():.6f} {int(index)} {cpu:.6f} {w0:.6f}\n")
         log.flush()
         return got
 
@@ -72,7 +72,7 @@ def read_decode_log(folder: str | os.PathLike, t0: float, t1: float) -> tuple[fl
     for path in sorted(Path(folder).glob("decode-*.log")):
         for line in path.read_text(encoding="ascii", errors="replace").splitlines():
             parts = line.split()
-            if len(parts) != 3:
+            if len(parts) not in (3, 4):
                 continue
             try:
                 end, c = float(parts[0]), float(parts[2])

@@ -10,7 +10,7 @@ import importlib
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "BatchRequest": "descriptors", "CostProfile": "descriptors", "SampleDescriptor": "descriptors",
+    "CostProfile": "descriptors", "SampleDescriptor": "descriptors",
     "ClusterConfig": "config", "cache_dir": "config",
     "ClusterError": "errors", "ManifestError": "errors", "SampleError": "errors", "SpecError": "errors",
     "CostFit": "costs", "CostModel": "costs", "calibrate": "costs", "profile_bucket": "costs",

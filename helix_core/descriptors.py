@@ -4,7 +4,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-__all__ = ["BatchRequest", "CostProfile", "FRAME_SOURCES", "SampleDescriptor"]
+__all__ = ["CostProfile", "FRAME_SOURCES", "SampleDescriptor"]
 
 #: How ``SampleDescriptor.frames`` was obtained: read from the container header, estimated as
 #: duration x fps, or counted from demuxed packets (no decode).
@@ -66,17 +66,3 @@ class CostProfile:
     tokens: int
     profile: str
 
-
-@dataclass(frozen=True)
-class BatchRequest:
-    """A request for one (micro)batch: what the client asks a DataServer to prepare.
-
-    ``deadline_s`` is the time budget (seconds from now) before the rank needs it, or ``None``.
-    """
-
-    task_id: int
-    rank: int
-    step: int
-    indices: tuple[int, ...]
-    costs: tuple[CostProfile, ...] = ()
-    deadline_s: float | None = None

@@ -10,7 +10,8 @@ from helix_bench.harness import BenchConfig, run_bench
 @pytest.mark.timeout(400)
 def test_tiny_run_writes_results_for_each_system(tmp_path, monkeypatch):
     monkeypatch.setattr("helix_bench.raypool.ray_available", lambda: "Ray is not installed (test)")
-    cfg = BenchConfig(ranks=2, budget=2, batch_size=2, warmup=1, steps=3, clips=6, scale=0.25,
+    # prefetch 1: a system that runs ahead must still decode most measured batches inside the measured window
+    cfg = BenchConfig(ranks=2, budget=2, batch_size=2, warmup=1, steps=3, clips=6, scale=0.25, prefetch=1,
                       systems=("native", "ray", "helix-pool", "helix"), data_dir=str(tmp_path / "data"))
     runs = run_bench([cfg], tmp_path / "out")
     results = json.loads((tmp_path / "out" / "results.json").read_text())
@@ -28,6 +29,9 @@ def test_tiny_run_writes_results_for_each_system(tmp_path, monkeypatch):
     assert runs[0]["bound"]["decode_s"] > 0 and results["bound"]["throughput_sps"] > 0
     assert 0.5 < results["bound"]["decode_capacity"] <= 2
     assert "Ray is not installed" in (tmp_path / "out" / "report.md").read_text()
+    helix = results["systems"]["helix"]
+    assert 0 < helix["decode_slots_busy"] <= 1 and helix["decode_slots"] == 2 and helix["decode_timeline"]
+    assert (tmp_path / "out" / "fig_decode_slots.png").stat().st_size > 0
 
 
 def test_a_system_that_consumes_other_samples_is_caught(tmp_path, monkeypatch):

@@ -7,6 +7,7 @@ from typing import Callable
 
 import numpy as np
 
+from ..dataset import CostArrays, Costed
 from ..planning.gpu import GPU_COSTS, GpuCost, gpu_cost as family_cost
 
 __all__ = ["PlanCosts", "gpu_units"]
@@ -37,11 +38,11 @@ class PlanCosts:
     sample is costed once through ``dataset.estimate_cost`` (a metadata probe) and cached."""
 
     def __init__(self, dataset, units: Callable[[np.ndarray], np.ndarray]):
-        if not hasattr(dataset, "estimate_cost"):
+        if not isinstance(dataset, Costed):
             raise ValueError(f'balance="tokens" needs a dataset with estimate_cost(index) -> CostProfile '
                              f"(its tokens); {type(dataset).__name__} has none")
         self.dataset, self.units_fn = dataset, units
-        arrays = dataset.cost_arrays() if hasattr(dataset, "cost_arrays") else None
+        arrays = dataset.cost_arrays() if isinstance(dataset, CostArrays) else None
         self._units = self._buckets = None
         if arrays is not None:
             self._units = np.where(arrays["ok"], units(arrays["tokens"]), np.nan)

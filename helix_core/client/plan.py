@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 from torchdata.nodes import BaseNode
 
+from ..dataset import Costed
 from ..planning.batching import fill_unknown_costs
 from ..planning.sampling import rank_batches, rank_indices, steps
 from ..protocol import Task
@@ -117,6 +118,7 @@ class CostTagger(BaseNode):
         super().__init__()
         self.source, self.dataset, self.seed = source, dataset, seed
         self.microbatch_size, self.n_subs = microbatch_size, substitutes
+        self._costed = isinstance(dataset, Costed)  # once: a Protocol check is slow per sample
         self._shard: list[int] = []
 
     def reset(self, initial_state: dict | None = None):
@@ -125,11 +127,10 @@ class CostTagger(BaseNode):
         self._shard = self.source.shard(self.source.epoch)
 
     def _cost(self, i: int):
-        fn = getattr(self.dataset, "estimate_cost", None)
-        if fn is None:
+        if not self._costed:
             return None
         try:
-            return fn(i)
+            return self.dataset.estimate_cost(i)
         except Exception:  # a bad sample fails when fetched, where skip mode can replace it
             return None
 

@@ -16,6 +16,7 @@ import time
 import grpc
 import numpy as np
 
+from ..dataset import CostFeedback
 from ..errors import ClusterError
 from ..planning.fanout import fan_out, sum_costs
 from ..protocol import ErrorKind, Part, Task, execute_request
@@ -35,7 +36,7 @@ class Requests:
         self.client, self.spec, self.config, self.stats, self.deadlines = client, spec, config, stats, deadlines
         self.units, self.step_units, self.scheduler, self.on_error = units, step_units, scheduler, on_error
         self.fanout, self.copy, self.task_ids = fanout, copy, task_ids
-        self.observe = getattr(dataset, "observe_cost", None)
+        self.observe = dataset.observe_cost if isinstance(dataset, CostFeedback) else None
         self._unread: set = set()  # futures of cancelled requests whose replies are still on their way
         self._cond = threading.Condition()
 

@@ -19,6 +19,7 @@ import torch
 from torch.utils.data import default_collate
 
 from ..collate import pad_collate
+from ..dataset import DirectDecode
 from .tensors import flatten, layout, write_tensors
 
 __all__ = ["direct_batch", "supports_direct"]
@@ -31,8 +32,7 @@ def supports_direct(dataset, collate) -> bool:
     (``video_shape``, ``fetch(index, out=)``) with a ``__getitem__`` that is ``fetch``'s: a
     subclass that overrides ``__getitem__`` below the class defining ``fetch`` takes the generic
     path, or its override would be skipped."""
-    if collate not in (default_collate, pad_collate) or not callable(getattr(dataset, "video_shape", None)) \
-            or not callable(getattr(dataset, "fetch", None)):
+    if collate not in (default_collate, pad_collate) or not isinstance(dataset, DirectDecode):
         return False
     mro = type(dataset).__mro__
     definer = {name: next(i for i, cls in enumerate(mro) if name in cls.__dict__) for name in ("__getitem__", "fetch")}

@@ -74,6 +74,7 @@ def make_spec(dataset, collate_fn, pickle_allowed: bool) -> tuple[str, bytes, st
     ``ValueError`` naming what cannot travel and the fix — never a spec that silently loses state."""
     from torch.utils.data import default_collate
 
+    from ..dataset import Specced
     from ..errors import SpecError
 
     collate_path = _DEFAULT_COLLATE if collate_fn in (None, default_collate) else function_path(collate_fn)
@@ -81,7 +82,7 @@ def make_spec(dataset, collate_fn, pickle_allowed: bool) -> tuple[str, bytes, st
         f"collate_fn {collate_fn!r} (not an importable module-level Python function outside the standard library)"
     ds_spec = None
     try:
-        if hasattr(dataset, "helix_spec"):
+        if isinstance(dataset, Specced):
             ds_spec = dataset.helix_spec()
         else:
             lost = lost or f"dataset {type(dataset).__name__} (it has no helix_spec())"
@@ -121,8 +122,9 @@ def load_spec(payload: bytes, fmt: str, allow_pickle: bool):
 
 
 def sample_path(dataset, index: int) -> str:
-    fn = getattr(dataset, "sample_path", None)
+    from ..dataset import SamplePaths
+
     try:
-        return str(fn(index)) if fn is not None else ""
+        return str(dataset.sample_path(index)) if isinstance(dataset, SamplePaths) else ""
     except Exception:
         return ""

@@ -15,6 +15,7 @@ import signal
 import struct
 import time
 
+from ..dataset import Epochs
 from ..protocol import ErrorKind
 from . import shm
 from .specs import load_spec, sample_path
@@ -114,7 +115,7 @@ def _run_task(task: dict, specs: dict, pool, progress, allow_pickle: bool) -> di
     if spec is None or isinstance(spec, Exception):
         return {"error_kind": ErrorKind.SPEC, "error": f"cannot load dataset spec {task['spec_id']}: {spec!r}"}
     dataset, collate = spec
-    if hasattr(dataset, "set_epoch"):
+    if isinstance(dataset, Epochs):
         dataset.set_epoch(task["epoch"])
     subs = list(task.get("substitutes", ()))
     bad = task.get("bad", {})
