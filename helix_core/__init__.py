@@ -16,7 +16,7 @@ _EXPORTS = {
     "CostFit": "costs", "CostModel": "costs", "calibrate": "costs", "profile_bucket": "costs",
     "DistributedDataLoader": "client.loader",
     "LocalCluster": "runtime.cluster",
-    "MODELS": "families", "VideoSpec": "families",
+    "FAMILIES": "families", "MODELS": "families", "VideoSpec": "families",
     "Manifest": "manifest",
     "ProfileTable": "profiles", "profile_dataset": "profiles",
     "VideoClipDataset": "datasets", "VideoTextDataset": "datasets", "sample_generator": "datasets",

@@ -73,6 +73,12 @@ def _cmd_demo(a, console) -> int:
     return 0
 
 
+def _models() -> tuple[str, ...]:
+    from .families import MODELS  # the one table of model families
+
+    return MODELS
+
+
 def _split(text: str, kind=str) -> list:
     return [kind(x) for x in str(text).split(",") if x.strip()]
 
@@ -156,7 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(fn=_cmd_demo)
     s = sub.add_parser("bench", help="the paper's evaluation: native vs Ray actor pool vs Helix, emulated GPU")
     s.add_argument("--workload", default="kinetics-mixed", help="comma-separated list (a sweep)")
-    s.add_argument("--model", default="videomae", choices=("videomae", "qwen2-vl", "qwen2.5-vl", "wan"))
+    s.add_argument("--model", default="videomae", choices=_models())
     s.add_argument("--ranks", type=int, default=4)
     s.add_argument("--batch-size", default="2", help="comma-separated list (a sweep)")
     s.add_argument("--budget", type=int, default=4, help="worker processes in all, for every system")

@@ -23,11 +23,29 @@ import numpy as np
 from . import tokens as tk
 from .media.decode import SEEK_DECODE_FRAMES, SEEK_STRIDE
 
-__all__ = ["Geometry", "MODELS", "VideoSpec"]
+__all__ = ["FAMILIES", "Family", "Geometry", "MODELS", "VideoSpec"]
 
-MODELS = ("videomae", "qwen2-vl", "qwen2.5-vl", "wan")
-_DEFAULT_FRAMES = {"videomae": 16, "wan": 81}
-_DEFAULT_SIZE = {"videomae": 224, "wan": 480}
+
+class Family(NamedTuple):
+    """What Helix knows of a model family: default frames / size (None: the family's own rule),
+    whether it trains on captions, and its GPU cost coefficients ``(a, b, c)`` of ``GpuCost``."""
+
+    frames: int | None
+    size: int | None
+    captions: bool
+    gpu_cost: tuple[float, float, float]
+
+
+#: the one table of model families (attention over ~25k tokens doubles a VideoMAE-L sample's cost)
+FAMILIES = {
+    "videomae": Family(16, 224, False, (1.0, 1.0 / 25_000, 500.0)),
+    "qwen2-vl": Family(None, None, True, (1.0, 1.0 / 16_000, 800.0)),
+    "qwen2.5-vl": Family(None, None, True, (1.0, 1.0 / 16_000, 800.0)),
+    "wan": Family(81, 480, True, (1.0, 1.0 / 32_000, 1000.0)),
+}
+MODELS = tuple(FAMILIES)
+_DEFAULT_FRAMES = {k: f.frames for k, f in FAMILIES.items() if f.frames is not None}
+_DEFAULT_SIZE = {k: f.size for k, f in FAMILIES.items() if f.size is not None}
 
 
 class Geometry(NamedTuple):

@@ -31,7 +31,7 @@ _TORCH_OPTIONS = ("shuffle", "seed", "drop_last", "collate_fn", "pin_memory", "n
 _DATASET_KEYS = {"manifest", "workload", "clips", "scale", "model", "num_frames", "size", "kind", "profiles", "seed",
                  "random_flip", "tokenizer", "max_text_len"}
 _KINDS = ("video", "video-text")
-_TEXT_MODELS = ("qwen2-vl", "qwen2.5-vl", "wan")  # families trained on captions
+_TEXT_MODELS = tuple(name for name, family in hx.FAMILIES.items() if family.captions)  # trained on captions
 
 
 

@@ -28,7 +28,7 @@ from .specs import SPECS, Qwen2VLSpec, VideoMAESpec, WanSpec, mask_count
 __all__ = ["FAMILIES", "Qwen2VLSpec", "VideoMAESpec", "VideoModel", "WanSpec", "build_model",
            "check_families", "dataset_kind", "default_collate_for"]
 
-FAMILIES = ("qwen2-vl", "videomae", "wan")
+FAMILIES = tuple(SPECS)  # the families with a recipe model (recipes/specs.py)
 _CLIP_MEAN, _CLIP_STD = (0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711)
 _IMAGENET_MEAN, _IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 _IGNORE = -100  # label of positions without a loss (video placeholders, padding)

@@ -3,7 +3,7 @@ import pytest
 
 from helix_core.config import ClusterConfig
 from helix_core.planning.placement import Candidates, LeastRequest, PlacementRequest, make_policy
-from helix_core.runtime.coordinator import Registry
+from helix_core.runtime.registry import Registry
 
 
 class Clock:

@@ -130,11 +130,11 @@ def test_window_one_keeps_every_sample_in_its_step_and_skip_still_substitutes(cl
     ds = CostedDataset(8, tokens, fail={3: "unreadable"})
     kw = dict(batch_size=2, coordinator=cluster.address, world_size=2, shuffle=False, balance="tokens", window=1,
               on_error="skip", config=CFG)
-    got = []
+    got, skipped = [], []
     for rank in range(2):
         with hx.DistributedDataLoader(ds, rank=rank, **kw) as ld:
             got.append([b["index"].tolist() for b in ld])
-            skipped = ld.stats()["skipped"]
+            skipped.append(ld.stats()["skipped"])
     steps = sampler_steps(len(ds), 2, 2)
     for s, step in enumerate(steps):
         want = sorted(i for b in step for i in b)
@@ -143,7 +143,7 @@ def test_window_one_keeps_every_sample_in_its_step_and_skip_still_substitutes(cl
             assert len(have) == len(want) and 3 not in have
         else:
             assert have == want
-    assert skipped in (0, 1)  # counted by the rank that drew sample 3
+    assert sorted(skipped) == [0, 1]  # counted once, by the rank whose batch held sample 3
 
 
 def test_cost_feedback_lowers_the_prediction_error_on_a_biased_profile(tmp_path, kmix, cluster):

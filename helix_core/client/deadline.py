@@ -36,6 +36,7 @@ class DeadlineEstimator:
         self._mean_units = 1.0
         self.seconds_per_unit: float | None = None
         self.windows = 0  # windows measured or reported
+        self.reported = 0  # windows the trainer reported (report_step_time)
         self._current: int | None = None  # the position being computed (yielded, not asked since)
         self._t_yield = 0.0
         self._reported: float | None = None  # a window reported for the current batch
@@ -72,6 +73,7 @@ class DeadlineEstimator:
         if not (math.isfinite(seconds) and seconds >= 0):
             raise ValueError(f"report_step_time(seconds) needs a finite number of seconds >= 0, got {seconds!r}")
         with self._lock:
+            self.reported += 1
             if self._current is not None:
                 self._reported = seconds
             else:  # reported after next() was called already: learn it for the last batch

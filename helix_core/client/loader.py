@@ -216,6 +216,7 @@ class DistributedDataLoader:
         out = self._stats.as_dict()
         out["window_s_per_unit"] = self.deadlines.seconds_per_unit
         out["dispatch_runs"] = self._root.runs  # send/fetch threads started: an adopting epoch starts none
+        out["step_times_reported"] = self.deadlines.reported  # report_step_time calls (a trainer's windows)
         return out
 
     def batch_ready_s(self) -> list[float]:

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..families import FAMILIES
+
 __all__ = ["GPU_COSTS", "GpuCost", "gpu_cost"]
 
 
@@ -35,13 +37,8 @@ class GpuCost:
         return float(np.sum(self.sample_units(tokens)) + self.c)
 
 
-#: relative costs per model family: attention over ~25k tokens doubles a VideoMAE-L sample's cost
-GPU_COSTS = {
-    "videomae": GpuCost(a=1.0, b=1.0 / 25_000, c=500.0),
-    "qwen2-vl": GpuCost(a=1.0, b=1.0 / 16_000, c=800.0),
-    "qwen2.5-vl": GpuCost(a=1.0, b=1.0 / 16_000, c=800.0),
-    "wan": GpuCost(a=1.0, b=1.0 / 32_000, c=1000.0),
-}
+#: relative costs per model family (from the one table, ``helix_core.families.FAMILIES``)
+GPU_COSTS = {name: GpuCost(*family.gpu_cost) for name, family in FAMILIES.items()}
 
 
 def gpu_cost(model: str) -> GpuCost:

@@ -1,0 +1,255 @@
+"""The Coordinator's state: membership, liveness, routing and its load feed (pure Python, an
+injected clock, no gRPC). ``coordinator.py`` is the thin servicer in front of it.
+"""
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+
+from ..config import ClusterConfig
+from ..planning.columns import ServerColumns
+from ..planning.placement import Candidates, PlacementRequest, make_policy
+from ..telemetry import percentile
+
+__all__ = ["Registry", "ServerState", "TASK_ID_BITS"]
+
+log = logging.getLogger("helix.coordinator")
+TASK_ID_BITS = 40  # task ids a client may use before it would reach the next client's base
+
+
+@dataclass
+class ServerState:
+    server_id: str
+    address: str
+    kind: str
+    local_rank: int
+    host: str
+    workers: int
+    registered_at: float
+    last_seen: float
+    alive: bool = True
+    outstanding: int = 0
+    queue_depth: int = 0
+    inflight: int = 0
+    latency_per_cost: float = 1.0
+    completed: int = 0
+    cross_ds_bytes: int = 0
+    queued_cpu_s: float = 0.0  # its last heartbeat: predicted CPU seconds queued or running there
+    pending_cpu_s: float = 0.0  # predicted CPU seconds routed to it since that heartbeat, not yet completed
+    link_bandwidth_bps: float = 0.0
+    link_latency_s: float = 0.0
+    load_cpu_s: float = 0.0  # queued + pending: predicted CPU seconds of work ahead of a new task here
+
+
+@dataclass
+class Registry:
+    """Servers, clients, heartbeat state and routing. Thread-safe; ``clock`` is injectable.
+    ``scheduler`` is the policy of requests that name none; each request may name its own."""
+
+    config: ClusterConfig
+    scheduler: str = "deadline"  # the loader's default too
+    clock: callable = time.monotonic
+    cluster_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
+
+    def __post_init__(self):
+        self.policy = make_policy(self.scheduler)
+        self._policies = {self.scheduler: self.policy}
+        self.servers: dict[str, ServerState] = {}
+        self.clients: dict[str, dict] = {}
+        self.decisions: collections.deque = collections.deque(maxlen=10_000)
+        self.decision_us: collections.deque = collections.deque(maxlen=10_000)
+        self.routed = 0
+        self._owner: dict[int, tuple] = {}  # task_id -> (server id, predicted cpu_s, routed at) until completed
+        self._lock = threading.Lock()
+        self._order: tuple[list[ServerState], list[ServerState]] | None = None  # (locals, all), cached
+        self._live: ServerColumns | None = None  # the live servers' columns
+
+    # ---- membership ----------------------------------------------------------------------------
+    def register_server(self, address: str, kind: str, local_rank: int, host: str, workers: int) -> ServerState:
+        if kind not in ("local", "remote"):
+            raise ValueError(f"server kind {kind!r}; valid: local, remote")
+        with self._lock:
+            now = self.clock()
+            for s in self.servers.values():  # a restarted server on the same address replaces the old
+                if s.address == address:
+                    s.alive = False
+            sid = f"{kind[0]}{local_rank if kind == 'local' else len(self._remotes())}-{uuid.uuid4().hex[:6]}"
+            st = ServerState(sid, address, kind, local_rank if kind == "local" else -1, host, max(workers, 1), now, now)
+            self.servers[sid] = st
+            self._order = self._live = None
+            log.info("registered %s server %s at %s (%d workers)", kind, sid, address, workers)
+            return st
+
+    def register_client(self, rank: int, world_size: int, host: str) -> tuple[str, int]:
+        """A new client's id and task-id base: its task ids are ``base + 1, base + 2, ...``, so two
+        loaders (same rank or not) never share one."""
+        cid = f"c{rank}-{uuid.uuid4().hex[:6]}"
+        with self._lock:
+            base = (len(self.clients) + 1) << TASK_ID_BITS
+            self.clients[cid] = {"rank": rank, "world_size": world_size, "host": host, "task_id_base": base}
+        return cid, base
+
+    def heartbeat(self, server_id: str, **stats) -> bool:
+        with self._lock:
+            st = self.servers.get(server_id)
+            if st is None:
+                return False
+            if not st.alive:
+                self._live = None
+            st.last_seen, st.alive = self.clock(), True
+            for k, v in stats.items():
+                setattr(st, k, v)
+            if "queued_cpu_s" in stats:  # the server's own count now covers what was routed before it
+                st.pending_cpu_s = 0.0
+            st.load_cpu_s = st.queued_cpu_s + st.pending_cpu_s
+            self._sync(st)
+            return True
+
+    def sweep(self) -> list[str]:
+        """Mark servers dead whose last heartbeat is older than the timeout; return their ids."""
+        dead = []
+        with self._lock:
+            now = self.clock()
+            for st in self.servers.values():
+                if st.alive and now - st.last_seen > self.config.heartbeat_timeout_s:
+                    st.alive = False
+                    dead.append(st.server_id)
+            if dead:
+                self._live = None
+        for sid in dead:
+            log.warning("server %s missed heartbeats: marked dead", sid)
+        return dead
+
+    def _locals(self) -> list[ServerState]:
+        latest: dict[int, ServerState] = {}
+        for s in self.servers.values():
+            if s.kind == "local" and (s.local_rank not in latest or s.registered_at >= latest[s.local_rank].registered_at):
+                latest[s.local_rank] = s
+        return [latest[k] for k in sorted(latest)]
+
+    def _remotes(self) -> list[ServerState]:
+        return sorted((s for s in self.servers.values() if s.kind == "remote"), key=lambda s: s.registered_at)
+
+    def _ordering(self) -> tuple[list[ServerState], list[ServerState]]:
+        """(local servers by slot, all servers: locals then remotes), recomputed on registration."""
+        if self._order is None:
+            locals_ = self._locals()
+            self._order = (locals_, locals_ + self._remotes())
+        return self._order
+
+    def _live_table(self) -> "ServerColumns":
+        """Live servers in cluster order as numpy columns, rebuilt when membership or liveness
+        changes and updated in place by routing, completions and heartbeats (never per decision)."""
+        if self._live is None:
+            self._live = ServerColumns([s for s in self._ordering()[1] if s.alive])
+        return self._live
+
+    def _sync(self, st: ServerState) -> None:
+        """Copy a server's changed state into the live table (caller holds the lock)."""
+        if self._live is not None:
+            self._live.sync(st)
+
+    def _candidates(self, delivery: ServerState, exclude: set[str]) -> Candidates:
+        table = self._live_table()
+        if exclude and any(sid not in exclude for sid in table.ids):  # exclusions are hints, never fatal
+            table = ServerColumns([s for s in table.servers if s.server_id not in exclude])
+        return table.candidates(table.position.get(delivery.server_id))
+
+    def ordered(self) -> list[ServerState]:
+        """Local servers by slot, then remote ones by registration: ``cluster.servers`` order."""
+        with self._lock:
+            return list(self._ordering()[1])
+
+    # ---- routing --------------------------------------------------------------------------------
+    def delivery_server(self, rank: int, exclude: set[str]) -> ServerState:
+        """Rank r delivers through local server r % L; if it is dead (or excluded by the client),
+        the next live one takes over. Exclusions are hints: if they leave none, they are ignored."""
+        locals_ = self._ordering()[0]
+        if not locals_:
+            raise LookupError("no local DataServer registered")
+        n = len(locals_)
+        for skip in (exclude, set()):
+            for k in range(n):
+                s = locals_[(rank + k) % n]
+                if s.alive and s.server_id not in skip:
+                    return s
+        raise LookupError(f"no live local DataServer can deliver to rank {rank}")
+
+    def policy_for(self, scheduler: str | None):
+        """The policy a request names (``ValueError`` listing the valid ones), else the default."""
+        if not scheduler:
+            return self.policy
+        policy = self._policies.get(scheduler)
+        if policy is None:
+            policy = self._policies[scheduler] = make_policy(scheduler)
+        return policy
+
+    def route(self, rank: int, task_id: int, cost: dict, exclude: set[str], scheduler: str | None = None,
+              t_arrival: float | None = None):
+        """Place one request. ``cost``: ``PlacementRequest`` fields (cpu_s, io_bytes, out_bytes,
+        tokens, deadline_s). Returns ``(chosen, delivery, decision, us)``; ``us`` counts from
+        ``t_arrival`` (a ``time.perf_counter`` value: the request's arrival, so waiting for the
+        lock counts) or else from the start of the decision."""
+        policy = self.policy_for(scheduler)
+        request = PlacementRequest(rank, task_id, **cost)
+        with self._lock:
+            t0 = time.perf_counter() if t_arrival is None else t_arrival
+            delivery = self.delivery_server(rank, exclude)
+            decision = policy.choose(request, self._candidates(delivery, exclude))
+            chosen = self.servers[decision.server_id]
+            prev = self._owner.get(task_id)
+            if prev is not None:  # a resubmission: the first routing is void
+                self._release(prev)
+            chosen.outstanding += 1
+            chosen.pending_cpu_s += request.cpu_s
+            chosen.load_cpu_s += request.cpu_s
+            self._sync(chosen)
+            self._owner[task_id] = (chosen.server_id, request.cpu_s, chosen.last_seen)
+            self.routed += 1
+            us = (time.perf_counter() - t0) * 1e6
+        self.decision_us.append(us)
+        self.decisions.append((task_id, rank, delivery.server_id, decision, us, policy.name, request.deadline_s))
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("route %s", _decision_entry(self.decisions[-1]))
+        return chosen, delivery, decision, us
+
+    def _release(self, owner: tuple) -> None:
+        """A routed task is done (or void): it no longer loads its server (caller holds the lock)."""
+        server_id, cpu_s, beat = owner
+        st = self.servers.get(server_id)
+        if st is None:
+            return
+        st.outstanding = max(0, st.outstanding - 1)
+        if st.last_seen == beat:  # routed since the last heartbeat: still counted as pending
+            st.pending_cpu_s = max(0.0, st.pending_cpu_s - cpu_s)
+            st.load_cpu_s = st.queued_cpu_s + st.pending_cpu_s
+        self._sync(st)
+
+    def complete(self, task_ids) -> None:
+        """Tasks whose replies landed (or that were given up): they no longer load their servers."""
+        with self._lock:
+            for task_id in task_ids:
+                owner = self._owner.pop(task_id, None)
+                if owner is not None:
+                    self._release(owner)
+
+    def telemetry(self, last: int = 100) -> dict:
+        us = list(self.decision_us)
+        return {"cluster_id": self.cluster_id, "routed": self.routed, "scheduler": self.scheduler,
+                "scheduler_overhead_us_p50": percentile(us, 50), "scheduler_overhead_us_p99": percentile(us, 99),
+                "servers": [asdict(s) for s in self.ordered()], "clients": dict(self.clients),
+                "decisions": [_decision_entry(d) for d in list(self.decisions)[-last:]] if last else []}
+
+
+def _decision_entry(record: tuple) -> dict:
+    task_id, rank, delivery, decision, us, scheduler, deadline_s = record
+    entry = {"task_id": task_id, "rank": rank, "server": decision.server_id, "delivery": delivery,
+             "scheduler": scheduler, "deadline_s": deadline_s, "reason": decision.reason,
+             "scores": decision.scores_by_server(), "us": round(us, 1)}
+    if len(decision.finish_s):
+        entry["finish_s"] = decision.finish_by_server()
+    return entry
