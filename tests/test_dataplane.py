@@ -265,3 +265,16 @@ def test_device_copy_releases_the_slab(cluster):
         kept = list(ld)
         assert_same_batches(kept, torch_batches(ds, 4, 0, 1))
         wait_for(lambda: not busy_segments(cluster), 10, "copied batches to release their slabs at once")
+
+
+def test_set_epoch_during_an_iteration_leaves_the_new_epoch_at_its_start(cluster):
+    ds = IndexDataset(16)
+    with loader(ds, cluster, batch_size=2, rank=0, world_size=1) as ld:
+        it = iter(ld)
+        next(it), next(it)
+        assert ld.state_dict()["batches_yielded"] == 2
+        ld.set_epoch(1)  # a trainer moves on while the old iterator is still in use
+        next(it)  # the old iterator's batches belong to epoch 0
+        state = ld.state_dict()
+        assert (state["epoch"], state["batches_yielded"]) == (1, 0)
+        assert [b["index"].tolist() for b in ld] == [b["index"].tolist() for b in torch_batches(ds, 2, 0, 1)]

@@ -207,16 +207,18 @@ class Dispatch(BaseNode):
                 task = self.source.next()
             except StopIteration:
                 run.slots.release()  # acquired for nothing
+                if not self.run_ahead:
+                    run.send(_END)
+                    return
+                epoch = int(self.source.get_state()[self.EPOCH]) + 1
+                with run.lock:  # listed before its END goes out: a reset that reads END can adopt it
+                    run.epochs.append(epoch)
                 run.send(_END)
                 try:  # go on with the next epoch's tasks
-                    if not self.run_ahead:
-                        return
-                    epoch = self.source.get_state()[self.EPOCH] + 1
-                    self.source.reset({self.EPOCH: int(epoch), self.YIELDED: 0})
-                except BaseException:
+                    self.source.reset({self.EPOCH: epoch, self.YIELDED: 0})
+                except BaseException as e:
+                    run.send(e)
                     return
-                with run.lock:
-                    run.epochs.append(int(epoch))
                 continue
             except BaseException as e:  # errors travel as values to the consumer
                 run.send(e)

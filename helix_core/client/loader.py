@@ -267,6 +267,7 @@ class _LoaderIter:
 
     def __init__(self, loader: DistributedDataLoader, iteration: int):
         self._loader, self._iteration, self._done = loader, iteration, False
+        self._epoch: int | None = None  # the epoch it iterates (read at its first next())
 
     def __iter__(self):
         return self
@@ -282,8 +283,10 @@ class _LoaderIter:
                                "this iterator has ended")
         if ld._started != self._iteration:
             ld._begin(self._iteration)
+            self._epoch = ld._epoch
         ld.deadlines.asked()  # the window of the batch it computed (if any) ends here
         t0 = time.perf_counter()
+        taken = ld._root.get_state()[ShardBatches.YIELDED]
         try:
             batch = next(ld._root)
         except StopIteration:
@@ -291,20 +294,27 @@ class _LoaderIter:
             raise
         except BaseException:
             ld._stats.input_wait.append(time.perf_counter() - t0)
-            ld._position += 1  # a failed batch (SampleError) counts: the pass goes on after it
+            # a failed batch (SampleError) was taken and counts; a Ctrl-C or a timeout took nothing
+            self._advance(ld._root.get_state()[ShardBatches.YIELDED] - taken)
             raise
         now = time.perf_counter()
         ld._stats.input_wait.append(now - t0)
         if ld._root.last_task.landed > t0:  # the rank was waiting when its reply landed: how long it took to wake
             ld._stats.wakeup.append(now - ld._root.last_task.landed)
         ld._stats.batches += 1
-        ld._position += 1
+        self._advance(1)
         ld.deadlines.yielded(ld._root.last_seq)
         if ld._position >= len(ld) and ld._root.read_end():
             # the epoch is complete: a trainer may stop after len batches without asking for more, and
             # the requests already running ahead for the next epoch must survive for it to adopt
             self._finish(completed=True)
         return ld._deliver(batch)
+
+    def _advance(self, batches: int) -> None:
+        """Count batches yielded, unless ``set_epoch`` moved the loader to another epoch meanwhile
+        (its position then belongs to that epoch)."""
+        if self._loader._epoch == self._epoch:
+            self._loader._position += batches
 
     def _finish(self, completed: bool) -> None:
         ld = self._loader
@@ -313,7 +323,8 @@ class _LoaderIter:
             return
         self._done = True
         if completed:  # requests for the next pass run on (adopted by it, or cancelled)
-            ld._position = len(ld)
+            if ld._epoch == self._epoch:
+                ld._position = len(ld)
             if not ld._root.run_ahead:
                 ld.client.flush_completions()  # no Route follows soon to carry them
             return

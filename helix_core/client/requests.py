@@ -39,6 +39,7 @@ class Requests:
         self.observe = dataset.observe_cost if isinstance(dataset, CostFeedback) else None
         self._unread: set = set()  # futures of cancelled requests whose replies are still on their way
         self._cond = threading.Condition()
+        self._cancel_lock = threading.Lock()
 
     # ---- sending --------------------------------------------------------------------------------
     def submit(self, task: Task) -> None:
@@ -168,11 +169,15 @@ class Requests:
         and every reply that still arrives has its slab released. Idempotent."""
         if sys.is_finalizing():  # at exit no RPC can start (its thread never would)
             return
-        for k, part in enumerate(task.parts):
-            fut = part.future
-            if fut is None or k in task.taken or fut in task.cancelled:
-                continue
-            task.cancelled.add(fut)  # per future: a resubmission made after an earlier cancel is cancelled too
+        with self._cancel_lock:  # the fetcher and a shutdown may cancel the same task: release each slab once
+            todo = []
+            for k, part in enumerate(task.parts):
+                fut = part.future
+                if fut is None or k in task.taken or fut in task.cancelled:
+                    continue
+                task.cancelled.add(fut)  # per future: a resubmission made after an earlier cancel is cancelled too
+                todo.append((part, fut))
+        for part, fut in todo:
             if not fut.done():
                 self.client.cancel(part.route.exec_address, [part.task_id])
                 with self._cond:

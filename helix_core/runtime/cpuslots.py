@@ -58,16 +58,19 @@ def _wake(shm_dir: str, prefix: str, table: np.ndarray, n: int, skip: int = 0) -
     """Write a byte to the FIFOs of the ``n`` earliest listed waiters (except pid ``skip``)."""
     pids, keys = table["pid"].copy(), table["key"].copy()
     listed = np.flatnonzero((pids != 0) & (pids != skip))
-    for k in listed[np.lexsort((pids[listed], keys[listed]))][:n]:
+    woken = 0
+    for k in listed[np.lexsort((pids[listed], keys[listed]))]:
+        if woken >= n:
+            break
         try:
             fd = os.open(_fifo(shm_dir, prefix, int(pids[k])), os.O_WRONLY | os.O_NONBLOCK)
-        except OSError:  # gone (it got a slot and left, or died): nothing to wake
+        except OSError:  # gone (it got a slot and left, or died): the next one in line gets the wake-up
             continue
         try:
             os.write(fd, b"w")
-        except OSError as e:  # a full FIFO already holds a wake-up
-            if e.errno != errno.EAGAIN:
-                raise
+            woken += 1
+        except OSError as e:  # a full FIFO already holds a wake-up; any other error: a waiter just leaving
+            woken += e.errno == errno.EAGAIN
         finally:
             os.close(fd)
 

@@ -90,7 +90,11 @@ class DataServerServicer(pbg.DataServerServicer):
         fut = self.pool.submit(task)
         context.add_callback(lambda: self.pool.cancel([request.task_id]) if not fut.done() else None)
         try:
-            result = fut.result(timeout=self.config.execute_timeout_s)
+            # answer before the client's own deadline, or a result that lands just then is dropped
+            # with its slab (the client never sees the reply, so nobody releases it)
+            remaining = context.time_remaining()
+            wait = self.config.execute_timeout_s if remaining is None else max(0.0, remaining - 1.0)
+            result = fut.result(timeout=min(self.config.execute_timeout_s, wait))
         except Exception as e:  # cancelled by the client or timed out
             self.pool.cancel([request.task_id])
             return pb.ExecuteReply(task_id=request.task_id, error_kind=ErrorKind.NOT_COMPLETED, error=repr(e))
@@ -238,8 +242,12 @@ def serve_dataserver(coordinator: str, kind: str, local_rank: int, workers: int,
     slabs = shm.SlabPool(f"helix-{hello.cluster_id}-{tag}d-")
     slots = config.decode_slots or os.cpu_count() or 1  # one decode per core, across the host's servers
     host_slots = HostSlots(f"helix-{hello.cluster_id}-cpu")  # the last server of the host unlinks them
-    pool = WorkerPool(workers, f"helix-{hello.cluster_id}-{tag}", allow_pickle=bool(token), config=config,
-                      cpu_slots=(f"helix-{hello.cluster_id}-cpu", slots))
+    try:
+        pool = WorkerPool(workers, f"helix-{hello.cluster_id}-{tag}", allow_pickle=bool(token), config=config,
+                          cpu_slots=(f"helix-{hello.cluster_id}-cpu", slots))
+    except BaseException:
+        host_slots.close()
+        raise
     servicer = DataServerServicer(pool, slabs, config, token, address, kind)
     servicer.cluster_id = hello.cluster_id
     add_servicer(servicer, server)  # the generated registration, with zero-copy Deliver chunks
