@@ -22,7 +22,8 @@ def test_tiny_run_writes_results_for_each_system(tmp_path, monkeypatch):
         m = results["systems"][name]
         assert m["steps"] == 4 and m["throughput_sps"] > 0 and [r["rank"] for r in m["per_rank"]] == [0, 1]
         roles = m["cpu_s_by_role"]
-        assert roles["decode"] > 0 and roles["ranks"] > 0 and 0 < m["decode_efficiency"] <= 1.5
+        # the ranks' own CPU over 4 tiny steps can be under one clock tick (10 ms): measured, maybe 0
+        assert roles["decode"] > 0 and roles["ranks"] >= 0 and 0 < m["decode_efficiency"] <= 1.5
     assert "workers" in results["systems"]["helix"]["cpu_s_by_role"]
     assert "loader-workers" in results["systems"]["native"]["cpu_s_by_role"]
     assert results["systems"]["helix"]["imbalance_ratio"] <= results["systems"]["native"]["imbalance_ratio"]
