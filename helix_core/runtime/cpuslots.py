@@ -173,9 +173,10 @@ class CpuSlots:
         except BlockingIOError:
             pass
 
-    def acquire(self, key: float | None = None, stop=lambda: False) -> bool:
+    def acquire(self, key: float | None = None, stop=lambda: False, watch=()) -> bool:
         """Take a slot for a task whose deadline key is ``key`` (None: now), blocking; False if
-        ``stop()`` turned true first (it is checked on every wake-up and every ``patience_s``)."""
+        ``stop()`` turned true first (it is checked on every wake-up, when a file descriptor of
+        ``watch`` becomes readable, and every ``patience_s``)."""
         if self._held is not None:
             return True
         key = time.monotonic() if key is None else float(key)
@@ -190,7 +191,7 @@ class CpuSlots:
                     return True
                 if stop():
                     return False
-                select.select([self._wakeup], [], [], self.patience_s)
+                select.select([self._wakeup, *watch], [], [], self.patience_s)
         finally:
             self._delist()
 

@@ -85,7 +85,9 @@ def worker_main(conn, shm_prefix: str, allow_pickle: bool, parent_pid: int, cpu_
                     specs[spec_id] = e
             elif msg[0] == "task":
                 task = msg[1]
-                if slots is not None and not slots.acquire(task.get("_key"), stop=orphaned):
+                # while it waits, the pool sends it nothing but "stop" (or its pipe closes): watch the pipe
+                if slots is not None and not slots.acquire(task.get("_key"), stop=lambda: orphaned() or conn.poll(),
+                                                           watch=(conn.fileno(),)):
                     return
                 try:
                     result = _run_task(task, specs, pool, progress, allow_pickle)
