@@ -22,7 +22,7 @@ import numpy as np
 
 from helix_core.planning.gpu import GPU_COSTS, GpuCost
 from .emulate import REGIMES, measure_decode, regime_window_scale
-from .ranks import BALANCED, HELIX_VARIANTS, RankPlan, rank_main
+from .ranks import BALANCED, CLUSTER_VARIANTS, HELIX_VARIANTS, RankPlan, rank_main
 
 __all__ = ["BenchConfig", "SYSTEMS", "run_bench", "run_one"]
 
@@ -137,7 +137,8 @@ def _run_system(system: str, cfg: BenchConfig, plan: RankPlan, live) -> tuple[li
     CPU snapshots by role and wall times (``time.time()``) at the start and end of the measured steps."""
     import psutil
 
-    from helix_core.runtime.cluster import LocalCluster
+    from helix_core.config import ClusterConfig
+    from helix_core.runtime.cluster import LocalCluster, host_layout
     from .cpuroles import snapshot
 
     ctx = mp.get_context("spawn")
@@ -146,9 +147,12 @@ def _run_system(system: str, cfg: BenchConfig, plan: RankPlan, live) -> tuple[li
     procs = []
     try:
         if system.startswith("helix"):
-            servers = cfg.ranks + cfg.remote_servers
-            cluster = LocalCluster(local_servers=cfg.ranks, remote_servers=cfg.remote_servers,
-                                   workers_per_server=max(1, cfg.budget // servers))
+            if cfg.remote_servers:  # the rd sweep: one server per rank plus the sidecars, the budget spread over all
+                local, per = cfg.ranks, max(1, cfg.budget // (cfg.ranks + cfg.remote_servers))
+            else:  # the budget's workers laid out as an embedded cluster lays them out
+                local, per = host_layout(cfg.ranks, cfg.budget)
+            cluster = LocalCluster(local_servers=local, remote_servers=cfg.remote_servers, workers_per_server=per,
+                                   config=ClusterConfig(**CLUSTER_VARIANTS.get(system, {})))
             plan = replace(plan, coordinator=cluster.address)
         elif system in RAY_MODES:
             from .raypool import RayPool

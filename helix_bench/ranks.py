@@ -13,7 +13,7 @@ import time
 import traceback
 from dataclasses import dataclass, field
 
-__all__ = ["BALANCED", "HELIX_VARIANTS", "RankPlan", "rank_main"]
+__all__ = ["BALANCED", "CLUSTER_VARIANTS", "HELIX_VARIANTS", "RankPlan", "rank_main"]
 
 #: Helix ablation (paper Table 3), each adding one mechanism to the one before: loader options.
 HELIX_VARIANTS = {
@@ -22,7 +22,11 @@ HELIX_VARIANTS = {
     "helix-prefetch": {},  # + requests ahead of the training loop
     "helix-tier1": {"balance": "tokens"},  # + Tier-1 token planning over a window
     "helix": {"balance": "tokens", "scheduler": "deadline"},  # + deadline placement and server ordering
+    "helix-nosteal": {"balance": "tokens", "scheduler": "deadline"},  # helix, its servers without work stealing
 }
+
+#: Cluster options of a variant (``ClusterConfig`` fields) where it differs from the default.
+CLUSTER_VARIANTS = {"helix-nosteal": {"work_stealing": False}}
 #: systems whose batches are recomposed by the planner (the sample check is per window)
 BALANCED = frozenset(name for name, opts in HELIX_VARIANTS.items() if opts.get("balance"))
 

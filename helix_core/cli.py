@@ -168,7 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--budget", type=int, default=4, help="worker processes in all, for every system")
     s.add_argument("--systems", default="native,ray,helix",
                    help="native, ray (idle-actor dispatch), ray-rr (round robin), helix, and the ablation variants "
-                        "helix-pool, helix-transport, helix-prefetch, helix-tier1")
+                        "helix-pool, helix-transport, helix-prefetch, helix-tier1, helix-nosteal")
     s.add_argument("--window", type=int, default=8, help="Tier-1 planning window (global steps) of balanced systems")
     s.add_argument("--warmup", type=int, default=20)
     s.add_argument("--steps", type=int, default=100)

@@ -16,9 +16,10 @@ def pad_collate(batch: list[dict], pad_token_id: int = 0, video_out: torch.Tenso
     True on real frames); ``"input_ids"`` padded with ``pad_token_id`` plus ``"attention_mask"``.
     Every other key goes through torch's ``default_collate``.
 
-    ``video_out``: a preallocated [B, T_max, 3, H_max, W_max] tensor to collate the videos into
-    (a DataServer worker passes one in shared memory); a sample's video that already is its
-    slot's view (decoded in place) is not copied, and only the padding is zeroed.
+    ``video_out``: a preallocated [B, T, 3, H, W] tensor to collate the videos into (a DataServer
+    worker passes one in shared memory), at least T_max, H_max, W_max: the videos are padded to its
+    size (``video_mask`` has its T columns); a sample's video that already is its slot's view
+    (decoded in place) is not copied, and only the padding is zeroed.
     """
     if not batch:
         raise ValueError("pad_collate got an empty batch")
@@ -32,10 +33,14 @@ def pad_collate(batch: list[dict], pad_token_id: int = 0, video_out: torch.Tenso
         if video_out is None:
             video = vids[0].new_zeros((len(vids), t, c, h, w))
         else:
-            if tuple(video_out.shape) != (len(vids), t, c, h, w) or video_out.dtype != vids[0].dtype:
-                raise ValueError(f"pad_collate: video_out is {tuple(video_out.shape)} {video_out.dtype}, the batch "
-                                 f"needs {(len(vids), t, c, h, w)} {vids[0].dtype}")
+            got = tuple(video_out.shape)
+            fits = len(got) == 5 and got[0] == len(vids) and got[2] == c and got[1] >= t and got[3] >= h \
+                and got[4] >= w
+            if not fits or video_out.dtype != vids[0].dtype:
+                raise ValueError(f"pad_collate: video_out is {got} {video_out.dtype}, the batch needs at least "
+                                 f"{(len(vids), t, c, h, w)} {vids[0].dtype}")
             video = video_out
+            t = got[1]
         for i, v in enumerate(vids):
             slot = video[i, : v.shape[0], :, : v.shape[2], : v.shape[3]]
             if video_out is not None:

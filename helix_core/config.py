@@ -14,7 +14,7 @@ def cache_dir() -> Path:
 
 
 #: Wire protocol version; every connection checks it first (Hello).
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4  # 4: ExecuteRequest.splittable, ExecuteReply.pieces (work stealing)
 
 
 @dataclass(frozen=True)
@@ -37,11 +37,16 @@ class ClusterConfig:
     max_resubmits: int = 8  # client: resubmits of one task after server failures
     server_threads: int = 64  # gRPC handler threads of a DataServer (bounds tasks in flight)
     decode_slots: int = 0  # batches prepared at once per host, by all its workers (0: one per core)
+    work_stealing: bool = True  # a DataServer worker with nothing queued takes the unstarted tail of a running batch
 
     def __post_init__(self):
         for f in fields(self):
             v = getattr(self, f.name)
             if f.name == "decode_slots" and isinstance(v, int) and not isinstance(v, bool) and v >= 0:
+                continue
+            if f.name == "work_stealing":
+                if not isinstance(v, bool):
+                    raise ValueError(f"ClusterConfig.work_stealing must be True or False, got {v!r}")
                 continue
             if not isinstance(v, (int, float)) or isinstance(v, bool) or v <= 0:
                 raise ValueError(f"ClusterConfig.{f.name} must be a positive number, got {v!r}")

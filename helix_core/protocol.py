@@ -110,8 +110,9 @@ def route_request(client_id: str, rank: int, part: Part, deadline_s: float | Non
 
 
 def execute_request(task: Task, part: Part, spec_id: str, on_error: str, client_id: str,
-                    deadline_s: float | None) -> pb.ExecuteRequest:
+                    deadline_s: float | None, splittable: bool = False) -> pb.ExecuteRequest:
+    """``splittable``: the client merges pieces exactly (the server may split the batch among idle workers)."""
     return pb.ExecuteRequest(task_id=part.task_id, spec_id=spec_id, indices=part.indices, epoch=task.epoch,
-                             substitutes=task.substitutes, on_error=on_error, deliver_to=part.route.deliver_to,
+                             substitutes=task.substitutes if on_error == "skip" else (), on_error=on_error, deliver_to=part.route.deliver_to,
                              client_id=client_id, deadline_s=deadline_s or 0.0, has_deadline=deadline_s is not None,
-                             predicted_cpu_s=part.cost.cpu_s if part.cost is not None else 0.0)
+                             predicted_cpu_s=part.cost.cpu_s if part.cost is not None else 0.0, splittable=splittable)

@@ -58,6 +58,7 @@ class LoaderStats:
         self.reasons: collections.Counter = collections.Counter()  # placement decisions by reason
         self.cost_errors = CostErrors()
         self.batches = self.skipped = self.resubmits = self.cross_ds_bytes = self.fanouts = 0
+        self.stolen = 0  # batch pieces idle workers took over (a server split the batch among its workers)
 
     def as_dict(self) -> dict:
         waits = list(self.input_wait)
@@ -74,6 +75,6 @@ class LoaderStats:
             "scheduler_overhead_us_p50": percentile(self.decision_us, 50),
             "scheduler_overhead_us_p99": percentile(self.decision_us, 99),
             "route_us_p50": percentile(self.route_us, 50), "route_us_p99": percentile(self.route_us, 99),
-            "deadline_p50_s": percentile(self.deadlines, 50), "fanouts": self.fanouts,
+            "deadline_p50_s": percentile(self.deadlines, 50), "fanouts": self.fanouts, "stolen": self.stolen,
             "placement_reasons": dict(self.reasons), **self.cost_errors.as_dict(),
         }

@@ -22,8 +22,13 @@ def segments(cluster) -> list[str]:
 
 def busy_segments(cluster) -> list[str]:
     """Segments of the cluster whose header says a client still holds them."""
+    return busy_with_prefix(f"helix-{cluster.cluster_id}-")
+
+
+def busy_with_prefix(prefix: str) -> list[str]:
+    """Segments named ``prefix*`` whose header says a client still holds them."""
     out = []
-    for name in segments(cluster):
+    for name in shm.list_segments(prefix):
         path = os.path.join(shm.SHM_DIR, name)
         try:
             if not stat.S_ISREG(os.stat(path).st_mode):

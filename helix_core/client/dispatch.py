@@ -55,6 +55,20 @@ class Stop:
                 self._waiting.discard(ev)
         return future.done() and not self._set
 
+    def sleep(self, seconds: float) -> bool:
+        """Wait ``seconds`` unless the run stops first; True if it stopped."""
+        ev = threading.Event()
+        with self._lock:
+            if self._set:
+                return True
+            self._waiting.add(ev)
+        try:
+            ev.wait(seconds)
+        finally:
+            with self._lock:
+                self._waiting.discard(ev)
+        return self._set
+
 
 class _Outbox:
     """Results in order, then ``_END``, then the next epoch's (a deque under a condition)."""
@@ -129,7 +143,7 @@ class _Run:
 
 
 class Dispatch(BaseNode):
-    """Sender / fetcher threads around ``requests`` (``submit(task)``, ``collect(task, stop) ->
+    """Sender / fetcher threads around ``requests`` (``submit(task, stop)``, ``collect(task, stop) ->
     batch``, ``cancel(task)``).
 
     Requests run ahead across epoch boundaries when ``run_ahead`` is set (the user advances epochs
@@ -230,7 +244,7 @@ class Dispatch(BaseNode):
                     return
                 run.inflight.append(task)
             try:
-                self.requests.submit(task)
+                self.requests.submit(task, run.stop)
             except BaseException as e:
                 task.error = e
             run.send(task)

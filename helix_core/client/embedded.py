@@ -85,15 +85,13 @@ def _local_world(world_size: int) -> int:
 
 def embedded_cluster(world_size: int, num_workers: int | None, config: ClusterConfig):
     """``(cluster or None, address, token)``: the cluster is returned to the process that owns it."""
-    from ..runtime.cluster import LocalCluster
+    from ..runtime.cluster import LocalCluster, host_layout
 
     local_world = _local_world(world_size)
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    total = num_workers or max(1, (os.cpu_count() or 2))
-    per_server = max(1, total // max(local_world, 1))
+    servers, per_server = host_layout(local_world, num_workers or max(1, (os.cpu_count() or 2)))
     if local_world <= 1 or local_rank == 0:
-        cluster = LocalCluster(local_servers=max(local_world, 1), workers_per_server=per_server, token=True,
-                               config=config)
+        cluster = LocalCluster(local_servers=servers, workers_per_server=per_server, token=True, config=config)
         if local_world > 1:
             path = _rendezvous_file()
             tmp = f"{path}.{os.getpid()}"

@@ -1,6 +1,6 @@
 """A task's requests: route -> execute -> resubmit by ``ErrorKind`` -> materialize, or cancel.
 
-``Requests`` is what ``Dispatch`` drives: ``submit(task)`` splits a batch into parts (fan-out by
+``Requests`` is what ``Dispatch`` drives: ``submit(task, stop)`` splits a batch into parts (fan-out by
 deadline, or ``microbatch_size``), routes each with its deadline and starts its ``Execute``;
 ``collect(task, stop)`` blocks on each part's reply (its done-callback wakes the fetcher at once),
 resubmits a part whose server was lost — by status code or ``ErrorKind``, never by error text —
@@ -42,7 +42,8 @@ class Requests:
         self._cancel_lock = threading.Lock()
 
     # ---- sending --------------------------------------------------------------------------------
-    def submit(self, task: Task) -> None:
+    def submit(self, task: Task, stop=None) -> None:
+        """Start the batch's requests; ``stop`` (the run's ``Stop``) cuts short a wait for the Coordinator."""
         deadline = self._plan_deadline(task)
         splits = task.splits()
         if self.fanout and len(splits) == 1 and deadline is not None:
@@ -53,7 +54,7 @@ class Requests:
             part = Part(next(self.task_ids), indices, sum_costs(task.costs[offset:offset + len(indices)]))
             offset += len(indices)
             task.parts.append(part)
-            self._start(task, part)
+            self._start(task, part, stop)
 
     def _plan_deadline(self, task: Task) -> float | None:
         """Register the batch's predicted GPU cost with the deadline estimator; its deadline."""
@@ -62,18 +63,19 @@ class Requests:
             self.deadlines.expect(task.seq, float(np.sum(units)) + self.step_units)
         return self.deadlines.deadline(task.seq)
 
-    def _start(self, task: Task, part: Part) -> None:
+    def _start(self, task: Task, part: Part, stop=None) -> None:
         """Route ``part`` with its deadline and send it; a server that can't even be reached is excluded."""
         while True:
             deadline = self.deadlines.deadline(task.seq)
             t0 = time.perf_counter()
-            part.route = route = self.client.route(part, deadline, self.scheduler)
+            part.route = route = self.client.route(part, deadline, self.scheduler, stop)
             self.stats.route_us.append((time.perf_counter() - t0) * 1e6)
             self.stats.decision_us.append(route.decision_us)
             self.stats.reasons[route.reason] += 1
             if deadline is not None:
                 self.stats.deadlines.append(deadline)
-            request = execute_request(task, part, self.spec[0], self.on_error, self.client.client_id, deadline)
+            request = execute_request(task, part, self.spec[0], self.on_error, self.client.client_id, deadline,
+                                      splittable=self.fanout)
             try:
                 part.future = self.client.execute(route.exec_address, self.spec, request)
             except grpc.RpcError as e:
@@ -95,13 +97,13 @@ class Requests:
         part.attempts += 1
         self.stats.resubmits += 1
 
-    def _resubmit(self, task: Task, part: Part, why: str, server_id: str) -> None:
+    def _resubmit(self, task: Task, part: Part, why: str, server_id: str, stop=None) -> None:
         """``part`` was lost with a server (or its slab): exclude that server and send it again.
         Its task id stays, so a late duplicate is recognised and dropped."""
         if part.attempts >= self.config.max_resubmits:
             raise ClusterError(f"batch {task.position} failed after {part.attempts} resubmits: {why}")
         self._exclude(part, server_id)
-        self._start(task, part)
+        self._start(task, part, stop)
 
     # ---- fetching -------------------------------------------------------------------------------
     def _wait(self, task: Task, part: Part, stop):
@@ -118,12 +120,12 @@ class Requests:
             except grpc.RpcError as e:
                 if e.code() not in TRANSIENT:
                     raise ClusterError(f"batch {task.position}: {e.code().name} {e.details()}") from None
-                self._resubmit(task, part, f"{e.code().name} {e.details()}", route.exec_server_id)
+                self._resubmit(task, part, f"{e.code().name} {e.details()}", route.exec_server_id, stop)
                 continue
             kind = ErrorKind(reply.error_kind)
             if kind.retry:
                 lost = route.delivery_server_id if kind is ErrorKind.DELIVERY_LOST else route.exec_server_id
-                self._resubmit(task, part, f"{kind.name}: {reply.error}", lost)
+                self._resubmit(task, part, f"{kind.name}: {reply.error}", lost, stop)
                 continue
             return reply
 
@@ -136,11 +138,12 @@ class Requests:
                     batch = None if reply.error_kind else self.client.materialize(reply, copy=self.copy)
                     break
                 except FileNotFoundError:  # its producer died and the slab was swept: run it again
-                    self._resubmit(task, part, "slab vanished", part.route.exec_server_id)
+                    self._resubmit(task, part, "slab vanished", part.route.exec_server_id, stop)
             task.taken.add(k)
             self._observe_costs(task, reply)
             self.stats.skipped += len(reply.skipped)
             self.stats.cross_ds_bytes += reply.cross_ds_bytes
+            self.stats.stolen += max(0, len(reply.pieces) - 1)
             error = error or self.client.error_of(reply)
             if batch is not None:
                 batches.append(batch)

@@ -20,7 +20,7 @@ from ..runtime.auth import call_metadata
 from ..runtime.proto import helix_pb2 as pb
 from ..runtime.proto import helix_pb2_grpc as pbg
 from ..runtime.rpc import check_hello, connect
-from ..runtime.tensors import copy_tensors, read_tensors, unflatten
+from ..runtime.tensors import copy_tensors, merge_batches, read_tensors, unflatten
 from ..protocol import ErrorKind, Route, route_request
 
 __all__ = ["ClusterClient", "TRANSIENT"]
@@ -73,8 +73,9 @@ class ClusterClient:
         self._completed: list[int] = []  # task ids whose replies landed, for the next Route to carry
         self.reader = shm.SlabReader()
 
-    def _call(self, method, request, timeout: float | None = None):
-        """A Coordinator RPC, retried while it is unavailable, up to ``coordinator_timeout_s``."""
+    def _call(self, method, request, timeout: float | None = None, stop=None):
+        """A Coordinator RPC, retried while it is unavailable, up to ``coordinator_timeout_s``;
+        ``stop`` (anything with ``sleep(seconds) -> stopped``) cuts the waits between tries short."""
         deadline = time.monotonic() + self.config.coordinator_timeout_s
         delay = 0.05
         while True:
@@ -86,10 +87,13 @@ class ClusterClient:
                 if e.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) \
                         or time.monotonic() + delay > deadline:
                     raise ClusterError(f"lost the Coordinator at {self.address}: {e.code().name} {e.details()}") from None
-            time.sleep(delay)
+            if stop is not None and stop.sleep(delay):
+                raise ClusterError("loader stopped")
+            if stop is None:
+                time.sleep(delay)
             delay = min(delay * 2, 0.5)
 
-    def route(self, part, deadline_s: float | None = None, scheduler: str = "") -> Route:
+    def route(self, part, deadline_s: float | None = None, scheduler: str = "", stop=None) -> Route:
         """Where to run one ``Part``: its cost, ``deadline_s`` (seconds from now; None: unknown)
         and the placement policy by name (empty: the Coordinator's). The tasks completed since
         the last Route ride along (no RPC of their own)."""
@@ -97,7 +101,8 @@ class ClusterClient:
             done, self._completed = self._completed, []
         try:
             return Route.from_pb(self._call(self.coordinator.Route,
-                                            route_request(self.client_id, self.rank, part, deadline_s, scheduler, done)))
+                                            route_request(self.client_id, self.rank, part, deadline_s, scheduler, done),
+                                            stop=stop))
         except BaseException:
             with self._lock:
                 self._completed[:0] = done
@@ -176,8 +181,13 @@ class ClusterClient:
     # ---- replies to batches ----------------------------------------------------------------------
     def materialize(self, reply: pb.ExecuteReply, copy: bool):
         """The batch of a successful reply: zero-copy tensors on the slab (released when the last
-        one is garbage-collected), or owned copies (slab released at once) when ``copy``."""
-        b = reply.batch
+        one is garbage-collected), or owned copies (slab released at once) when ``copy``. A batch
+        that came in pieces (split among a server's workers) is merged, as collating it whole."""
+        if reply.pieces:
+            return merge_batches([self._materialize(b, copy=False) for b in reply.pieces], rows=list(reply.piece_rows))
+        return self._materialize(reply.batch, copy)
+
+    def _materialize(self, b: pb.BatchHandle, copy: bool):
         handle = {"segment": b.slab.segment, "generation": b.slab.generation, "nbytes": b.slab.nbytes}
         if b.tree_pickle and not self.token:
             self.reader.release(handle)
@@ -195,9 +205,10 @@ class ClusterClient:
         return unflatten(b.tree_json, b.tree_pickle, tensors)
 
     def release(self, reply: pb.ExecuteReply) -> None:
-        """Give a reply's slab back unread (its request was cancelled)."""
-        if reply.batch.slab.segment:
-            self.reader.release({"segment": reply.batch.slab.segment, "generation": reply.batch.slab.generation})
+        """Give a reply's slabs back unread (its request was cancelled)."""
+        for b in (reply.batch, *reply.pieces):
+            if b.slab.segment:
+                self.reader.release({"segment": b.slab.segment, "generation": b.slab.generation})
 
     @staticmethod
     def error_of(reply: pb.ExecuteReply) -> Exception | None:

@@ -22,7 +22,18 @@ from ..errors import ClusterError
 from . import shm
 from .auth import new_token
 
-__all__ = ["LocalCluster", "ServerHandle"]
+__all__ = ["LocalCluster", "ServerHandle", "host_layout"]
+
+
+def host_layout(local_ranks: int, workers: int) -> tuple[int, int]:
+    """``(servers, workers_per_server)`` for ``workers`` worker processes serving ``local_ranks``
+    ranks on one host: one DataServer per rank while each still gets two workers or more, else
+    fewer servers (ranks share them). A server with one worker runs its queue one batch at a time
+    and can split none of them (``steal``), so when the other ranks wait for one rank's batches,
+    the host's other cores idle."""
+    local_ranks, workers = max(1, int(local_ranks)), max(1, int(workers))
+    servers = max(1, min(local_ranks, workers // 2))
+    return servers, max(1, workers // servers)
 
 
 @dataclass

@@ -28,6 +28,7 @@ from .tensors import ChunkWriter, iter_chunks
 from .wire import add_servicer, deliver_callable
 from .cpuslots import HostSlots
 from .pool import WorkerPool
+from .steal import handles
 
 __all__ = ["DataServerServicer", "serve_dataserver"]
 
@@ -37,6 +38,11 @@ log = logging.getLogger("helix.dataserver")
 def _metas_to_pb(metas: list[dict]) -> list[pb.TensorMeta]:
     return [pb.TensorMeta(dtype=m["dtype"], shape=m["shape"], offset=m["offset"], nbytes=m["nbytes"],
                           is_inline=m["is_inline"], inline_data=m.get("inline_data") or b"") for m in metas]
+
+
+def _batch_pb(result: dict) -> pb.BatchHandle:
+    return pb.BatchHandle(slab=pb.SlabHandle(**result["handle"]), tree_json=result["tree_json"],
+                          tree_pickle=result["tree_pickle"], tensors=_metas_to_pb(result["metas"]))
 
 
 def _failure_pb(f: dict | None) -> pb.SampleFailure | None:
@@ -83,10 +89,13 @@ class DataServerServicer(pbg.DataServerServicer):
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"unknown dataset spec {request.spec_id}: Configure first")
         if request.on_error not in ("raise", "skip") or not request.indices:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "Execute needs indices and on_error in (raise, skip)")
+        remote = bool(request.deliver_to) and request.deliver_to != self.address
         task = {"task_id": request.task_id, "spec_id": request.spec_id, "indices": list(request.indices),
                 "epoch": request.epoch, "substitutes": list(request.substitutes), "on_error": request.on_error,
                 "deadline_s": request.deadline_s if request.has_deadline else None,
-                "predicted_cpu_s": max(0.0, request.predicted_cpu_s)}
+                "predicted_cpu_s": max(0.0, request.predicted_cpu_s),
+                # pieces are delivered here only, and substitutes (on_error="skip") belong to one worker
+                "splittable": request.splittable and not remote and not request.substitutes}
         fut = self.pool.submit(task)
         context.add_callback(lambda: self.pool.cancel([request.task_id]) if not fut.done() else None)
         try:
@@ -103,9 +112,16 @@ class DataServerServicer(pbg.DataServerServicer):
                                 skipped=[_failure_pb(f) for f in result.get("skipped", [])],
                                 exec_s=result.get("exec_s", 0.0), decoded=result.get("decoded", ()),
                                 decode_cpu_s=result.get("decode_cpu_s", ()), queue_s=result.get("queue_s", 0.0))
+        if "pieces" in result:  # split by stealing (never for a remote delivery)
+            reply.pieces.extend(_batch_pb(p) for p in result["pieces"])
+            reply.piece_rows.extend(result["rows"])
+            reply.delivered_by = self.server_id
+            if not context.is_active():  # the client gave up: nobody will release them
+                for handle in handles(result):
+                    shm.release_segment(handle)
+            return reply
         if "handle" not in result:
             return reply
-        remote = request.deliver_to and request.deliver_to != self.address
         if remote:
             try:
                 delivered = self._stream(request.task_id, result, request.deliver_to)
@@ -120,9 +136,7 @@ class DataServerServicer(pbg.DataServerServicer):
             reply.cross_ds_bytes = result["handle"]["nbytes"] + sum(len(m.get("inline_data") or b"")
                                                                     for m in result["metas"])
         else:
-            reply.batch.CopyFrom(pb.BatchHandle(
-                slab=pb.SlabHandle(**result["handle"]), tree_json=result["tree_json"],
-                tree_pickle=result["tree_pickle"], tensors=_metas_to_pb(result["metas"])))
+            reply.batch.CopyFrom(_batch_pb(result))
             reply.delivered_by = self.server_id
         if not context.is_active():  # the client gave up: nobody will release it
             shm.release_segment(result["handle"] if not remote else

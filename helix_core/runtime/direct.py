@@ -39,10 +39,12 @@ def supports_direct(dataset, collate) -> bool:
     return definer["__getitem__"] >= definer["fetch"]
 
 
-def direct_batch(dataset, collate, indices: list[int], pool, allow_pickle: bool, progress=lambda index: None):
+def direct_batch(dataset, collate, indices: list[int], pool, allow_pickle: bool, progress=lambda index: None,
+                 may_start=lambda k: True):
     """``(slab, total, tree_json, tree_pickle, metas, decode_cpu_s)`` with the batch written in
     ``slab``, or None when this batch needs the generic path (nothing is held then).
-    ``progress(index)`` is called before each sample is decoded."""
+    ``progress(index)`` is called before each sample is decoded; ``may_start(k)`` says whether
+    sample ``k`` is still this worker's (when not, the batch is the samples before it)."""
     try:
         shapes = [tuple(int(x) for x in dataset.video_shape(i)) for i in indices]
     except Exception:
@@ -57,7 +59,7 @@ def direct_batch(dataset, collate, indices: list[int], pool, allow_pickle: bool,
     except Exception:
         return None  # the generic path reports it
     try:
-        got = _fill(dataset, collate, indices, shapes, slab, (b, t, c, h, w), allow_pickle, progress)
+        got = _fill(dataset, collate, indices, shapes, slab, (b, t, c, h, w), allow_pickle, progress, may_start)
     except Exception:
         got = None
     if got is None:
@@ -66,13 +68,15 @@ def direct_batch(dataset, collate, indices: list[int], pool, allow_pickle: bool,
     return (slab, *got)
 
 
-def _fill(dataset, collate, indices, shapes, slab, dims, allow_pickle, progress):
+def _fill(dataset, collate, indices, shapes, slab, dims, allow_pickle, progress, may_start):
     b, t, c, h, w = dims
     video_bytes = b * t * c * h * w
     payload = torch.frombuffer(slab.payload, dtype=torch.uint8)
     video = payload[:video_bytes].view(dims)
     samples, cpu = [], []
     for k, (index, shape) in enumerate(zip(indices, shapes)):
+        if not may_start(k):  # the rest was stolen: the batch is the samples before it
+            break
         slot = video[k, :shape[0], :, :shape[2], :shape[3]]
         progress(index)
         c0 = time.thread_time()
@@ -85,6 +89,9 @@ def _fill(dataset, collate, indices, shapes, slab, dims, allow_pickle, progress)
             slot.copy_(v)
         sample["video"] = slot
         samples.append(sample)
+    # a batch stopped short keeps the whole batch's padded size (the merge pads the other pieces to it)
+    video = video[:len(samples)]
+    video_bytes = video.numel()
     if collate is pad_collate:
         batch = pad_collate(samples, video_out=video)
     else:
@@ -101,3 +108,4 @@ def _fill(dataset, collate, indices, shapes, slab, dims, allow_pickle, progress)
     metas = write_tensors(slab.payload, tensors, metas)
     del batch, tensors, video, payload
     return total, tree_json, tree_pickle, metas, cpu
+

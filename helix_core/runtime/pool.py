@@ -5,13 +5,12 @@ Queued tasks run earliest-deadline-first: a task's key is its arrival time plus 
 deadlines the order is first-in-first-out. The pool's supervisor thread owns every worker pipe: it
 hands tasks to idle workers, collects results, and watches process sentinels, blocking on all of
 them at once. A worker that dies has its task retried (bounded per sample: a sample that keeps
-killing workers becomes a ``SampleError``) and is respawned.
+killing workers becomes a ``SampleError``) and is respawned. A worker with nothing queued takes the
+unstarted tail of a running splittable batch (``steal``): the batch comes back in pieces.
 """
 from __future__ import annotations
 
 import collections
-import heapq
-import itertools
 import logging
 import multiprocessing as mp
 import os
@@ -23,6 +22,8 @@ from multiprocessing.connection import wait as mp_wait
 from ..config import ClusterConfig
 from ..protocol import ErrorKind
 from . import cpuslots, shm
+from .edf import EdfQueue
+from .steal import Claim, Pieces, handles
 from .worker import Progress, _failure, worker_main
 
 __all__ = ["WorkerPool"]
@@ -38,50 +39,15 @@ class _Worker:
         self.conn, child = ctx.Pipe(duplex=True)
         self.progress = Progress(ctx)
         self.progress.clear()
+        self.claim = Claim(ctx)
         self.proc = ctx.Process(target=worker_main, args=(child, self.prefix, allow_pickle, os.getpid(), cpu_slots,
-                                                          self.progress), name=f"helix-worker-{wid}", daemon=True)
+                                                          self.progress, self.claim), name=f"helix-worker-{wid}",
+                                daemon=True)
         self.proc.start()
         child.close()
         self.task: dict | None = None
         self.started = 0.0  # clock() when its task was handed over
         self.specs: set[str] = set()
-
-
-class _Queue:
-    """Tasks waiting for a worker, earliest deadline first (ties: arrival order).
-
-    ``key`` is an absolute ``time.monotonic`` value. Cancelled tasks are dropped lazily."""
-
-    def __init__(self):
-        self._heap: list = []
-        self._seq = itertools.count()
-        self._ids: dict[int, dict] = {}  # task id -> task, for the tasks still queued
-        self.cpu_s = 0.0  # predicted CPU seconds of the queued tasks
-
-    def __len__(self) -> int:
-        return len(self._ids)
-
-    def push(self, task: dict) -> None:
-        heapq.heappush(self._heap, (task["_key"], next(self._seq), task))
-        self._ids[task["task_id"]] = task
-        self.cpu_s += task.get("predicted_cpu_s", 0.0)
-
-    def pop(self) -> dict | None:
-        while self._heap:
-            _, _, task = heapq.heappop(self._heap)
-            if self._ids.get(task["task_id"]) is task:
-                del self._ids[task["task_id"]]
-                self.cpu_s = max(0.0, self.cpu_s - task.get("predicted_cpu_s", 0.0))
-                return task
-        return None
-
-    def remove(self, task_ids: set[int]) -> None:
-        for tid in task_ids:
-            task = self._ids.pop(tid, None)
-            if task is not None:
-                self.cpu_s = max(0.0, self.cpu_s - task.get("predicted_cpu_s", 0.0))
-        if not self._ids:
-            self._heap.clear()
 
 
 class WorkerPool:
@@ -102,9 +68,11 @@ class WorkerPool:
         self.cpu_slots = cpu_slots
         self._lock = threading.Lock()
         self._specs: dict[str, tuple[bytes, str]] = {}
-        self._pending = _Queue()
+        self._pending = EdfQueue()
         self._futures: dict[int, Future] = {}
         self._cancelled: set[int] = set()
+        self._split: dict[int, Pieces] = {}  # task id -> the pieces of a batch split by stealing
+        self.steals = 0
         self._kills: collections.Counter = collections.Counter()
         self._wake_r, self._wake_w = mp.Pipe(duplex=False)
         self._stop = threading.Event()
@@ -140,7 +108,8 @@ class WorkerPool:
     def cancel(self, task_ids) -> None:
         with self._lock:
             ids = set(task_ids)
-            self._pending.remove(ids)
+            for task in self._pending.remove(ids):  # queued pieces of a split batch never run: count them out
+                self._piece_done(task, {"error_kind": ErrorKind.NOT_COMPLETED, "error": "cancelled"})
             for tid in ids:
                 fut = self._futures.pop(tid, None)
                 if fut is not None:
@@ -156,6 +125,7 @@ class WorkerPool:
             return {"queue_depth": len(self._pending), "inflight": len(busy), "completed": self.completed,
                     "workers_alive": sum(w.proc.is_alive() for w in self._workers), "respawns": self.respawns,
                     "worker_pids": [w.proc.pid for w in self._workers], "latency_per_cost": self.latency_per_cost,
+                    "steals": self.steals,
                     "queued_cpu_s": self._pending.cpu_s + running}
 
     # ---- supervisor thread ---------------------------------------------------------------------------
@@ -183,23 +153,48 @@ class WorkerPool:
     def _assign(self) -> None:
         with self._lock:
             for w in self._workers:
-                if not self._pending:
-                    return
                 if w.task is not None or not w.proc.is_alive():
                     continue
-                task = self._pending.pop()
+                task = self._pending.pop() if self._pending else self._steal()
                 if task is None:
                     return
-                try:
-                    if task["spec_id"] not in w.specs:
-                        payload, fmt = self._specs.get(task["spec_id"], (b"", "missing"))
-                        w.conn.send(("spec", task["spec_id"], payload, fmt))
-                        w.specs.add(task["spec_id"])
-                    w.conn.send(("task", task))
-                    w.task, w.started = task, self.clock()
-                    task.setdefault("_queue_s", w.started - task["_arrival"])
-                except (BrokenPipeError, OSError):
-                    self._pending.push(task)
+                self._hand(w, task)
+
+    def _hand(self, w: _Worker, task: dict) -> None:
+        try:
+            if task["spec_id"] not in w.specs:
+                payload, fmt = self._specs.get(task["spec_id"], (b"", "missing"))
+                w.conn.send(("spec", task["spec_id"], payload, fmt))
+                w.specs.add(task["spec_id"])
+            w.claim.reset(len(task["indices"]))
+            w.conn.send(("task", task))
+            w.task, w.started = task, self.clock()
+            task.setdefault("_queue_s", w.started - task["_arrival"])
+        except (BrokenPipeError, OSError):
+            self._pending.push(task)
+
+    def _steal(self) -> dict | None:
+        """For a worker with nothing queued: the unstarted tail of the running splittable batch
+        due first, as a piece of its own (None when there is none)."""
+        if not self.config.work_stealing:
+            return None
+        running = sorted((w for w in self._workers if w.task is not None and w.task.get("splittable")
+                          and len(w.task["indices"]) > 1 and not w.task["bad"] and w.task["task_id"] in self._futures),
+                         key=lambda w: w.task["_key"])
+        for w in running:
+            got = w.claim.steal()
+            if got is None:
+                continue
+            start, end = got
+            task, n = w.task, len(w.task["indices"])
+            piece = dict(task, indices=task["indices"][start:end], _offset=task.get("_offset", 0) + start, bad={},
+                         predicted_cpu_s=task.get("predicted_cpu_s", 0.0) * (end - start) / n)
+            task["indices"] = task["indices"][:start]  # what it keeps (a retry after its death runs just that)
+            task["predicted_cpu_s"] = task.get("predicted_cpu_s", 0.0) * start / n
+            self._split.setdefault(task["task_id"], Pieces()).add(piece["_offset"])
+            self.steals += 1
+            return piece
+        return None
 
     def _drain(self, w: _Worker) -> None:
         while True:
@@ -216,8 +211,6 @@ class WorkerPool:
         with self._lock:
             task = w.task
             w.task = None
-            fut = self._futures.pop(task_id, None)
-            self._cancelled.discard(task_id)
             self.completed += 1
             predicted = task.get("predicted_cpu_s", 0.0) if task is not None else 0.0
             if predicted > 0 and "handle" in result:  # wall time at the worker, waiting for a decode slot included
@@ -225,11 +218,37 @@ class WorkerPool:
                 self.latency_per_cost = (1 - a) * self.latency_per_cost + a * min(max(ratio, 0.05), 50.0)
             if task is not None:
                 result["queue_s"] = task.get("_queue_s", 0.0)
+            if task is not None and task_id in self._split:
+                self._piece_done(task, result)
+                return
+            fut = self._futures.pop(task_id, None)
+            self._cancelled.discard(task_id)
+        self._deliver(fut, result)
+
+    @staticmethod
+    def _deliver(fut: Future | None, result: dict) -> None:
         if fut is None or fut.cancelled():
-            if "handle" in result:  # nobody will read it: free the slab now
-                shm.release_segment(result["handle"])
+            for handle in handles(result):  # nobody will read it: free the slabs now
+                shm.release_segment(handle)
             return
         fut.set_result(result)
+
+    def _piece_done(self, task: dict, result: dict) -> None:
+        """A piece of a split batch is in (under the lock): the last one completes the batch."""
+        pieces = self._split.get(task["task_id"])
+        if pieces is None:
+            return
+        if not pieces.finish(task.get("_offset", 0), result):
+            return
+        del self._split[task["task_id"]]
+        combined, unused = pieces.combine()
+        combined["queue_s"] = result.get("queue_s", 0.0)
+        for r in unused:
+            for handle in handles(r):
+                shm.release_segment(handle)
+        fut = self._futures.pop(task["task_id"], None)
+        self._cancelled.discard(task["task_id"])
+        self._deliver(fut, combined)
 
     def _on_death(self, w: _Worker) -> None:
         if self._stop.is_set():
@@ -250,19 +269,23 @@ class WorkerPool:
         if task is None:
             return
         with self._lock:
-            if task["task_id"] not in self._futures:
-                return  # cancelled meanwhile
+            if task["task_id"] not in self._futures:  # cancelled meanwhile
+                self._piece_done(task, {"error_kind": ErrorKind.NOT_COMPLETED, "error": "cancelled"})
+                return
             if current is not None:
                 self._kills[current[0]] += 1
                 if self._kills[current[0]] > self.config.max_task_retries:
                     cause = (f"worker process died (exit code {code}) while preparing this sample "
                              f"{self._kills[current[0]]} times")
+                    failed = {"error_kind": ErrorKind.SAMPLE, "error": cause,
+                              "failure": _failure(current[0], current[1], cause), "skipped": []}
                     if task.get("on_error") == "skip":
                         task["bad"][current[0]] = cause
+                    elif task["task_id"] in self._split:
+                        self._piece_done(task, failed)
+                        return
                     else:
-                        fut = self._futures.pop(task["task_id"])
-                        fut.set_result({"error_kind": ErrorKind.SAMPLE, "error": cause,
-                                        "failure": _failure(current[0], current[1], cause), "skipped": []})
+                        self._futures.pop(task["task_id"]).set_result(failed)
                         return
             self._pending.push(task)  # its key is kept: it goes back near the front
 

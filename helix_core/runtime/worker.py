@@ -50,10 +50,11 @@ class Progress:
 
 
 def worker_main(conn, shm_prefix: str, allow_pickle: bool, parent_pid: int, cpu_slots=None,
-                progress: Progress | None = None) -> None:
+                progress: Progress | None = None, claim=None) -> None:
     """Entry point of a worker process: serve ``("spec", ...)`` and ``("task", ...)`` messages.
     ``cpu_slots``: ``(prefix, n)`` of the host's decode slots (a task runs holding one);
-    ``progress``: where it records the sample it is working on."""
+    ``progress``: where it records the sample it is working on; ``claim``: the ``steal.Claim``
+    it checks before each sample (the supervisor may give the tail of its batch to another worker)."""
     os.environ["OMP_NUM_THREADS"] = "1"
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the owner's to handle
     import torch
@@ -90,7 +91,8 @@ def worker_main(conn, shm_prefix: str, allow_pickle: bool, parent_pid: int, cpu_
                                                            watch=(conn.fileno(),)):
                     return
                 try:
-                    result = _run_task(task, specs, pool, progress, allow_pickle)
+                    result = _run_task(task, specs, pool, progress, allow_pickle,
+                                       claim.take if claim is not None else (lambda k: True))
                 finally:
                     if progress is not None:
                         progress.clear()
@@ -107,7 +109,10 @@ def _failure(index: int, path: str, cause: str) -> dict:
     return {"index": int(index), "path": str(path), "cause": str(cause)}
 
 
-def _run_task(task: dict, specs: dict, pool, progress, allow_pickle: bool) -> dict:
+def _run_task(task: dict, specs: dict, pool, progress, allow_pickle: bool, may_start) -> dict:
+    """Prepare the task's samples in order — each one only if ``may_start(k)`` (the rest may have
+    been stolen) — collate them into a slab: the result dict the pool receives (``rows``: samples
+    in the batch)."""
     from ..errors import SampleError
     from .direct import direct_batch, supports_direct
     from .tensors import flatten, layout, write_tensors
@@ -123,14 +128,17 @@ def _run_task(task: dict, specs: dict, pool, progress, allow_pickle: bool) -> di
     bad = task.get("bad", {})
     if not bad and supports_direct(dataset, collate):  # decode straight into the slab: no copies
         got = direct_batch(dataset, collate, list(task["indices"]), pool, allow_pickle,
-                           (lambda i: progress.set(i, sample_path(dataset, i))) if progress else (lambda i: None))
+                           (lambda i: progress.set(i, sample_path(dataset, i))) if progress else (lambda i: None),
+                           may_start)
         if got is not None:
             slab, total, tree_json, tree_pickle, metas, cpu = got
             return {"handle": slab.handle(total), "tree_json": tree_json, "tree_pickle": tree_pickle, "metas": metas,
-                    "skipped": [], "exec_s": time.perf_counter() - t0, "decoded": [int(i) for i in task["indices"]],
-                    "decode_cpu_s": cpu}
+                    "skipped": [], "exec_s": time.perf_counter() - t0, "rows": len(cpu),
+                    "decoded": [int(i) for i in task["indices"][:len(cpu)]], "decode_cpu_s": cpu}
     samples, skipped, decoded, decode_cpu = [], [], [], []
-    for index in task["indices"]:
+    for k, index in enumerate(task["indices"]):
+        if not may_start(k):
+            break
         while True:
             path = sample_path(dataset, index)
             if progress is not None:
@@ -166,4 +174,5 @@ def _run_task(task: dict, specs: dict, pool, progress, allow_pickle: bool) -> di
         return {"error_kind": kind, "error": f"collate/deliver failed for task {task['task_id']}: "
                                              f"{type(e).__name__}: {e}", "skipped": skipped}
     return {"handle": slab.handle(total), "tree_json": tree_json, "tree_pickle": tree_pickle, "metas": metas,
-            "skipped": skipped, "exec_s": time.perf_counter() - t0, "decoded": decoded, "decode_cpu_s": decode_cpu}
+            "skipped": skipped, "exec_s": time.perf_counter() - t0, "rows": len(samples), "decoded": decoded,
+            "decode_cpu_s": decode_cpu}

@@ -257,7 +257,7 @@ class SampleFailure(_message.Message):
     def __init__(self, index: _Optional[int] = ..., path: _Optional[str] = ..., cause: _Optional[str] = ...) -> None: ...
 
 class ExecuteRequest(_message.Message):
-    __slots__ = ("task_id", "spec_id", "indices", "epoch", "substitutes", "on_error", "deliver_to", "client_id", "deadline_s", "has_deadline", "predicted_cpu_s")
+    __slots__ = ("task_id", "spec_id", "indices", "epoch", "substitutes", "on_error", "deliver_to", "client_id", "deadline_s", "has_deadline", "predicted_cpu_s", "splittable")
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
     SPEC_ID_FIELD_NUMBER: _ClassVar[int]
     INDICES_FIELD_NUMBER: _ClassVar[int]
@@ -269,6 +269,7 @@ class ExecuteRequest(_message.Message):
     DEADLINE_S_FIELD_NUMBER: _ClassVar[int]
     HAS_DEADLINE_FIELD_NUMBER: _ClassVar[int]
     PREDICTED_CPU_S_FIELD_NUMBER: _ClassVar[int]
+    SPLITTABLE_FIELD_NUMBER: _ClassVar[int]
     task_id: int
     spec_id: str
     indices: _containers.RepeatedScalarFieldContainer[int]
@@ -280,10 +281,11 @@ class ExecuteRequest(_message.Message):
     deadline_s: float
     has_deadline: bool
     predicted_cpu_s: float
-    def __init__(self, task_id: _Optional[int] = ..., spec_id: _Optional[str] = ..., indices: _Optional[_Iterable[int]] = ..., epoch: _Optional[int] = ..., substitutes: _Optional[_Iterable[int]] = ..., on_error: _Optional[str] = ..., deliver_to: _Optional[str] = ..., client_id: _Optional[str] = ..., deadline_s: _Optional[float] = ..., has_deadline: _Optional[bool] = ..., predicted_cpu_s: _Optional[float] = ...) -> None: ...
+    splittable: bool
+    def __init__(self, task_id: _Optional[int] = ..., spec_id: _Optional[str] = ..., indices: _Optional[_Iterable[int]] = ..., epoch: _Optional[int] = ..., substitutes: _Optional[_Iterable[int]] = ..., on_error: _Optional[str] = ..., deliver_to: _Optional[str] = ..., client_id: _Optional[str] = ..., deadline_s: _Optional[float] = ..., has_deadline: _Optional[bool] = ..., predicted_cpu_s: _Optional[float] = ..., splittable: _Optional[bool] = ...) -> None: ...
 
 class ExecuteReply(_message.Message):
-    __slots__ = ("task_id", "batch", "error_kind", "error", "failure", "skipped", "delivered_by", "cross_ds_bytes", "exec_s", "decoded", "decode_cpu_s", "queue_s")
+    __slots__ = ("task_id", "batch", "error_kind", "error", "failure", "skipped", "delivered_by", "cross_ds_bytes", "exec_s", "decoded", "decode_cpu_s", "queue_s", "pieces", "piece_rows")
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
     BATCH_FIELD_NUMBER: _ClassVar[int]
     ERROR_KIND_FIELD_NUMBER: _ClassVar[int]
@@ -296,6 +298,8 @@ class ExecuteReply(_message.Message):
     DECODED_FIELD_NUMBER: _ClassVar[int]
     DECODE_CPU_S_FIELD_NUMBER: _ClassVar[int]
     QUEUE_S_FIELD_NUMBER: _ClassVar[int]
+    PIECES_FIELD_NUMBER: _ClassVar[int]
+    PIECE_ROWS_FIELD_NUMBER: _ClassVar[int]
     task_id: int
     batch: BatchHandle
     error_kind: ErrorKind
@@ -308,7 +312,9 @@ class ExecuteReply(_message.Message):
     decoded: _containers.RepeatedScalarFieldContainer[int]
     decode_cpu_s: _containers.RepeatedScalarFieldContainer[float]
     queue_s: float
-    def __init__(self, task_id: _Optional[int] = ..., batch: _Optional[_Union[BatchHandle, _Mapping]] = ..., error_kind: _Optional[_Union[ErrorKind, str]] = ..., error: _Optional[str] = ..., failure: _Optional[_Union[SampleFailure, _Mapping]] = ..., skipped: _Optional[_Iterable[_Union[SampleFailure, _Mapping]]] = ..., delivered_by: _Optional[str] = ..., cross_ds_bytes: _Optional[int] = ..., exec_s: _Optional[float] = ..., decoded: _Optional[_Iterable[int]] = ..., decode_cpu_s: _Optional[_Iterable[float]] = ..., queue_s: _Optional[float] = ...) -> None: ...
+    pieces: _containers.RepeatedCompositeFieldContainer[BatchHandle]
+    piece_rows: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, task_id: _Optional[int] = ..., batch: _Optional[_Union[BatchHandle, _Mapping]] = ..., error_kind: _Optional[_Union[ErrorKind, str]] = ..., error: _Optional[str] = ..., failure: _Optional[_Union[SampleFailure, _Mapping]] = ..., skipped: _Optional[_Iterable[_Union[SampleFailure, _Mapping]]] = ..., delivered_by: _Optional[str] = ..., cross_ds_bytes: _Optional[int] = ..., exec_s: _Optional[float] = ..., decoded: _Optional[_Iterable[int]] = ..., decode_cpu_s: _Optional[_Iterable[float]] = ..., queue_s: _Optional[float] = ..., pieces: _Optional[_Iterable[_Union[BatchHandle, _Mapping]]] = ..., piece_rows: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StreamHeader(_message.Message):
     __slots__ = ("task_id", "tree_json", "tree_pickle", "tensors", "total_bytes")

@@ -1,0 +1,90 @@
+"""Work stealing inside a DataServer: a worker with nothing queued takes the unstarted tail of a
+batch another worker is preparing.
+
+A batch task runs on one worker, sample after sample, so the last batch a waiting rank needs
+would decode on one core while the others idle (every other rank's prefetch window is full). The
+supervisor gives an idle worker the second half of the samples a running batch has not started;
+the running worker, which checks its ``Claim`` before each sample, stops short and collates what
+it did. The pieces come back as one reply and the client merges them, which is exact for the
+collates whose merge is exact (``default_collate``, ``pad_collate``: the request says
+``splittable``), so the batch is the one a single worker would have made, sooner.
+"""
+from __future__ import annotations
+
+import ctypes
+
+__all__ = ["Claim", "Pieces", "handles"]
+
+
+class Claim:
+    """Which samples of its task a worker may start: ``[started, limit)``, in shared memory under a
+    process-shared lock. The worker takes sample ``k`` (``take``) before preparing it; the
+    supervisor lowers ``limit`` (``steal``), never below the first sample nor below one started."""
+
+    def __init__(self, ctx):
+        self._v = ctx.RawArray(ctypes.c_int32, 2)  # started, limit
+        self._lock = ctx.Lock()
+
+    def reset(self, n: int) -> None:
+        """A new task of ``n`` samples (the supervisor, before it hands the task over)."""
+        with self._lock:
+            self._v[0], self._v[1] = 0, int(n)
+
+    def take(self, k: int) -> bool:
+        """The worker may prepare its task's sample ``k`` (False: the rest was stolen; stop)."""
+        with self._lock:
+            if k < self._v[1]:
+                self._v[0] = max(self._v[0], k + 1)
+                return True
+            return False
+
+    def steal(self) -> tuple[int, int] | None:
+        """``(start, end)``: positions of the task's samples given to another worker (the larger
+        half of those not started), or None when none is left to take."""
+        with self._lock:
+            started, limit = max(self._v[0], 1), self._v[1]
+            left = limit - started
+            if left < 1:
+                return None
+            start = limit - (left + 1) // 2
+            self._v[1] = start
+            return start, limit
+
+
+class Pieces:
+    """The pieces of one split batch, by offset (the position of a piece's first sample in the
+    batch), until every piece is in. Piece 0 is the original task."""
+
+    def __init__(self):
+        self.waiting: set[int] = {0}
+        self.done: dict[int, dict] = {}
+
+    def add(self, offset: int) -> None:
+        self.waiting.add(offset)
+
+    def finish(self, offset: int, result: dict) -> bool:
+        """Record a piece's result; True when it was the last one out."""
+        self.waiting.discard(offset)
+        self.done[offset] = result
+        return not self.waiting
+
+    def combine(self) -> tuple[dict, list[dict]]:
+        """``(result, unused)``: the batch's result — its pieces in order, or the first piece's
+        error — and the piece results whose slabs nobody will read (on an error)."""
+        ordered = [self.done[k] for k in sorted(self.done)]
+        failed = [r for r in ordered if "handle" not in r]
+        decoded = [i for r in ordered for i in r.get("decoded", ())]
+        cpu = [c for r in ordered for c in r.get("decode_cpu_s", ())]
+        if failed:
+            error = dict(failed[0])
+            error.setdefault("skipped", [])
+            return error, [r for r in ordered if "handle" in r]
+        return {"pieces": ordered, "rows": [int(r["rows"]) for r in ordered], "skipped": [],
+                "decoded": decoded, "decode_cpu_s": cpu, "exec_s": max(r.get("exec_s", 0.0) for r in ordered)}, []
+
+
+def handles(result: dict) -> list[dict]:
+    """The slab handles a worker (or a combined) result holds."""
+    if "handle" in result:
+        return [result["handle"]]
+    return [p["handle"] for p in result.get("pieces", ()) if "handle" in p]

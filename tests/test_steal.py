@@ -1,0 +1,132 @@
+"""Work stealing inside a DataServer: a worker with nothing queued takes the unstarted tail of a
+batch another worker is preparing, and the batch still comes out exactly as torch makes it."""
+import multiprocessing as mp
+
+import pytest
+import torch
+
+import helix_core as hx
+from helix_core.runtime import shm
+from helix_core.runtime.pool import WorkerPool
+from helix_core.runtime.specs import make_spec
+from helix_core.runtime.steal import Claim, Pieces, handles
+from helix_core.testing import IndexDataset
+
+from dataplane import CFG, assert_same_batches, busy_segments, busy_with_prefix, torch_batches, wait_for
+
+
+# ---- the claim record and the pieces (pure) ------------------------------------------------------------
+def test_claim_gives_away_the_larger_half_of_what_is_not_started_and_never_the_first_sample():
+    c = Claim(mp.get_context("spawn"))
+    c.reset(4)
+    assert c.steal() == (2, 4)  # nothing started yet: sample 0 stays, the thief takes 2 and 3
+    assert [c.take(k) for k in range(4)] == [True, True, False, False]
+    assert c.steal() is None  # sample 1 started: nothing left
+    c.reset(5)
+    assert c.take(0) and c.take(1)
+    assert c.steal() == (3, 5)  # 2, 3, 4 unstarted: the thief takes 3 and 4, the worker keeps 2
+    assert c.take(2) and not c.take(3)
+    c.reset(1)
+    assert c.steal() is None
+
+
+def test_pieces_complete_in_order_and_an_error_frees_the_other_pieces():
+    p = Pieces()
+    p.add(2)
+    assert not p.finish(2, {"handle": {"segment": "b"}, "rows": 2, "decoded": [7, 8], "decode_cpu_s": [0.1, 0.2]})
+    assert p.finish(0, {"handle": {"segment": "a"}, "rows": 2, "decoded": [5, 6], "decode_cpu_s": [0.3, 0.4]})
+    result, unused = p.combine()
+    assert result["rows"] == [2, 2] and result["decoded"] == [5, 6, 7, 8] and unused == []
+    assert [h["segment"] for h in handles(result)] == ["a", "b"]
+    q = Pieces()
+    q.add(1)
+    q.finish(1, {"error_kind": 1, "error": "bad sample 9"})
+    q.finish(0, {"handle": {"segment": "a"}, "rows": 1})
+    result, unused = q.combine()
+    assert result["error"] == "bad sample 9" and [h["segment"] for h in handles(unused[0])] == ["a"]
+
+
+# ---- a real pool ----------------------------------------------------------------------------------------
+@pytest.fixture
+def pool():
+    p = WorkerPool(2, "helix-teststeal-", False, CFG)
+    yield p
+    p.close()
+    assert shm.list_segments("helix-teststeal-") == []
+
+
+def _configure(pool, ds):
+    spec_id, payload, fmt = make_spec(ds, None, False)
+    pool.configure(spec_id, payload, fmt)
+    return spec_id
+
+
+def test_an_idle_worker_takes_the_tail_of_a_running_batch(pool):
+    ds = IndexDataset(8, delays={i: 0.2 for i in range(8)})
+    spec_id = _configure(pool, ds)
+    task = {"task_id": 1, "spec_id": spec_id, "indices": [4, 5, 6, 7], "epoch": 0, "on_error": "raise"}
+    split = pool.submit(dict(task, splittable=True)).result(30)
+    assert sum(split["rows"]) == 4 and len(split["pieces"]) >= 2 and split["decoded"] == [4, 5, 6, 7]
+    assert pool.stats()["steals"] >= 1
+    whole = pool.submit(dict(task, task_id=2, splittable=False)).result(30)
+    assert "pieces" not in whole and whole["rows"] == 4  # a collate whose merge is not exact is never split
+    for h in handles(split) + handles(whole):
+        shm.release_segment(h)
+
+
+def test_a_cancelled_split_batch_frees_every_piece(pool):
+    ds = IndexDataset(8, delays={i: 0.2 for i in range(8)})
+    spec_id = _configure(pool, ds)
+    fut = pool.submit({"task_id": 1, "spec_id": spec_id, "indices": [0, 1, 2, 3], "epoch": 0, "on_error": "raise",
+                       "splittable": True})
+    wait_for(lambda: pool.stats()["steals"] >= 1, 30, "a steal")
+    pool.cancel([1])
+    assert fut.cancelled()
+    wait_for(lambda: pool.stats()["inflight"] == 0, 30, "both pieces to finish")
+    wait_for(lambda: not busy_with_prefix("helix-teststeal-"), 10, "every slab back")
+
+
+# ---- end to end -------------------------------------------------------------------------------------------
+def test_split_batches_equal_torch_with_default_and_pad_collate(kmix):
+    slow = IndexDataset(24, shape=(3, 5), delays={i: 0.05 for i in range(24)})
+    video = hx.VideoClipDataset(kmix / "manifest.jsonl", num_frames=None, size=None)  # S/M/L: shapes differ
+    with hx.LocalCluster(local_servers=1, workers_per_server=2, config=CFG) as cluster:
+        with hx.DistributedDataLoader(slow, batch_size=4, rank=0, world_size=1, coordinator=cluster.address,
+                                      prefetch_depth=1, config=CFG) as ld:  # one batch at a time: a worker idles
+            got = list(ld)
+            assert ld.stats()["stolen"] >= 1
+        assert_same_batches(got, torch_batches(slow, 4, 0, 1))
+        with hx.DistributedDataLoader(video, batch_size=3, rank=0, world_size=1, coordinator=cluster.address,
+                                      prefetch_depth=1, collate_fn=hx.pad_collate, config=CFG) as ld:
+            got = list(ld)  # decoded in place, stopped short, padded by the merge as pad_collate pads
+            stolen = ld.stats()["stolen"]
+        want = [hx.pad_collate([video[i] for i in range(k, k + 3)]) for k in (0, 3)]
+        assert stolen >= 1
+        assert_same_batches(got, want)
+        wait_for(lambda: not busy_segments(cluster), 10, "every slab released")
+
+
+def test_a_sample_that_kills_the_worker_of_a_stolen_piece_is_named():
+    ds = IndexDataset(4, delays={0: 0.5, 1: 0.5}, crash={3: "exit"})
+    with hx.LocalCluster(local_servers=1, workers_per_server=2, config=CFG) as cluster:
+        with hx.DistributedDataLoader(ds, batch_size=4, rank=0, world_size=1, coordinator=cluster.address,
+                                      prefetch_depth=1, config=CFG) as ld:
+            with pytest.raises(hx.SampleError, match="worker process died") as err:
+                next(iter(ld))
+            assert err.value.index == 3
+        wait_for(lambda: not busy_segments(cluster), 10, "every slab released")
+
+
+def test_pad_collate_pads_to_a_larger_video_out_and_merges_back_exactly():
+    from helix_core.runtime.tensors import merge_batches
+
+    g = torch.Generator().manual_seed(0)
+    samples = [{"video": torch.randint(0, 255, (t, 3, h, w), dtype=torch.uint8, generator=g), "label": i}
+               for i, (t, h, w) in enumerate([(2, 4, 5), (3, 2, 6), (4, 6, 3)])]
+    whole = hx.pad_collate(samples)  # [3, 4, 3, 6, 6]
+    head = hx.pad_collate(samples[:1], video_out=torch.full((1, 4, 3, 6, 6), 7, dtype=torch.uint8))
+    assert head["video_mask"].shape == (1, 4) and head["video"][0, 2:].eq(0).all()  # padding zeroed
+    merged = merge_batches([head, hx.pad_collate(samples[1:])], rows=[1, 2])
+    assert_same_batches([merged], [whole])
+    with pytest.raises(ValueError, match="at least"):
+        hx.pad_collate(samples, video_out=torch.zeros((3, 3, 3, 6, 6), dtype=torch.uint8))  # T 3 < 4
