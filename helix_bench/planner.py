@@ -19,7 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
-from helix_core.planning.batching import TokenPlanner, fill_unknown_costs, imbalance_ratio
+from helix_core.planning.balance import fill_unknown_costs, imbalance_ratio
+from helix_core.planning.batching import TokenPlanner
 from helix_core.planning.gpu import gpu_cost
 
 __all__ = ["PlannerResult", "measure_planner", "run_planner_bench", "sample_costs", "sampler_steps"]

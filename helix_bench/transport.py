@@ -14,6 +14,7 @@ import time
 import torch
 
 from helix_core.runtime import shm
+from helix_core.runtime.reader import SlabReader
 from helix_core.runtime.tensors import layout, read_tensors, write_tensors
 
 __all__ = ["bench_local_delivery", "main"]
@@ -39,7 +40,7 @@ def _one_size(prefix: str, size_mb: int, repeats: int) -> dict:
             write_tensors(slab.payload, tensors, metas)
             reused.append(time.perf_counter() - t)
 
-        reader = shm.SlabReader()
+        reader = SlabReader()
         handle = slab.handle(total)
         read_tensors(reader.attach(handle["segment"]), metas)  # caches the mapping
         reads, releases = [], []

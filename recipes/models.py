@@ -15,54 +15,22 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Mapping
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from helix_core.collate import pad_collate
 
-from .specs import SPECS, Qwen2VLSpec, VideoMAESpec, WanSpec, mask_count
+from .specs import SPECS, Qwen2VLSpec, VideoMAESpec, WanSpec, _check_family, mask_count
 
-__all__ = ["FAMILIES", "Qwen2VLSpec", "VideoMAESpec", "VideoModel", "WanSpec", "build_model",
-           "check_families", "dataset_kind", "default_collate_for"]
+__all__ = ["Qwen2VLSpec", "VideoMAESpec", "VideoModel", "WanSpec", "build_model"]
 
-FAMILIES = tuple(SPECS)  # the families with a recipe model (recipes/specs.py)
 _CLIP_MEAN, _CLIP_STD = (0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711)
 _IMAGENET_MEAN, _IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 _IGNORE = -100  # label of positions without a loss (video placeholders, padding)
 
 
 # ---- public surface ------------------------------------------------------------------------------
-def _check_family(family) -> str:
-    if family not in FAMILIES:
-        raise ValueError(f"model.family={family!r} is not a model family; valid: {', '.join(FAMILIES)}")
-    return family
-
-
-def dataset_kind(family: str) -> str:
-    """``"video-text"`` (``helix_core.VideoTextDataset``: the loss needs captions) for qwen2-vl
-    and wan, ``"video"`` (``helix_core.VideoClipDataset``) for videomae."""
-    return "video" if _check_family(family) == "videomae" else "video-text"
-
-
-def default_collate_for(family: str):
-    """The collate function of a family's batches: ``helix_core.pad_collate`` for all."""
-    _check_family(family)
-    return pad_collate
-
-
-def check_families(family: str, datasets: Mapping) -> None:
-    """The data must be decoded for the model being trained (frames, geometry, captions):
-    ``datasets`` maps config keys (``dataset``, ``val_dataset``) to their specs; specs that are
-    not mappings (torch datasets) are the user's to match."""
-    for key, spec in datasets.items():
-        if isinstance(spec, Mapping) and spec.get("model", "videomae") != family:
-            raise ValueError(f"data.{key}.model={spec.get('model', 'videomae')!r} but model.family={family!r}: "
-                             "decode the clips for the model being trained")
-
-
 def build_model(family: str, *, pretrained: str | os.PathLike | None = None, **config) -> VideoModel:
     """A ``VideoModel`` of ``family``: tiny and random from ``config`` (overrides of the family's
     spec: ``Qwen2VLSpec``, ``VideoMAESpec``, ``WanSpec``), or loaded from the local folder

@@ -3,9 +3,11 @@ the networks from them). Every error names the YAML key (``model.<field>``)."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
 
-__all__ = ["SPECS", "Qwen2VLSpec", "VideoMAESpec", "WanSpec", "mask_count"]
+__all__ = ["FAMILIES", "SPECS", "Qwen2VLSpec", "VideoMAESpec", "WanSpec", "check_families", "dataset_kind",
+           "default_collate_for", "mask_count"]
 
 
 # ---- configs (frozen, validated) ---------------------------------------------------------------
@@ -121,3 +123,37 @@ def mask_count(ratio: float, patches: int) -> int:
         raise ValueError(f"model.mask_ratio={ratio} masks {n} of {patches} spatial patches; "
                          "it must mask at least one and keep at least one")
     return n
+
+
+FAMILIES = tuple(SPECS)  # the families with a recipe model
+
+
+# ---- the families and their data ---------------------------------------------------------------------
+def _check_family(family) -> str:
+    if family not in FAMILIES:
+        raise ValueError(f"model.family={family!r} is not a model family; valid: {', '.join(FAMILIES)}")
+    return family
+
+
+def dataset_kind(family: str) -> str:
+    """``"video-text"`` (``helix_core.VideoTextDataset``: the loss needs captions) for qwen2-vl
+    and wan, ``"video"`` (``helix_core.VideoClipDataset``) for videomae."""
+    return "video" if _check_family(family) == "videomae" else "video-text"
+
+
+def default_collate_for(family: str):
+    """The collate function of a family's batches: ``helix_core.pad_collate`` for all."""
+    from helix_core.collate import pad_collate
+
+    _check_family(family)
+    return pad_collate
+
+
+def check_families(family: str, datasets: Mapping) -> None:
+    """The data must be decoded for the model being trained (frames, geometry, captions):
+    ``datasets`` maps config keys (``dataset``, ``val_dataset``) to their specs; specs that are
+    not mappings (torch datasets) are the user's to match."""
+    for key, spec in datasets.items():
+        if isinstance(spec, Mapping) and spec.get("model", "videomae") != family:
+            raise ValueError(f"data.{key}.model={spec.get('model', 'videomae')!r} but model.family={family!r}: "
+                             "decode the clips for the model being trained")

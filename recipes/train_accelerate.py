@@ -25,7 +25,8 @@ import yaml
 
 from helix_lightning import HelixAcceleratePlugin
 from helix_lightning.data import DatasetConfig
-from recipes.models import build_model, check_families
+from recipes.models import build_model
+from recipes.specs import check_families
 
 __all__ = ["load_config", "main"]
 

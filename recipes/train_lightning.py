@@ -20,7 +20,8 @@ import torch
 from lightning.pytorch.cli import LightningCLI
 
 from helix_lightning import HelixDataModule
-from recipes.models import build_model, check_families
+from recipes.models import build_model
+from recipes.specs import check_families
 
 __all__ = ["VideoTrainingModule", "main"]
 

@@ -9,6 +9,7 @@ import psutil
 import pytest
 
 from helix_bench import dataplane as bd
+from helix_bench.e2e import _run_ranks, e2e_figures
 
 
 def _new_children(before: set[int]) -> list[psutil.Process]:
@@ -53,7 +54,7 @@ def test_route_figures():
 def test_e2e_figures_pool_ranks_and_take_the_slowest():
     ranks = [{"waits_s": [1.0, 0.1, 0.2], "wall_s": 2.0, "samples": 6, "cross_ds_bytes": 5},
              {"waits_s": [3.0, 0.3], "wall_s": 4.0, "samples": 4, "cross_ds_bytes": 0}]
-    f = bd.e2e_figures("helix", 2, 2, ranks)
+    f = e2e_figures("helix", 2, 2, ranks)
     assert f["epoch_wall_s"] == 4.0 and f["samples"] == 10 and f["samples_per_s"] == 2.5
     assert f["steps"] == 5
     assert f["input_wait_p50_s"] == 0.3  # pooled: 0.1 0.2 0.3 1.0 3.0
@@ -88,6 +89,6 @@ def test_quick_remote_and_route_run(tmp_path):
 def test_a_failing_rank_is_reported_and_every_rank_process_ends(tmp_path):
     before = {p.pid for p in psutil.Process().children(recursive=True)}
     with pytest.raises(RuntimeError, match="native rank .* failed"):
-        bd._run_ranks("native", 2, str(tmp_path / "missing" / "manifest.jsonl"), "", 1, 2, timeout_s=60)
+        _run_ranks("native", 2, str(tmp_path / "missing" / "manifest.jsonl"), "", 1, 2, timeout_s=60)
     left = _new_children(before)
     assert not left, f"rank processes left running: {left}"

@@ -2,7 +2,7 @@
 import pytest
 
 from helix_core.config import ClusterConfig
-from helix_core.planning.placement import Candidates, LeastRequest, PlacementRequest, make_policy
+from helix_core.planning.placement import Candidates, LeastRequest, PlacementRequest, make_scheduler
 from helix_core.runtime.registry import Registry
 
 
@@ -33,7 +33,7 @@ def test_least_request_prefers_fewest_outstanding_per_worker_then_local():
     with pytest.raises(ValueError, match="different lengths"):
         Candidates(("x",), ("remote",), (1, 1), (0,))
     with pytest.raises(ValueError, match="least-request"):
-        make_policy("deadline-ish")
+        make_scheduler("deadline-ish")
 
 
 def _registry():

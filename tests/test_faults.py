@@ -93,6 +93,35 @@ def test_lost_coordinator_raises_cluster_error_not_a_hang():
             assert time.monotonic() - t0 < CFG.coordinator_timeout_s + 10
 
 
+def test_closing_a_loader_whose_coordinator_is_gone_does_not_wait_out_the_retries():
+    import threading
+
+    from helix_core.client.transport import ClusterClient
+    from helix_core.client.waits import Stop
+    from helix_core.protocol import Part
+
+    cfg = hx.ClusterConfig.for_tests(coordinator_timeout_s=60.0)  # retries would go on for a minute
+    with hx.LocalCluster(local_servers=1, workers_per_server=1, config=cfg) as cluster:
+        client = ClusterClient(cluster.address, None, cfg, 0, 1)
+        cluster.kill_coordinator()
+        stop, trying, got = Stop(), threading.Event(), []
+
+        def route():
+            trying.set()
+            try:
+                client.route(Part(1, [0]), stop=stop)
+            except hx.ClusterError as e:
+                got.append(e)
+
+        t = threading.Thread(target=route)
+        t.start()
+        trying.wait(5)
+        stop.set()  # what closing the loader does: the sender's wait between tries ends at once
+        t.join(cfg.rpc_timeout_s + 5)  # at most the try in flight, never the minute of retries
+        assert not t.is_alive() and "stopped" in str(got[0])
+        client.close()
+
+
 def test_close_leaves_no_process_and_no_segment():
     before = {p.pid for p in children()}
     ds = IndexDataset(20, shape=(1 << 14,))

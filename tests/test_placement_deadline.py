@@ -3,7 +3,7 @@ data in and out, an injected clock."""
 import pytest
 
 from helix_core.client.deadline import DeadlineEstimator
-from helix_core.planning.placement import Candidates, DeadlineAware, PlacementRequest, make_policy
+from helix_core.planning.placement import Candidates, DeadlineAware, PlacementRequest, make_scheduler
 
 
 def cands(queued, kinds=None, workers=None, local=0, lpc=None, outstanding=None, bandwidth=None):
@@ -77,9 +77,9 @@ def test_ties_are_deterministic_lowest_position_and_own_server_first():
 
 
 def test_policies_by_name_and_validation():
-    assert isinstance(make_policy("deadline"), DeadlineAware)
+    assert isinstance(make_scheduler("deadline"), DeadlineAware)
     with pytest.raises(ValueError, match="deadline, least-request"):
-        make_policy("fastest")
+        make_scheduler("fastest")
     with pytest.raises(ValueError, match="no live DataServer"):
         P.choose(req(), Candidates((), (), (), ()))
     with pytest.raises(ValueError, match="different lengths"):

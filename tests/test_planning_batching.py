@@ -11,7 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from helix_core.planning.batching import TokenPlanner, fill_unknown_costs, imbalance_ratio
+from helix_core.planning.balance import fill_unknown_costs, imbalance_ratio
+from helix_core.planning.batching import TokenPlanner
 from helix_core.planning.gpu import GPU_COSTS, GpuCost, gpu_cost
 
 #: VideoMAE cost units of kinetics-mixed's S / M / L clips (1568 / 7056 / 25088 tokens)

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import helix_core as hx
-from recipes.models import FAMILIES, build_model, dataset_kind, default_collate_for
+from recipes.models import build_model
+from recipes.specs import FAMILIES, dataset_kind, default_collate_for
 
 # case -> (family, workload fixture, dataset kwargs, model config); sizes fit the tiny defaults
 CASES = {

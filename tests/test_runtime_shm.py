@@ -10,7 +10,8 @@ import time
 import pytest
 
 from helix_core.runtime import shm
-from helix_core.runtime.shm import ShmCapacityError, SlabPool, SlabReader
+from helix_core.runtime.reader import SlabReader
+from helix_core.runtime.shm import ShmCapacityError, SlabPool
 
 MIB = 1 << 20
 

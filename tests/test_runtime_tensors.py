@@ -11,6 +11,8 @@ import torch
 
 from helix_core.runtime import shm
 from helix_core.runtime import tensors as T
+from helix_core.runtime.merge import merge_batches
+from helix_core.runtime.reader import SlabReader
 
 
 @pytest.fixture
@@ -142,7 +144,7 @@ def test_read_tensors_are_zero_copy_and_release_after_the_last_view(pool):
     _, _, tensors = T.flatten({"video": video, "label": label})
     slab, metas, total = _in_slab(pool, tensors)
     handle = slab.handle(total)
-    reader = shm.SlabReader()
+    reader = SlabReader()
     released = []
     out = T.read_tensors(reader.view(handle), metas, on_release=lambda: released.append(reader.release(handle)))
     assert torch.equal(out[0], video) and torch.equal(out[1], label)
@@ -165,7 +167,7 @@ def test_read_tensors_are_zero_copy_and_release_after_the_last_view(pool):
 def test_release_fires_when_the_batch_dies_in_a_reference_cycle(pool):
     _, _, tensors = T.flatten([torch.ones(10_000)])
     slab, metas, total = _in_slab(pool, tensors)
-    handle, reader = slab.handle(total), shm.SlabReader()
+    handle, reader = slab.handle(total), SlabReader()
     cycle = {"batch": T.read_tensors(reader.view(handle), metas, on_release=lambda: reader.release(handle))}
     cycle["self"] = cycle  # only the cycle collector can free it
     del cycle
@@ -210,14 +212,14 @@ def test_merge_batches_concatenates_and_pads():
          "fps": 30.0, "inner": {"x": torch.tensor([1])}}
     b = {"video": torch.full((1, 5, 2), 2.0), "ids": [2], "pair": (7,), "arr": np.ones((1, 3)),
          "fps": 30.0, "inner": {"x": torch.tensor([2, 3])}}
-    out = T.merge_batches([a, b])
+    out = merge_batches([a, b])
     assert out["video"].shape == (3, 5, 4)
     assert out["video"][:2, :3, :].eq(1).all() and out["video"][:2, 3:].eq(0).all()
     assert out["video"][2, :, :2].eq(2).all() and out["video"][2, :, 2:].eq(0).all()
     assert out["ids"] == [0, 1, 2] and out["pair"] == (5, 6, 7)
     np.testing.assert_array_equal(out["arr"], [[1, 1, 0], [1, 1, 0], [1, 1, 1]])
     assert out["fps"] == 30.0 and out["inner"]["x"].tolist() == [1, 2, 3]
-    assert T.merge_batches([a]) is a
+    assert merge_batches([a]) is a
 
 
 def _samples(kind: str, n: int):
@@ -237,7 +239,7 @@ def test_merged_microbatches_equal_one_collated_batch(kind, parts):
     samples = _samples(kind, sum(parts))
     bounds = np.cumsum([0, *parts])
     micro = [default_collate(samples[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
-    want, got = default_collate(samples), T.merge_batches(micro, rows=parts)
+    want, got = default_collate(samples), merge_batches(micro, rows=parts)
     assert type(got) is type(want)
     assert repr(got) == repr(want)
 
@@ -245,9 +247,9 @@ def test_merged_microbatches_equal_one_collated_batch(kind, parts):
 def test_merge_batches_keeps_per_sample_tensor_lists():
     a = [torch.zeros(16, 2), torch.zeros(16, 2)]  # a custom collate's list of per-sample clips
     b = [torch.ones(16, 2)]
-    out = T.merge_batches([a, b], rows=[2, 1])
+    out = merge_batches([a, b], rows=[2, 1])
     assert isinstance(out, list) and len(out) == 3 and out[2].eq(1).all()
-    same = T.merge_batches([[torch.zeros(16, 2)] * 2, [torch.ones(16, 2)] * 2], rows=[2, 2])
+    same = merge_batches([[torch.zeros(16, 2)] * 2, [torch.ones(16, 2)] * 2], rows=[2, 2])
     assert len(same) == 4  # equal lengths, but 16 rows per part where 2 samples were asked: per-sample
 
 
@@ -258,23 +260,23 @@ def test_merge_batches_handles_namedtuples_and_collates_that_drop_samples():
 
     pair = collections.namedtuple("Pair", "x y")
     samples = [pair(torch.full((2,), float(i)), i) for i in range(4)]
-    out = T.merge_batches([default_collate(samples[:2]), default_collate(samples[2:])], rows=[2, 2])
+    out = merge_batches([default_collate(samples[:2]), default_collate(samples[2:])], rows=[2, 2])
     assert type(out) is pair and out.x.shape == (4, 2) and out.y.tolist() == [0, 1, 2, 3]
     dropped = default_collate([(torch.zeros(3), 0)])  # a "filter out None" collate kept 1 of 2 samples
     full = default_collate([(torch.ones(3), 1), (torch.ones(3), 2)])
-    x, y = T.merge_batches([dropped, full], rows=[2, 2])
+    x, y = merge_batches([dropped, full], rows=[2, 2])
     assert x.shape == (3, 3) and y.tolist() == [0, 1, 2]
 
 
 def test_merge_batches_names_what_disagrees():
     with pytest.raises(ValueError, match="'mask'"):
-        T.merge_batches([{"x": [1], "mask": [1]}, {"x": [2]}])
+        merge_batches([{"x": [1], "mask": [1]}, {"x": [2]}])
     with pytest.raises(ValueError, match=r"batch\['fps'\].*disagree"):
-        T.merge_batches([{"fps": 30}, {"fps": 25}])
+        merge_batches([{"fps": 30}, {"fps": 25}])
     with pytest.raises(ValueError, match="dtypes differ"):
-        T.merge_batches([torch.zeros(1), torch.zeros(1, dtype=torch.int64)])
+        merge_batches([torch.zeros(1), torch.zeros(1, dtype=torch.int64)])
     with pytest.raises(ValueError, match="nothing to merge"):
-        T.merge_batches([])
+        merge_batches([])
 
 
 def test_transport_benchmark_runs_and_cleans_up():

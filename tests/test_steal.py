@@ -46,6 +46,16 @@ def test_pieces_complete_in_order_and_an_error_frees_the_other_pieces():
     assert result["error"] == "bad sample 9" and [h["segment"] for h in handles(unused[0])] == ["a"]
 
 
+def test_host_layout_gives_every_server_two_workers_or_more():
+    from helix_core.runtime.cluster import host_layout
+
+    assert host_layout(4, 4) == (2, 2)  # ranks share servers rather than each getting one worker
+    assert host_layout(4, 16) == (4, 4)  # one server per rank while the budget allows
+    assert host_layout(2, 3) == (1, 3)
+    assert host_layout(1, 1) == (1, 1)  # one worker: nothing to split, one server
+    assert host_layout(8, 12) == (6, 2)
+
+
 # ---- a real pool ----------------------------------------------------------------------------------------
 @pytest.fixture
 def pool():
@@ -118,7 +128,7 @@ def test_a_sample_that_kills_the_worker_of_a_stolen_piece_is_named():
 
 
 def test_pad_collate_pads_to_a_larger_video_out_and_merges_back_exactly():
-    from helix_core.runtime.tensors import merge_batches
+    from helix_core.runtime.merge import merge_batches
 
     g = torch.Generator().manual_seed(0)
     samples = [{"video": torch.randint(0, 255, (t, 3, h, w), dtype=torch.uint8, generator=g), "label": i}

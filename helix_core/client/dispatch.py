@@ -15,100 +15,11 @@ import time
 from torchdata.nodes import BaseNode
 
 from .plan import ShardBatches
+from .waits import END as _END, Outbox, Stop
 
-__all__ = ["Dispatch", "Stop"]
+__all__ = ["Dispatch"]
 
-_END, _STOP = "end-of-epoch", "stop"  # markers in a run's queues
-
-
-class Stop:
-    """A run's stop signal that also wakes whatever the fetcher waits for (``wait``)."""
-
-    def __init__(self):
-        self._lock = threading.Lock()
-        self._set = False
-        self._waiting: set[threading.Event] = set()
-
-    def set(self) -> None:
-        with self._lock:
-            self._set = True
-            waiting = list(self._waiting)
-        for ev in waiting:
-            ev.set()
-
-    def is_set(self) -> bool:
-        return self._set
-
-    def wait(self, future, timeout_s: float) -> bool:
-        """Block until ``future`` (anything with ``add_done_callback``) is done — True — or the
-        run stops or ``timeout_s`` passes — False. The done-callback wakes it at once."""
-        ev = threading.Event()
-        with self._lock:
-            if self._set:
-                return False
-            self._waiting.add(ev)
-        try:
-            future.add_done_callback(lambda _: ev.set())
-            ev.wait(timeout_s)
-        finally:
-            with self._lock:
-                self._waiting.discard(ev)
-        return future.done() and not self._set
-
-    def sleep(self, seconds: float) -> bool:
-        """Wait ``seconds`` unless the run stops first; True if it stopped."""
-        ev = threading.Event()
-        with self._lock:
-            if self._set:
-                return True
-            self._waiting.add(ev)
-        try:
-            ev.wait(seconds)
-        finally:
-            with self._lock:
-                self._waiting.discard(ev)
-        return self._set
-
-
-class _Outbox:
-    """Results in order, then ``_END``, then the next epoch's (a deque under a condition)."""
-
-    def __init__(self):
-        self._items: collections.deque = collections.deque()
-        self._cond = threading.Condition()
-        self.closed = False  # the fetcher is gone: nothing more will come
-
-    def put(self, item) -> None:
-        with self._cond:
-            self._items.append(item)
-            self._cond.notify_all()
-
-    def close(self) -> None:
-        with self._cond:
-            self.closed = True
-            self._cond.notify_all()
-
-    def get(self, timeout_s: float):
-        with self._cond:
-            if not self._cond.wait_for(lambda: self._items or self.closed, timeout_s):
-                raise TimeoutError
-            if not self._items:
-                raise RuntimeError("Helix dispatch threads stopped unexpectedly")
-            return self._items.popleft()
-
-    def take_end(self, timeout_s: float) -> bool:
-        """Take ``_END`` if it is (or within ``timeout_s`` becomes) the next item; False if anything
-        else is next (it stays) or nothing came."""
-        with self._cond:
-            self._cond.wait_for(lambda: self._items or self.closed, timeout_s)
-            if self._items and self._items[0] is _END:
-                self._items.popleft()
-                return True
-            return False
-
-    def clear(self) -> None:
-        with self._cond:
-            self._items.clear()
+_STOP = "stop"  # a run's stop marker in its order queue (_END: between epochs)
 
 
 class _Run:
@@ -123,7 +34,7 @@ class _Run:
         self.slots = threading.Semaphore(prefetch_depth)  # plain: a stop wakes the sender with one release
         self.order: collections.deque = collections.deque()
         self.order_ready = threading.Semaphore(0)  # one release per item in ``order``
-        self.out = _Outbox()
+        self.out = Outbox()
         self.inflight: list = []
         self.lock = threading.Lock()
         self.threads: list[threading.Thread] = []

@@ -13,7 +13,7 @@ import numpy as np
 from torchdata.nodes import BaseNode
 
 from ..dataset import Costed
-from ..planning.batching import fill_unknown_costs
+from ..planning.balance import fill_unknown_costs
 from ..planning.sampling import rank_batches, rank_indices, steps
 from ..protocol import Task
 

@@ -20,7 +20,7 @@ from ..dataset import CostFeedback
 from ..errors import ClusterError
 from ..planning.fanout import fan_out, sum_costs
 from ..protocol import ErrorKind, Part, Task, execute_request
-from ..runtime.tensors import merge_batches
+from ..runtime.merge import merge_batches
 from .transport import TRANSIENT
 
 __all__ = ["Requests"]

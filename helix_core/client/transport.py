@@ -15,12 +15,13 @@ import grpc
 
 from ..config import ClusterConfig
 from ..errors import ClusterError, SampleError
-from ..runtime import shm
 from ..runtime.auth import call_metadata
 from ..runtime.proto import helix_pb2 as pb
 from ..runtime.proto import helix_pb2_grpc as pbg
 from ..runtime.rpc import check_hello, connect
-from ..runtime.tensors import copy_tensors, merge_batches, read_tensors, unflatten
+from ..runtime.merge import merge_batches
+from ..runtime.reader import SlabReader
+from ..runtime.tensors import copy_tensors, read_tensors, unflatten
 from ..protocol import ErrorKind, Route, route_request
 
 __all__ = ["ClusterClient", "TRANSIENT"]
@@ -71,7 +72,7 @@ class ClusterClient:
         self._fired: set = set()  # fire-and-forget calls still in flight
         self._landed_cond = threading.Condition(self._lock)
         self._completed: list[int] = []  # task ids whose replies landed, for the next Route to carry
-        self.reader = shm.SlabReader()
+        self.reader = SlabReader()
 
     def _call(self, method, request, timeout: float | None = None, stop=None):
         """A Coordinator RPC, retried while it is unavailable, up to ``coordinator_timeout_s``;

@@ -36,12 +36,12 @@ bit-identical plans from the same inputs without talking to each other.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["Plan", "TokenPlanner", "fill_unknown_costs", "imbalance_ratio"]
+__all__ = ["Costs", "Plan", "TokenPlanner"]
 
 #: ``plan[step][rank]`` -> sample indices (the rank's batch at that step)
 Plan = list[list[list[int]]]
@@ -277,51 +277,3 @@ def _quantized(idx: np.ndarray, costs: Costs) -> np.ndarray:
         return np.zeros(len(c), np.int64)
     bits = min(40, 62 - int(len(c)).bit_length())  # sums of every sample stay below 2**62
     return np.rint(c / top * float(2 ** bits)).astype(np.int64)
-
-
-def _cost_of(costs: Costs) -> Callable[[int], float]:
-    if callable(costs):
-        return lambda i: float(costs(int(i)))
-    arr = np.asarray(costs, dtype=np.float64)
-    return lambda i: float(arr[int(i)])
-
-
-def imbalance_ratio(plan: Plan, costs: Costs) -> float:
-    """Sum over steps of the slowest rank's cost / sum over steps of the mean rank's cost.
-
-    1.0 means every step's ranks are equal (no rank waits at the gradient all-reduce); 1.5 means
-    the steps take 1.5x the time of perfectly balanced ones. 1.0 for an empty plan or zero costs.
-    """
-    cost = _cost_of(costs)
-    slowest = mean = 0.0
-    for step in plan:
-        loads = [sum(cost(i) for i in batch) for batch in step]
-        if loads:
-            slowest += max(loads)
-            mean += sum(loads) / len(loads)
-    return slowest / mean if mean > 0 else 1.0
-
-
-def fill_unknown_costs(costs: Sequence[float | None], buckets: Sequence[Hashable]) -> np.ndarray:
-    """Costs with each unknown one (None or NaN: a file that could not be probed) replaced by the
-    median known cost of its profile bucket, else the median of all known costs, else 1.0.
-
-    ``buckets[i]`` is sample ``i``'s profile (e.g. ``(frames, height, width)``; rows of an array
-    become tuples). A pure function of its inputs: every rank fills the same values.
-    """
-    c = np.asarray([np.nan if v is None else float(v) for v in costs], dtype=np.float64)
-    keys = [tuple(np.asarray(b).tolist()) if np.ndim(b) else b for b in buckets]
-    if len(keys) != len(c):
-        raise ValueError(f"buckets has {len(keys)} entries for {len(c)} costs")
-    known = ~np.isnan(c)
-    if known.all():
-        return c
-    fallback = float(np.median(c[known])) if known.any() else 1.0
-    by_bucket: dict = {}
-    for i in np.flatnonzero(known):
-        by_bucket.setdefault(keys[i], []).append(c[i])
-    medians = {k: float(np.median(v)) for k, v in by_bucket.items()}
-    out = c.copy()
-    for i in np.flatnonzero(~known):
-        out[i] = medians.get(keys[i], fallback)
-    return out

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["Candidates", "DeadlineAware", "Decision", "LeastRequest", "POLICIES", "PlacementRequest", "make_policy"]
+__all__ = ["Candidates", "DeadlineAware", "Decision", "LeastRequest", "SCHEDULERS", "PlacementRequest", "make_scheduler"]
 
 
 @dataclass(frozen=True)
@@ -268,11 +268,12 @@ def _remote(c: Candidates) -> np.ndarray:
     return remote if remote is not None else np.array([k == "remote" for k in c.kinds], dtype=bool)
 
 
-POLICIES = {"deadline": DeadlineAware, "least-request": LeastRequest}
+#: Placement policies by the name a loader's ``scheduler=`` gives them.
+SCHEDULERS = {"deadline": DeadlineAware, "least-request": LeastRequest}
 
 
-def make_policy(name: str):
-    """A placement policy by its name (``POLICIES``); ``ValueError`` lists the valid ones."""
-    if name not in POLICIES:
-        raise ValueError(f"scheduler={name!r}; valid: {', '.join(sorted(POLICIES))}")
-    return POLICIES[name]()
+def make_scheduler(name: str):
+    """A placement policy by its scheduler name (``SCHEDULERS``); ``ValueError`` lists the valid ones."""
+    if name not in SCHEDULERS:
+        raise ValueError(f"scheduler={name!r}; valid: {', '.join(SCHEDULERS)}")
+    return SCHEDULERS[name]()

@@ -60,7 +60,7 @@ class CoordinatorServicer(pbg.CoordinatorServicer):
         cost = {"cpu_s": c.cpu_s, "io_bytes": c.io_bytes, "out_bytes": c.out_bytes, "tokens": c.tokens,
                 "deadline_s": request.deadline_s if request.has_deadline else None}
         try:
-            policy = self.registry.policy_for(request.scheduler)
+            policy = self.registry.scheduler_for(request.scheduler)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         if request.completed:  # the client's completions ride on its next Route

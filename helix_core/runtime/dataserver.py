@@ -28,6 +28,7 @@ from .tensors import ChunkWriter, iter_chunks
 from .wire import add_servicer, deliver_callable
 from .cpuslots import HostSlots
 from .pool import WorkerPool
+from .reader import SlabReader
 from .steal import handles
 
 __all__ = ["DataServerServicer", "serve_dataserver"]
@@ -63,7 +64,7 @@ class DataServerServicer(pbg.DataServerServicer):
         self._deliver: dict[str, object] = {}  # address -> Deliver callable (runtime.wire)
         self._lock = threading.Lock()
         # maps of the workers' slabs, kept: they are reused, so a stream never re-faults their pages
-        self.reader = shm.SlabReader()
+        self.reader = SlabReader()
 
     def Hello(self, request, context):
         return pb.HelloReply(protocol_version=PROTOCOL_VERSION, cluster_id=self.cluster_id,

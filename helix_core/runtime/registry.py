@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, field
 
 from ..config import ClusterConfig
 from ..planning.columns import ServerColumns
-from ..planning.placement import Candidates, PlacementRequest, make_policy
+from ..planning.placement import Candidates, PlacementRequest, make_scheduler
 from ..telemetry import percentile
 
 __all__ = ["Registry", "ServerState", "TASK_ID_BITS"]
@@ -56,8 +56,8 @@ class Registry:
     cluster_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
 
     def __post_init__(self):
-        self.policy = make_policy(self.scheduler)
-        self._policies = {self.scheduler: self.policy}
+        self.default = make_scheduler(self.scheduler)
+        self._schedulers = {self.scheduler: self.default}
         self.servers: dict[str, ServerState] = {}
         self.clients: dict[str, dict] = {}
         self.decisions: collections.deque = collections.deque(maxlen=10_000)
@@ -179,14 +179,14 @@ class Registry:
                     return s
         raise LookupError(f"no live local DataServer can deliver to rank {rank}")
 
-    def policy_for(self, scheduler: str | None):
+    def scheduler_for(self, scheduler: str | None):
         """The policy a request names (``ValueError`` listing the valid ones), else the default."""
         if not scheduler:
-            return self.policy
-        policy = self._policies.get(scheduler)
-        if policy is None:
-            policy = self._policies[scheduler] = make_policy(scheduler)
-        return policy
+            return self.default
+        chosen = self._schedulers.get(scheduler)
+        if chosen is None:
+            chosen = self._schedulers[scheduler] = make_scheduler(scheduler)
+        return chosen
 
     def route(self, rank: int, task_id: int, cost: dict, exclude: set[str], scheduler: str | None = None,
               t_arrival: float | None = None):
@@ -194,7 +194,7 @@ class Registry:
         tokens, deadline_s). Returns ``(chosen, delivery, decision, us)``; ``us`` counts from
         ``t_arrival`` (a ``time.perf_counter`` value: the request's arrival, so waiting for the
         lock counts) or else from the start of the decision."""
-        policy = self.policy_for(scheduler)
+        policy = self.scheduler_for(scheduler)
         request = PlacementRequest(rank, task_id, **cost)
         with self._lock:
             t0 = time.perf_counter() if t_arrival is None else t_arrival

@@ -1,0 +1,82 @@
+"""One system's figures from a bench run: the samples it consumed checked against the sampler's,
+step metrics, where its CPU went (by role, decode split out), how busy the decode slots were,
+and the planner's imbalance ratio."""
+from __future__ import annotations
+
+import math
+import os
+
+import numpy as np
+
+from .ranks import BALANCED
+
+__all__ = ["RAY_MODES", "system_result"]
+
+RAY_MODES = {"ray": "idle", "ray-rr": "rr"}  # Ray pool: idle-actor dispatch (as its users tune it), round robin
+WORKER_ROLE = {"native": "loader-workers", "ray": "ray-decoders", "helix": "workers"}
+
+
+def system_result(system, cfg, got, m, expected, spans, bound, decode, units, log_dir) -> dict:
+    """One system's metrics: checked samples, step metrics, where the CPU went, planner ratio."""
+    from helix_core.planning.balance import imbalance_ratio
+    from .cpuroles import cpu_by_role, decode_efficiency, split_decode
+    from .metrics import StepRecord, system_metrics
+    from .samples import check_consumed
+    from .slots import decode_spans, slot_busy, timeline
+    from .timed import read_decode_log
+
+    records, overhead, cross, stats_by_rank, consumed = [], [], 0, [], []
+    for _, rank, recs, extra in sorted(got, key=lambda g: g[1]):
+        ready = extra.get("batch_ready_s") or []
+        consumed.append([rec["indices"] for rec in sorted(recs, key=lambda r: r["step"])])
+        for k, rec in enumerate(recs):
+            records.append(StepRecord(rank=rank, step=rec["step"], input_wait_s=rec["input_wait_s"],
+                                      compute_s=rec["compute_s"], sync_wait_s=rec["sync_wait_s"],
+                                      step_s=rec["step_s"], batch_ready_s=ready[k] if k < len(ready) else None,
+                                      samples=rec["samples"], tokens=rec["tokens"]))
+        stats = extra.get("stats") or {}
+        stats_by_rank.append(stats)
+        cross += int(stats.get("cross_ds_bytes", 0) or 0)
+        p99 = stats.get("scheduler_overhead_us_p99")
+        if p99 is not None and not math.isnan(p99):  # native and ray make no placement decisions
+            overhead.append(float(p99))
+    check_consumed(system, consumed, expected, spans, balanced=system in BALANCED)
+    out = system_metrics(records, ddl_tolerance_s=cfg.ddl_tolerance_s, bound=bound, cross_ds_bytes=cross,
+                         scheduler_overhead_us=overhead, cpu_util=_cpu_util(m))
+    steps = [[consumed[r][s] for r in range(len(consumed))] for s in range(len(consumed[0]))]
+    out["imbalance_ratio"] = imbalance_ratio(steps, units.__getitem__)
+    waits: dict[int, float] = {}
+    for rec in records:  # the slowest rank's input wait per measured step: where the stalls are
+        waits[rec.step] = max(waits.get(rec.step, 0.0), rec.input_wait_s)
+    out["input_wait_max_by_step_s"] = [round(waits[k], 4) for k in sorted(waits)]
+    out["gpu_units_by_step"] = [round(max(sum(units[i] for i in b) for b in step)) for step in steps]
+    if "start" in m and "end" in m:
+        (t0, before, _), (t1, after, _) = m["start"], m["end"]
+        decode_cpu, _ = read_decode_log(log_dir, t0, t1)
+        kind = "helix" if system.startswith("helix") else "ray" if system in RAY_MODES else "native"
+        roles = split_decode(cpu_by_role(before, after), decode_cpu, WORKER_ROLE[kind])
+        out["cpu_s_by_role"] = dict(sorted(roles.items()))
+        out["decode_efficiency"] = decode_efficiency(sum(decode[i] for r in consumed for b in r for i in b), roles)
+        spans_by_pid = decode_spans(log_dir, t0, t1)
+        busy = slot_busy(spans_by_pid, min(cfg.budget, os.cpu_count() or 1), t0, t1)
+        out["decode_slots_busy"] = busy["busy_fraction"]  # min(decoding, slots) over the window / slots
+        out["decode_slots"] = busy["slots"]
+        out["decode_timeline"] = timeline(spans_by_pid, t0)
+    for key in ("cost_error_start", "cost_error_end", "route_us_p50", "route_us_p99"):
+        vals = [st[key] for st in stats_by_rank if st.get(key) is not None and not math.isnan(st[key])]
+        out[key] = float(np.median(vals)) if vals else None
+    reasons: dict = {}
+    for st in stats_by_rank:
+        for k, v in (st.get("placement_reasons") or {}).items():
+            reasons[k] = reasons.get(k, 0) + v
+    out["placement_reasons"] = reasons
+    return out
+
+
+def _cpu_util(m: dict) -> float | None:
+    if "start" not in m or "end" not in m:
+        return None
+    a, b = m["start"][2], m["end"][2]
+    total = sum(b) - sum(a)
+    idle = (b.idle + getattr(b, "iowait", 0)) - (a.idle + getattr(a, "iowait", 0))
+    return max(0.0, min(1.0, 1 - idle / total)) if total > 0 else None

@@ -1,0 +1,105 @@
+"""Merging microbatches (or a batch's pieces) into the batch that collating all their samples at
+once would give: tensors and arrays concatenated on dim 0, other dims zero-padded to the largest."""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+__all__ = ["merge_batches"]
+
+
+def _pad_cat(parts: list, path: str, zeros, cat):
+    shapes = [tuple(p.shape) for p in parts]
+    if any(len(s) != len(shapes[0]) for s in shapes) or not shapes[0]:
+        raise ValueError(f"{path}: cannot concatenate arrays of shapes {shapes} along dim 0")
+    if len({p.dtype for p in parts}) > 1:
+        raise ValueError(f"{path}: dtypes differ across microbatches: {[p.dtype for p in parts]}")
+    if all(s[1:] == shapes[0][1:] for s in shapes):
+        return cat(parts)
+    rest = tuple(max(s[d] for s in shapes) for d in range(1, len(shapes[0])))
+    out = zeros((sum(s[0] for s in shapes), *rest), parts[0].dtype)
+    row = 0
+    for p in parts:
+        out[(slice(row, row + p.shape[0]), *(slice(0, n) for n in p.shape[1:]))] = p
+        row += p.shape[0]
+    return out
+
+
+def _rows(x) -> int | None:
+    """The leading (sample) dimension of a collated batch part, or None where it has none."""
+    if isinstance(x, (torch.Tensor, np.ndarray)):
+        return x.shape[0] if x.ndim else None
+    if isinstance(x, dict):
+        rows = {_rows(v) for v in x.values()}
+        return rows.pop() if len(rows) == 1 else None
+    if isinstance(x, (list, tuple)):
+        rows = _columns_rows(x)
+        return len(x) if rows is None else rows
+    return None
+
+
+def _columns_rows(x: list | tuple) -> int | None:
+    """If ``x`` is what ``default_collate`` makes of sequence samples (one collated column per
+    field, all with the same number of rows), that number; else None (a list of per-sample values)."""
+    if not x or not all(isinstance(c, (torch.Tensor, np.ndarray, dict, list, tuple)) for c in x):
+        return None
+    rows = {_rows(c) for c in x}
+    return rows.pop() if len(rows) == 1 and None not in rows else None
+
+
+def _are_columns(items: list, rows: list | None) -> bool:
+    """Whether microbatch lists are collated columns (merge field by field) rather than per-sample
+    values (concatenate): equal lengths, every element a collated part with one row count per
+    microbatch. With ``rows`` (samples asked per microbatch), a list as long as its microbatch
+    whose parts don't have that many rows is per-sample (clips of their own sizes); a collate that
+    dropped samples still merges by column. Per-sample tensors whose first dimension equals the
+    microbatch size look exactly like columns: keep such values in a dict or a padded tensor."""
+    lead = [_columns_rows(x) for x in items]
+    if len({len(x) for x in items}) != 1 or None in lead:
+        return False
+    if rows is None:
+        return True
+    per_sample_shaped = all(len(x) == r for x, r in zip(items, rows))
+    return not per_sample_shaped or any(n == r for n, r in zip(lead, rows))
+
+
+def _merge(items: list, path: str, rows: list | None):
+    first = items[0]
+    if any(type(x) is not type(first) for x in items):
+        raise ValueError(f"{path}: types differ across microbatches: {[type(x).__name__ for x in items]}")
+    if isinstance(first, torch.Tensor):
+        return _pad_cat(items, path, lambda shape, dt: torch.zeros(shape, dtype=dt), torch.cat)
+    if isinstance(first, np.ndarray):
+        return _pad_cat(items, path, lambda shape, dt: np.zeros(shape, dtype=dt), np.concatenate)
+    if isinstance(first, (list, tuple)):
+        if _are_columns(items, rows):  # (X, Y) batches of tuple samples: field by field, never (X1, Y1, X2, Y2)
+            merged = [_merge([x[j] for x in items], f"{path}[{j}]", rows) for j in range(len(first))]
+        else:  # per-sample values (captions, paths, clips of their own sizes): concatenate
+            merged = [x for item in items for x in item]
+        if type(first) is list:
+            return merged
+        return type(first)(*merged) if hasattr(first, "_fields") else type(first)(merged)  # namedtuples too
+    if isinstance(first, dict):
+        for item in items[1:]:
+            if item.keys() != first.keys():
+                diff = sorted(map(repr, item.keys() ^ first.keys()))
+                raise ValueError(f"{path}: microbatches have different keys: {', '.join(diff)}")
+        return {k: _merge([item[k] for item in items], f"{path}[{k!r}]", rows) for k in first}
+    if any(x != first for x in items[1:]):
+        raise ValueError(f"{path}: microbatches disagree on a value that is not a batch: {items}")
+    return first
+
+
+def merge_batches(batches: list, rows: list[int] | None = None):
+    """One batch from microbatches of the same structure, equal to collating all their samples at
+    once: tensors/arrays concatenated on dim 0 (other dims zero-padded to the largest), dicts merged
+    key by key, equal scalars kept. A list or tuple is merged field by field when it is
+    ``default_collate``'s batch of sequence samples (equal lengths, every element a collated column
+    with the microbatch's row count — ``rows[k]`` samples for microbatch ``k`` when given), and
+    concatenated when it holds per-sample values (strings, or tensors of their own sizes). Raises
+    ValueError naming the path where the structures disagree."""
+    if not batches:
+        raise ValueError("merge_batches([]): nothing to merge")
+    if rows is not None and len(rows) != len(batches):
+        raise ValueError(f"merge_batches: {len(rows)} row counts for {len(batches)} microbatches")
+    return batches[0] if len(batches) == 1 else _merge(list(batches), "batch", rows)

@@ -1,0 +1,78 @@
+"""The client side of shared-memory delivery: ``SlabReader`` maps segments by name (cached) and
+releases slabs by handle (``shm`` is the owner's side and the file format)."""
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+import threading
+
+from .shm import _GEN_AT, _STATE_AT, _U64, FREE, HEADER_BYTES, MAGIC, SHM_DIR, _close_map, _path
+
+__all__ = ["SlabReader"]
+
+
+class SlabReader:
+    """Client side: maps segments by name (cached) and releases slabs by handle. Thread-safe."""
+
+    def __init__(self):
+        self._maps: dict[str, mmap.mmap] = {}
+        # re-entrant: a batch's on_release finalizer may call release() from a GC pass that
+        # happens to run while this thread is inside attach() or close()
+        self._lock = threading.RLock()
+
+    def attach(self, segment: str) -> mmap.mmap:
+        """A writable mapping of the whole segment file (header included), cached by name."""
+        with self._lock:
+            mm = self._maps.get(segment)
+            if mm is not None:
+                return mm
+            # A new name means the pool may have unlinked others; unmapping those frees their pages.
+            self._prune_unlinked()
+            try:
+                fd = os.open(_path(segment), os.O_RDWR)
+            except FileNotFoundError:
+                raise FileNotFoundError(errno.ENOENT, f"shared-memory segment {segment} does not exist "
+                                        f"(its DataServer closed or was swept)", _path(segment)) from None
+            try:
+                mm = mmap.mmap(fd, os.fstat(fd).st_size)
+            finally:
+                os.close(fd)
+            if len(mm) < HEADER_BYTES or mm[:8] != MAGIC:
+                mm.close()
+                raise ValueError(f"{_path(segment)} is not a Helix slab (bad header)")
+            self._maps[segment] = mm
+            return mm
+
+    def _prune_unlinked(self) -> None:
+        for name in [n for n in self._maps if not os.path.exists(os.path.join(SHM_DIR, n))]:
+            if _close_map(self._maps[name]):
+                del self._maps[name]
+
+    def release(self, handle: dict) -> bool:
+        """Mark the slab FREE if it is still at `handle["generation"]`; returns whether it did.
+        A stale handle (the slab was handed out again) or a vanished segment is ignored."""
+        try:
+            mm = self.attach(handle["segment"])
+        except FileNotFoundError:
+            return False
+        if _U64.unpack_from(mm, _GEN_AT)[0] != handle["generation"]:
+            return False
+        _U64.pack_into(mm, _STATE_AT, FREE)
+        return True
+
+    def view(self, handle: dict) -> memoryview:
+        """The used payload bytes, [HEADER_BYTES, HEADER_BYTES + nbytes) of the file."""
+        mm = self.attach(handle["segment"])
+        end = HEADER_BYTES + handle["nbytes"]
+        if end > len(mm):
+            raise ValueError(f"handle asks for {handle['nbytes']} bytes; segment {handle['segment']} "
+                             f"holds {len(mm) - HEADER_BYTES}")
+        return memoryview(mm)[HEADER_BYTES:end]
+
+    def close(self) -> None:
+        """Unmap what nobody uses; mappings still exported by live tensors stay (GC unmaps them)."""
+        with self._lock:
+            for name in list(self._maps):
+                if _close_map(self._maps[name]):
+                    del self._maps[name]
