@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import helix_core as hx
+from helix_core.protocol import ErrorKind
 from helix_core.runtime import shm
 from helix_core.runtime.pool import WorkerPool
 from helix_core.runtime.specs import make_spec
@@ -61,8 +62,8 @@ def test_host_layout_gives_every_server_two_workers_or_more():
 def pool():
     p = WorkerPool(2, "helix-teststeal-", False, CFG)
     yield p
+    wait_for(lambda: not busy_with_prefix("helix-teststeal-"), 10, "every slab released before close")
     p.close()
-    assert shm.list_segments("helix-teststeal-") == []
 
 
 def _configure(pool, ds):
@@ -82,6 +83,38 @@ def test_an_idle_worker_takes_the_tail_of_a_running_batch(pool):
     assert "pieces" not in whole and whole["rows"] == 4  # a collate whose merge is not exact is never split
     for h in handles(split) + handles(whole):
         shm.release_segment(h)
+
+
+def test_a_resubmitted_task_never_gets_a_piece_of_the_cancelled_one():
+    p = WorkerPool(3, "helix-teststeal-", False, CFG)
+    try:
+        ds = IndexDataset(8, delays={i: (0.4 if i < 4 else 0.05) for i in range(8)})
+        spec_id = _configure(p, ds)
+        task = {"task_id": 1, "spec_id": spec_id, "indices": list(range(8)), "epoch": 0, "on_error": "raise",
+                "splittable": True}
+        first = p.submit(dict(task))
+        wait_for(lambda: p.stats()["steals"] >= 2, 30, "two steals")
+        p.cancel([1])  # the client gave up on it (a lost reply) ...
+        again = p.submit(dict(task))  # ... and sends the same task id again, while its pieces still run
+        result = again.result(60)
+        assert first.cancelled()
+        assert result["decoded"] == list(range(8)) and sum(result.get("rows", [8])) == 8
+        for h in handles(result):
+            shm.release_segment(h)
+        wait_for(lambda: p.stats()["inflight"] == 0, 30, "the first submission's pieces to finish")
+        wait_for(lambda: not busy_with_prefix("helix-teststeal-"), 10, "their slabs released")
+    finally:
+        p.close()
+
+
+def test_a_worker_killed_by_a_sample_of_a_stolen_piece_names_it(pool):
+    ds = IndexDataset(4, delays={0: 0.5, 1: 0.5}, crash={3: "exit"})
+    spec_id = _configure(pool, ds)
+    result = pool.submit({"task_id": 1, "spec_id": spec_id, "indices": [0, 1, 2, 3], "epoch": 0,
+                          "on_error": "raise", "splittable": True}).result(60)
+    assert pool.stats()["steals"] >= 1  # sample 3 was in the stolen tail
+    assert result["error_kind"] == ErrorKind.SAMPLE and result["failure"]["index"] == 3
+    assert "pieces" not in result and not handles(result)  # the head's slab went back with the error
 
 
 def test_a_cancelled_split_batch_frees_every_piece(pool):
@@ -125,6 +158,17 @@ def test_a_sample_that_kills_the_worker_of_a_stolen_piece_is_named():
                 next(iter(ld))
             assert err.value.index == 3
         wait_for(lambda: not busy_segments(cluster), 10, "every slab released")
+
+
+def test_pieces_of_a_default_collate_batch_that_torch_could_not_stack_raise():
+    from torch.utils.data import default_collate
+
+    from helix_core.runtime.merge import merge_batches
+
+    a, b = default_collate([{"x": torch.zeros(3)}]), default_collate([{"x": torch.zeros(4)}])
+    with pytest.raises(ValueError, match=r"batch\['x'\]: stack expects each tensor to be equal size"):
+        merge_batches([a, b], rows=[1, 1], pad=False)  # torch raises for the whole batch: so do its pieces
+    assert merge_batches([a, b], rows=[1, 1])["x"].shape == (2, 4)  # microbatch_size= asked for padding
 
 
 def test_pad_collate_pads_to_a_larger_video_out_and_merges_back_exactly():

@@ -129,7 +129,8 @@ class DistributedDataLoader:
         self._requests = Requests(self.client, spec, self.config, self._stats, self.deadlines, units, step_units,
                                   scheduler, on_error, microbatch_size is None and collate_fn in _EXACT_MERGE,
                                   dataset, pin_memory or self.device is not None,
-                                  itertools.count(self.client.task_id_base + 1))
+                                  itertools.count(self.client.task_id_base + 1),
+                                  pad=microbatch_size is not None or collate_fn is pad_collate)
         self._root = Dispatch(CostTagger(self._batches, dataset, seed, microbatch_size), self._requests,
                               prefetch_depth, self.config.execute_timeout_s + 2 * self.config.rpc_timeout_s)
         self._epoch, self._position, self._resume = 0, 0, 0  # position: batches of the epoch yielded

@@ -29,13 +29,15 @@ __all__ = ["Requests"]
 class Requests:
     """The request path of one loader. ``units(tokens)`` / ``step_units``: GPU cost units for
     the deadline estimator; ``fanout``: split a batch whose predicted CPU time exceeds its
-    deadline; ``copy``: materialize into owned memory (pinned / device copies follow)."""
+    deadline; ``copy``: materialize into owned memory (pinned / device copies follow);
+    ``pad``: a batch that comes back in parts is merged zero-padding its tensors (``pad_collate``,
+    or ``microbatch_size`` asked for), else parts whose tensors differ raise as ``default_collate`` would."""
 
     def __init__(self, client, spec, config, stats, deadlines, units, step_units: float, scheduler: str,
-                 on_error: str, fanout: bool, dataset, copy: bool, task_ids):
+                 on_error: str, fanout: bool, dataset, copy: bool, task_ids, pad: bool = True):
         self.client, self.spec, self.config, self.stats, self.deadlines = client, spec, config, stats, deadlines
         self.units, self.step_units, self.scheduler, self.on_error = units, step_units, scheduler, on_error
-        self.fanout, self.copy, self.task_ids = fanout, copy, task_ids
+        self.fanout, self.copy, self.task_ids, self.pad = fanout, copy, task_ids, pad
         self.observe = dataset.observe_cost if isinstance(dataset, CostFeedback) else None
         self._unread: set = set()  # futures of cancelled requests whose replies are still on their way
         self._cond = threading.Condition()
@@ -135,7 +137,7 @@ class Requests:
             while True:
                 reply = self._wait(task, part, stop)
                 try:
-                    batch = None if reply.error_kind else self.client.materialize(reply, copy=self.copy)
+                    batch = None if reply.error_kind else self.client.materialize(reply, copy=self.copy, pad=self.pad)
                     break
                 except FileNotFoundError:  # its producer died and the slab was swept: run it again
                     self._resubmit(task, part, "slab vanished", part.route.exec_server_id, stop)
@@ -153,7 +155,7 @@ class Requests:
         self.stats.batch_ready.append(time.perf_counter() - task.t_dispatch)
         if len(batches) == 1:
             return batches[0]
-        return merge_batches(batches, rows=[len(p.indices) for p in task.parts])
+        return merge_batches(batches, rows=[len(p.indices) for p in task.parts], pad=self.pad)
 
     def _observe_costs(self, task: Task, reply) -> None:
         """Measured decode CPU seconds: the prediction error (stats) and the dataset's online cost

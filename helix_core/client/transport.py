@@ -180,12 +180,18 @@ class ClusterClient:
         self._fire(stub.Cancel, pb.CancelRequest(task_ids=task_ids, client_id=self.client_id))
 
     # ---- replies to batches ----------------------------------------------------------------------
-    def materialize(self, reply: pb.ExecuteReply, copy: bool):
+    def materialize(self, reply: pb.ExecuteReply, copy: bool, pad: bool = True):
         """The batch of a successful reply: zero-copy tensors on the slab (released when the last
         one is garbage-collected), or owned copies (slab released at once) when ``copy``. A batch
-        that came in pieces (split among a server's workers) is merged, as collating it whole."""
+        that came in pieces (split among a server's workers) is merged, as collating it whole
+        (``pad=False``: pieces whose tensors differ in shape raise, as ``default_collate`` would)."""
         if reply.pieces:
-            return merge_batches([self._materialize(b, copy=False) for b in reply.pieces], rows=list(reply.piece_rows))
+            try:
+                parts = [self._materialize(b, copy=False) for b in reply.pieces]
+            except BaseException:
+                self.release(reply)  # the pieces not read yet would be stranded
+                raise
+            return merge_batches(parts, rows=list(reply.piece_rows), pad=pad)
         return self._materialize(reply.batch, copy)
 
     def _materialize(self, b: pb.BatchHandle, copy: bool):

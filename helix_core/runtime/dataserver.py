@@ -107,6 +107,9 @@ class DataServerServicer(pbg.DataServerServicer):
             result = fut.result(timeout=min(self.config.execute_timeout_s, wait))
         except Exception as e:  # cancelled by the client or timed out
             self.pool.cancel([request.task_id])
+            if fut.done() and not fut.cancelled():  # it landed just as we gave up: nobody will read it
+                for handle in handles(fut.result()):
+                    shm.release_segment(handle)
             return pb.ExecuteReply(task_id=request.task_id, error_kind=ErrorKind.NOT_COMPLETED, error=repr(e))
         reply = pb.ExecuteReply(task_id=request.task_id, error_kind=result.get("error_kind", ErrorKind.NONE),
                                 error=result.get("error", ""), failure=_failure_pb(result.get("failure")),

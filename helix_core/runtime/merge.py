@@ -8,7 +8,7 @@ import torch
 __all__ = ["merge_batches"]
 
 
-def _pad_cat(parts: list, path: str, zeros, cat):
+def _pad_cat(parts: list, path: str, zeros, cat, pad: bool):
     shapes = [tuple(p.shape) for p in parts]
     if any(len(s) != len(shapes[0]) for s in shapes) or not shapes[0]:
         raise ValueError(f"{path}: cannot concatenate arrays of shapes {shapes} along dim 0")
@@ -16,6 +16,9 @@ def _pad_cat(parts: list, path: str, zeros, cat):
         raise ValueError(f"{path}: dtypes differ across microbatches: {[p.dtype for p in parts]}")
     if all(s[1:] == shapes[0][1:] for s in shapes):
         return cat(parts)
+    if not pad:
+        raise ValueError(f"{path}: stack expects each tensor to be equal size, but the batch's samples have shapes "
+                         f"{shapes} across its parts (torch's default_collate raises here too; hx.pad_collate pads)")
     rest = tuple(max(s[d] for s in shapes) for d in range(1, len(shapes[0])))
     out = zeros((sum(s[0] for s in shapes), *rest), parts[0].dtype)
     row = 0
@@ -63,17 +66,17 @@ def _are_columns(items: list, rows: list | None) -> bool:
     return not per_sample_shaped or any(n == r for n, r in zip(lead, rows))
 
 
-def _merge(items: list, path: str, rows: list | None):
+def _merge(items: list, path: str, rows: list | None, pad: bool):
     first = items[0]
     if any(type(x) is not type(first) for x in items):
         raise ValueError(f"{path}: types differ across microbatches: {[type(x).__name__ for x in items]}")
     if isinstance(first, torch.Tensor):
-        return _pad_cat(items, path, lambda shape, dt: torch.zeros(shape, dtype=dt), torch.cat)
+        return _pad_cat(items, path, lambda shape, dt: torch.zeros(shape, dtype=dt), torch.cat, pad)
     if isinstance(first, np.ndarray):
-        return _pad_cat(items, path, lambda shape, dt: np.zeros(shape, dtype=dt), np.concatenate)
+        return _pad_cat(items, path, lambda shape, dt: np.zeros(shape, dtype=dt), np.concatenate, pad)
     if isinstance(first, (list, tuple)):
         if _are_columns(items, rows):  # (X, Y) batches of tuple samples: field by field, never (X1, Y1, X2, Y2)
-            merged = [_merge([x[j] for x in items], f"{path}[{j}]", rows) for j in range(len(first))]
+            merged = [_merge([x[j] for x in items], f"{path}[{j}]", rows, pad) for j in range(len(first))]
         else:  # per-sample values (captions, paths, clips of their own sizes): concatenate
             merged = [x for item in items for x in item]
         if type(first) is list:
@@ -84,22 +87,23 @@ def _merge(items: list, path: str, rows: list | None):
             if item.keys() != first.keys():
                 diff = sorted(map(repr, item.keys() ^ first.keys()))
                 raise ValueError(f"{path}: microbatches have different keys: {', '.join(diff)}")
-        return {k: _merge([item[k] for item in items], f"{path}[{k!r}]", rows) for k in first}
+        return {k: _merge([item[k] for item in items], f"{path}[{k!r}]", rows, pad) for k in first}
     if any(x != first for x in items[1:]):
         raise ValueError(f"{path}: microbatches disagree on a value that is not a batch: {items}")
     return first
 
 
-def merge_batches(batches: list, rows: list[int] | None = None):
+def merge_batches(batches: list, rows: list[int] | None = None, pad: bool = True):
     """One batch from microbatches of the same structure, equal to collating all their samples at
     once: tensors/arrays concatenated on dim 0 (other dims zero-padded to the largest), dicts merged
     key by key, equal scalars kept. A list or tuple is merged field by field when it is
     ``default_collate``'s batch of sequence samples (equal lengths, every element a collated column
     with the microbatch's row count — ``rows[k]`` samples for microbatch ``k`` when given), and
     concatenated when it holds per-sample values (strings, or tensors of their own sizes). Raises
-    ValueError naming the path where the structures disagree."""
+    ValueError naming the path where the structures disagree — and, with ``pad=False``, where
+    tensors differ beyond dim 0 (as ``default_collate`` of all the samples would)."""
     if not batches:
         raise ValueError("merge_batches([]): nothing to merge")
     if rows is not None and len(rows) != len(batches):
         raise ValueError(f"merge_batches: {len(rows)} row counts for {len(batches)} microbatches")
-    return batches[0] if len(batches) == 1 else _merge(list(batches), "batch", rows)
+    return batches[0] if len(batches) == 1 else _merge(list(batches), "batch", rows, pad)

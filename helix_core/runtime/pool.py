@@ -11,6 +11,7 @@ unstarted tail of a running splittable batch (``steal``): the batch comes back i
 from __future__ import annotations
 
 import collections
+import itertools
 import logging
 import multiprocessing as mp
 import os
@@ -69,9 +70,11 @@ class WorkerPool:
         self._lock = threading.Lock()
         self._specs: dict[str, tuple[bytes, str]] = {}
         self._pending = EdfQueue()
-        self._futures: dict[int, Future] = {}
-        self._cancelled: set[int] = set()
-        self._split: dict[int, Pieces] = {}  # task id -> the pieces of a batch split by stealing
+        # task id -> (serial of its current submission, Future): a task resubmitted under the same id
+        # (the client retries) never receives a result, or a piece, of an earlier submission
+        self._futures: dict[int, tuple[int, Future]] = {}
+        self._serials = itertools.count()
+        self._split: dict[int, Pieces] = {}  # submission serial -> the pieces of a batch split by stealing
         self.steals = 0
         self._kills: collections.Counter = collections.Counter()
         self._wake_r, self._wake_w = mp.Pipe(duplex=False)
@@ -100,7 +103,8 @@ class WorkerPool:
             now = self.clock()
             deadline = task.get("deadline_s")
             task["_arrival"], task["_key"] = now, now + (max(0.0, deadline) if deadline is not None else 0.0)
-            self._futures[task["task_id"]] = fut
+            task["_serial"] = next(self._serials)
+            self._futures[task["task_id"]] = (task["_serial"], fut)
             self._pending.push(task)
         self._wake_w.send_bytes(b"t")
         return fut
@@ -111,9 +115,8 @@ class WorkerPool:
             for task in self._pending.remove(ids):  # queued pieces of a split batch never run: count them out
                 self._piece_done(task, {"error_kind": ErrorKind.NOT_COMPLETED, "error": "cancelled"})
             for tid in ids:
-                fut = self._futures.pop(tid, None)
+                _, fut = self._futures.pop(tid, (None, None))
                 if fut is not None:
-                    self._cancelled.add(tid)
                     fut.cancel()
 
     def stats(self) -> dict:
@@ -179,7 +182,8 @@ class WorkerPool:
         if not self.config.work_stealing:
             return None
         running = sorted((w for w in self._workers if w.task is not None and w.task.get("splittable")
-                          and len(w.task["indices"]) > 1 and not w.task["bad"] and w.task["task_id"] in self._futures),
+                          and len(w.task["indices"]) > 1 and not w.task["bad"] and self._current(w.task)
+                          and w.proc.is_alive()),
                          key=lambda w: w.task["_key"])
         for w in running:
             got = w.claim.steal()
@@ -191,7 +195,7 @@ class WorkerPool:
                          predicted_cpu_s=task.get("predicted_cpu_s", 0.0) * (end - start) / n)
             task["indices"] = task["indices"][:start]  # what it keeps (a retry after its death runs just that)
             task["predicted_cpu_s"] = task.get("predicted_cpu_s", 0.0) * start / n
-            self._split.setdefault(task["task_id"], Pieces()).add(piece["_offset"])
+            self._split.setdefault(task["_serial"], Pieces()).add(piece["_offset"])
             self.steals += 1
             return piece
         return None
@@ -218,12 +222,19 @@ class WorkerPool:
                 self.latency_per_cost = (1 - a) * self.latency_per_cost + a * min(max(ratio, 0.05), 50.0)
             if task is not None:
                 result["queue_s"] = task.get("_queue_s", 0.0)
-            if task is not None and task_id in self._split:
+            if task is not None and task.get("_serial") in self._split:
                 self._piece_done(task, result)
                 return
-            fut = self._futures.pop(task_id, None)
-            self._cancelled.discard(task_id)
+            fut = self._take_future(task) if task is not None else None
         self._deliver(fut, result)
+
+    def _current(self, task: dict) -> bool:
+        """``task`` (or a piece of it) belongs to its id's live submission (not cancelled, not superseded)."""
+        return self._futures.get(task["task_id"], (None, None))[0] == task.get("_serial")
+
+    def _take_future(self, task: dict) -> Future | None:
+        """The Future a result of ``task`` resolves, if it is the live submission's (under the lock)."""
+        return self._futures.pop(task["task_id"])[1] if self._current(task) else None
 
     @staticmethod
     def _deliver(fut: Future | None, result: dict) -> None:
@@ -235,20 +246,18 @@ class WorkerPool:
 
     def _piece_done(self, task: dict, result: dict) -> None:
         """A piece of a split batch is in (under the lock): the last one completes the batch."""
-        pieces = self._split.get(task["task_id"])
+        pieces = self._split.get(task.get("_serial"))
         if pieces is None:
             return
         if not pieces.finish(task.get("_offset", 0), result):
             return
-        del self._split[task["task_id"]]
+        del self._split[task["_serial"]]
         combined, unused = pieces.combine()
         combined["queue_s"] = result.get("queue_s", 0.0)
         for r in unused:
             for handle in handles(r):
                 shm.release_segment(handle)
-        fut = self._futures.pop(task["task_id"], None)
-        self._cancelled.discard(task["task_id"])
-        self._deliver(fut, combined)
+        self._deliver(self._take_future(task), combined)
 
     def _on_death(self, w: _Worker) -> None:
         if self._stop.is_set():
@@ -269,7 +278,7 @@ class WorkerPool:
         if task is None:
             return
         with self._lock:
-            if task["task_id"] not in self._futures:  # cancelled meanwhile
+            if not self._current(task):  # cancelled (or resubmitted) meanwhile
                 self._piece_done(task, {"error_kind": ErrorKind.NOT_COMPLETED, "error": "cancelled"})
                 return
             if current is not None:
@@ -281,11 +290,11 @@ class WorkerPool:
                               "failure": _failure(current[0], current[1], cause), "skipped": []}
                     if task.get("on_error") == "skip":
                         task["bad"][current[0]] = cause
-                    elif task["task_id"] in self._split:
+                    elif task["_serial"] in self._split:
                         self._piece_done(task, failed)
                         return
                     else:
-                        self._futures.pop(task["task_id"]).set_result(failed)
+                        self._take_future(task).set_result(failed)
                         return
             self._pending.push(task)  # its key is kept: it goes back near the front
 
@@ -308,7 +317,7 @@ class WorkerPool:
                 w.proc.join(timeout=self.config.stop_timeout_s)
             w.conn.close()
         with self._lock:
-            for fut in self._futures.values():
+            for _, fut in self._futures.values():
                 fut.cancel()
             self._futures.clear()
         shm.sweep(self.prefix)

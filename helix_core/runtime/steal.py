@@ -38,10 +38,14 @@ class Claim:
                 return True
             return False
 
-    def steal(self) -> tuple[int, int] | None:
+    def steal(self, wait_s: float = 0.05) -> tuple[int, int] | None:
         """``(start, end)``: positions of the task's samples given to another worker (the larger
-        half of those not started), or None when none is left to take."""
-        with self._lock:
+        half of those not started), or None when none is left to take — or when the lock is not
+        free within ``wait_s`` (a worker killed inside ``take`` never releases it: the supervisor,
+        which calls this holding its pool's lock, must not wait on a dead process)."""
+        if not self._lock.acquire(timeout=wait_s):
+            return None
+        try:
             started, limit = max(self._v[0], 1), self._v[1]
             left = limit - started
             if left < 1:
@@ -49,6 +53,8 @@ class Claim:
             start = limit - (left + 1) // 2
             self._v[1] = start
             return start, limit
+        finally:
+            self._lock.release()
 
 
 class Pieces:
