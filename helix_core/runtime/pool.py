@@ -112,12 +112,12 @@ class WorkerPool:
     def cancel(self, task_ids) -> None:
         with self._lock:
             ids = set(task_ids)
-            for task in self._pending.remove(ids):  # queued pieces of a split batch never run: count them out
-                self._piece_done(task, {"error_kind": ErrorKind.NOT_COMPLETED, "error": "cancelled"})
             for tid in ids:
                 _, fut = self._futures.pop(tid, (None, None))
                 if fut is not None:
                     fut.cancel()
+            for task in self._pending.remove(ids):  # queued pieces of a split batch never run: count them out
+                self._piece_done(task, {"error_kind": ErrorKind.NOT_COMPLETED, "error": "cancelled"})
 
     def stats(self) -> dict:
         with self._lock:
