@@ -113,6 +113,7 @@ def execute_request(task: Task, part: Part, spec_id: str, on_error: str, client_
                     deadline_s: float | None, splittable: bool = False) -> pb.ExecuteRequest:
     """``splittable``: the client merges pieces exactly (the server may split the batch among idle workers)."""
     return pb.ExecuteRequest(task_id=part.task_id, spec_id=spec_id, indices=part.indices, epoch=task.epoch,
-                             substitutes=task.substitutes if on_error == "skip" else (), on_error=on_error, deliver_to=part.route.deliver_to,
+                             substitutes=task.substitutes if on_error == "skip" else (),  # raise: never used
+                             on_error=on_error, deliver_to=part.route.deliver_to,
                              client_id=client_id, deadline_s=deadline_s or 0.0, has_deadline=deadline_s is not None,
                              predicted_cpu_s=part.cost.cpu_s if part.cost is not None else 0.0, splittable=splittable)

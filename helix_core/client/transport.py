@@ -88,10 +88,8 @@ class ClusterClient:
                 if e.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) \
                         or time.monotonic() + delay > deadline:
                     raise ClusterError(f"lost the Coordinator at {self.address}: {e.code().name} {e.details()}") from None
-            if stop is not None and stop.sleep(delay):
+            if stop.sleep(delay) if stop is not None else time.sleep(delay):
                 raise ClusterError("loader stopped")
-            if stop is None:
-                time.sleep(delay)
             delay = min(delay * 2, 0.5)
 
     def route(self, part, deadline_s: float | None = None, scheduler: str = "", stop=None) -> Route:

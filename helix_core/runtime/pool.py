@@ -252,8 +252,7 @@ class WorkerPool:
         if not pieces.finish(task.get("_offset", 0), result):
             return
         del self._split[task["_serial"]]
-        combined, unused = pieces.combine()
-        combined["queue_s"] = result.get("queue_s", 0.0)
+        combined, unused = pieces.combine()  # the batch waited as long as its first piece
         for r in unused:
             for handle in handles(r):
                 shm.release_segment(handle)

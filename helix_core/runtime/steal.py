@@ -86,7 +86,8 @@ class Pieces:
             error.setdefault("skipped", [])
             return error, [r for r in ordered if "handle" in r]
         return {"pieces": ordered, "rows": [int(r["rows"]) for r in ordered], "skipped": [],
-                "decoded": decoded, "decode_cpu_s": cpu, "exec_s": max(r.get("exec_s", 0.0) for r in ordered)}, []
+                "decoded": decoded, "decode_cpu_s": cpu, "exec_s": max(r.get("exec_s", 0.0) for r in ordered),
+                "queue_s": ordered[0].get("queue_s", 0.0)}, []
 
 
 def handles(result: dict) -> list[dict]:
