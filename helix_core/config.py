@@ -14,7 +14,7 @@ def cache_dir() -> Path:
 
 
 #: Wire protocol version; every connection checks it first (Hello).
-PROTOCOL_VERSION = 4  # 4: ExecuteRequest.splittable, ExecuteReply.pieces (work stealing)
+PROTOCOL_VERSION = 5  # 5: host identities on registration and Route (host-aware topology); 4: work stealing
 
 
 @dataclass(frozen=True)

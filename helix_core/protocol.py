@@ -103,10 +103,11 @@ def cost_term(cost) -> pb.CostTerm:
 
 
 def route_request(client_id: str, rank: int, part: Part, deadline_s: float | None, scheduler: str,
-                  completed: list[int]) -> pb.RouteRequest:
+                  completed: list[int], host: str, local_rank: int) -> pb.RouteRequest:
     return pb.RouteRequest(client_id=client_id, rank=rank, task_id=part.task_id, cost=cost_term(part.cost),
                            deadline_s=deadline_s or 0.0, has_deadline=deadline_s is not None,
-                           exclude=sorted(part.excluded), scheduler=scheduler, completed=completed)
+                           exclude=sorted(part.excluded), scheduler=scheduler, completed=completed,
+                           host=host, local_rank=local_rank)
 
 
 def execute_request(task: Task, part: Part, spec_id: str, on_error: str, client_id: str,

@@ -46,29 +46,29 @@ def _registry():
 
 def test_delivery_server_is_rank_mod_locals_with_takeover():
     reg, clock, (s0, s1, s2), remote = _registry()
-    assert [reg.delivery_server(r, set()).server_id for r in range(5)] == [s0.server_id, s1.server_id, s2.server_id,
+    assert [reg.delivery_server(r, set(), "h").server_id for r in range(5)] == [s0.server_id, s1.server_id, s2.server_id,
                                                                            s0.server_id, s1.server_id]
     assert [s.server_id for s in reg.ordered()] == [s0.server_id, s1.server_id, s2.server_id, remote.server_id]
-    assert reg.delivery_server(1, {s1.server_id}).server_id == s2.server_id  # the next live local takes over
+    assert reg.delivery_server(1, {s1.server_id}, "h").server_id == s2.server_id  # the next live local takes over
     clock.t = 0.3
     for s in (s0, s2, remote):
         reg.heartbeat(s.server_id, queue_depth=0)
     clock.t = 0.7  # s1 missed heartbeats for longer than the 0.5 s timeout
     assert reg.sweep() == [s1.server_id]
-    assert reg.delivery_server(1, set()).server_id == s2.server_id
-    chosen, delivery, decision, us = reg.route(1, 7, {}, set())
+    assert reg.delivery_server(1, set(), "h").server_id == s2.server_id
+    chosen, delivery, decision, us = reg.route(1, 7, {}, set(), host="h")
     assert chosen.server_id != s1.server_id and delivery.server_id == s2.server_id and us > 0
 
 
 def test_route_counts_outstanding_and_resubmission_moves_it():
     reg, clock, (s0, s1, s2), remote = _registry()
-    picks = [reg.route(0, t, {}, set())[0].server_id for t in range(1, 9)]
+    picks = [reg.route(0, t, {}, set(), host="h")[0].server_id for t in range(1, 9)]
     assert picks[0] == s0.server_id  # idle cluster: stays local
     assert set(picks) == {s0.server_id, s1.server_id, s2.server_id, remote.server_id}
     assert sum(s.outstanding for s in reg.servers.values()) == 8
     first = reg.servers[picks[0]]
     before = {sid: s.outstanding for sid, s in reg.servers.items()}
-    again = reg.route(0, 1, {}, {first.server_id})[0]  # task 1 resubmitted, its first server excluded
+    again = reg.route(0, 1, {}, {first.server_id}, host="h")[0]  # task 1 resubmitted, its first server excluded
     assert again.server_id != first.server_id
     assert first.outstanding == before[first.server_id] - 1  # the first routing is void
     assert again.outstanding == before[again.server_id] + 1
@@ -80,6 +80,57 @@ def test_route_counts_outstanding_and_resubmission_moves_it():
     tele = reg.telemetry(last=3)
     assert tele["routed"] == 9 and [d["task_id"] for d in tele["decisions"]] == [7, 8, 1]
     assert 0 < tele["scheduler_overhead_us_p50"] <= tele["scheduler_overhead_us_p99"]
+
+
+def _two_hosts():
+    """Hosts a and b with local servers of the same local ranks (0 and 1), and one sidecar."""
+    clock = Clock()
+    reg = Registry(ClusterConfig.for_tests(), scheduler="least-request", clock=clock)
+    a = [reg.register_server(f"10.0.0.1:{5000 + i}", "local", i, "a", 1) for i in range(2)]
+    b = [reg.register_server(f"10.0.0.2:{5000 + i}", "local", i, "b", 1) for i in range(2)]
+    side = reg.register_server("10.0.0.3:6000", "remote", -1, "c", 4)
+    return reg, clock, a, b, side
+
+
+def test_two_hosts_with_equal_local_ranks_keep_both_and_list_them_host_by_host():
+    reg, clock, a, b, side = _two_hosts()
+    ids = lambda servers: [s.server_id for s in servers]  # noqa: E731
+    assert ids(reg.ordered()) == ids(a + b + [side])  # b's local rank 0 did not replace a's
+    assert reg.hosts() == {"a": ids(a), "b": ids(b)}
+    assert reg.telemetry(last=0)["hosts"] == {"a": ids(a), "b": ids(b)}
+    # a rank's delivery server is its host's local server LOCAL_RANK % that host's count
+    assert [reg.delivery_server(r, set(), "a", local_rank=r % 2).server_id for r in range(2)] == ids(a)
+    assert [reg.delivery_server(r, set(), "b", local_rank=r - 2).server_id for r in (2, 3)] == ids(b)
+    assert reg.delivery_server(9, set(), "b", local_rank=3).server_id == b[1].server_id
+
+
+def test_a_rank_is_never_routed_to_another_hosts_local_server():
+    reg, clock, a, b, side = _two_hosts()
+    allowed = {s.server_id for s in b} | {side.server_id}
+    seen = set()
+    for t in range(1, 41):  # least-request spreads the load over every candidate it has
+        chosen, delivery, decision, _ = reg.route(2, t, {"cpu_s": 0.1}, set(), host="b", local_rank=0)
+        assert delivery.server_id == b[0].server_id
+        assert set(decision.scores_by_server()) == allowed  # candidates: own host's locals + the sidecars
+        seen.add(chosen.server_id)
+    assert seen == allowed
+    # the rank's delivery server dies: the host's other local server takes over, never host a's
+    clock.t = 0.3
+    for s in a + [b[1], side]:
+        reg.heartbeat(s.server_id, queue_depth=0)
+    clock.t = 0.7
+    assert reg.sweep() == [b[0].server_id]
+    assert reg.delivery_server(2, set(), "b", 0).server_id == b[1].server_id
+    # host b's last local server gone: its ranks get an error naming the host; host a is untouched
+    clock.t = 1.3
+    for s in a + [side]:
+        reg.heartbeat(s.server_id, queue_depth=0)
+    assert reg.sweep() == [b[1].server_id]
+    with pytest.raises(LookupError, match="on host 'b'"):
+        reg.route(2, 99, {}, set(), host="b", local_rank=0)
+    assert reg.route(0, 100, {}, set(), host="a", local_rank=0)[1].server_id == a[0].server_id
+    with pytest.raises(LookupError, match=r"no local DataServer registered on host 'z'.*\['a', 'b'\]"):
+        reg.route(0, 101, {}, set(), host="z", local_rank=0)
 
 
 def test_unknown_server_heartbeat_asks_to_register_again():

@@ -7,7 +7,7 @@ copy into pinned / device memory.
 from __future__ import annotations
 
 import json
-import socket
+import os
 import threading
 import time
 
@@ -16,6 +16,7 @@ import grpc
 from ..config import ClusterConfig
 from ..errors import ClusterError, SampleError
 from ..runtime.auth import call_metadata
+from ..runtime.hostid import host_id
 from ..runtime.proto import helix_pb2 as pb
 from ..runtime.proto import helix_pb2_grpc as pbg
 from ..runtime.rpc import check_hello, connect
@@ -54,16 +55,21 @@ def _meta_dicts(metas) -> list[dict]:
 class ClusterClient:
     """One rank's connection to a Helix cluster. Thread-safe."""
 
-    def __init__(self, address: str, token: str | None, config: ClusterConfig, rank: int, world_size: int):
+    def __init__(self, address: str, token: str | None, config: ClusterConfig, rank: int, world_size: int,
+                 local_rank: int | None = None):
         self.address, self.token, self.config = address, token, config
         self.rank, self.world_size = rank, world_size
+        # its host's identity and its slot among that host's local servers (torchrun's LOCAL_RANK)
+        self.host = host_id()
+        self.local_rank = int(os.environ.get("LOCAL_RANK", rank)) if local_rank is None else int(local_rank)
         self.metadata = call_metadata(token)
         self._channel = connect(address, config)
         self.coordinator = pbg.CoordinatorStub(self._channel)
         hello = check_hello(self.coordinator, "client", token, config.rpc_timeout_s, f"the Coordinator at {address}")
         self.cluster_id, self.pickle_allowed = hello.cluster_id, hello.pickle_allowed
         reply = self._call(self.coordinator.RegisterClient,
-                           pb.RegisterClientRequest(rank=rank, world_size=world_size, host=socket.gethostname()))
+                           pb.RegisterClientRequest(rank=rank, world_size=world_size, host=self.host,
+                                                    local_rank=self.local_rank))
         self.client_id, self.task_id_base = reply.client_id, reply.task_id_base
         self._stubs: dict[str, pbg.DataServerStub] = {}
         self._channels: list[grpc.Channel] = [self._channel]
@@ -85,8 +91,11 @@ class ClusterClient:
             except grpc.RpcError as e:
                 if e.code() == grpc.StatusCode.UNAUTHENTICATED:
                     raise ClusterError(f"the Coordinator at {self.address} refused this client: {e.details()}") from None
-                if e.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) \
-                        or time.monotonic() + delay > deadline:
+                retry = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.FAILED_PRECONDITION)
+                if e.code() not in retry or time.monotonic() + delay > deadline:
+                    if e.code() == grpc.StatusCode.FAILED_PRECONDITION:  # it answered: no delivery server on our host
+                        raise ClusterError(f"the Coordinator at {self.address} cannot serve rank {self.rank} "
+                                           f"on host {self.host!r}: {e.details()}") from None
                     raise ClusterError(f"lost the Coordinator at {self.address}: {e.code().name} {e.details()}") from None
             if stop.sleep(delay) if stop is not None else time.sleep(delay):
                 raise ClusterError("loader stopped")
@@ -99,13 +108,17 @@ class ClusterClient:
         with self._lock:
             done, self._completed = self._completed, []
         try:
-            return Route.from_pb(self._call(self.coordinator.Route,
-                                            route_request(self.client_id, self.rank, part, deadline_s, scheduler, done),
-                                            stop=stop))
+            reply = self._call(self.coordinator.Route, route_request(self.client_id, self.rank, part, deadline_s,
+                                                                     scheduler, done, self.host, self.local_rank),
+                               stop=stop)
         except BaseException:
             with self._lock:
                 self._completed[:0] = done
             raise
+        if reply.delivery_host != self.host:  # never map another host's shared memory
+            raise ClusterError(f"the Coordinator at {self.address} routed rank {self.rank} of host {self.host!r} "
+                               f"through {reply.delivery_server_id} of host {reply.delivery_host!r}")
+        return Route.from_pb(reply)
 
     def completed(self, task_id: int) -> None:
         """A request's reply landed (or it failed or was given up): the next Route tells the Coordinator."""

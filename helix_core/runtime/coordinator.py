@@ -43,7 +43,7 @@ class CoordinatorServicer(pbg.CoordinatorServicer):
                                       heartbeat_interval_s=self.registry.config.heartbeat_interval_s)
 
     async def RegisterClient(self, request, context):
-        cid, base = self.registry.register_client(request.rank, request.world_size, request.host)
+        cid, base = self.registry.register_client(request.rank, request.world_size, request.host, request.local_rank)
         return pb.RegisterClientReply(client_id=cid, cluster_id=self.registry.cluster_id, task_id_base=base)
 
     async def Heartbeat(self, request, context):
@@ -67,12 +67,16 @@ class CoordinatorServicer(pbg.CoordinatorServicer):
             self.registry.complete(request.completed)
         try:
             chosen, delivery, decision, us = self.registry.route(request.rank, request.task_id, cost,
-                                                                 set(request.exclude), policy.name, t_arrival)
-        except (LookupError, ValueError) as e:
+                                                                 set(request.exclude), policy.name, t_arrival,
+                                                                 host=request.host, local_rank=request.local_rank)
+        except LookupError as e:  # no delivery server on the rank's host (yet): the client retries, then names it
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        except ValueError as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         return pb.RouteReply(exec_server_id=chosen.server_id, exec_address=chosen.address,
                              delivery_server_id=delivery.server_id, delivery_address=delivery.address,
-                             reason=decision.reason, decision_us=us, exec_kind=chosen.kind)
+                             reason=decision.reason, decision_us=us, exec_kind=chosen.kind,
+                             delivery_host=delivery.host)
 
     async def ReportCompletion(self, request, context):
         self.registry.complete(request.task_ids)

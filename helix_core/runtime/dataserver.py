@@ -247,10 +247,13 @@ def _heartbeats(servicer: DataServerServicer, coord, token, config: ClusterConfi
 
 def serve_dataserver(coordinator: str, kind: str, local_rank: int, workers: int, token: str | None,
                      config: ClusterConfig, stop: threading.Event, host: str = "127.0.0.1", port: int = 0,
-                     on_ready=None) -> None:
-    """Run a DataServer until ``stop`` is set (blocking): serve, register, heartbeat."""
+                     on_ready=None, host_id: str | None = None) -> None:
+    """Run a DataServer until ``stop`` is set (blocking): serve, register, heartbeat. ``host``:
+    the address to listen on; ``host_id``: this host's identity (default ``hostid.host_id()``)."""
+    from .hostid import host_id as this_host
     from .rpc import check_hello, create_server
 
+    host_id = this_host(host_id)
     coord = pbg.CoordinatorStub(connect(coordinator, config))
     hello = check_hello(coord, "dataserver", token, config.rpc_timeout_s, f"the Coordinator at {coordinator}")
     server, bound = create_server(host, port, token, config, threads=config.server_threads)
@@ -273,7 +276,7 @@ def serve_dataserver(coordinator: str, kind: str, local_rank: int, workers: int,
 
     def register():
         reply = coord.RegisterServer(pb.RegisterServerRequest(address=address, kind=kind, local_rank=local_rank,
-                                                              host=socket.gethostname(), workers=workers),
+                                                              host=host_id, workers=workers),
                                      timeout=config.rpc_timeout_s, metadata=call_metadata(token))
         servicer.server_id = reply.server_id
 

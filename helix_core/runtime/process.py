@@ -58,6 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--workers", type=int, default=2)
     d.add_argument("--host", default="127.0.0.1")
     d.add_argument("--port", type=int, default=0)
+    d.add_argument("--host-id", default=None,
+                   help="this host's identity (default: HELIX_HOST_ID, else hostname + boot id); "
+                        "local servers serve the ranks of their own host only")
     for s in (c, d):
         s.add_argument("--token-file", default=None, help="file holding the token (or set HELIX_TOKEN)")
         s.add_argument("--config-json", default=None, help="ClusterConfig fields as JSON")
@@ -92,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
 
             kind = "remote" if args.remote else "local"
             serve_dataserver(args.coordinator, kind, -1 if args.remote else args.local_rank, args.workers, token,
-                             config, stop, host=args.host, port=args.port,
+                             config, stop, host=args.host, port=args.port, host_id=args.host_id,
                              on_ready=lambda addr, sid: _ready({"address": addr, "server_id": sid, "pid": os.getpid()}))
     except (ValueError, ClusterError) as e:  # a non-loopback address without a token, no Coordinator, ...
         print(f"error: {e}", file=sys.stderr)

@@ -65,8 +65,9 @@ class Registry:
         self.routed = 0
         self._owner: dict[int, tuple] = {}  # task_id -> (server id, predicted cpu_s, routed at) until completed
         self._lock = threading.Lock()
-        self._order: tuple[list[ServerState], list[ServerState]] | None = None  # (locals, all), cached
-        self._live: ServerColumns | None = None  # the live servers' columns
+        self._order: tuple[dict, list[ServerState]] | None = None  # (locals by host, all), cached
+        self._live: dict[str, ServerColumns] = {}  # host -> its ranks' live candidates' columns
+        self._hosts: dict[str, int] = {}  # host -> order of its first local server's registration
 
     # ---- membership ----------------------------------------------------------------------------
     def register_server(self, address: str, kind: str, local_rank: int, host: str, workers: int) -> ServerState:
@@ -77,20 +78,24 @@ class Registry:
             for s in self.servers.values():  # a restarted server on the same address replaces the old
                 if s.address == address:
                     s.alive = False
-            sid = f"{kind[0]}{local_rank if kind == 'local' else len(self._remotes())}-{uuid.uuid4().hex[:6]}"
+            remotes = sum(s.kind == "remote" for s in self.servers.values())
+            sid = f"{kind[0]}{local_rank if kind == 'local' else remotes}-{uuid.uuid4().hex[:6]}"
             st = ServerState(sid, address, kind, local_rank if kind == "local" else -1, host, max(workers, 1), now, now)
             self.servers[sid] = st
-            self._order = self._live = None
+            if kind == "local":
+                self._hosts.setdefault(host, len(self._hosts))
+            self._order, self._live = None, {}
             log.info("registered %s server %s at %s (%d workers)", kind, sid, address, workers)
             return st
 
-    def register_client(self, rank: int, world_size: int, host: str) -> tuple[str, int]:
+    def register_client(self, rank: int, world_size: int, host: str, local_rank: int = -1) -> tuple[str, int]:
         """A new client's id and task-id base: its task ids are ``base + 1, base + 2, ...``, so two
         loaders (same rank or not) never share one."""
         cid = f"c{rank}-{uuid.uuid4().hex[:6]}"
         with self._lock:
             base = (len(self.clients) + 1) << TASK_ID_BITS
-            self.clients[cid] = {"rank": rank, "world_size": world_size, "host": host, "task_id_base": base}
+            self.clients[cid] = {"rank": rank, "world_size": world_size, "host": host, "local_rank": local_rank,
+                                 "task_id_base": base}
         return cid, base
 
     def heartbeat(self, server_id: str, **stats) -> bool:
@@ -99,7 +104,7 @@ class Registry:
             if st is None:
                 return False
             if not st.alive:
-                self._live = None
+                self._live = {}
             st.last_seen, st.alive = self.clock(), True
             for k, v in stats.items():
                 setattr(st, k, v)
@@ -119,65 +124,78 @@ class Registry:
                     st.alive = False
                     dead.append(st.server_id)
             if dead:
-                self._live = None
+                self._live = {}
         for sid in dead:
             log.warning("server %s missed heartbeats: marked dead", sid)
         return dead
 
-    def _locals(self) -> list[ServerState]:
-        latest: dict[int, ServerState] = {}
-        for s in self.servers.values():
-            if s.kind == "local" and (s.local_rank not in latest or s.registered_at >= latest[s.local_rank].registered_at):
-                latest[s.local_rank] = s
-        return [latest[k] for k in sorted(latest)]
-
-    def _remotes(self) -> list[ServerState]:
-        return sorted((s for s in self.servers.values() if s.kind == "remote"), key=lambda s: s.registered_at)
-
-    def _ordering(self) -> tuple[list[ServerState], list[ServerState]]:
-        """(local servers by slot, all servers: locals then remotes), recomputed on registration."""
+    def _ordering(self) -> tuple[dict[str, list[ServerState]], list[ServerState]]:
+        """(each host's local servers by slot, all servers: locals host by host, then remotes),
+        recomputed on registration. A host's slot holds the server that registered it last."""
         if self._order is None:
-            locals_ = self._locals()
-            self._order = (locals_, locals_ + self._remotes())
+            latest: dict[tuple[str, int], ServerState] = {}
+            for s in self.servers.values():
+                key = (s.host, s.local_rank)
+                if s.kind == "local" and (key not in latest or s.registered_at >= latest[key].registered_at):
+                    latest[key] = s
+            by_host: dict[str, list[ServerState]] = {h: [] for h in self._hosts}
+            for key in sorted(latest, key=lambda k: (self._hosts[k[0]], k[1])):
+                by_host[key[0]].append(latest[key])
+            remotes = sorted((s for s in self.servers.values() if s.kind == "remote"), key=lambda s: s.registered_at)
+            self._order = (by_host, [s for locals_ in by_host.values() for s in locals_] + remotes)
         return self._order
 
-    def _live_table(self) -> "ServerColumns":
-        """Live servers in cluster order as numpy columns, rebuilt when membership or liveness
-        changes and updated in place by routing, completions and heartbeats (never per decision)."""
-        if self._live is None:
-            self._live = ServerColumns([s for s in self._ordering()[1] if s.alive])
-        return self._live
+    def _live_table(self, host: str) -> "ServerColumns":
+        """The placement candidates of a rank on ``host`` — that host's live local servers, then
+        the live remote ones — as numpy columns, rebuilt when membership or liveness changes and
+        updated in place by routing, completions and heartbeats (never per decision)."""
+        table = self._live.get(host)
+        if table is None:
+            table = self._live[host] = ServerColumns(
+                [s for s in self._ordering()[1] if s.alive and (s.kind == "remote" or s.host == host)])
+        return table
 
     def _sync(self, st: ServerState) -> None:
-        """Copy a server's changed state into the live table (caller holds the lock)."""
-        if self._live is not None:
-            self._live.sync(st)
+        """Copy a server's changed state into the live tables (caller holds the lock)."""
+        for table in self._live.values():
+            table.sync(st)
 
     def _candidates(self, delivery: ServerState, exclude: set[str]) -> Candidates:
-        table = self._live_table()
+        table = self._live_table(delivery.host)
         if exclude and any(sid not in exclude for sid in table.ids):  # exclusions are hints, never fatal
             table = ServerColumns([s for s in table.servers if s.server_id not in exclude])
         return table.candidates(table.position.get(delivery.server_id))
 
     def ordered(self) -> list[ServerState]:
-        """Local servers by slot, then remote ones by registration: ``cluster.servers`` order."""
+        """Local servers host by host (in the order hosts first registered one) and by slot, then
+        remote ones by registration: ``cluster.servers`` order."""
         with self._lock:
             return list(self._ordering()[1])
 
     # ---- routing --------------------------------------------------------------------------------
-    def delivery_server(self, rank: int, exclude: set[str]) -> ServerState:
-        """Rank r delivers through local server r % L; if it is dead (or excluded by the client),
-        the next live one takes over. Exclusions are hints: if they leave none, they are ignored."""
-        locals_ = self._ordering()[0]
+    def delivery_server(self, rank: int, exclude: set[str], host: str, local_rank: int | None = None) -> ServerState:
+        """A rank on ``host`` delivers through that host's local server ``local_rank % L`` (default
+        ``rank``); if it is dead (or excluded by the client), the host's next live one takes over.
+        Exclusions are hints: if they leave none, they are ignored. Never another host's server:
+        its shared memory is not the rank's."""
+        locals_ = self._ordering()[0].get(host, [])
         if not locals_:
-            raise LookupError("no local DataServer registered")
-        n = len(locals_)
+            raise LookupError(f"no local DataServer registered on host {host!r} (rank {rank}); hosts with one: "
+                              f"{sorted(h for h, s in self._ordering()[0].items() if s) or 'none'} — start "
+                              "'helix dataserver --local-rank 0' on that host")
+        n, slot = len(locals_), rank if local_rank is None or local_rank < 0 else local_rank
         for skip in (exclude, set()):
             for k in range(n):
-                s = locals_[(rank + k) % n]
+                s = locals_[(slot + k) % n]
                 if s.alive and s.server_id not in skip:
                     return s
-        raise LookupError(f"no live local DataServer can deliver to rank {rank}")
+        raise LookupError(f"no live local DataServer on host {host!r} can deliver to rank {rank} "
+                          f"({n} registered there, all dead)")
+
+    def hosts(self) -> dict[str, list[str]]:
+        """Each host's local servers (ids, by slot), hosts in the order they first registered one."""
+        with self._lock:
+            return {h: [s.server_id for s in locals_] for h, locals_ in self._ordering()[0].items()}
 
     def scheduler_for(self, scheduler: str | None):
         """The policy a request names (``ValueError`` listing the valid ones), else the default."""
@@ -189,16 +207,18 @@ class Registry:
         return chosen
 
     def route(self, rank: int, task_id: int, cost: dict, exclude: set[str], scheduler: str | None = None,
-              t_arrival: float | None = None):
-        """Place one request. ``cost``: ``PlacementRequest`` fields (cpu_s, io_bytes, out_bytes,
-        tokens, deadline_s). Returns ``(chosen, delivery, decision, us)``; ``us`` counts from
+              t_arrival: float | None = None, *, host: str, local_rank: int | None = None):
+        """Place one request of a rank on ``host`` (its ``local_rank`` picks its delivery server):
+        the candidates are that host's local servers and the remote ones. ``cost``:
+        ``PlacementRequest`` fields (cpu_s, io_bytes, out_bytes, tokens, deadline_s). Returns
+        ``(chosen, delivery, decision, us)``; ``us`` counts from
         ``t_arrival`` (a ``time.perf_counter`` value: the request's arrival, so waiting for the
         lock counts) or else from the start of the decision."""
         policy = self.scheduler_for(scheduler)
         request = PlacementRequest(rank, task_id, **cost)
         with self._lock:
             t0 = time.perf_counter() if t_arrival is None else t_arrival
-            delivery = self.delivery_server(rank, exclude)
+            delivery = self.delivery_server(rank, exclude, host, local_rank)
             decision = policy.choose(request, self._candidates(delivery, exclude))
             chosen = self.servers[decision.server_id]
             prev = self._owner.get(task_id)
@@ -242,6 +262,7 @@ class Registry:
         return {"cluster_id": self.cluster_id, "routed": self.routed, "scheduler": self.scheduler,
                 "scheduler_overhead_us_p50": percentile(us, 50), "scheduler_overhead_us_p99": percentile(us, 99),
                 "servers": [asdict(s) for s in self.ordered()], "clients": dict(self.clients),
+                "hosts": self.hosts(),
                 "decisions": [_decision_entry(d) for d in list(self.decisions)[-last:]] if last else []}
 
 

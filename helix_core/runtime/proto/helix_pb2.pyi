@@ -73,14 +73,16 @@ class RegisterServerReply(_message.Message):
     def __init__(self, server_id: _Optional[str] = ..., cluster_id: _Optional[str] = ..., heartbeat_interval_s: _Optional[float] = ...) -> None: ...
 
 class RegisterClientRequest(_message.Message):
-    __slots__ = ("rank", "world_size", "host")
+    __slots__ = ("rank", "world_size", "host", "local_rank")
     RANK_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_RANK_FIELD_NUMBER: _ClassVar[int]
     rank: int
     world_size: int
     host: str
-    def __init__(self, rank: _Optional[int] = ..., world_size: _Optional[int] = ..., host: _Optional[str] = ...) -> None: ...
+    local_rank: int
+    def __init__(self, rank: _Optional[int] = ..., world_size: _Optional[int] = ..., host: _Optional[str] = ..., local_rank: _Optional[int] = ...) -> None: ...
 
 class RegisterClientReply(_message.Message):
     __slots__ = ("client_id", "cluster_id", "task_id_base")
@@ -135,7 +137,7 @@ class CostTerm(_message.Message):
     def __init__(self, cpu_s: _Optional[float] = ..., io_bytes: _Optional[int] = ..., out_bytes: _Optional[int] = ..., tokens: _Optional[int] = ...) -> None: ...
 
 class RouteRequest(_message.Message):
-    __slots__ = ("client_id", "rank", "task_id", "cost", "deadline_s", "exclude", "scheduler", "has_deadline", "completed")
+    __slots__ = ("client_id", "rank", "task_id", "cost", "deadline_s", "exclude", "scheduler", "has_deadline", "completed", "host", "local_rank")
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
@@ -145,6 +147,8 @@ class RouteRequest(_message.Message):
     SCHEDULER_FIELD_NUMBER: _ClassVar[int]
     HAS_DEADLINE_FIELD_NUMBER: _ClassVar[int]
     COMPLETED_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_RANK_FIELD_NUMBER: _ClassVar[int]
     client_id: str
     rank: int
     task_id: int
@@ -154,10 +158,12 @@ class RouteRequest(_message.Message):
     scheduler: str
     has_deadline: bool
     completed: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, client_id: _Optional[str] = ..., rank: _Optional[int] = ..., task_id: _Optional[int] = ..., cost: _Optional[_Union[CostTerm, _Mapping]] = ..., deadline_s: _Optional[float] = ..., exclude: _Optional[_Iterable[str]] = ..., scheduler: _Optional[str] = ..., has_deadline: _Optional[bool] = ..., completed: _Optional[_Iterable[int]] = ...) -> None: ...
+    host: str
+    local_rank: int
+    def __init__(self, client_id: _Optional[str] = ..., rank: _Optional[int] = ..., task_id: _Optional[int] = ..., cost: _Optional[_Union[CostTerm, _Mapping]] = ..., deadline_s: _Optional[float] = ..., exclude: _Optional[_Iterable[str]] = ..., scheduler: _Optional[str] = ..., has_deadline: _Optional[bool] = ..., completed: _Optional[_Iterable[int]] = ..., host: _Optional[str] = ..., local_rank: _Optional[int] = ...) -> None: ...
 
 class RouteReply(_message.Message):
-    __slots__ = ("exec_server_id", "exec_address", "delivery_server_id", "delivery_address", "reason", "decision_us", "exec_kind")
+    __slots__ = ("exec_server_id", "exec_address", "delivery_server_id", "delivery_address", "reason", "decision_us", "exec_kind", "delivery_host")
     EXEC_SERVER_ID_FIELD_NUMBER: _ClassVar[int]
     EXEC_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     DELIVERY_SERVER_ID_FIELD_NUMBER: _ClassVar[int]
@@ -165,6 +171,7 @@ class RouteReply(_message.Message):
     REASON_FIELD_NUMBER: _ClassVar[int]
     DECISION_US_FIELD_NUMBER: _ClassVar[int]
     EXEC_KIND_FIELD_NUMBER: _ClassVar[int]
+    DELIVERY_HOST_FIELD_NUMBER: _ClassVar[int]
     exec_server_id: str
     exec_address: str
     delivery_server_id: str
@@ -172,7 +179,8 @@ class RouteReply(_message.Message):
     reason: str
     decision_us: float
     exec_kind: str
-    def __init__(self, exec_server_id: _Optional[str] = ..., exec_address: _Optional[str] = ..., delivery_server_id: _Optional[str] = ..., delivery_address: _Optional[str] = ..., reason: _Optional[str] = ..., decision_us: _Optional[float] = ..., exec_kind: _Optional[str] = ...) -> None: ...
+    delivery_host: str
+    def __init__(self, exec_server_id: _Optional[str] = ..., exec_address: _Optional[str] = ..., delivery_server_id: _Optional[str] = ..., delivery_address: _Optional[str] = ..., reason: _Optional[str] = ..., decision_us: _Optional[float] = ..., exec_kind: _Optional[str] = ..., delivery_host: _Optional[str] = ...) -> None: ...
 
 class Completions(_message.Message):
     __slots__ = ("client_id", "task_ids")
