@@ -118,6 +118,44 @@ def _cmd_planner(a, console) -> int:
     return 0
 
 
+def _cmd_status(a, console) -> int:
+    """What a running cluster's Coordinator knows: its hosts, their servers, the sidecars, the clients."""
+    import json
+
+    from rich.table import Table
+
+    from .config import ClusterConfig
+    from .runtime.auth import call_metadata, load_token
+    from .runtime.proto import helix_pb2 as pb
+    from .runtime.proto import helix_pb2_grpc as pbg
+    from .runtime.rpc import check_hello, connect
+
+    token, config = load_token(token_file=a.token_file), ClusterConfig()
+    channel = connect(a.coordinator, config)
+    try:
+        stub = pbg.CoordinatorStub(channel)
+        check_hello(stub, "client", token, config.rpc_timeout_s, f"the Coordinator at {a.coordinator}")
+        info = json.loads(stub.Telemetry(pb.TelemetryRequest(last_decisions=0), timeout=config.rpc_timeout_s,
+                                         metadata=call_metadata(token)).json)
+    finally:
+        channel.close()
+    if a.json:
+        print(json.dumps(info, indent=2))
+        return 0
+    table = Table(title=f"cluster {info['cluster_id']} at {a.coordinator}: {info['routed']} requests routed")
+    for col in ("server", "kind", "host", "local rank", "address", "workers", "alive", "completed", "cross-DS MB"):
+        table.add_column(col)
+    for s in info["servers"]:
+        table.add_row(s["server_id"], s["kind"], s["host"], str(s["local_rank"]) if s["kind"] == "local" else "",
+                      s["address"], str(s["workers"]), "yes" if s["alive"] else "no", str(s["completed"]),
+                      f"{s['cross_ds_bytes'] / 1e6:.1f}")
+    console.print(table)
+    clients = sorted(info["clients"].values(), key=lambda c: c["rank"])
+    console.print(f"{len(info['hosts'])} hosts with local servers; {len(clients)} clients: "
+                  + ", ".join(f"rank {c['rank']} on {c['host']}" for c in clients))
+    return 0
+
+
 def _cmd_microbench(a, console) -> int:
     _need_bench()
     from helix_bench.media import run_microbench
@@ -206,6 +244,12 @@ def build_parser() -> argparse.ArgumentParser:
     for role, text in (("coordinator", "run a Coordinator (the metadata-only control plane)"),
                        ("dataserver", "run a DataServer (--local-rank R | --remote) with its worker pool")):
         sub.add_parser(role, help=text, add_help=False)  # handled in main()
+    s = sub.add_parser("status", help="a running cluster's hosts, servers and clients, as its Coordinator sees them")
+    s.add_argument("--coordinator", default=os.environ.get("HELIX_COORDINATOR"), required="HELIX_COORDINATOR" not in os.environ,
+                   help="HOST:PORT (default HELIX_COORDINATOR)")
+    s.add_argument("--token-file", default=None, help="file holding the token (or set HELIX_TOKEN)")
+    s.add_argument("--json", action="store_true", help="print the Coordinator's telemetry as JSON")
+    s.set_defaults(fn=_cmd_status)
     s = sub.add_parser("microbench", help="decode frames/s per profile, probe ms/file, profile-table load time")
     s.add_argument("--out", default=str(cache_dir() / "microbench"), help="folder for the generated clips and table")
     s.add_argument("--clips", type=int, default=6, help="clips per kinetics profile")
@@ -217,7 +261,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     from rich.console import Console
 
-    from .errors import ManifestError, SampleError
+    from .errors import ClusterError, ManifestError, SampleError
 
     console = Console()
     argv = sys.argv[1:] if argv is None else argv
@@ -226,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.fn(args, console)
-    except (ManifestError, SampleError, FileNotFoundError, ValueError) as e:
+    except (ManifestError, SampleError, ClusterError, FileNotFoundError, ValueError) as e:
         console.print(f"[red]error:[/] {e}")
         return 2
     except KeyboardInterrupt:

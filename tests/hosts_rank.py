@@ -1,0 +1,48 @@
+"""One training rank on an emulated host (tests/test_hosts.py): iterate an epoch through a Helix
+cluster for each placement policy asked, compare with torch's DataLoader + DistributedSampler, and
+write what it saw as JSON. Usage: python hosts_rank.py '<json arguments>'"""
+import json
+import os
+import sys
+import traceback
+
+import torch
+from torch.utils.data import DataLoader, DistributedSampler
+
+import helix_core as hx
+from helix_core.config import ClusterConfig
+from helix_core.runtime.hostid import host_id
+from helix_core.testing import IndexDataset
+
+
+def main(a: dict) -> dict:
+    ds = IndexDataset(a["n"], delays={i: a.get("delay_s", 0.0) for i in range(a["n"])} if a.get("delay_s") else None)
+    sampler = DistributedSampler(ds, num_replicas=a["world"], rank=a["rank"], shuffle=False)
+    want = list(DataLoader(ds, batch_size=a["batch"], sampler=sampler))
+    out = {"host": host_id(), "runs": {}}
+    for scheduler in a["schedulers"]:
+        run = out["runs"][scheduler] = {}
+        try:
+            with hx.DistributedDataLoader(ds, batch_size=a["batch"], rank=a["rank"], world_size=a["world"],
+                                          coordinator=a["coordinator"], token=a["token"], scheduler=scheduler,
+                                          config=ClusterConfig.for_tests()) as loader:
+                got = []
+                for batch in loader:
+                    got.append(batch)
+                run["indices"] = [b["index"].tolist() for b in got]
+                run["equal"] = len(got) == len(want) and all(
+                    torch.equal(g["x"], w["x"]) and torch.equal(g["index"], w["index"]) for g, w in zip(got, want))
+                stats = loader.stats()
+                run["cross_ds_bytes"], run["resubmits"] = stats["cross_ds_bytes"], stats["resubmits"]
+        except Exception as e:  # noqa: BLE001 - the test reads the error
+            run["error"] = f"{type(e).__name__}: {e}"
+            run["trace"] = traceback.format_exc()
+    return out
+
+
+if __name__ == "__main__":
+    args = json.loads(sys.argv[1])
+    os.environ["LOCAL_RANK"] = str(args["local_rank"])
+    result = main(args)
+    with open(args["out"], "w") as f:
+        json.dump(result, f)

@@ -1,0 +1,158 @@
+"""Helix across hosts, on emulated hosts: each a network + mount + UTS namespace with its own
+address, /dev/shm and hostname (helix_core.emulated_hosts). Services start through the CLI as a
+user starts them on each machine; ranks are processes on their own host."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from torch.utils.data import DistributedSampler
+
+from helix_core.config import ClusterConfig
+from helix_core.emulated_hosts import EmulatedHosts, leftovers
+from helix_core.testing import IndexDataset
+
+pytestmark = pytest.mark.skipif(EmulatedHosts.unavailable() is not None, reason=str(EmulatedHosts.unavailable()))
+
+HERE = Path(__file__).resolve().parent
+CFG = json.dumps(ClusterConfig.for_tests().to_dict())
+TOKEN = "emulated-hosts-token"
+
+
+@pytest.fixture(scope="module")
+def hosts():
+    with EmulatedHosts(["a", "b", "c"]) as h:
+        yield h
+
+
+class Cluster:
+    """A Coordinator on host a, one local DataServer (local rank 0) on each of a and b, and a
+    remote sidecar on c: each started with the ``helix`` command on its own host."""
+
+    def __init__(self, hosts: EmulatedHosts, tmp: Path):
+        self.hosts, self.tmp = hosts, tmp
+        self.token_file = tmp / "token"
+        self.token_file.write_text(TOKEN + "\n")
+        self.procs = {}
+        a = hosts.address("a")
+        self.coordinator = self._start("coordinator", "a", ["coordinator", "--host", a, "--port", "7070"])["address"]
+        for name in ("a", "b"):
+            self._start(f"local-{name}", name, ["dataserver", "--coordinator", self.coordinator, "--local-rank", "0",
+                                                "--workers", "1", "--host", hosts.address(name)])
+        self._start("sidecar", "c", ["dataserver", "--coordinator", self.coordinator, "--remote", "--workers", "1",
+                                     "--host", hosts.address("c")])
+
+    def _start(self, role: str, host: str, args: list[str]) -> dict:
+        proc = self.hosts.popen(host, [sys.executable, "-m", "helix_core.cli", *args, "--token-file",
+                                       str(self.token_file), "--config-json", CFG],
+                                stdout=subprocess.PIPE, text=True)
+        line = proc.stdout.readline()
+        assert line.startswith("HELIX_READY "), f"{role} on host {host}: {line!r}"
+        self.procs[role] = proc
+        return json.loads(line.split(" ", 1)[1])
+
+    def status(self, host: str = "c") -> dict:
+        done = self.hosts.run(host, [sys.executable, "-m", "helix_core.cli", "status", "--coordinator",
+                                     self.coordinator, "--token-file", str(self.token_file), "--json"])
+        assert done.returncode == 0, done.stderr
+        return json.loads(done.stdout)
+
+    def ranks(self, placement: list[tuple[str, int]], schedulers, n: int = 48, batch: int = 2, **extra) -> list:
+        """Start one rank per ``(host, local_rank)``; return their processes and output files."""
+        started = []
+        for rank, (host, local_rank) in enumerate(placement):
+            out = self.tmp / f"rank{rank}-{time.monotonic_ns()}.json"
+            args = dict(n=n, batch=batch, rank=rank, world=len(placement), local_rank=local_rank,
+                        coordinator=self.coordinator, token=TOKEN, schedulers=list(schedulers), out=str(out), **extra)
+            started.append((self.hosts.popen(host, [sys.executable, str(HERE / "hosts_rank.py"), json.dumps(args)]), out))
+        return started
+
+    def close(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in self.procs.values():
+            proc.wait(timeout=20)
+            proc.stdout.close()
+
+
+def _results(started, timeout=240) -> list[dict]:
+    out = []
+    for proc, path in started:
+        assert proc.wait(timeout=timeout) == 0
+        out.append(json.loads(path.read_text()))
+    return out
+
+
+def _sampler(n, rank, world, batch):
+    order = list(DistributedSampler(IndexDataset(n), num_replicas=world, rank=rank, shuffle=False))
+    return [order[i:i + batch] for i in range(0, len(order), batch)]
+
+
+def test_two_hosts_and_a_sidecar_through_the_cli(hosts, tmp_path):
+    cluster = Cluster(hosts, tmp_path)
+    try:
+        placement = [("a", 0), ("a", 1), ("b", 0), ("b", 1)]  # both hosts' local servers have local rank 0
+        results = _results(cluster.ranks(placement, ["least-request", "deadline"]))
+        status = cluster.status()
+    finally:
+        cluster.close()
+    host_of = {r: res["host"] for r, res in enumerate(results)}
+    assert host_of[0] == host_of[1] != host_of[2] == host_of[3]  # two hosts, by identity
+    for rank, res in enumerate(results):
+        for scheduler, run in res["runs"].items():
+            assert "error" not in run, run.get("trace")
+            assert run["equal"], (rank, scheduler)  # the sampler's batches, tensors included
+            assert run["indices"] == _sampler(48, rank, 4, 2)
+    # the sidecar served ranks of both hosts (a remote server always streams: cross-DS bytes)
+    for pair in ((0, 1), (2, 3)):
+        assert sum(results[r]["runs"]["least-request"]["cross_ds_bytes"] for r in pair) > 0, pair
+    # the Coordinator lists every host's servers; each rank delivered through its own host's only
+    servers = {s["server_id"]: s for s in status["servers"]}
+    assert set(status["hosts"]) == {host_of[0], host_of[2]}
+    assert [s["kind"] for s in status["servers"]].count("remote") == 1
+    assert all(len(ids) == 1 and servers[ids[0]]["local_rank"] == 0 for ids in status["hosts"].values())
+    clients = {c["rank"]: c for c in status["clients"].values()}
+    assert {clients[r]["host"] for r in (0, 1)} == {host_of[0]} and {clients[r]["host"] for r in (2, 3)} == {host_of[2]}
+
+
+def test_a_hosts_last_local_server_killed_its_ranks_get_an_error_naming_it_other_hosts_go_on(hosts, tmp_path):
+    cluster = Cluster(hosts, tmp_path)
+    try:
+        # samples decode slowly (12 per rank, 0.1 s each): both ranks are mid-epoch when b loses its server
+        started = cluster.ranks([("a", 0), ("b", 0)], ["least-request"], n=24, delay_s=0.1)
+        deadline = time.monotonic() + 120
+        while len(cluster.status("a")["clients"]) < 2:  # both loaders registered: their epochs begin
+            assert time.monotonic() < deadline, "the ranks never registered"
+            time.sleep(0.2)
+        cluster.procs["local-b"].send_signal(signal.SIGKILL)
+        results = _results(started)
+        status = cluster.status("a")
+    finally:
+        cluster.close()
+    a, b = results[0]["runs"]["least-request"], results[1]["runs"]["least-request"]
+    assert "error" not in a, a.get("trace")
+    assert a["equal"] and a["indices"] == _sampler(24, 0, 2, 2)
+    assert "ClusterError" in b.get("error", "") and repr(results[1]["host"]) in b["error"], b
+    local_b = [s for s in status["servers"] if s["host"] == results[1]["host"]]
+    assert local_b and not any(s["alive"] for s in local_b)
+
+
+def test_emulated_hosts_are_isolated_and_leave_nothing_behind_even_after_a_failure():
+    with pytest.raises(RuntimeError, match="a test failed"):
+        with EmulatedHosts(["x", "y"], cpus={"y": 0.5}, link_mbps={"y": 20}) as h:
+            tag = h.tag
+            assert h.run("x", ["hostname"]).stdout.strip() == "x"
+            assert h.run("x", ["sh", "-c", "touch /dev/shm/helix-probe && ls /dev/shm"]).stdout.split() == ["helix-probe"]
+            assert "helix-probe" not in h.run("y", ["ls", "/dev/shm"]).stdout  # each host its own /dev/shm
+            assert not os.path.exists("/dev/shm/helix-probe")
+            reach = h.run("x", [sys.executable, "-c", f"import socket; socket.create_connection(('{h.address('y')}', 9), 2)"])
+            assert "ConnectionRefused" in reach.stderr  # y's address answers on the bridge (nothing listens on 9)
+            h.popen("y", ["sleep", "600"])  # still running when the test fails
+            assert leftovers(tag)
+            raise RuntimeError("a test failed")
+    assert leftovers(tag) == []
