@@ -129,12 +129,13 @@ def _cmd_status(a, console) -> int:
     from .runtime.proto import helix_pb2 as pb
     from .runtime.proto import helix_pb2_grpc as pbg
     from .runtime.rpc import check_hello, connect
+    from .runtime.tls import Tls
 
-    token, config = load_token(token_file=a.token_file), ClusterConfig()
-    channel = connect(a.coordinator, config)
+    token, config, tls = load_token(token_file=a.token_file), ClusterConfig(), Tls.from_env()
+    channel = connect(a.coordinator, config, tls)
     try:
         stub = pbg.CoordinatorStub(channel)
-        check_hello(stub, "client", token, config.rpc_timeout_s, f"the Coordinator at {a.coordinator}")
+        check_hello(stub, "client", token, config.rpc_timeout_s, f"the Coordinator at {a.coordinator}", tls)
         info = json.loads(stub.Telemetry(pb.TelemetryRequest(last_decisions=0), timeout=config.rpc_timeout_s,
                                          metadata=call_metadata(token)).json)
     finally:
@@ -153,6 +154,16 @@ def _cmd_status(a, console) -> int:
     clients = sorted(info["clients"].values(), key=lambda c: c["rank"])
     console.print(f"{len(info['hosts'])} hosts with local servers; {len(clients)} clients: "
                   + ", ".join(f"rank {c['rank']} on {c['host']}" for c in clients))
+    return 0
+
+
+def _cmd_certs(a, console) -> int:
+    from .runtime.tls import write_certificates
+
+    paths = write_certificates(a.out, _split(a.names))
+    console.print(f"wrote a new CA and a certificate for {a.names}: " + ", ".join(f"{k} {v}" for k, v in paths.items()))
+    console.print("start each service with --tls-cert, --tls-key, --tls-ca (or set HELIX_TLS_CERT / _KEY / _CA "
+                  "for every process, clients included)")
     return 0
 
 
@@ -250,6 +261,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--token-file", default=None, help="file holding the token (or set HELIX_TOKEN)")
     s.add_argument("--json", action="store_true", help="print the Coordinator's telemetry as JSON")
     s.set_defaults(fn=_cmd_status)
+    s = sub.add_parser("certs", help="make a CA and a certificate for a cluster's hosts (TLS across hosts)")
+    s.add_argument("out", help="folder for tls-ca.pem, tls-cert.pem, tls-key.pem")
+    s.add_argument("--names", required=True, help="comma-separated host names and IP addresses the services are dialled by")
+    s.set_defaults(fn=_cmd_certs)
     s = sub.add_parser("microbench", help="decode frames/s per profile, probe ms/file, profile-table load time")
     s.add_argument("--out", default=str(cache_dir() / "microbench"), help="folder for the generated clips and table")
     s.add_argument("--clips", type=int, default=6, help="clips per kinetics profile")

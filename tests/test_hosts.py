@@ -14,6 +14,7 @@ from torch.utils.data import DistributedSampler
 
 from helix_core.config import ClusterConfig
 from helix_core.emulated_hosts import EmulatedHosts, leftovers
+from helix_core.runtime.tls import write_certificates
 from helix_core.testing import IndexDataset
 
 pytestmark = pytest.mark.skipif(EmulatedHosts.unavailable() is not None, reason=str(EmulatedHosts.unavailable()))
@@ -31,13 +32,19 @@ def hosts():
 
 class Cluster:
     """A Coordinator on host a, one local DataServer (local rank 0) on each of a and b, and a
-    remote sidecar on c: each started with the ``helix`` command on its own host."""
+    remote sidecar on c: each started with the ``helix`` command on its own host, with a token and
+    TLS (``helix certs``-style certificates for the hosts' addresses; ``tls=False``: --insecure)."""
 
-    def __init__(self, hosts: EmulatedHosts, tmp: Path):
+    def __init__(self, hosts: EmulatedHosts, tmp: Path, tls: bool = True):
         self.hosts, self.tmp = hosts, tmp
         self.token_file = tmp / "token"
         self.token_file.write_text(TOKEN + "\n")
-        self.procs = {}
+        self.procs, self.info = {}, {}
+        self.env = dict(os.environ)
+        if tls:
+            certs = write_certificates(str(tmp / "certs"), [hosts.address(n) for n in hosts.names])
+            self.env.update(HELIX_TLS_CERT=certs["cert"], HELIX_TLS_KEY=certs["key"], HELIX_TLS_CA=certs["ca"])
+        self.flags = [] if tls else ["--insecure"]
         a = hosts.address("a")
         self.coordinator = self._start("coordinator", "a", ["coordinator", "--host", a, "--port", "7070"])["address"]
         for name in ("a", "b"):
@@ -48,16 +55,17 @@ class Cluster:
 
     def _start(self, role: str, host: str, args: list[str]) -> dict:
         proc = self.hosts.popen(host, [sys.executable, "-m", "helix_core.cli", *args, "--token-file",
-                                       str(self.token_file), "--config-json", CFG],
-                                stdout=subprocess.PIPE, text=True)
+                                       str(self.token_file), "--config-json", CFG, *self.flags],
+                                stdout=subprocess.PIPE, text=True, env=self.env)
         line = proc.stdout.readline()
         assert line.startswith("HELIX_READY "), f"{role} on host {host}: {line!r}"
         self.procs[role] = proc
-        return json.loads(line.split(" ", 1)[1])
+        self.info[role] = json.loads(line.split(" ", 1)[1])
+        return self.info[role]
 
     def status(self, host: str = "c") -> dict:
         done = self.hosts.run(host, [sys.executable, "-m", "helix_core.cli", "status", "--coordinator",
-                                     self.coordinator, "--token-file", str(self.token_file), "--json"])
+                                     self.coordinator, "--token-file", str(self.token_file), "--json"], env=self.env)
         assert done.returncode == 0, done.stderr
         return json.loads(done.stdout)
 
@@ -68,7 +76,8 @@ class Cluster:
             out = self.tmp / f"rank{rank}-{time.monotonic_ns()}.json"
             args = dict(n=n, batch=batch, rank=rank, world=len(placement), local_rank=local_rank,
                         coordinator=self.coordinator, token=TOKEN, schedulers=list(schedulers), out=str(out), **extra)
-            started.append((self.hosts.popen(host, [sys.executable, str(HERE / "hosts_rank.py"), json.dumps(args)]), out))
+            argv = [sys.executable, str(HERE / "hosts_rank.py"), json.dumps(args)]
+            started.append((self.hosts.popen(host, argv, env=self.env), out))
         return started
 
     def close(self) -> None:
@@ -140,6 +149,51 @@ def test_a_hosts_last_local_server_killed_its_ranks_get_an_error_naming_it_other
     assert "ClusterError" in b.get("error", "") and repr(results[1]["host"]) in b["error"], b
     local_b = [s for s in status["servers"] if s["host"] == results[1]["host"]]
     assert local_b and not any(s["alive"] for s in local_b)
+
+
+_PICKLED = """
+import json, sys
+import grpc, torch
+import helix_core as hx
+from helix_core.config import ClusterConfig
+from helix_core.runtime.proto import helix_pb2 as pb, helix_pb2_grpc as pbg
+
+class Squares(torch.utils.data.Dataset):  # no helix_spec(): only cloudpickle could carry it
+    def __len__(self):
+        return 8
+    def __getitem__(self, i):
+        return torch.tensor([i * i])
+
+a = json.loads(sys.argv[1])
+out = {}
+try:
+    hx.DistributedDataLoader(Squares(), batch_size=2, rank=0, world_size=1, coordinator=a["coordinator"],
+                             token=a["token"], config=ClusterConfig.for_tests())
+    out["loader"] = "accepted"
+except ValueError as e:
+    out["loader"] = str(e)
+stub = pbg.DataServerStub(grpc.insecure_channel(a["server"]))  # the raw RPC, with the token
+try:
+    stub.Configure(pb.ConfigureRequest(spec_id="x", payload=b"\\x80\\x04N.", format="cloudpickle"),
+                   metadata=(("helix-token", a["token"]),), timeout=10)
+    out["configure"] = "accepted"
+except grpc.RpcError as e:
+    out["configure"] = f"{e.code().name}: {e.details()}"
+print(json.dumps(out))
+"""
+
+
+def test_insecure_services_take_no_pickled_data(hosts, tmp_path):
+    cluster = Cluster(hosts, tmp_path, tls=False)  # --insecure: the token crosses the bridge in clear text
+    try:
+        args = {"coordinator": cluster.coordinator, "token": TOKEN, "server": cluster.info["local-a"]["address"]}
+        done = hosts.run("b", [sys.executable, "-c", _PICKLED, json.dumps(args)], env=cluster.env)
+    finally:
+        cluster.close()
+    assert done.returncode == 0, done.stderr
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    assert "dataset Squares (it has no helix_spec())" in got["loader"] and "TLS" in got["loader"], got
+    assert got["configure"].startswith("PERMISSION_DENIED") and "--insecure" in got["configure"], got
 
 
 def test_emulated_hosts_are_isolated_and_leave_nothing_behind_even_after_a_failure():

@@ -59,7 +59,8 @@ class DistributedDataLoader:
     into requests of this many samples, merged — padded — before it is yielded), ``on_error``
     ("raise": ``SampleError`` at the batch; "skip": replaced from this rank's shard, counted in
     ``stats()["skipped"]``), ``device`` (copy batches there, non-blocking), ``num_workers`` (worker
-    processes of an embedded cluster).
+    processes of an embedded cluster), ``tls`` (a ``hx.Tls`` for every channel; default
+    ``HELIX_TLS_CERT`` / ``_KEY`` / ``_CA``, else none).
 
     Co-scheduling: ``scheduler`` names the placement policy of every request ("deadline": paper
     Eq. 1 against this rank's deadline; "least-request"); ``balance="tokens"`` plans each
@@ -74,7 +75,7 @@ class DistributedDataLoader:
                  drop_last: bool = False, collate_fn=None, prefetch_depth: int = 4, scheduler: str = "deadline",
                  balance: str | None = None, window: int = 8, gpu_cost=None, microbatch_size: int | None = None,
                  on_error: str = "raise", pin_memory: bool = False, device=None, num_workers: int | None = None,
-                 config: ClusterConfig | None = None, ddl_tolerance_s: float = 0.010):
+                 config: ClusterConfig | None = None, ddl_tolerance_s: float = 0.010, tls=None):
         if scheduler not in SCHEDULERS:
             raise ValueError(f"scheduler={scheduler!r}; valid: {', '.join(SCHEDULERS)}")
         if balance not in BALANCES:
@@ -112,7 +113,7 @@ class DistributedDataLoader:
             self._embedded = True
         self._closed = True  # until construction succeeded (close() must not touch what isn't there)
         try:
-            self.client = ClusterClient(address, token, self.config, self.rank, self.world_size)
+            self.client = ClusterClient(address, token, self.config, self.rank, self.world_size, tls=tls)
             try:
                 spec = make_spec(dataset, collate_fn, self.client.pickle_allowed)
             except BaseException:

@@ -15,7 +15,7 @@ import grpc
 
 from ..config import ClusterConfig
 from ..errors import ClusterError, SampleError
-from ..runtime.auth import call_metadata
+from ..runtime.auth import call_metadata, pickle_allowed
 from ..runtime.hostid import host_id
 from ..runtime.proto import helix_pb2 as pb
 from ..runtime.proto import helix_pb2_grpc as pbg
@@ -23,6 +23,7 @@ from ..runtime.rpc import check_hello, connect
 from ..runtime.merge import merge_batches
 from ..runtime.reader import SlabReader
 from ..runtime.tensors import copy_tensors, read_tensors, unflatten
+from ..runtime.tls import Tls
 from ..protocol import ErrorKind, Route, route_request
 
 __all__ = ["ClusterClient", "TRANSIENT"]
@@ -56,17 +57,22 @@ class ClusterClient:
     """One rank's connection to a Helix cluster. Thread-safe."""
 
     def __init__(self, address: str, token: str | None, config: ClusterConfig, rank: int, world_size: int,
-                 local_rank: int | None = None):
+                 local_rank: int | None = None, tls=None):
+        """``tls``: a ``Tls`` for every channel (default: ``HELIX_TLS_*``, else none)."""
         self.address, self.token, self.config = address, token, config
+        self.tls = Tls.from_env() if tls is None else tls
         self.rank, self.world_size = rank, world_size
         # its host's identity and its slot among that host's local servers (torchrun's LOCAL_RANK)
         self.host = host_id()
         self.local_rank = int(os.environ.get("LOCAL_RANK", rank)) if local_rank is None else int(local_rank)
         self.metadata = call_metadata(token)
-        self._channel = connect(address, config)
+        self._channel = connect(address, config, self.tls)
         self.coordinator = pbg.CoordinatorStub(self._channel)
-        hello = check_hello(self.coordinator, "client", token, config.rpc_timeout_s, f"the Coordinator at {address}")
-        self.cluster_id, self.pickle_allowed = hello.cluster_id, hello.pickle_allowed
+        hello = check_hello(self.coordinator, "client", token, config.rpc_timeout_s, f"the Coordinator at {address}",
+                            self.tls)
+        # pickles only with a token, and only where it can't be read off the wire (loopback or TLS)
+        self.cluster_id = hello.cluster_id
+        self.pickle_allowed = hello.pickle_allowed and pickle_allowed(address.rsplit(":", 1)[0], token, self.tls)
         reply = self._call(self.coordinator.RegisterClient,
                            pb.RegisterClientRequest(rank=rank, world_size=world_size, host=self.host,
                                                     local_rank=self.local_rank))
@@ -155,7 +161,7 @@ class ClusterClient:
         with self._lock:
             s = self._stubs.get(address)
         if s is None:  # a new connection starts with the protocol-version check
-            ch = connect(address, self.config)
+            ch = connect(address, self.config, self.tls)
             s = pbg.DataServerStub(ch)
             try:
                 check_hello(s, "client", self.token, self.config.rpc_timeout_s, f"the DataServer at {address}")
@@ -207,9 +213,10 @@ class ClusterClient:
 
     def _materialize(self, b: pb.BatchHandle, copy: bool):
         handle = {"segment": b.slab.segment, "generation": b.slab.generation, "nbytes": b.slab.nbytes}
-        if b.tree_pickle and not self.token:
+        if b.tree_pickle and not self.pickle_allowed:
             self.reader.release(handle)
-            raise ClusterError("a DataServer sent a pickled batch structure to a client without a token")
+            raise ClusterError("a DataServer sent a pickled batch structure to a client that accepts none (no token, "
+                               "or a cluster reached without TLS beyond loopback)")
         metas = _meta_dicts(b.tensors)
         buf = self.reader.view(handle) if b.slab.segment else memoryview(b"")
         if copy:

@@ -1,19 +1,22 @@
 """Token authentication: a server interceptor checks every RPC; clients attach the token.
 
-Services bind 127.0.0.1 unless told otherwise; any other address needs a token. Only peers that
-presented the token may send pickled payloads.
+Services bind 127.0.0.1 unless told otherwise; any other address needs a token and TLS (or
+``--insecure``). Pickled payloads travel only with a token and where it can't be read off the wire:
+loopback, or TLS.
 """
 from __future__ import annotations
 
 import hmac
 import ipaddress
+import logging
 import os
 import secrets
 
 import grpc
 
+log = logging.getLogger("helix.auth")
 __all__ = ["AioTokenInterceptor", "TOKEN_METADATA", "TokenInterceptor", "call_metadata", "check_bind", "load_token",
-           "new_token"]
+           "new_token", "pickle_allowed"]
 
 TOKEN_METADATA = "helix-token"
 
@@ -47,11 +50,26 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
-def check_bind(host: str, token: str | None) -> None:
-    """Refuse to listen beyond loopback without a token."""
-    if not _is_loopback(host) and not token:
+def check_bind(host: str, token: str | None, tls=None, insecure: bool = False) -> None:
+    """Refuse to listen beyond loopback without a token, or without TLS unless ``insecure``."""
+    if _is_loopback(host):
+        return
+    if not token:
         raise ValueError(f"listening on {host} needs a token: pass --token-file FILE or set HELIX_TOKEN "
                          "(without one Helix only binds 127.0.0.1)")
+    if tls is None and not insecure:
+        raise ValueError(f"listening on {host} needs TLS (--tls-cert, --tls-key, --tls-ca or HELIX_TLS_CERT / _KEY / "
+                         "_CA): the token would cross the network in clear text. --insecure runs without it "
+                         "(and then accepts no pickled data)")
+    if tls is None:
+        log.warning("listening on %s without TLS (--insecure): the token crosses the network in clear text; "
+                    "pickled datasets and batches are refused", host)
+
+
+def pickle_allowed(host: str, token: str | None, tls=None) -> bool:
+    """Whether a service (or a client, by the address it dials) may exchange pickled data: only
+    with a token, and only where the token can't be read off the wire (loopback, or TLS)."""
+    return bool(token) and (tls is not None or _is_loopback(host))
 
 
 def call_metadata(token: str | None) -> tuple:

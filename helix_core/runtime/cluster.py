@@ -9,9 +9,11 @@ from __future__ import annotations
 import json
 import os
 import selectors
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 import weakref
@@ -21,6 +23,7 @@ from ..config import ClusterConfig
 from ..errors import ClusterError
 from . import shm
 from .auth import new_token
+from .tls import ENV
 
 __all__ = ["LocalCluster", "ServerHandle", "host_layout"]
 
@@ -57,13 +60,15 @@ class LocalCluster:
     ones, each with ``workers_per_server`` worker processes, on ``host`` (127.0.0.1).
 
     ``token``: require it on every RPC (and so allow cloudpickled datasets); ``token=True`` makes a
-    fresh one. ``address`` is ``"host:port"`` of the Coordinator; ``servers`` lists local servers
-    first, then remote ones; ``kill_server(i)`` SIGKILLs one (fault injection).
+    fresh one. ``tls``: a ``Tls`` for every port and channel of the cluster (default: its
+    processes read ``HELIX_TLS_*``); clients pass ``cluster.tls``. ``address`` is ``"host:port"``
+    of the Coordinator; ``servers`` lists local servers first, then remote ones; ``kill_server(i)``
+    SIGKILLs one (fault injection).
     """
 
     def __init__(self, local_servers: int = 1, remote_servers: int = 0, workers_per_server: int = 1,
                  token: str | bool | None = None, host: str = "127.0.0.1", config: ClusterConfig | None = None,
-                 scheduler: str = "deadline", start: bool = True):
+                 scheduler: str = "deadline", start: bool = True, tls=None):
         if local_servers < 1 or remote_servers < 0 or workers_per_server < 1:
             raise ValueError(f"LocalCluster needs local_servers >= 1, remote_servers >= 0, workers_per_server >= 1 "
                              f"(got {local_servers}, {remote_servers}, {workers_per_server})")
@@ -73,13 +78,16 @@ class LocalCluster:
         self.host, self.scheduler = host, scheduler
         self.config = config or ClusterConfig()
         self.cluster_id = uuid.uuid4().hex[:12]
+        self.tls = tls
+        self._tls_dir = tempfile.mkdtemp(prefix="helix-tls-") if tls is not None else None  # 0700, ours
+        self._tls_env = {ENV[k]: path for k, path in tls.write(self._tls_dir).items()} if tls is not None else {}
         self.address = ""
         self.servers: list[ServerHandle] = []
         self._coordinator: subprocess.Popen | None = None
         self._closed = False
         self._procs: list[subprocess.Popen] = []  # owned from birth, even if start() fails
         self._finalizer = weakref.finalize(self, LocalCluster._cleanup, self._procs, self.cluster_id,
-                                           self.config.stop_timeout_s)
+                                           self.config.stop_timeout_s, self._tls_dir)
         if start:
             self.start()
 
@@ -90,6 +98,7 @@ class LocalCluster:
             env["HELIX_TOKEN"] = self.token
         else:
             env.pop("HELIX_TOKEN", None)
+        env.update(self._tls_env)
         cmd = [sys.executable, "-m", "helix_core.runtime.process", *args, "--owned",
                "--config-json", json.dumps(self.config.to_dict())]
         proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
@@ -168,7 +177,7 @@ class LocalCluster:
     stop = close
 
     @staticmethod
-    def _cleanup(procs: list, cluster_id: str, timeout_s: float) -> None:
+    def _cleanup(procs: list, cluster_id: str, timeout_s: float, tls_dir: str | None = None) -> None:
         servers_first = list(reversed(procs))  # DataServers, then the Coordinator
         for p in servers_first:
             try:
@@ -191,6 +200,8 @@ class LocalCluster:
             if p.stdout:
                 p.stdout.close()
         shm.sweep(f"helix-{cluster_id}-")
+        if tls_dir is not None:
+            shutil.rmtree(tls_dir, ignore_errors=True)
 
     def __enter__(self) -> "LocalCluster":
         return self.start()

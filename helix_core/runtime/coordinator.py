@@ -91,25 +91,28 @@ class CoordinatorServicer(pbg.CoordinatorServicer):
 
 
 def serve_coordinator(host: str, port: int, token: str | None, config: ClusterConfig, scheduler: str,
-                      stop: threading.Event, on_ready=None, cluster_id: str | None = None) -> None:
-    """Run a Coordinator until ``stop`` is set (blocking). ``on_ready(address)`` after binding."""
+                      stop: threading.Event, on_ready=None, cluster_id: str | None = None, tls=None,
+                      insecure: bool = False) -> None:
+    """Run a Coordinator until ``stop`` is set (blocking). ``on_ready(address)`` after binding;
+    ``tls``: a ``Tls`` for its port; ``insecure``: beyond loopback without TLS."""
     import asyncio
 
-    asyncio.run(_serve(host, port, token, config, scheduler, stop, on_ready, cluster_id))
+    asyncio.run(_serve(host, port, token, config, scheduler, stop, on_ready, cluster_id, tls, insecure))
 
 
-async def _serve(host, port, token, config, scheduler, stop, on_ready, cluster_id) -> None:
+async def _serve(host, port, token, config, scheduler, stop, on_ready, cluster_id, tls, insecure) -> None:
     import asyncio
 
+    from .auth import pickle_allowed
     from .rpc import create_aio_server
 
     registry = Registry(config, scheduler, cluster_id=cluster_id or uuid.uuid4().hex[:12])
-    server, bound = create_aio_server(host, port, token, config)
+    server, bound = create_aio_server(host, port, token, config, tls, insecure)
     # A long-lived service with a stable heap: keep startup objects out of collections and collect
     # the young generation rarely, so a collection lands in fewer than 1 in 1,000 routing decisions.
     gc.freeze()
     gc.set_threshold(50_000, 20, 20)
-    pbg.add_CoordinatorServicer_to_server(CoordinatorServicer(registry, stop, bool(token)), server)
+    pbg.add_CoordinatorServicer_to_server(CoordinatorServicer(registry, stop, pickle_allowed(host, token, tls)), server)
     await server.start()
     if on_ready is not None:
         on_ready(f"{host}:{bound}", registry.cluster_id)

@@ -54,9 +54,10 @@ class DataServerServicer(pbg.DataServerServicer):
     """Thin: converts messages, submits to the ``WorkerPool``, streams remote results."""
 
     def __init__(self, pool: WorkerPool, slabs: shm.SlabPool, config: ClusterConfig, token: str | None,
-                 address: str, kind: str):
+                 address: str, kind: str, tls=None, pickle_allowed: bool | None = None):
         self.pool, self.slabs, self.config, self.token = pool, slabs, config, token
-        self.address, self.kind = address, kind
+        self.address, self.kind, self.tls = address, kind, tls
+        self.pickle_allowed = bool(token) if pickle_allowed is None else pickle_allowed
         self.server_id, self.cluster_id = "", ""
         self.cross_ds_bytes = 0
         self.link_bandwidth_bps = 0.0  # EWMA over delivery streams of >= 1 MiB (remote servers)
@@ -68,12 +69,13 @@ class DataServerServicer(pbg.DataServerServicer):
 
     def Hello(self, request, context):
         return pb.HelloReply(protocol_version=PROTOCOL_VERSION, cluster_id=self.cluster_id,
-                             pickle_allowed=bool(self.token))
+                             pickle_allowed=self.pickle_allowed)
 
     def Configure(self, request, context):
-        if request.format == "cloudpickle" and not self.token:
+        if request.format == "cloudpickle" and not self.pickle_allowed:
             context.abort(grpc.StatusCode.PERMISSION_DENIED,
-                          "pickled dataset specs need a token-authenticated cluster (token=... / HELIX_TOKEN)")
+                          "pickled dataset specs need a token-authenticated cluster (token=... / HELIX_TOKEN) "
+                          "reached over loopback or TLS; this DataServer runs without TLS (--insecure)")
         if request.format == "json":
             try:
                 spec = json.loads(request.payload)
@@ -152,7 +154,7 @@ class DataServerServicer(pbg.DataServerServicer):
         with self._lock:
             deliver = self._deliver.get(address)
             if deliver is None:
-                deliver = self._deliver[address] = deliver_callable(connect(address, self.config))
+                deliver = self._deliver[address] = deliver_callable(connect(address, self.config, self.tls))
         payload = self.reader.view(result["handle"])
         total = result["handle"]["nbytes"]
         header = pb.StreamHeader(task_id=task_id, tree_json=result["tree_json"], tree_pickle=result["tree_pickle"],
@@ -247,16 +249,19 @@ def _heartbeats(servicer: DataServerServicer, coord, token, config: ClusterConfi
 
 def serve_dataserver(coordinator: str, kind: str, local_rank: int, workers: int, token: str | None,
                      config: ClusterConfig, stop: threading.Event, host: str = "127.0.0.1", port: int = 0,
-                     on_ready=None, host_id: str | None = None) -> None:
+                     on_ready=None, host_id: str | None = None, tls=None, insecure: bool = False) -> None:
     """Run a DataServer until ``stop`` is set (blocking): serve, register, heartbeat. ``host``:
-    the address to listen on; ``host_id``: this host's identity (default ``hostid.host_id()``)."""
+    the address to listen on; ``host_id``: this host's identity (default ``hostid.host_id()``);
+    ``tls``: a ``Tls`` for its port and its channels; ``insecure``: beyond loopback without TLS."""
+    from .auth import pickle_allowed
     from .hostid import host_id as this_host
     from .rpc import check_hello, create_server
 
     host_id = this_host(host_id)
-    coord = pbg.CoordinatorStub(connect(coordinator, config))
-    hello = check_hello(coord, "dataserver", token, config.rpc_timeout_s, f"the Coordinator at {coordinator}")
-    server, bound = create_server(host, port, token, config, threads=config.server_threads)
+    server, bound = create_server(host, port, token, config, threads=config.server_threads, tls=tls, insecure=insecure)
+    allow_pickle = pickle_allowed(host, token, tls)
+    coord = pbg.CoordinatorStub(connect(coordinator, config, tls))
+    hello = check_hello(coord, "dataserver", token, config.rpc_timeout_s, f"the Coordinator at {coordinator}", tls)
     # bound to every interface: peers need a name that reaches this machine, not the wildcard
     address = f"{socket.getfqdn() if host in ('0.0.0.0', '::', '') else host}:{bound}"
     tag = f"{kind[0]}{local_rank if kind == 'local' else ''}p{os.getpid()}-"
@@ -264,12 +269,12 @@ def serve_dataserver(coordinator: str, kind: str, local_rank: int, workers: int,
     slots = config.decode_slots or os.cpu_count() or 1  # one decode per core, across the host's servers
     host_slots = HostSlots(f"helix-{hello.cluster_id}-cpu")  # the last server of the host unlinks them
     try:
-        pool = WorkerPool(workers, f"helix-{hello.cluster_id}-{tag}", allow_pickle=bool(token), config=config,
+        pool = WorkerPool(workers, f"helix-{hello.cluster_id}-{tag}", allow_pickle=allow_pickle, config=config,
                           cpu_slots=(f"helix-{hello.cluster_id}-cpu", slots))
     except BaseException:
         host_slots.close()
         raise
-    servicer = DataServerServicer(pool, slabs, config, token, address, kind)
+    servicer = DataServerServicer(pool, slabs, config, token, address, kind, tls, allow_pickle)
     servicer.cluster_id = hello.cluster_id
     add_servicer(servicer, server)  # the generated registration, with zero-copy Deliver chunks
     server.start()

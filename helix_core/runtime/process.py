@@ -18,6 +18,7 @@ import threading
 from ..config import ClusterConfig
 from ..errors import ClusterError
 from .auth import load_token
+from .tls import Tls
 
 __all__ = ["main"]
 
@@ -63,6 +64,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "local servers serve the ranks of their own host only")
     for s in (c, d):
         s.add_argument("--token-file", default=None, help="file holding the token (or set HELIX_TOKEN)")
+        s.add_argument("--tls-cert", default=None, help="PEM certificate (chain) of this service (or HELIX_TLS_CERT)")
+        s.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert (or HELIX_TLS_KEY)")
+        s.add_argument("--tls-ca", default=None, help="PEM CA that peers' certificates are checked against (or HELIX_TLS_CA)")
+        s.add_argument("--insecure", action="store_true",
+                       help="listen beyond loopback without TLS (a warning; pickled data is then refused)")
         s.add_argument("--config-json", default=None, help="ClusterConfig fields as JSON")
         s.add_argument("--owned", action="store_true", help="stop when stdin closes (started by a LocalCluster)")
         s.add_argument("--log-level", default="WARNING")
@@ -75,6 +81,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         token = load_token(token_file=args.token_file)
         config = ClusterConfig(**json.loads(args.config_json)) if args.config_json else ClusterConfig()
+        tls = Tls.from_files(args.tls_cert, args.tls_key, args.tls_ca) if (args.tls_cert or args.tls_key or args.tls_ca) \
+            else Tls.from_env()
     except (ValueError, TypeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -89,13 +97,14 @@ def main(argv: list[str] | None = None) -> int:
 
             serve_coordinator(args.host, args.port, token, config, args.scheduler, stop,
                               on_ready=lambda addr, cid: _ready({"address": addr, "cluster_id": cid, "pid": os.getpid()}),
-                              cluster_id=args.cluster_id)
+                              cluster_id=args.cluster_id, tls=tls, insecure=args.insecure)
         else:
             from .dataserver import serve_dataserver
 
             kind = "remote" if args.remote else "local"
             serve_dataserver(args.coordinator, kind, -1 if args.remote else args.local_rank, args.workers, token,
-                             config, stop, host=args.host, port=args.port, host_id=args.host_id,
+                             config, stop, host=args.host, port=args.port, host_id=args.host_id, tls=tls,
+                             insecure=args.insecure,
                              on_ready=lambda addr, sid: _ready({"address": addr, "server_id": sid, "pid": os.getpid()}))
     except (ValueError, ClusterError) as e:  # a non-loopback address without a token, no Coordinator, ...
         print(f"error: {e}", file=sys.stderr)

@@ -19,37 +19,48 @@ def channel_options(config: ClusterConfig) -> list[tuple[str, int]]:
             ("grpc.so_reuseport", 0)]
 
 
-def create_server(host: str, port: int, token: str | None, config: ClusterConfig,
-                  threads: int = 16) -> tuple[grpc.Server, int]:
+def _bind(server, host: str, port: int, tls) -> int:
+    address = f"{host}:{port}"
+    try:
+        bound = server.add_secure_port(address, tls.server_credentials()) if tls is not None \
+            else server.add_insecure_port(address)
+    except RuntimeError:  # grpc raises instead of returning 0 on some failures
+        bound = 0
+    if bound == 0:
+        raise ClusterError(f"cannot listen on {address}")
+    return bound
+
+
+def create_server(host: str, port: int, token: str | None, config: ClusterConfig, threads: int = 16,
+                  tls=None, insecure: bool = False) -> tuple[grpc.Server, int]:
     """A gRPC server bound to ``host:port`` (0 picks a free port), with the token interceptor when
-    a token is set and message-size limits. Returns ``(server, port)``; the caller adds servicers
-    and calls ``start()``."""
-    check_bind(host, token)
+    a token is set, TLS when ``tls`` (a ``Tls``) is given, and message-size limits. Beyond
+    loopback it needs a token, and TLS unless ``insecure``. Returns ``(server, port)``; the caller
+    adds servicers and calls ``start()``."""
+    check_bind(host, token, tls, insecure)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="helix-rpc"),
                          interceptors=[TokenInterceptor(token)] if token else [],
                          options=channel_options(config))
-    bound = server.add_insecure_port(f"{host}:{port}")
-    if bound == 0:
-        raise ClusterError(f"cannot listen on {host}:{port}")
-    return server, bound
+    return server, _bind(server, host, port, tls)
 
 
-def create_aio_server(host: str, port: int, token: str | None, config: ClusterConfig):
+def create_aio_server(host: str, port: int, token: str | None, config: ClusterConfig, tls=None,
+                      insecure: bool = False):
     """``create_server`` for an asyncio service (grpc.aio; call it inside the running loop)."""
-    check_bind(host, token)
+    check_bind(host, token, tls, insecure)
     server = grpc.aio.server(interceptors=[AioTokenInterceptor(token)] if token else [],
                              options=channel_options(config))
-    bound = server.add_insecure_port(f"{host}:{port}")
-    if bound == 0:
-        raise ClusterError(f"cannot listen on {host}:{port}")
-    return server, bound
+    return server, _bind(server, host, port, tls)
 
 
-def connect(address: str, config: ClusterConfig) -> grpc.Channel:
+def connect(address: str, config: ClusterConfig, tls=None) -> grpc.Channel:
+    """A channel to ``address``: TLS checked against ``tls.ca`` when ``tls`` is given."""
+    if tls is not None:
+        return grpc.secure_channel(address, tls.channel_credentials(), options=channel_options(config) + tls.channel_options())
     return grpc.insecure_channel(address, options=channel_options(config))
 
 
-def check_hello(stub, role: str, token: str | None, timeout_s: float, what: str) -> pb.HelloReply:
+def check_hello(stub, role: str, token: str | None, timeout_s: float, what: str, tls=None) -> pb.HelloReply:
     """Call ``Hello`` and compare protocol versions; raise ``ClusterError`` naming ``what``."""
     try:
         reply = stub.Hello(pb.HelloRequest(protocol_version=PROTOCOL_VERSION, role=role),
@@ -57,7 +68,9 @@ def check_hello(stub, role: str, token: str | None, timeout_s: float, what: str)
     except grpc.RpcError as e:
         if e.code() == grpc.StatusCode.UNAUTHENTICATED:
             raise ClusterError(f"{what} refused the connection: {e.details()}") from None
-        raise ClusterError(f"cannot reach {what}: {e.code().name} {e.details()}") from None
+        hint = ("; if it uses TLS, set HELIX_TLS_CA (and HELIX_TLS_CERT / _KEY) to its CA" if tls is None else
+                "; with TLS: is its certificate signed by the CA in " + tls.names[2] + " and made for this address?")
+        raise ClusterError(f"cannot reach {what}: {e.code().name} {e.details()}{hint}") from None
     if reply.protocol_version != PROTOCOL_VERSION:
         raise ClusterError(f"{what} speaks Helix protocol {reply.protocol_version}, this client "
                            f"{PROTOCOL_VERSION}: install the same Helix version everywhere")

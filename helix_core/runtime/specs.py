@@ -65,7 +65,7 @@ def resolve_function(path: str, what: str):
 
 
 _NEEDS_TOKEN = ("Start the cluster with a token (LocalCluster(token=...), `helix coordinator --token-file`, or "
-                "HELIX_TOKEN) so cloudpickle is allowed")
+                "HELIX_TOKEN) — and, beyond loopback, TLS (not --insecure) — so cloudpickle is allowed")
 
 
 def make_spec(dataset, collate_fn, pickle_allowed: bool) -> tuple[str, bytes, str]:
@@ -95,8 +95,8 @@ def make_spec(dataset, collate_fn, pickle_allowed: bool) -> tuple[str, bytes, st
 
         payload, fmt = cloudpickle.dumps({"dataset": dataset, "collate_fn": collate_fn or default_collate}), "cloudpickle"
     else:
-        raise ValueError(f"{lost} cannot travel to the DataServers without pickle, and this cluster has no token. "
-                         f"{_NEEDS_TOKEN}.")
+        raise ValueError(f"{lost} cannot travel to the DataServers without pickle, and this cluster allows none "
+                         f"(it has no token, or is reached beyond loopback without TLS). {_NEEDS_TOKEN}.")
     return hashlib.sha256(fmt.encode() + payload).hexdigest()[:16], payload, fmt
 
 
