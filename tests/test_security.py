@@ -106,24 +106,32 @@ def test_binding_beyond_loopback_needs_a_token():
 
     with pytest.raises(ValueError, match="needs a token"):
         create_server("0.0.0.0", 0, None, CFG)
-    server, port = create_server("0.0.0.0", 0, TOKEN, CFG)
+    with pytest.raises(ValueError, match="needs TLS"):
+        create_server("0.0.0.0", 0, TOKEN, CFG)
+    server, port = create_server("0.0.0.0", 0, TOKEN, CFG, insecure=True)
     assert port > 0
     server.stop(0)
 
 
-def test_the_torchrun_rendezvous_folder_must_be_private(tmp_path, monkeypatch):
-    import tempfile
+def test_the_job_store_rendezvous_never_trusts_a_stale_or_foreign_entry():
+    import json
 
-    from helix_core.client import embedded
+    import torch.distributed as dist
 
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
-    folder = tmp_path / f"helix-{os.getuid()}"
-    folder.mkdir()
-    os.chmod(folder, 0o777)  # anyone could plant an address and token there
-    with pytest.raises(hx.ClusterError, match="mode 0700"):
-        embedded._rendezvous_file()
-    os.chmod(folder, 0o700)
-    assert embedded._rendezvous_file().startswith(str(folder) + os.sep)
+    from helix_core.client.rendezvous import JobRendezvous
+
+    store = dist.HashStore()
+    this = JobRendezvous(store, "run-7", "1")  # restart 1 of run-7
+    earlier, other = JobRendezvous(store, "run-7", "0"), JobRendezvous(store, "run-8", "1")
+    earlier.publish("coordinator", {"address": "10.0.0.1:1", "token": "old"})  # the attempt before the restart
+    other.publish("coordinator", {"address": "10.0.0.2:1", "token": "theirs"})
+    with pytest.raises(hx.ClusterError, match="within 0 s"):
+        this.wait("coordinator", 0.2)  # neither is this attempt's entry
+    store.set(this.prefix + "coordinator", json.dumps({"run_id": "run-8", "attempt": "1", "address": "x"}))
+    with pytest.raises(hx.ClusterError, match="another run or attempt"):
+        this.wait("coordinator", 1)  # planted under this job's key, but not this job's
+    this.publish("coordinator", {"address": "10.0.0.3:1", "token": "mine"})
+    assert this.wait("coordinator", 1)["token"] == "mine"
 
 
 @pytest.mark.parametrize("collate", ["subprocess:call", "os:system", "builtins:eval", "torch.utils.data:Dataset"])

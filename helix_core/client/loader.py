@@ -108,8 +108,9 @@ class DistributedDataLoader:
             self._batches = ShardBatches(len(dataset), batch_size, *shard)
         self._embedded, self.cluster = False, None  # cluster: the LocalCluster this process started for it
         address = coordinator or os.environ.get("HELIX_COORDINATOR")
-        if address is None:  # shared by this process's loaders (train and val)
-            self.cluster, address, token = acquire_embedded(self.world_size, num_workers, self.config)
+        if address is None:  # shared by this process's loaders (train and val); one per job
+            self.cluster, address, token, job_tls = acquire_embedded(self.world_size, num_workers, self.config)
+            tls = tls if job_tls is None else job_tls
             self._embedded = True
         self._closed = True  # until construction succeeded (close() must not touch what isn't there)
         try:

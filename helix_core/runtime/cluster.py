@@ -57,7 +57,8 @@ class ServerHandle:
 
 class LocalCluster:
     """A Coordinator, ``local_servers`` local DataServers and ``remote_servers`` remote ("sidecar")
-    ones, each with ``workers_per_server`` worker processes, on ``host`` (127.0.0.1).
+    ones, each with ``workers_per_server`` worker processes, on ``host`` (127.0.0.1) — or, with
+    ``coordinator="host:port"``, only the DataServers, joining that Coordinator (a job's other nodes).
 
     ``token``: require it on every RPC (and so allow cloudpickled datasets); ``token=True`` makes a
     fresh one. ``tls``: a ``Tls`` for every port and channel of the cluster (default: its
@@ -68,26 +69,29 @@ class LocalCluster:
 
     def __init__(self, local_servers: int = 1, remote_servers: int = 0, workers_per_server: int = 1,
                  token: str | bool | None = None, host: str = "127.0.0.1", config: ClusterConfig | None = None,
-                 scheduler: str = "deadline", start: bool = True, tls=None):
-        if local_servers < 1 or remote_servers < 0 or workers_per_server < 1:
-            raise ValueError(f"LocalCluster needs local_servers >= 1, remote_servers >= 0, workers_per_server >= 1 "
+                 scheduler: str = "deadline", start: bool = True, tls=None, coordinator: str | None = None):
+        if local_servers < 0 or remote_servers < 0 or workers_per_server < 1 or \
+                (coordinator is None and local_servers < 1):
+            raise ValueError(f"LocalCluster needs local_servers >= 1 (>= 0 when joining a coordinator), "
+                             f"remote_servers >= 0, workers_per_server >= 1 "
                              f"(got {local_servers}, {remote_servers}, {workers_per_server})")
         self.local_servers, self.remote_servers = local_servers, remote_servers
         self.workers_per_server = workers_per_server
         self.token = new_token() if token is True else (token or None)
         self.host, self.scheduler = host, scheduler
         self.config = config or ClusterConfig()
-        self.cluster_id = uuid.uuid4().hex[:12]
-        self.tls = tls
-        self._tls_dir = tempfile.mkdtemp(prefix="helix-tls-") if tls is not None else None  # 0700, ours
-        self._tls_env = {ENV[k]: path for k, path in tls.write(self._tls_dir).items()} if tls is not None else {}
+        self.cluster_id = uuid.uuid4().hex[:12]  # joining a coordinator: its id, learnt at start
+        self.tls, self._join = tls, coordinator
+        tls_dir = tempfile.mkdtemp(prefix="helix-tls-") if tls is not None else None  # 0700, ours
+        self._tls_env = tls.environ(tls_dir) if tls is not None else {}
+        self._state = {"cluster_id": self.cluster_id, "tls_dir": tls_dir}  # what cleanup sweeps and removes
         self.address = ""
         self.servers: list[ServerHandle] = []
         self._coordinator: subprocess.Popen | None = None
         self._closed = False
         self._procs: list[subprocess.Popen] = []  # owned from birth, even if start() fails
-        self._finalizer = weakref.finalize(self, LocalCluster._cleanup, self._procs, self.cluster_id,
-                                           self.config.stop_timeout_s, self._tls_dir)
+        self._finalizer = weakref.finalize(self, LocalCluster._cleanup, self._procs, self._state,
+                                           self.config.stop_timeout_s)
         if start:
             self.start()
 
@@ -98,6 +102,7 @@ class LocalCluster:
             env["HELIX_TOKEN"] = self.token
         else:
             env.pop("HELIX_TOKEN", None)
+        env = {k: v for k, v in env.items() if k not in ENV.values()} if self._tls_env else env
         env.update(self._tls_env)
         cmd = [sys.executable, "-m", "helix_core.runtime.process", *args, "--owned",
                "--config-json", json.dumps(self.config.to_dict())]
@@ -130,9 +135,12 @@ class LocalCluster:
         if self.address:
             return self
         try:
-            proc, info = self._spawn(["coordinator", "--host", self.host, "--port", "0", "--scheduler",
-                                      self.scheduler, "--cluster-id", self.cluster_id])
-            self._coordinator, self.address = proc, info["address"]
+            if self._join is None:
+                proc, info = self._spawn(["coordinator", "--host", self.host, "--port", "0", "--scheduler",
+                                          self.scheduler, "--cluster-id", self.cluster_id])
+                self._coordinator, self.address = proc, info["address"]
+            else:
+                self.address = self._join
             pending = [("local", r) for r in range(self.local_servers)] + [("remote", -1)] * self.remote_servers
             procs = []
             for kind, rank in pending:  # start them all, then wait: start-ups overlap
@@ -143,6 +151,8 @@ class LocalCluster:
             started = [(kind, *self._spawn(a)) for kind, a in procs]
             self.servers = [ServerHandle(i, kind, info["address"], info["pid"], info["server_id"], p)
                             for i, (kind, p, info) in enumerate(started)]
+            if self._join is not None and started:  # the joined Coordinator's id names our segments
+                self.cluster_id = self._state["cluster_id"] = started[0][2]["cluster_id"]
         except BaseException:
             self.close()
             raise
@@ -177,7 +187,7 @@ class LocalCluster:
     stop = close
 
     @staticmethod
-    def _cleanup(procs: list, cluster_id: str, timeout_s: float, tls_dir: str | None = None) -> None:
+    def _cleanup(procs: list, state: dict, timeout_s: float) -> None:
         servers_first = list(reversed(procs))  # DataServers, then the Coordinator
         for p in servers_first:
             try:
@@ -199,9 +209,9 @@ class LocalCluster:
                 p.wait(timeout=timeout_s)
             if p.stdout:
                 p.stdout.close()
-        shm.sweep(f"helix-{cluster_id}-")
-        if tls_dir is not None:
-            shutil.rmtree(tls_dir, ignore_errors=True)
+        shm.sweep(f"helix-{state['cluster_id']}-")
+        if state["tls_dir"] is not None:
+            shutil.rmtree(state["tls_dir"], ignore_errors=True)
 
     def __enter__(self) -> "LocalCluster":
         return self.start()

@@ -291,7 +291,7 @@ def serve_dataserver(coordinator: str, kind: str, local_rank: int, workers: int,
                               name="helix-heartbeat", daemon=True)
         hb.start()
         if on_ready is not None:
-            on_ready(address, servicer.server_id)
+            on_ready(address, servicer.server_id, hello.cluster_id)
         while not stop.wait(30.0):  # woken by stop (a signal handler sets it); the timeout is only a backstop
             pass
     finally:

@@ -105,7 +105,8 @@ def main(argv: list[str] | None = None) -> int:
             serve_dataserver(args.coordinator, kind, -1 if args.remote else args.local_rank, args.workers, token,
                              config, stop, host=args.host, port=args.port, host_id=args.host_id, tls=tls,
                              insecure=args.insecure,
-                             on_ready=lambda addr, sid: _ready({"address": addr, "server_id": sid, "pid": os.getpid()}))
+                             on_ready=lambda addr, sid, cid: _ready({"address": addr, "server_id": sid, "cluster_id": cid,
+                                                                    "pid": os.getpid()}))
     except (ValueError, ClusterError) as e:  # a non-loopback address without a token, no Coordinator, ...
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -113,4 +114,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # the stdin watcher is a daemon thread blocked in read(): interpreter shutdown would abort on
+    # its buffer lock (SIGABRT instead of this exit code); everything that needs stopping has stopped
+    os._exit(code)

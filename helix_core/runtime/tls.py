@@ -16,7 +16,8 @@ from dataclasses import dataclass
 
 __all__ = ["ENV", "JOB_SERVER_NAME", "Tls", "write_certificates"]
 
-ENV = {"cert": "HELIX_TLS_CERT", "key": "HELIX_TLS_KEY", "ca": "HELIX_TLS_CA"}
+ENV = {"cert": "HELIX_TLS_CERT", "key": "HELIX_TLS_KEY", "ca": "HELIX_TLS_CA",
+       "server_name": "HELIX_TLS_SERVER_NAME"}  # the last: the name certificates are checked for (optional)
 FLAGS = {"cert": "--tls-cert", "key": "--tls-key", "ca": "--tls-ca"}
 JOB_SERVER_NAME = "helix-cluster"
 
@@ -85,8 +86,13 @@ class Tls:
 
     @classmethod
     def from_env(cls) -> "Tls | None":
-        """TLS from ``HELIX_TLS_CERT`` / ``HELIX_TLS_KEY`` / ``HELIX_TLS_CA`` (paths), else None."""
-        return cls.from_files(*(os.environ.get(ENV[k]) or None for k in ("cert", "key", "ca")), names=ENV)
+        """TLS from ``HELIX_TLS_CERT`` / ``HELIX_TLS_KEY`` / ``HELIX_TLS_CA`` (paths), else None;
+        ``HELIX_TLS_SERVER_NAME``: the name peers' certificates are checked for, not the address."""
+        tls = cls.from_files(*(os.environ.get(ENV[k]) or None for k in ("cert", "key", "ca")), names=ENV)
+        name = os.environ.get(ENV["server_name"])
+        if tls is not None and name:
+            tls = cls(tls.ca, tls.cert, tls.key, server_name=name, names=tls.names)
+        return tls
 
     @classmethod
     def for_job(cls) -> "Tls":
@@ -123,6 +129,13 @@ class Tls:
     def from_dict(cls, d: dict) -> "Tls":
         enc = lambda v: v.encode() if v else None  # noqa: E731
         return cls(d["ca"].encode(), enc(d.get("cert")), enc(d.get("key")), server_name=d.get("server_name"))
+
+    def environ(self, folder: str) -> dict[str, str]:
+        """``HELIX_TLS_*`` for a child process: the PEMs written into ``folder``, and the server name."""
+        env = {ENV[k]: path for k, path in self.write(folder).items()}
+        if self.server_name:
+            env[ENV["server_name"]] = self.server_name
+        return env
 
     def write(self, folder: str) -> dict[str, str]:
         """Write the PEMs into ``folder`` (files 0600); ``{"cert", "key", "ca"}`` → paths."""
