@@ -145,7 +145,7 @@ def _cmd_status(a, console) -> int:
         return 0
     table = Table(title=f"cluster {info['cluster_id']} at {a.coordinator}: {info['routed']} requests routed")
     for col in ("server", "kind", "host", "local rank", "address", "workers", "alive", "completed", "cross-DS MB"):
-        table.add_column(col)
+        table.add_column(col, overflow="fold")
     for s in info["servers"]:
         table.add_row(s["server_id"], s["kind"], s["host"], str(s["local_rank"]) if s["kind"] == "local" else "",
                       s["address"], str(s["workers"]), "yes" if s["alive"] else "no", str(s["completed"]),

@@ -1,6 +1,5 @@
 """Security: tokens on every RPC, no pickle from unauthenticated peers, malformed and oversized
 requests refused with a status while the cluster keeps serving."""
-import os
 
 import grpc
 import pytest

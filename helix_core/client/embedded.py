@@ -43,8 +43,7 @@ def acquire_embedded(world_size: int, num_workers: int | None, config: ClusterCo
         got = _SHARED["embedded"]
         if got is None or (got.cluster is not None and got.cluster._closed):
             got = embedded_cluster(world_size, num_workers, config)
-            local = _local_world(world_size)
-            _SHARED.update(embedded=got, refs=0, shared=local > 1 or world_size > local)
+            _SHARED.update(embedded=got, refs=0, shared=_in_job(world_size))
         _SHARED["refs"] += 1
         return got
 
@@ -63,6 +62,11 @@ def release_embedded() -> None:
             _SHARED.update(embedded=None, refs=0, shared=False)
 
 
+def _in_job(world_size: int) -> bool:
+    """A rank of a torch.distributed job (launched with LOCAL_RANK set) with other ranks."""
+    return "LOCAL_RANK" in os.environ and world_size > 1
+
+
 def _local_world(world_size: int) -> int:
     return int(os.environ.get("LOCAL_WORLD_SIZE", world_size if "LOCAL_RANK" in os.environ else 1))
 
@@ -75,7 +79,7 @@ def embedded_cluster(world_size: int, num_workers: int | None, config: ClusterCo
     local_world = _local_world(world_size)
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     servers, per_server = host_layout(local_world, num_workers or max(1, (os.cpu_count() or 2)))
-    if local_world <= 1 and world_size <= local_world:  # one process: its own cluster
+    if not _in_job(world_size):  # one process (not launched as a job's rank): its own cluster
         cluster = LocalCluster(local_servers=servers, workers_per_server=per_server, token=True, config=config)
         return Embedded(cluster, cluster.address, cluster.token, None)
     job = job_rendezvous(config.startup_timeout_s)

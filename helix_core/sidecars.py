@@ -1,0 +1,134 @@
+"""Sidecars on an existing engine: remote DataServers as Ray actors.
+
+Each sidecar is a Ray actor that reserves ``workers`` CPUs and runs ``helix dataserver --remote``
+as its own child process (pipe-owned: when the actor dies, for whatever reason, the DataServer
+and its workers stop with it). Ray restarts a dead actor (``max_restarts``); the new incarnation
+starts a new DataServer, which registers again. The data path stays Helix's — gRPC streams from
+the sidecar to the rank's local server — never Ray's object store. ``close()`` ends the actors
+and, with them, their processes.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from .config import ClusterConfig
+from .errors import ClusterError
+
+__all__ = ["RaySidecars", "ray_sidecars"]
+
+_READY = "HELIX_READY "
+
+
+class _Sidecar:
+    """A Ray actor that owns one remote DataServer process (started in ``__init__``)."""
+
+    def __init__(self, coordinator: str, workers: int, token: str | None, env: dict, config_json: str,
+                 host: str | None, insecure: bool, startup_timeout_s: float):
+        import selectors
+        import time
+
+        import ray
+
+        host = host or ray.util.get_node_ip_address()
+        argv = [sys.executable, "-m", "helix_core.runtime.process", "dataserver", "--coordinator", coordinator,
+                "--remote", "--workers", str(workers), "--host", host, "--owned", "--config-json", config_json]
+        if insecure:
+            argv.append("--insecure")
+        child_env = dict(os.environ, **env, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        if token:
+            child_env["HELIX_TOKEN"] = token
+        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=child_env)
+        sel = selectors.DefaultSelector()
+        sel.register(self.proc.stdout, selectors.EVENT_READ)
+        deadline, buf = time.monotonic() + startup_timeout_s, b""
+        try:
+            while _READY.encode() + b"{" not in buf or not buf.endswith(b"\n"):
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"the sidecar's DataServer did not start (exit code {self.proc.poll()}); "
+                                       "its error is in the actor's log")
+                if sel.select(timeout=0.2):
+                    buf += os.read(self.proc.stdout.fileno(), 4096)
+        finally:
+            sel.close()
+        line = next(x for x in buf.decode().splitlines() if x.startswith(_READY))
+        self.info = json.loads(line[len(_READY):])
+
+    def describe(self) -> dict:
+        """``{"address", "server_id", "pid", "cluster_id"}`` of its DataServer, and the actor's pid."""
+        return {**self.info, "actor_pid": os.getpid(), "alive": self.proc.poll() is None}
+
+
+class RaySidecars:
+    """Handle of ``ray_sidecars``: ``actors`` (Ray actor handles), ``describe()``, ``close()``."""
+
+    def __init__(self, actors: list, owns_ray: bool):
+        self.actors, self._owns_ray, self._closed = actors, owns_ray, False
+
+    def describe(self) -> list[dict]:
+        """Each sidecar's DataServer (address, server id, pid) as it runs now."""
+        import ray
+
+        return ray.get([a.describe.remote() for a in self.actors])
+
+    def close(self) -> None:
+        """End every sidecar actor (no restart) and so their DataServers; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        import ray
+
+        for a in self.actors:
+            try:
+                ray.kill(a, no_restart=True)
+            except Exception:  # noqa: BLE001 - already gone
+                pass
+        if self._owns_ray:
+            ray.shutdown()
+
+    def __enter__(self) -> "RaySidecars":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def ray_sidecars(coordinator: str, count: int, workers: int, token: str | None = None, *,
+                 ray_address: str | None = None, host: str | None = None, tls_env: dict | None = None,
+                 insecure: bool = False, config: ClusterConfig | None = None, max_restarts: int = -1,
+                 **actor_options) -> RaySidecars:
+    """Start ``count`` sidecars (remote DataServers of ``workers`` workers each) as Ray actors that
+    join the Coordinator at ``coordinator``. ``ray_address``: the Ray cluster to join (default: the
+    one this process is connected to, else ``ray.init()``'s default); ``host``: the address each
+    DataServer listens on (default: its Ray node's IP); ``tls_env``: ``HELIX_TLS_*`` paths as the
+    Ray nodes see them (default: this process's); ``actor_options``: Ray's (``resources=``, ...)."""
+    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+        raise ValueError(f"--count must be an int >= 1 (sidecars to start), got {count!r}")
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        raise ValueError(f"--workers must be an int >= 1 (each sidecar's worker processes), got {workers!r}")
+    try:
+        import ray
+    except ImportError:
+        raise ClusterError("sidecars on Ray need Ray: pip install 'ray>=2.40'") from None
+    config = config or ClusterConfig()
+    owns = not ray.is_initialized()
+    if owns:
+        try:
+            ray.init(address=ray_address, logging_level="ERROR", log_to_driver=False)
+        except Exception as e:  # noqa: BLE001 - ConnectionError, TimeoutError, ...: name the address
+            raise ClusterError(f"cannot join the Ray cluster at --ray {ray_address or 'auto'}: {e}") from None
+    env = {k: v for k, v in os.environ.items() if k.startswith("HELIX_TLS_")} if tls_env is None else dict(tls_env)
+    cls = ray.remote(_Sidecar).options(num_cpus=workers, max_restarts=max_restarts, **actor_options)
+    actors = [cls.remote(coordinator, workers, token, env, json.dumps(config.to_dict()), host, insecure,
+                         config.startup_timeout_s) for _ in range(count)]
+    handle = RaySidecars(actors, owns)
+    try:
+        handle.describe()  # every sidecar's DataServer is up (and registered) before this returns
+    except BaseException as e:
+        handle.close()
+        if isinstance(e, Exception):
+            raise ClusterError(f"a Ray sidecar failed to start: {e}") from None
+        raise
+    return handle
