@@ -15,7 +15,7 @@ _EXPORTS = {
     "ClusterError": "errors", "ManifestError": "errors", "SampleError": "errors", "SpecError": "errors",
     "CostFit": "costs", "CostModel": "costs", "calibrate": "costs", "profile_bucket": "costs",
     "DistributedDataLoader": "client.loader",
-    "LocalCluster": "runtime.cluster", "Tls": "runtime.tls",
+    "LocalCluster": "runtime.cluster", "Tls": "runtime.tls", "ray_sidecars": "sidecars", "RaySidecars": "sidecars",
     "FAMILIES": "families", "MODELS": "families", "VideoSpec": "families",
     "Manifest": "manifest",
     "ProfileTable": "profiles", "profile_dataset": "profiles",

@@ -167,6 +167,38 @@ def _cmd_certs(a, console) -> int:
     return 0
 
 
+def _cmd_sidecars(a, console) -> int:
+    """Start sidecars on a Ray cluster and keep them until Ctrl-C / SIGTERM; then end them."""
+    import json
+    import signal
+    import threading
+
+    from .runtime.auth import load_token
+    from .sidecars import ray_sidecars
+
+    try:
+        resources = json.loads(a.resources) if a.resources else {}
+    except ValueError as e:
+        raise ValueError(f"--resources must be a JSON object of Ray resources, got {a.resources!r}: {e}") from None
+    if not isinstance(resources, dict):
+        raise ValueError(f"--resources must be a JSON object of Ray resources, got {a.resources!r}")
+    token = load_token(token_file=a.token_file)
+    with console.status(f"starting {a.count} sidecar(s) on the Ray cluster at {a.ray} ..."):
+        sidecars = ray_sidecars(a.coordinator, a.count, a.workers, token, ray_address=a.ray, host=a.host,
+                                insecure=a.insecure, **({"resources": resources} if resources else {}))
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        for s in sidecars.describe():
+            console.print(f"sidecar {s['server_id']} at {s['address']} (Ray actor pid {s['actor_pid']})")
+        console.print(f"{a.count} sidecar(s) joined {a.coordinator}; Ctrl-C ends them")
+        stop.wait()
+    finally:
+        sidecars.close()
+    return 0
+
+
 def _cmd_microbench(a, console) -> int:
     _need_bench()
     from helix_bench.media import run_microbench
@@ -261,6 +293,16 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--token-file", default=None, help="file holding the token (or set HELIX_TOKEN)")
     s.add_argument("--json", action="store_true", help="print the Coordinator's telemetry as JSON")
     s.set_defaults(fn=_cmd_status)
+    s = sub.add_parser("sidecars", help="remote DataServers as Ray actors joining a Coordinator (until Ctrl-C)")
+    s.add_argument("--ray", required=True, help="the Ray cluster's address (e.g. HEAD:6379, or auto)")
+    s.add_argument("--coordinator", required=True, help="HOST:PORT of the Helix Coordinator to join")
+    s.add_argument("--count", type=int, required=True, help="sidecars to start")
+    s.add_argument("--workers", type=int, required=True, help="worker processes per sidecar (CPUs it reserves)")
+    s.add_argument("--token-file", default=None, help="file holding the cluster's token (or set HELIX_TOKEN)")
+    s.add_argument("--resources", default=None, help='extra Ray resources per sidecar as JSON, e.g. {"cpu_node": 1}')
+    s.add_argument("--host", default=None, help="address each sidecar listens on (default: its Ray node's IP)")
+    s.add_argument("--insecure", action="store_true", help="listen beyond loopback without TLS (see --tls-* of dataserver)")
+    s.set_defaults(fn=_cmd_sidecars)
     s = sub.add_parser("certs", help="make a CA and a certificate for a cluster's hosts (TLS across hosts)")
     s.add_argument("out", help="folder for tls-ca.pem, tls-cert.pem, tls-key.pem")
     s.add_argument("--names", required=True, help="comma-separated host names and IP addresses the services are dialled by")
@@ -285,7 +327,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.fn(args, console)
-    except (ManifestError, SampleError, ClusterError, FileNotFoundError, ValueError) as e:
+    except (ManifestError, SampleError, ClusterError, FileNotFoundError, ValueError) as e:  # named, exit 2
         console.print(f"[red]error:[/] {e}")
         return 2
     except KeyboardInterrupt:
