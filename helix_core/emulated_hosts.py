@@ -55,12 +55,12 @@ class EmulatedHosts:
 
     ``names``: host names (lowercase letters, digits, ``-``; also their hostnames); ``cpus``: a CPU
     quota in cores, for every host or by name; ``link_mbps``: a link rate, likewise; ``shm_mb``:
-    each host's /dev/shm size. Addresses are ``<subnet>.<10 + position>`` (192.0.2.0/24, TEST-NET-1).
+    each host's /dev/shm size. Addresses are ``<subnet>.<10 + position>`` (198.51.100.0/24, TEST-NET-2).
     """
 
     def __init__(self, names: Sequence[str], *, cpus: float | Mapping[str, float] | None = None,
                  link_mbps: float | Mapping[str, float] | None = None, shm_mb: int = 1024,
-                 subnet: str = "192.0.2"):
+                 subnet: str = "198.51.100"):
         names = list(names)
         bad = [n for n in names if not isinstance(n, str) or not _NAME.match(n)]
         if not names or bad or len(set(names)) != len(names):

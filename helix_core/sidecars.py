@@ -95,6 +95,17 @@ class RaySidecars:
         self.close()
 
 
+def _check_reachable(address: str, timeout_s: float = 5.0) -> None:
+    """Ray retries an address that does not answer for minutes: look first (one TCP connect)."""
+    import socket
+
+    host, _, port = address.rpartition(":")
+    try:
+        socket.create_connection((host.strip("[]") or "127.0.0.1", int(port)), timeout=timeout_s).close()
+    except (OSError, ValueError) as e:
+        raise ClusterError(f"cannot join the Ray cluster at --ray {address}: nothing answers there ({e})") from None
+
+
 def ray_sidecars(coordinator: str, count: int, workers: int, token: str | None = None, *,
                  ray_address: str | None = None, host: str | None = None, tls_env: dict | None = None,
                  insecure: bool = False, config: ClusterConfig | None = None, max_restarts: int = -1,
@@ -114,6 +125,8 @@ def ray_sidecars(coordinator: str, count: int, workers: int, token: str | None =
         raise ClusterError("sidecars on Ray need Ray: pip install 'ray>=2.40'") from None
     config = config or ClusterConfig()
     owns = not ray.is_initialized()
+    if owns and ray_address and ray_address != "auto" and not ray_address.startswith("ray://"):
+        _check_reachable(ray_address)
     if owns:
         try:
             ray.init(address=ray_address, logging_level="ERROR", log_to_driver=False)
