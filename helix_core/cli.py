@@ -160,7 +160,7 @@ def _cmd_status(a, console) -> int:
 def _cmd_certs(a, console) -> int:
     from .runtime.tls import write_certificates
 
-    paths = write_certificates(a.out, _split(a.names))
+    paths = write_certificates(a.out, _split(a.names), a.days)
     console.print(f"wrote a new CA and a certificate for {a.names}: " + ", ".join(f"{k} {v}" for k, v in paths.items()))
     console.print("start each service with --tls-cert, --tls-key, --tls-ca (or set HELIX_TLS_CERT / _KEY / _CA "
                   "for every process, clients included)")
@@ -306,6 +306,7 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("certs", help="make a CA and a certificate for a cluster's hosts (TLS across hosts)")
     s.add_argument("out", help="folder for tls-ca.pem, tls-cert.pem, tls-key.pem")
     s.add_argument("--names", required=True, help="comma-separated host names and IP addresses the services are dialled by")
+    s.add_argument("--days", type=int, default=365, help="how long the CA and certificate are valid")
     s.set_defaults(fn=_cmd_certs)
     s = sub.add_parser("microbench", help="decode frames/s per profile, probe ms/file, profile-table load time")
     s.add_argument("--out", default=str(cache_dir() / "microbench"), help="folder for the generated clips and table")

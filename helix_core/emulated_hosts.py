@@ -185,18 +185,32 @@ class EmulatedHosts:
         kwargs.setdefault("text", True)
         return subprocess.run(self._enter(name, argv), timeout=timeout, start_new_session=True, **kwargs)
 
+    def _kill_in_namespaces(self, sig) -> None:
+        """Signal every process still in one of the hosts' network namespaces."""
+        for ns in self._made:
+            try:
+                pids = _sh("ip", "netns", "pids", ns, check=False).stdout.split()
+            except subprocess.TimeoutExpired:
+                continue
+            for pid in pids:
+                try:
+                    os.kill(int(pid), sig)
+                except (ProcessLookupError, PermissionError, ValueError):
+                    pass
+
     def close(self) -> None:
         """Stop every process started here, then remove the hosts (idempotent)."""
         if self._closed and not self._made:
             return
         self._closed = True
-        procs = [p for p in self._procs if p.poll() is None] + list(self._holders.values())
+        procs = list(self._procs) + list(self._holders.values())
         for sig, wait in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
-            for p in procs:
+            for p in procs:  # the whole group, even when its leader is gone (its children may not be)
                 try:
                     os.killpg(p.pid, sig)
                 except (ProcessLookupError, PermissionError):
                     pass
+            self._kill_in_namespaces(sig)  # what left its group (setsid: torchrun's workers) but not the host
             deadline = time.monotonic() + wait
             for p in procs:
                 try:
@@ -210,8 +224,12 @@ class EmulatedHosts:
             for stream in (p.stdout, p.stderr):
                 if stream is not None:
                     stream.close()
+        self._kill_in_namespaces(signal.SIGKILL)
         for ns in reversed(self._made):  # removing a namespace removes the veth ends inside it
-            _sh("ip", "netns", "del", ns, check=False)
+            try:
+                _sh("ip", "netns", "del", ns, check=False)
+            except subprocess.TimeoutExpired:
+                pass
         for cg in self._cgroups:
             for _ in range(50):
                 try:

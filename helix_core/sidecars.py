@@ -40,15 +40,21 @@ class _Sidecar:
         child_env = dict(os.environ, **env, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
         if token:
             child_env["HELIX_TOKEN"] = token
-        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=child_env)
+        import tempfile
+
+        self.log = tempfile.TemporaryFile()  # the DataServer's stderr: its first words if it fails to start
+        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log,
+                                     env=child_env)
         sel = selectors.DefaultSelector()
         sel.register(self.proc.stdout, selectors.EVENT_READ)
         deadline, buf = time.monotonic() + startup_timeout_s, b""
         try:
             while _READY.encode() + b"{" not in buf or not buf.endswith(b"\n"):
                 if self.proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"the sidecar's DataServer did not start (exit code {self.proc.poll()}); "
-                                       "its error is in the actor's log")
+                    self.log.seek(0)
+                    said = self.log.read()[-2000:].decode(errors="replace").strip()
+                    raise RuntimeError(f"the sidecar's DataServer did not start (exit code {self.proc.poll()}): "
+                                       f"{said or 'it said nothing'}")
                 if sel.select(timeout=0.2):
                     buf += os.read(self.proc.stdout.fileno(), 4096)
         finally:

@@ -30,14 +30,17 @@ def test_a_tls_cluster_serves_and_streams_over_tls(tls_cluster):
         assert loader.stats()["cross_ds_bytes"] > 0  # the remote server streamed, over TLS too
 
 
-def test_a_client_without_the_ca_is_refused_with_a_clear_error(tls_cluster):
+def test_a_client_without_the_ca_or_a_certificate_is_refused_with_a_clear_error(tls_cluster):
     ds = IndexDataset(4)
     kw = dict(batch_size=2, rank=0, world_size=1, coordinator=tls_cluster.address, token=tls_cluster.token, config=CFG)
     with pytest.raises(ClusterError, match="if it uses TLS, set HELIX_TLS_CA"):
         hx.DistributedDataLoader(ds, **kw)  # a plain-text channel to a TLS port
-    stranger = Tls.for_job()  # another job's CA: the server's certificate is not signed by it
+    stranger = Tls.for_job()  # another job's CA and certificate: neither side's is signed by the other's CA
     with pytest.raises(ClusterError, match="signed by the CA"):
-        hx.DistributedDataLoader(ds, tls=Tls(stranger.ca, server_name=stranger.server_name), **kw)
+        hx.DistributedDataLoader(ds, tls=stranger, **kw)
+    mine = tls_cluster.tls  # the right CA but no certificate of its own: TLS here is mutual
+    with pytest.raises(ClusterError, match="every peer presents a certificate"):
+        hx.DistributedDataLoader(ds, tls=Tls(mine.ca, server_name=mine.server_name), **kw)
 
 
 def test_tls_files_are_checked_up_front_naming_the_flag(tmp_path):

@@ -16,6 +16,7 @@ A cluster a rank shares with others lives until the process that started it exit
 """
 from __future__ import annotations
 
+import ipaddress
 import os
 import threading
 from typing import NamedTuple
@@ -82,6 +83,11 @@ def embedded_cluster(world_size: int, num_workers: int | None, config: ClusterCo
     if not _in_job(world_size):  # one process (not launched as a job's rank): its own cluster
         cluster = LocalCluster(local_servers=servers, workers_per_server=per_server, token=True, config=config)
         return Embedded(cluster, cluster.address, cluster.token, None)
+    node_rank = int(os.environ.get("GROUP_RANK", os.environ.get("NODE_RANK", 0)) or 0)
+    if "LOCAL_WORLD_SIZE" not in os.environ and node_rank > 0:
+        raise ClusterError(f"node {node_rank} of a job whose launcher does not say how many ranks share a node "
+                           "(no LOCAL_WORLD_SIZE): launch with torchrun, set LOCAL_WORLD_SIZE, or pass "
+                           "coordinator='host:port' / set HELIX_COORDINATOR")
     job = job_rendezvous(config.startup_timeout_s)
     if job is None:
         raise ClusterError(f"{local_world} local ranks but no torch.distributed store to share one Helix cluster "
@@ -104,20 +110,26 @@ def _several_nodes(job, servers: int, per_server: int, local_rank: int, config: 
     from ..runtime.tls import Tls
     from .rendezvous import node_address
 
-    bind = node_address(os.environ.get("MASTER_ADDR", "127.0.0.1"))
+    master = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    here = node_address(master)
+    # where this node's services listen, and the name the other nodes dial them by: the interface
+    # toward the master — or, on the master when its name resolves to loopback here (Debian's
+    # 127.0.1.1 line in /etc/hosts), every interface, dialled by MASTER_ADDR
+    bind, advertise = (here, None) if not ipaddress.ip_address(here).is_loopback else ("0.0.0.0", master)
     cluster = None
     if int(os.environ.get("RANK", 0)) == 0:
         token, tls = os.environ.get("HELIX_TOKEN") or new_token(), Tls.from_env() or Tls.for_job()
         cluster = LocalCluster(local_servers=servers, workers_per_server=per_server, token=token, host=bind,
-                               tls=tls, config=config)
-        job.publish("coordinator", {"address": cluster.address, "token": token, "tls": tls.to_dict()})
+                               tls=tls, config=config, advertise=advertise)
+        address = f"{advertise}:{cluster.address.rsplit(':', 1)[1]}" if advertise else cluster.address
+        job.publish("coordinator", {"address": address, "token": token, "tls": tls.to_dict()})
     info = job.wait("coordinator", config.startup_timeout_s)
     tls = Tls.from_dict(info["tls"])
     node = f"node/{host_id()}"
     if local_rank == 0:
         if cluster is None:
             cluster = LocalCluster(local_servers=servers, workers_per_server=per_server, token=info["token"],
-                                   host=bind, tls=tls, config=config, coordinator=info["address"])
+                                   host=bind, tls=tls, config=config, coordinator=info["address"], advertise=advertise)
         job.publish(node, {"servers": len(cluster.servers)})
     else:
         job.wait(node, config.startup_timeout_s)  # this node's DataServers are registered

@@ -171,6 +171,8 @@ class ClusterClient:
             with self._lock:
                 self._channels.append(ch)
                 self._stubs[address] = s
+                if not pickle_allowed(address.rsplit(":", 1)[0], self.token, self.tls):
+                    self.pickle_allowed = False  # a peer beyond loopback without TLS: no pickles from anyone
         return s
 
     def execute(self, address: str, spec: tuple[str, bytes, str], request: pb.ExecuteRequest):

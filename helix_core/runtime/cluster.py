@@ -58,7 +58,8 @@ class ServerHandle:
 class LocalCluster:
     """A Coordinator, ``local_servers`` local DataServers and ``remote_servers`` remote ("sidecar")
     ones, each with ``workers_per_server`` worker processes, on ``host`` (127.0.0.1) — or, with
-    ``coordinator="host:port"``, only the DataServers, joining that Coordinator (a job's other nodes).
+    ``coordinator="host:port"``, only the DataServers, joining that Coordinator (a job's other nodes);
+    ``advertise``: the name the DataServers register to be dialled by (default ``host``).
 
     ``token``: require it on every RPC (and so allow cloudpickled datasets); ``token=True`` makes a
     fresh one. ``tls``: a ``Tls`` for every port and channel of the cluster (default: its
@@ -69,7 +70,8 @@ class LocalCluster:
 
     def __init__(self, local_servers: int = 1, remote_servers: int = 0, workers_per_server: int = 1,
                  token: str | bool | None = None, host: str = "127.0.0.1", config: ClusterConfig | None = None,
-                 scheduler: str = "deadline", start: bool = True, tls=None, coordinator: str | None = None):
+                 scheduler: str = "deadline", start: bool = True, tls=None, coordinator: str | None = None,
+                 advertise: str | None = None):
         if local_servers < 0 or remote_servers < 0 or workers_per_server < 1 or \
                 (coordinator is None and local_servers < 1):
             raise ValueError(f"LocalCluster needs local_servers >= 1 (>= 0 when joining a coordinator), "
@@ -81,7 +83,7 @@ class LocalCluster:
         self.host, self.scheduler = host, scheduler
         self.config = config or ClusterConfig()
         self.cluster_id = uuid.uuid4().hex[:12]  # joining a coordinator: its id, learnt at start
-        self.tls, self._join = tls, coordinator
+        self.tls, self._join, self.advertise = tls, coordinator, advertise
         tls_dir = tempfile.mkdtemp(prefix="helix-tls-") if tls is not None else None  # 0700, ours
         self._tls_env = tls.environ(tls_dir) if tls is not None else {}
         self._state = {"cluster_id": self.cluster_id, "tls_dir": tls_dir}  # what cleanup sweeps and removes
@@ -146,7 +148,8 @@ class LocalCluster:
             for kind, rank in pending:  # start them all, then wait: start-ups overlap
                 where = ["--local-rank", str(rank)] if kind == "local" else ["--remote"]
                 env_args = ["dataserver", "--coordinator", self.address, *where, "--workers",
-                            str(self.workers_per_server), "--host", self.host]
+                            str(self.workers_per_server), "--host", self.host,
+                            *(["--advertise", self.advertise] if self.advertise else [])]
                 procs.append((kind, env_args))
             started = [(kind, *self._spawn(a)) for kind, a in procs]
             self.servers = [ServerHandle(i, kind, info["address"], info["pid"], info["server_id"], p)

@@ -16,7 +16,7 @@ import grpc
 from ..config import PROTOCOL_VERSION, ClusterConfig
 from .proto import helix_pb2 as pb
 from .proto import helix_pb2_grpc as pbg
-from .registry import Registry, ServerState
+from .registry import NoDeliveryServer, Registry, ServerState
 
 __all__ = ["CoordinatorServicer", "Registry", "ServerState", "serve_coordinator"]
 
@@ -69,7 +69,7 @@ class CoordinatorServicer(pbg.CoordinatorServicer):
             chosen, delivery, decision, us = self.registry.route(request.rank, request.task_id, cost,
                                                                  set(request.exclude), policy.name, t_arrival,
                                                                  host=request.host, local_rank=request.local_rank)
-        except LookupError as e:  # no delivery server on the rank's host (yet): the client retries, then names it
+        except NoDeliveryServer as e:  # none on the rank's host (yet): the client retries, then names the host
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
         except ValueError as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))

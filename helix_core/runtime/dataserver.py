@@ -184,8 +184,9 @@ class DataServerServicer(pbg.DataServerServicer):
         if not isinstance(first, pb.StreamChunk) or first.WhichOneof("part") != "header":
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a delivery stream starts with a header")
         h = first.header
-        if h.tree_pickle and not self.token:
-            context.abort(grpc.StatusCode.PERMISSION_DENIED, "pickled batch structure needs a token")
+        if h.tree_pickle and not self.pickle_allowed:
+            context.abort(grpc.StatusCode.PERMISSION_DENIED, "pickled batch structure needs a token, and TLS "
+                          "beyond loopback (this DataServer runs without: --insecure)")
         try:
             slab = self.slabs.acquire(h.total_bytes)
         except shm.ShmCapacityError as e:
@@ -249,10 +250,12 @@ def _heartbeats(servicer: DataServerServicer, coord, token, config: ClusterConfi
 
 def serve_dataserver(coordinator: str, kind: str, local_rank: int, workers: int, token: str | None,
                      config: ClusterConfig, stop: threading.Event, host: str = "127.0.0.1", port: int = 0,
-                     on_ready=None, host_id: str | None = None, tls=None, insecure: bool = False) -> None:
+                     on_ready=None, host_id: str | None = None, tls=None, insecure: bool = False,
+                     advertise: str | None = None) -> None:
     """Run a DataServer until ``stop`` is set (blocking): serve, register, heartbeat. ``host``:
     the address to listen on; ``host_id``: this host's identity (default ``hostid.host_id()``);
-    ``tls``: a ``Tls`` for its port and its channels; ``insecure``: beyond loopback without TLS."""
+    ``tls``: a ``Tls`` for its port and its channels; ``insecure``: beyond loopback without TLS;
+    ``advertise``: the name peers dial it by (default ``host``, or the FQDN when ``host`` is a wildcard)."""
     from .auth import pickle_allowed
     from .hostid import host_id as this_host
     from .rpc import check_hello, create_server
@@ -263,7 +266,7 @@ def serve_dataserver(coordinator: str, kind: str, local_rank: int, workers: int,
     coord = pbg.CoordinatorStub(connect(coordinator, config, tls))
     hello = check_hello(coord, "dataserver", token, config.rpc_timeout_s, f"the Coordinator at {coordinator}", tls)
     # bound to every interface: peers need a name that reaches this machine, not the wildcard
-    address = f"{socket.getfqdn() if host in ('0.0.0.0', '::', '') else host}:{bound}"
+    address = f"{advertise or (socket.getfqdn() if host in ('0.0.0.0', '::', '') else host)}:{bound}"
     tag = f"{kind[0]}{local_rank if kind == 'local' else ''}p{os.getpid()}-"
     slabs = shm.SlabPool(f"helix-{hello.cluster_id}-{tag}d-")
     slots = config.decode_slots or os.cpu_count() or 1  # one decode per core, across the host's servers

@@ -59,6 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--workers", type=int, default=2)
     d.add_argument("--host", default="127.0.0.1")
     d.add_argument("--port", type=int, default=0)
+    d.add_argument("--advertise", default=None,
+                   help="the host name or address peers dial this server by (default: --host; its FQDN for 0.0.0.0)")
     d.add_argument("--host-id", default=None,
                    help="this host's identity (default: HELIX_HOST_ID, else hostname + boot id); "
                         "local servers serve the ranks of their own host only")
@@ -104,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
             kind = "remote" if args.remote else "local"
             serve_dataserver(args.coordinator, kind, -1 if args.remote else args.local_rank, args.workers, token,
                              config, stop, host=args.host, port=args.port, host_id=args.host_id, tls=tls,
-                             insecure=args.insecure,
+                             insecure=args.insecure, advertise=args.advertise,
                              on_ready=lambda addr, sid, cid: _ready({"address": addr, "server_id": sid, "cluster_id": cid,
                                                                     "pid": os.getpid()}))
     except (ValueError, ClusterError) as e:  # a non-loopback address without a token, no Coordinator, ...

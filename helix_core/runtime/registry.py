@@ -15,10 +15,14 @@ from ..planning.columns import ServerColumns
 from ..planning.placement import Candidates, PlacementRequest, make_scheduler
 from ..telemetry import percentile
 
-__all__ = ["Registry", "ServerState", "TASK_ID_BITS"]
+__all__ = ["NoDeliveryServer", "Registry", "ServerState", "TASK_ID_BITS"]
 
 log = logging.getLogger("helix.coordinator")
 TASK_ID_BITS = 40  # task ids a client may use before it would reach the next client's base
+
+
+class NoDeliveryServer(LookupError):
+    """A rank's host has no live local server to deliver through (yet)."""
 
 
 @dataclass
@@ -180,7 +184,7 @@ class Registry:
         its shared memory is not the rank's."""
         locals_ = self._ordering()[0].get(host, [])
         if not locals_:
-            raise LookupError(f"no local DataServer registered on host {host!r} (rank {rank}); hosts with one: "
+            raise NoDeliveryServer(f"no local DataServer registered on host {host!r} (rank {rank}); hosts with one: "
                               f"{sorted(h for h, s in self._ordering()[0].items() if s) or 'none'} — start "
                               "'helix dataserver --local-rank 0' on that host")
         n, slot = len(locals_), rank if local_rank is None or local_rank < 0 else local_rank
@@ -189,7 +193,7 @@ class Registry:
                 s = locals_[(slot + k) % n]
                 if s.alive and s.server_id not in skip:
                     return s
-        raise LookupError(f"no live local DataServer on host {host!r} can deliver to rank {rank} "
+        raise NoDeliveryServer(f"no live local DataServer on host {host!r} can deliver to rank {rank} "
                           f"({n} registered there, all dead)")
 
     def hosts(self) -> dict[str, list[str]]:

@@ -68,8 +68,14 @@ def check_hello(stub, role: str, token: str | None, timeout_s: float, what: str,
     except grpc.RpcError as e:
         if e.code() == grpc.StatusCode.UNAUTHENTICATED:
             raise ClusterError(f"{what} refused the connection: {e.details()}") from None
-        hint = ("; if it uses TLS, set HELIX_TLS_CA (and HELIX_TLS_CERT / _KEY) to its CA" if tls is None else
-                "; with TLS: is its certificate signed by the CA in " + tls.names[2] + " and made for this address?")
+        if tls is None:
+            hint = "; if it uses TLS, set HELIX_TLS_CA, HELIX_TLS_CERT and HELIX_TLS_KEY (its CA, and a certificate it signed)"
+        elif tls.cert is None:
+            hint = (f"; with TLS every peer presents a certificate: give {tls.names[0]} and {tls.names[1]} "
+                    "(one the cluster's CA signed)")
+        else:
+            hint = (f"; with TLS: is its certificate signed by the CA in {tls.names[2]} and made for this address, "
+                    "and ours by its CA?")
         raise ClusterError(f"cannot reach {what}: {e.code().name} {e.details()}{hint}") from None
     if reply.protocol_version != PROTOCOL_VERSION:
         raise ClusterError(f"{what} speaks Helix protocol {reply.protocol_version}, this client "

@@ -55,6 +55,7 @@ class Tls:
             cas = x509.load_pem_x509_certificates(self.ca)
         except ValueError as e:
             raise ValueError(f"{ca_name}: not a PEM certificate ({e})") from None
+        _check_dates(cas, ca_name)
         if (self.cert is None) != (self.key is None):
             raise ValueError(f"{cert_name} and {key_name} go together: give both or neither")
         if self.cert is None:
@@ -63,6 +64,7 @@ class Tls:
             chain = x509.load_pem_x509_certificates(self.cert)
         except ValueError as e:
             raise ValueError(f"{cert_name}: not a PEM certificate ({e})") from None
+        _check_dates(chain, cert_name)
         try:
             key = serialization.load_pem_private_key(self.key, password=None)
         except (ValueError, TypeError) as e:
@@ -108,8 +110,9 @@ class Tls:
 
         if self.cert is None:
             raise ValueError(f"serving with TLS needs {self.names[0]} and {self.names[1]}")
+        # mutual: every peer presents a certificate the CA signed (gRPC Python can't make it optional)
         return grpc.ssl_server_credentials([(self.key, self.cert)], root_certificates=self.ca,
-                                           require_client_auth=False)
+                                           require_client_auth=True)
 
     def channel_credentials(self):
         import grpc
@@ -144,10 +147,20 @@ class Tls:
             if data is None:
                 continue
             path = paths[name] = os.path.join(folder, f"tls-{name}.pem")
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            tmp = f"{path}.{os.getpid()}.tmp"  # a new file of mode 0600, never an old one's mode or a symlink
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             with os.fdopen(fd, "wb") as f:
                 f.write(data)
+            os.replace(tmp, path)
         return paths
+
+
+def _check_dates(certs, where: str) -> None:
+    now = datetime.datetime.now(datetime.timezone.utc)
+    for c in certs:
+        if not c.not_valid_before_utc <= now <= c.not_valid_after_utc:
+            raise ValueError(f"{where}: the certificate for {c.subject.rfc4514_string()} is valid only from "
+                             f"{c.not_valid_before_utc:%Y-%m-%d} to {c.not_valid_after_utc:%Y-%m-%d}")
 
 
 def _issued_by(cert, ca) -> bool:
@@ -165,7 +178,7 @@ def _name(common: str):
     return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common)])
 
 
-def _make_ca():
+def _make_ca(days: int = 30):
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
     from cryptography.hazmat.primitives.asymmetric import ec
@@ -174,7 +187,7 @@ def _make_ca():
     now = datetime.datetime.now(datetime.timezone.utc)
     cert = (x509.CertificateBuilder().subject_name(_name("helix job CA")).issuer_name(_name("helix job CA"))
             .public_key(key.public_key()).serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=30))
+            .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=days))
             .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
             .sign(key, hashes.SHA256()))
     return cert.public_bytes(serialization.Encoding.PEM), key, cert
@@ -192,20 +205,22 @@ def _san(names: list[str]):
     return x509.SubjectAlternativeName(out)
 
 
-def write_certificates(folder: str, names: list[str]) -> dict[str, str]:
+def write_certificates(folder: str, names: list[str], days: int = 365) -> dict[str, str]:
     """A new CA and one certificate for ``names`` (host names and IP addresses the services are
     dialled by), written into ``folder`` as ``tls-ca.pem``, ``tls-cert.pem``, ``tls-key.pem``
-    (0600); returns ``{"ca", "cert", "key"}`` → paths. Copy all three to every host (the key
-    stays private to the cluster's machines)."""
+    (0600), valid for ``days``; returns ``{"ca", "cert", "key"}`` → paths. Copy all three to every
+    host (the key stays private to the cluster's machines)."""
     if not names:
-        raise ValueError("write_certificates: name at least one host name or address")
+        raise ValueError("--names: name at least one host name or address")
+    if isinstance(days, bool) or not isinstance(days, int) or not 1 <= days <= 3650:
+        raise ValueError(f"--days must be an int in [1, 3650], got {days!r}")
     os.makedirs(folder, mode=0o700, exist_ok=True)
-    ca_pem, ca_key, ca_cert = _make_ca()
-    cert_pem, key_pem = _make_leaf(ca_key, ca_cert, list(names))
+    ca_pem, ca_key, ca_cert = _make_ca(days)
+    cert_pem, key_pem = _make_leaf(ca_key, ca_cert, list(names), days)
     return Tls(ca_pem, cert_pem, key_pem).write(folder)
 
 
-def _make_leaf(ca_key, ca_cert, names: list[str]):
+def _make_leaf(ca_key, ca_cert, names: list[str], days: int = 30):
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
     from cryptography.hazmat.primitives.asymmetric import ec
@@ -215,7 +230,7 @@ def _make_leaf(ca_key, ca_cert, names: list[str]):
     san = _san(names)
     cert = (x509.CertificateBuilder().subject_name(_name(names[0])).issuer_name(ca_cert.subject)
             .public_key(key.public_key()).serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=30))
+            .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=days))
             .add_extension(san, critical=False)
             .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
             .sign(ca_key, hashes.SHA256()))
