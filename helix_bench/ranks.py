@@ -52,6 +52,7 @@ class RankPlan:
     coordinator: str = ""  # helix
     window: int = 8  # helix variants with balance="tokens": the planning window
     ray: dict = field(default_factory=dict)  # ray: address, namespace, actor names, mode
+    master_addr: str = "127.0.0.1"  # the gloo group's rendezvous (host 0's address on emulated hosts)
 
 
 def _dataset(spec: dict):
@@ -102,7 +103,7 @@ def _batches(loader, set_epoch):
 def rank_main(rank: int, plan: RankPlan, results, progress) -> None:
     """Entry point of one rank process: run warm-up + measured steps, put its records on
     ``results`` (a multiprocessing queue), and step counts on ``progress``."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(plan.port), OMP_NUM_THREADS="1")
+    os.environ.update(MASTER_ADDR=plan.master_addr, MASTER_PORT=str(plan.port), OMP_NUM_THREADS="1")
     loader = None
     try:
         import torch

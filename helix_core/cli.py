@@ -83,6 +83,9 @@ def _split(text: str, kind=str) -> list:
     return [kind(x) for x in str(text).split(",") if x.strip()]
 
 
+_ALL = "native,ray,helix"
+
+
 def _cmd_bench(a, console) -> int:
     _need_bench()
     if a.overhead:
@@ -92,6 +95,18 @@ def _cmd_bench(a, console) -> int:
         return 0
     if not a.out:
         raise ValueError("helix bench needs --out DIR (where the report goes)")
+    if a.hosts:
+        from helix_bench.hosts import HostBenchConfig, run_hosts_bench
+
+        cfg = HostBenchConfig(hosts=a.hosts, ranks_per_host=a.ranks_per_host, host_cpus=a.host_cpus,
+                              sidecars=tuple(_split(a.sidecars, int)), sidecar_cpus=a.sidecar_cpus,
+                              link_mbps=a.link_mbps, systems=tuple(_split(a.systems)) if a.systems != _ALL else
+                              ("native", "helix"), workload=_split(a.workload)[0], model=a.model,
+                              batch_size=_split(a.batch_size, int)[0], warmup=a.warmup, steps=a.steps,
+                              prefetch=a.prefetch, clips=a.clips, scale=a.scale, seed=a.seed,
+                              data_dir=a.data or str(cache_dir() / "bench-data"))
+        run_hosts_bench(cfg, a.out, console=console)
+        return 0
     from helix_bench.harness import BenchConfig, run_bench
 
     configs = [BenchConfig(workload=w, model=a.model, ranks=a.ranks, batch_size=b, budget=a.budget,
@@ -247,7 +262,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--ranks", type=int, default=4)
     s.add_argument("--batch-size", default="2", help="comma-separated list (a sweep)")
     s.add_argument("--budget", type=int, default=4, help="worker processes in all, for every system")
-    s.add_argument("--systems", default="native,ray,helix",
+    s.add_argument("--systems", default=_ALL,
                    help="native, ray (idle-actor dispatch), ray-rr (round robin), helix, and the ablation variants "
                         "helix-pool, helix-transport, helix-prefetch, helix-tier1, helix-nosteal")
     s.add_argument("--window", type=int, default=8, help="Tier-1 planning window (global steps) of balanced systems")
@@ -271,6 +286,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--out", default=None, help="report folder (required, except with --overhead)")
     s.add_argument("--overhead", action="store_true",
                    help="instead: Helix's own CPU (idle, per batch by role) and wake-up latency, near-free samples")
+    s.add_argument("--hosts", type=int, default=0,
+                   help="instead: the sidecar sweep on this many emulated GPU hosts (root; native and helix)")
+    s.add_argument("--ranks-per-host", type=int, default=2)
+    s.add_argument("--host-cpus", type=float, default=0.5, help="each emulated host's CPU quota (cores)")
+    s.add_argument("--sidecars", default="0,1,2", help="comma-separated sidecar counts (the sweep)")
+    s.add_argument("--sidecar-cpus", type=float, default=0.5, help="each sidecar host's CPU quota (cores)")
+    s.add_argument("--link-mbps", type=float, default=None, help="each emulated host's link rate (tc tbf)")
     s.set_defaults(fn=_cmd_bench)
     s = sub.add_parser("planner", help="Tier-1 planner: GPU-cost imbalance per window size, and planner time")
     s.add_argument("--workload", default="kinetics-mixed,openvid-mixed", help="comma-separated list")

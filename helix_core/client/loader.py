@@ -55,7 +55,7 @@ class DistributedDataLoader:
     Arguments follow torch's ``DataLoader`` / ``DistributedSampler`` where they overlap
     (``batch_size``, ``shuffle``, ``seed``, ``drop_last``, ``collate_fn``, ``pin_memory``), plus:
     ``coordinator`` ("host:port"; default ``HELIX_COORDINATOR``, else an embedded LocalCluster),
-    ``token``, ``prefetch_depth`` (batches requested ahead), ``microbatch_size`` (split each batch
+    ``token`` (default ``HELIX_TOKEN``), ``prefetch_depth`` (batches requested ahead), ``microbatch_size`` (split each batch
     into requests of this many samples, merged — padded — before it is yielded), ``on_error``
     ("raise": ``SampleError`` at the batch; "skip": replaced from this rank's shard, counted in
     ``stats()["skipped"]``), ``device`` (copy batches there, non-blocking), ``num_workers`` (worker
@@ -108,6 +108,8 @@ class DistributedDataLoader:
             self._batches = ShardBatches(len(dataset), batch_size, *shard)
         self._embedded, self.cluster = False, None  # cluster: the LocalCluster this process started for it
         address = coordinator or os.environ.get("HELIX_COORDINATOR")
+        if address is not None and token is None:  # a running cluster: its token may come from the environment
+            token = os.environ.get("HELIX_TOKEN") or None
         if address is None:  # shared by this process's loaders (train and val); one per job
             self.cluster, address, token, job_tls = acquire_embedded(self.world_size, num_workers, self.config)
             tls = tls if job_tls is None else job_tls

@@ -1,0 +1,259 @@
+"""``helix bench --hosts``: the paper's multi-node result in miniature, on emulated hosts.
+
+``hosts`` GPU hosts (``ranks_per_host`` ranks each, ``host_cpus`` CPUs each by a cgroup quota)
+and up to ``max(sidecars)`` sidecar hosts (``sidecar_cpus`` each), every one a network + mount +
+UTS namespace (``helix_core.emulated_hosts``), optionally behind a ``link_mbps`` link. ``native``
+decodes with its own host's CPU only (a per-rank torch DataLoader); ``helix`` with its hosts' CPU
+plus the sidecars': a Coordinator on host 0, a local DataServer per host, a remote one per
+sidecar host, all started with the ``helix`` command over TLS. The emulated GPU window is set so
+that the hosts' CPU alone is short of the GPU by the sidecars' CPU at the sweep's end. The bound
+counts the CPU each system may use and the link: ``max(decode CPU-s / CPUs, token-balanced GPU s,
+streamed bits / link rate of the busiest link)``, one single-decoder's work per CPU of quota (the
+quota is a hard cap, so no contention term as on the unquoted machine).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+__all__ = ["HostBenchConfig", "run_hosts_bench"]
+
+_ENV_DROP = ("HELIX_", "MASTER_", "RANK", "WORLD_SIZE", "LOCAL_RANK")
+
+
+@dataclass(frozen=True)
+class HostBenchConfig:
+    hosts: int = 2
+    ranks_per_host: int = 2
+    host_cpus: float = 0.5
+    sidecars: tuple[int, ...] = (0, 1, 2)
+    sidecar_cpus: float = 0.5
+    link_mbps: float | None = None
+    systems: tuple[str, ...] = ("native", "helix")
+    workload: str = "kinetics-mixed"
+    model: str = "videomae"
+    batch_size: int = 2
+    warmup: int = 8
+    steps: int = 32
+    prefetch: int = 4
+    clips: int = 24
+    scale: float = 0.5
+    seed: int = 0
+    data_dir: str = str(Path.home() / ".cache" / "helix" / "bench-data")
+
+    def __post_init__(self):
+        if self.hosts < 1 or self.ranks_per_host < 1:
+            raise ValueError("--hosts and --ranks-per-host must be >= 1")
+        if not self.sidecars or min(self.sidecars) < 0:
+            raise ValueError(f"--sidecars must be a list of counts >= 0, got {list(self.sidecars)}")
+        for flag, v in (("--host-cpus", self.host_cpus), ("--sidecar-cpus", self.sidecar_cpus)):
+            if not 0.05 <= v <= 1e3:
+                raise ValueError(f"{flag} must be a CPU quota >= 0.05 cores, got {v}")
+        cores = os.cpu_count() or 1
+        need = self.hosts * self.host_cpus + max(self.sidecars) * self.sidecar_cpus
+        if need > cores + 1e-9:
+            raise ValueError(f"--hosts {self.hosts} x --host-cpus {self.host_cpus} + {max(self.sidecars)} sidecars x "
+                             f"--sidecar-cpus {self.sidecar_cpus} = {need:g} CPUs, more than this machine's {cores}: "
+                             "the quotas would not hold")
+        bad = [s for s in self.systems if s not in ("native", "helix")]
+        if bad:
+            raise ValueError(f"--systems {bad}: the hosts mode runs native and helix")
+
+    @property
+    def ranks(self) -> int:
+        return self.hosts * self.ranks_per_host
+
+
+def _env(extra: dict) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(_ENV_DROP)}
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", GLOO_SOCKET_IFNAME="eth0", **extra)
+    return env
+
+
+def _start_service(hosts, host: str, args: list[str], env: dict) -> tuple[subprocess.Popen, dict]:
+    proc = hosts.popen(host, [sys.executable, "-m", "helix_core.cli", *args], env=env, stdout=subprocess.PIPE,
+                       text=True)
+    line = proc.stdout.readline()
+    if not line.startswith("HELIX_READY "):
+        raise RuntimeError(f"helix {args[0]} on host {host} did not start (exit code {proc.poll()})")
+    return proc, json.loads(line.split(" ", 1)[1])
+
+
+def _run_point(cfg: HostBenchConfig, hosts, system: str, k: int, plan, tmp: Path, env: dict) -> dict:
+    """One system at one sidecar count: services (helix), the ranks; their records and stats."""
+    services = []
+    try:
+        if system == "helix":
+            coord, info = _start_service(hosts, "h0", ["coordinator", "--host", hosts.address("h0"), "--port",
+                                                       str(7100 + k)], env)
+            services.append(coord)
+            workers = max(1, math.ceil(cfg.host_cpus))
+            for h in range(cfg.hosts):
+                services.append(_start_service(hosts, f"h{h}", ["dataserver", "--coordinator", info["address"],
+                                                                 "--local-rank", "0", "--workers", str(workers),
+                                                                 "--host", hosts.address(f"h{h}")], env)[0])
+            for s in range(k):
+                services.append(_start_service(hosts, f"s{s}", ["dataserver", "--coordinator", info["address"],
+                                                                 "--remote", "--workers",
+                                                                 str(max(1, math.ceil(cfg.sidecar_cpus))),
+                                                                 "--host", hosts.address(f"s{s}")], env)[0])
+            plan = replace(plan, coordinator=info["address"])
+        plan = replace(plan, system=system, port=29700 + 10 * k + (system == "helix"))
+        ranks = []
+        for r in range(cfg.ranks):
+            out = tmp / f"{system}-{k}-rank{r}.json"
+            argv = [sys.executable, "-m", "helix_bench.hostrank", json.dumps(asdict(plan)), str(r), str(out)]
+            ranks.append((hosts.popen(f"h{r // cfg.ranks_per_host}", argv,
+                                      env={**env, "LOCAL_RANK": str(r % cfg.ranks_per_host)}), out))
+        results = []
+        for proc, out in ranks:
+            proc.wait(timeout=1800)
+            got = json.loads(out.read_text()) if out.exists() else {"kind": "error", "payload": "no result"}
+            if got["kind"] != "ok":
+                raise RuntimeError(f"{system} with {k} sidecars, rank {got.get('rank')}: {got['payload']}")
+            results.append(got)
+        return {"records": [rec for g in results for rec in g["payload"]],
+                "cross_ds_bytes": sum(int(g["extra"].get("stats", {}).get("cross_ds_bytes", 0) or 0) for g in results)}
+    finally:
+        for proc in reversed(services):
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in services:
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+            proc.stdout.close()
+
+
+def run_hosts_bench(cfg: HostBenchConfig, out_dir, console=None) -> dict:
+    """Run the sweep; write ``results.json``, ``report.md`` and ``fig_sidecars.png`` in ``out_dir``."""
+    import numpy as np
+
+    from helix_core.emulated_hosts import EmulatedHosts
+    from helix_core.planning.gpu import GPU_COSTS
+    from helix_core.runtime.tls import write_certificates
+    from .emulate import measure_decode
+    from .harness import BenchConfig, _dataset, expected_indices, steps_per_epoch
+    from .metrics import Bound, balanced_gpu_s
+    from .ranks import RankPlan
+    from .samples import round_to_windows
+
+    why = EmulatedHosts.unavailable()
+    if why:
+        raise RuntimeError(f"helix bench --hosts: {why}")
+    say = console.print if console is not None else (lambda *a, **k: None)
+    bc = BenchConfig(workload=cfg.workload, model=cfg.model, ranks=cfg.ranks, batch_size=cfg.batch_size,
+                     budget=cfg.ranks, systems=("native",), warmup=cfg.warmup, steps=cfg.steps, prefetch=cfg.prefetch,
+                     clips=cfg.clips, scale=cfg.scale, seed=cfg.seed, data_dir=cfg.data_dir)
+    ds = _dataset(bc, progress=console is not None)
+    spe = steps_per_epoch(len(ds), bc)
+    warmup, steps = round_to_windows(bc.warmup, bc.steps, spe, bc.window)
+    bc = replace(bc, warmup=warmup, steps=steps)
+    expected = [rank[warmup:] for rank in expected_indices(len(ds), bc)]
+    flat = [i for rank in expected for b in rank for i in b]
+    say(f"[bold]hosts bench[/] {cfg.hosts} hosts x {cfg.ranks_per_host} ranks at {cfg.host_cpus} CPU, sidecars "
+        f"{list(cfg.sidecars)} at {cfg.sidecar_cpus} CPU: measuring the decode yardstick ...")
+    decode = measure_decode(ds, flat)
+    tokens = {i: ds.estimate_cost(i).tokens for i in decode}
+    cost = GPU_COSTS[cfg.model]
+    cpus_max = cfg.hosts * cfg.host_cpus + max(cfg.sidecars) * cfg.sidecar_cpus
+    pooled = cfg.ranks * cfg.batch_size * float(np.mean([decode[i] for i in flat])) / cpus_max
+    scale = pooled / (cfg.batch_size * float(np.mean(cost.sample_units([tokens[i] for i in flat]))) + cost.c)
+    steps_gpu = [[scale * float(cost.sample_units(tokens[i])) for r in range(cfg.ranks) for i in expected[r][s]]
+                 for s in range(steps)]
+    decode_s, gpu_s = sum(decode[i] for i in flat), balanced_gpu_s(steps_gpu, cfg.ranks, scale * cost.c)
+    plan = RankPlan(system="", ranks=cfg.ranks, port=0, dataset=ds.helix_spec(), batch_size=cfg.batch_size,
+                    warmup=warmup, steps=steps, window_scale=scale, cost=(cost.a, cost.b, cost.c),
+                    workers_per_rank=1, prefetch=cfg.prefetch, seed=cfg.seed, window=bc.window)
+    names = [f"h{h}" for h in range(cfg.hosts)] + [f"s{s}" for s in range(max(cfg.sidecars))]
+    cpus = {n: (cfg.host_cpus if n.startswith("h") else cfg.sidecar_cpus) for n in names}
+    points = []
+    with tempfile.TemporaryDirectory(prefix="helix-hosts-") as tmp, \
+            EmulatedHosts(names, cpus=cpus, link_mbps=cfg.link_mbps) as hosts:
+        certs = write_certificates(os.path.join(tmp, "certs"), [hosts.address(n) for n in names])
+        token = os.path.join(tmp, "token")
+        with open(os.open(token, os.O_WRONLY | os.O_CREAT, 0o600), "w") as f:
+            f.write(os.urandom(24).hex())
+        env = _env({"HELIX_TLS_CERT": certs["cert"], "HELIX_TLS_KEY": certs["key"], "HELIX_TLS_CA": certs["ca"],
+                    "HELIX_TOKEN": open(token).read()})
+        plan = replace(plan, master_addr=hosts.address("h0"))
+        runs = [("native", 0)] if "native" in cfg.systems else []
+        runs += [("helix", k) for k in cfg.sidecars] if "helix" in cfg.systems else []
+        for system, k in runs:
+            say(f"  {system} with {k} sidecar(s) ...")
+            got = _run_point(cfg, hosts, system, k, plan, Path(tmp), env)
+            rank0 = [r for r in got["records"] if r["rank"] == 0]
+            wall = sum(r["step_s"] for r in rank0)
+            samples = sum(r["samples"] for r in got["records"])
+            cpus_used = cfg.hosts * cfg.host_cpus + (k * cfg.sidecar_cpus if system == "helix" else 0.0)
+            bound = Bound(decode_s=decode_s, gpu_s=gpu_s, cpu_slots=max(1, math.ceil(cpus_used)), samples=len(flat),
+                          capacity=cpus_used)
+            # the link term: the streamed bytes over the busiest link (each GPU host's receives its
+            # share, each sidecar's sends its share; both run at link_mbps)
+            link_s = got["cross_ds_bytes"] * 8 / (cfg.link_mbps * 1e6 * min(cfg.hosts, k)) if cfg.link_mbps and k else 0.0
+            bound_sps = len(flat) / max(bound.time_s, link_s)
+            points.append({"system": system, "sidecars": k, "cpus": cpus_used, "throughput_sps": samples / wall,
+                           "bound_sps": bound_sps, "bound_fraction": samples / wall / bound_sps,
+                           "limited_by": bound.limited_by, "cross_ds_bytes": got["cross_ds_bytes"],
+                           "link_utilisation": (got["cross_ds_bytes"] * 8 / wall / (cfg.link_mbps * 1e6)
+                                                if cfg.link_mbps else None),
+                           "input_wait_mean_s": float(np.mean([r["input_wait_s"] for r in got["records"]]))})
+            say(f"    {points[-1]['throughput_sps']:.2f} samples/s, {points[-1]['bound_fraction']:.0%} of the bound")
+    native = next((p["throughput_sps"] for p in points if p["system"] == "native"), None)
+    for p in points:
+        p["vs_native"] = p["throughput_sps"] / native if native else None
+    result = {"config": {**asdict(cfg), "sidecars": list(cfg.sidecars), "systems": list(cfg.systems)},
+              "steps": steps, "warmup": warmup, "window_scale": scale, "decode_s": decode_s, "gpu_s": gpu_s,
+              "points": points}
+    _write(result, Path(out_dir))
+    return result
+
+
+def _write(result: dict, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(result, indent=2))
+    c = result["config"]
+    lines = ["# Helix on emulated hosts: the sidecar sweep", "",
+             f"- {c['hosts']} hosts x {c['ranks_per_host']} ranks, {c['host_cpus']} CPU each; sidecars at "
+             f"{c['sidecar_cpus']} CPU; link {c['link_mbps'] or 'unlimited'} Mbit/s; {c['workload']}, batch "
+             f"{c['batch_size']}, {result['steps']} measured steps after {result['warmup']}",
+             f"- decode {result['decode_s']:.2f} CPU-s of the measured samples; token-balanced GPU {result['gpu_s']:.2f} s",
+             "", "| System | Sidecars | CPUs | Throughput (samples/s) | Bound (samples/s) | Bound (%) | Limited by "
+             "| vs native | Cross-DS (MB) | Link util. (%) | Input wait mean (s) |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for p in result["points"]:
+        util = f"{100 * p['link_utilisation']:.1f}" if p["link_utilisation"] is not None else "n/a"
+        vs = f"{p['vs_native']:.2f}x" if p["vs_native"] else "n/a"
+        lines.append(f"| {p['system']} | {p['sidecars']} | {p['cpus']:g} | {p['throughput_sps']:.2f} | "
+                     f"{p['bound_sps']:.2f} | {100 * p['bound_fraction']:.1f} | {p['limited_by']} | {vs} | "
+                     f"{p['cross_ds_bytes'] / 1e6:.1f} | {util} | {p['input_wait_mean_s']:.4f} |")
+    lines += ["", "![Throughput and bound against sidecars](fig_sidecars.png)", ""]
+    (out / "report.md").write_text("\n".join(lines))
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    helix = [p for p in result["points"] if p["system"] == "helix"]
+    if helix:
+        ax.plot([p["sidecars"] for p in helix], [p["throughput_sps"] for p in helix], "o-", label="helix")
+        ax.plot([p["sidecars"] for p in helix], [p["bound_sps"] for p in helix], "k--", label="helix bound")
+    for p in result["points"]:
+        if p["system"] == "native":
+            ax.axhline(p["throughput_sps"], color="tab:red", label="native (hosts' CPU only)")
+    ax.set_xticks(sorted({p["sidecars"] for p in result["points"]}))
+    ax.set_xlabel("sidecars")
+    ax.set_ylabel("samples/s")
+    ax.set_title("Throughput against sidecar CPU (emulated hosts)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "fig_sidecars.png", dpi=110)
+    plt.close(fig)
