@@ -119,7 +119,11 @@ def _run_point(cfg: HostBenchConfig, hosts, system: str, k: int, plan, tmp: Path
             if got["kind"] != "ok":
                 raise RuntimeError(f"{system} with {k} sidecars, rank {got.get('rank')}: {got['payload']}")
             results.append(got)
-        return {"records": [rec for g in results for rec in g["payload"]],
+        reasons: dict[str, int] = {}
+        for g in results:
+            for why, n in (g["extra"].get("stats", {}).get("placement_reasons") or {}).items():
+                reasons[why] = reasons.get(why, 0) + int(n)
+        return {"records": [rec for g in results for rec in g["payload"]], "placement_reasons": reasons,
                 "cross_ds_bytes": sum(int(g["extra"].get("stats", {}).get("cross_ds_bytes", 0) or 0) for g in results)}
     finally:
         for proc in reversed(services):
@@ -205,7 +209,8 @@ def run_hosts_bench(cfg: HostBenchConfig, out_dir, console=None) -> dict:
                            "limited_by": bound.limited_by, "cross_ds_bytes": got["cross_ds_bytes"],
                            "link_utilisation": (got["cross_ds_bytes"] * 8 / wall / (cfg.link_mbps * 1e6)
                                                 if cfg.link_mbps else None),
-                           "input_wait_mean_s": float(np.mean([r["input_wait_s"] for r in got["records"]]))})
+                           "input_wait_mean_s": float(np.mean([r["input_wait_s"] for r in got["records"]])),
+                           "placement_reasons": got["placement_reasons"]})
             say(f"    {points[-1]['throughput_sps']:.2f} samples/s, {points[-1]['bound_fraction']:.0%} of the bound")
     native = next((p["throughput_sps"] for p in points if p["system"] == "native"), None)
     for p in points:
