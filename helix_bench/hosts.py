@@ -86,6 +86,31 @@ def _start_service(hosts, host: str, args: list[str], env: dict) -> tuple[subpro
     return proc, json.loads(line.split(" ", 1)[1])
 
 
+_TELEMETRY = """
+import json, sys
+from helix_core.config import ClusterConfig
+from helix_core.runtime.auth import call_metadata, load_token
+from helix_core.runtime.proto import helix_pb2 as pb, helix_pb2_grpc as pbg
+from helix_core.runtime.rpc import connect
+from helix_core.runtime.tls import Tls
+stub = pbg.CoordinatorStub(connect(sys.argv[1], ClusterConfig(), Tls.from_env()))
+t = json.loads(stub.Telemetry(pb.TelemetryRequest(last_decisions=10000), timeout=10,
+                              metadata=call_metadata(load_token())).json)
+kind = {s["server_id"]: s["kind"] for s in t["servers"]}
+print(json.dumps({"routed": t["routed"], "routed_remote": sum(kind.get(d["server"]) == "remote" for d in t["decisions"]),
+                  "server_cross_ds_bytes": {s["server_id"]: s["cross_ds_bytes"] for s in t["servers"]}}))
+"""
+
+
+def _routed(hosts, coordinator: str, env: dict) -> dict:
+    """The Coordinator's count of requests routed, and to remote servers; each server's streamed bytes."""
+    done = hosts.run("h0", [sys.executable, "-c", _TELEMETRY, coordinator], env=env, timeout=60)
+    try:
+        return json.loads(done.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        return {"telemetry_error": done.stderr[-500:]}
+
+
 def _run_point(cfg: HostBenchConfig, hosts, system: str, k: int, plan, tmp: Path, env: dict) -> dict:
     """One system at one sidecar count: services (helix), the ranks; their records and stats."""
     services = []
@@ -119,11 +144,12 @@ def _run_point(cfg: HostBenchConfig, hosts, system: str, k: int, plan, tmp: Path
             if got["kind"] != "ok":
                 raise RuntimeError(f"{system} with {k} sidecars, rank {got.get('rank')}: {got['payload']}")
             results.append(got)
+        routed = _routed(hosts, plan.coordinator, env) if system == "helix" else {}
         reasons: dict[str, int] = {}
         for g in results:
             for why, n in (g["extra"].get("stats", {}).get("placement_reasons") or {}).items():
                 reasons[why] = reasons.get(why, 0) + int(n)
-        return {"records": [rec for g in results for rec in g["payload"]], "placement_reasons": reasons,
+        return {"records": [rec for g in results for rec in g["payload"]], "placement_reasons": reasons, **routed,
                 "cross_ds_bytes": sum(int(g["extra"].get("stats", {}).get("cross_ds_bytes", 0) or 0) for g in results)}
     finally:
         for proc in reversed(services):
@@ -210,7 +236,8 @@ def run_hosts_bench(cfg: HostBenchConfig, out_dir, console=None) -> dict:
                            "link_utilisation": (got["cross_ds_bytes"] * 8 / wall / (cfg.link_mbps * 1e6)
                                                 if cfg.link_mbps else None),
                            "input_wait_mean_s": float(np.mean([r["input_wait_s"] for r in got["records"]])),
-                           "placement_reasons": got["placement_reasons"]})
+                           "placement_reasons": got["placement_reasons"],
+                           **{k: got[k] for k in ("routed", "routed_remote", "server_cross_ds_bytes") if k in got}})
             say(f"    {points[-1]['throughput_sps']:.2f} samples/s, {points[-1]['bound_fraction']:.0%} of the bound")
     native = next((p["throughput_sps"] for p in points if p["system"] == "native"), None)
     for p in points:
