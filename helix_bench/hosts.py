@@ -102,6 +102,16 @@ print(json.dumps({"routed": t["routed"], "routed_remote": sum(kind.get(d["server
 """
 
 
+def _cpu_s(pid: int) -> float:
+    import psutil
+
+    try:
+        t = psutil.Process(pid).cpu_times()
+        return t.user + t.system
+    except psutil.Error:
+        return 0.0
+
+
 def _routed(hosts, coordinator: str, env: dict) -> dict:
     """The Coordinator's count of requests routed, and to remote servers; each server's streamed bytes."""
     done = hosts.run("h0", [sys.executable, "-c", _TELEMETRY, coordinator], env=env, timeout=60)
@@ -113,7 +123,7 @@ def _routed(hosts, coordinator: str, env: dict) -> dict:
 
 def _run_point(cfg: HostBenchConfig, hosts, system: str, k: int, plan, tmp: Path, env: dict) -> dict:
     """One system at one sidecar count: services (helix), the ranks; their records and stats."""
-    services = []
+    services, local_pids = [], []
     try:
         if system == "helix":
             coord, info = _start_service(hosts, "h0", ["coordinator", "--host", hosts.address("h0"), "--port",
@@ -121,9 +131,11 @@ def _run_point(cfg: HostBenchConfig, hosts, system: str, k: int, plan, tmp: Path
             services.append(coord)
             workers = max(1, math.ceil(cfg.host_cpus))
             for h in range(cfg.hosts):
-                services.append(_start_service(hosts, f"h{h}", ["dataserver", "--coordinator", info["address"],
-                                                                 "--local-rank", "0", "--workers", str(workers),
-                                                                 "--host", hosts.address(f"h{h}")], env)[0])
+                proc, sinfo = _start_service(hosts, f"h{h}", ["dataserver", "--coordinator", info["address"],
+                                                              "--local-rank", "0", "--workers", str(workers),
+                                                              "--host", hosts.address(f"h{h}")], env)
+                services.append(proc)
+                local_pids.append(sinfo["pid"])
             for s in range(k):
                 services.append(_start_service(hosts, f"s{s}", ["dataserver", "--coordinator", info["address"],
                                                                  "--remote", "--workers",
@@ -145,6 +157,8 @@ def _run_point(cfg: HostBenchConfig, hosts, system: str, k: int, plan, tmp: Path
                 raise RuntimeError(f"{system} with {k} sidecars, rank {got.get('rank')}: {got['payload']}")
             results.append(got)
         routed = _routed(hosts, plan.coordinator, env) if system == "helix" else {}
+        if local_pids:  # the GPU hosts' DataServer processes themselves (serving, receiving streams), not their workers
+            routed["local_dataserver_cpu_s"] = sum(_cpu_s(pid) for pid in local_pids)
         reasons: dict[str, int] = {}
         for g in results:
             for why, n in (g["extra"].get("stats", {}).get("placement_reasons") or {}).items():
@@ -237,7 +251,8 @@ def run_hosts_bench(cfg: HostBenchConfig, out_dir, console=None) -> dict:
                                                 if cfg.link_mbps else None),
                            "input_wait_mean_s": float(np.mean([r["input_wait_s"] for r in got["records"]])),
                            "placement_reasons": got["placement_reasons"],
-                           **{k: got[k] for k in ("routed", "routed_remote", "server_cross_ds_bytes") if k in got}})
+                           **{k: got[k] for k in ("routed", "routed_remote", "server_cross_ds_bytes",
+                                                  "local_dataserver_cpu_s") if k in got}})
             say(f"    {points[-1]['throughput_sps']:.2f} samples/s, {points[-1]['bound_fraction']:.0%} of the bound")
     native = next((p["throughput_sps"] for p in points if p["system"] == "native"), None)
     for p in points:
