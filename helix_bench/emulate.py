@@ -15,7 +15,7 @@ import numpy as np
 
 from helix_core.planning.gpu import GPU_COSTS, GpuCost
 
-__all__ = ["GPU_COSTS", "GpuCost", "REGIMES", "measure_decode", "regime_window_scale"]
+__all__ = ["GPU_COSTS", "GpuCost", "REGIMES", "measure_decode", "regime_window_scale", "window_scale"]
 
 #: window factor over the pooled decode time of a step
 REGIMES = {"gpu-bound": 2.0, "cpu-bound": 0.7}
@@ -32,11 +32,18 @@ def regime_window_scale(regime: str, decode_s: list[float], tokens: list[int], b
     """
     if regime not in REGIMES:
         raise ValueError(f"regime={regime!r}; valid: {', '.join(REGIMES)}")
+    return window_scale(REGIMES[regime], decode_s, tokens, batch_size, ranks, cpu_slots, cost)
+
+
+def window_scale(factor: float, decode_s: list[float], tokens: list[int], batch_size: int, ranks: int,
+                 cpu_slots: float, cost: GpuCost) -> float:
+    """Seconds per cost unit so that the mean step window = ``factor`` x the pooled decode time of
+    a step on ``cpu_slots`` decoders (``regime_window_scale`` with the factor given)."""
     if not decode_s or len(decode_s) != len(tokens) or not cpu_slots > 0:
         raise ValueError("regime calibration needs one measured decode time per sample and cpu_slots > 0")
     pooled = ranks * batch_size * float(np.mean(decode_s)) / cpu_slots
     units = batch_size * float(np.mean(cost.sample_units(tokens))) + cost.c
-    return REGIMES[regime] * pooled / units
+    return factor * pooled / units
 
 
 def measure_decode(dataset, indices, progress=None, repeats: int = 2) -> dict[int, float]:

@@ -201,11 +201,22 @@ def _run_system(system: str, cfg: BenchConfig, plan: RankPlan, live) -> tuple[li
             pool.close()
 
 
+def measured_gpu_s(expected: list, tokens: dict, cost: GpuCost, scale: float) -> float:
+    """The bound's GPU term: the token-balanced GPU seconds of the measured steps, ``expected``
+    being ``[rank][step] -> indices``."""
+    from .metrics import balanced_gpu_s
+
+    ranks, steps = len(expected), len(expected[0])
+    per_step = [[scale * float(cost.sample_units(tokens[i])) for r in range(ranks) for i in expected[r][s]]
+                for s in range(steps)]
+    return balanced_gpu_s(per_step, ranks, scale * cost.c)
+
+
 def run_one(cfg: BenchConfig, console=None, live=None) -> dict:
     """Run every system of one configuration; return the results dict of ``report.write_report``."""
     import tempfile
 
-    from .metrics import Bound, balanced_gpu_s
+    from .metrics import Bound
     from .samples import round_to_windows, window_spans
     from .timed import TimedClipDataset, measure_capacity
 
@@ -232,9 +243,7 @@ def run_one(cfg: BenchConfig, console=None, live=None) -> dict:
         cost = GpuCost(a=cost.a, b=0.0, c=cost.c)
     scale = cfg.window_scale or regime_window_scale(cfg.regime, [decode[i] for i in flat], [tokens[i] for i in flat],
                                                     cfg.batch_size, cfg.ranks, capacity, cost)
-    steps_gpu = [[scale * float(cost.sample_units(tokens[i])) for r in range(cfg.ranks) for i in expected[r][s]]
-                 for s in range(steps)]
-    bound = Bound(decode_s=sum(decode[i] for i in flat), gpu_s=balanced_gpu_s(steps_gpu, cfg.ranks, scale * cost.c),
+    bound = Bound(decode_s=sum(decode[i] for i in flat), gpu_s=measured_gpu_s(expected, tokens, cost, scale),
                   cpu_slots=slots, samples=len(flat), capacity=capacity)
     plan = RankPlan(system="", ranks=cfg.ranks, port=0, dataset=ds.helix_spec(), batch_size=cfg.batch_size,
                     warmup=warmup, steps=steps, window_scale=scale, cost=(cost.a, cost.b, cost.c),

@@ -78,12 +78,16 @@ def _env(extra: dict) -> dict:
 
 
 def _start_service(hosts, host: str, args: list[str], env: dict) -> tuple[subprocess.Popen, dict]:
-    proc = hosts.popen(host, [sys.executable, "-m", "helix_core.cli", *args], env=env, stdout=subprocess.PIPE,
-                       text=True)
-    line = proc.stdout.readline()
-    if not line.startswith("HELIX_READY "):
-        raise RuntimeError(f"helix {args[0]} on host {host} did not start (exit code {proc.poll()})")
-    return proc, json.loads(line.split(" ", 1)[1])
+    from helix_core.runtime.cluster import wait_ready
+
+    proc = hosts.popen(host, [sys.executable, "-m", "helix_core.cli", *args], env=env, stdout=subprocess.PIPE)
+    try:
+        return proc, wait_ready(proc, f"helix {args[0]} on host {host}", 120)
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        proc.stdout.close()
+        raise
 
 
 _TELEMETRY = """
@@ -182,11 +186,12 @@ def run_hosts_bench(cfg: HostBenchConfig, out_dir, console=None) -> dict:
     import numpy as np
 
     from helix_core.emulated_hosts import EmulatedHosts
+    from helix_core.runtime.auth import new_token
     from helix_core.planning.gpu import GPU_COSTS
     from helix_core.runtime.tls import write_certificates
-    from .emulate import measure_decode
-    from .harness import BenchConfig, _dataset, expected_indices, steps_per_epoch
-    from .metrics import Bound, balanced_gpu_s
+    from .emulate import measure_decode, window_scale
+    from .harness import BenchConfig, _dataset, expected_indices, measured_gpu_s, steps_per_epoch
+    from .metrics import Bound
     from .ranks import RankPlan
     from .samples import round_to_windows
 
@@ -209,11 +214,9 @@ def run_hosts_bench(cfg: HostBenchConfig, out_dir, console=None) -> dict:
     tokens = {i: ds.estimate_cost(i).tokens for i in decode}
     cost = GPU_COSTS[cfg.model]
     cpus_max = cfg.hosts * cfg.host_cpus + max(cfg.sidecars) * cfg.sidecar_cpus
-    pooled = cfg.ranks * cfg.batch_size * float(np.mean([decode[i] for i in flat])) / cpus_max
-    scale = pooled / (cfg.batch_size * float(np.mean(cost.sample_units([tokens[i] for i in flat]))) + cost.c)
-    steps_gpu = [[scale * float(cost.sample_units(tokens[i])) for r in range(cfg.ranks) for i in expected[r][s]]
-                 for s in range(steps)]
-    decode_s, gpu_s = sum(decode[i] for i in flat), balanced_gpu_s(steps_gpu, cfg.ranks, scale * cost.c)
+    scale = window_scale(1.0, [decode[i] for i in flat], [tokens[i] for i in flat], cfg.batch_size, cfg.ranks,
+                         cpus_max, cost)
+    decode_s, gpu_s = sum(decode[i] for i in flat), measured_gpu_s(expected, tokens, cost, scale)
     plan = RankPlan(system="", ranks=cfg.ranks, port=0, dataset=ds.helix_spec(), batch_size=cfg.batch_size,
                     warmup=warmup, steps=steps, window_scale=scale, cost=(cost.a, cost.b, cost.c),
                     workers_per_rank=1, prefetch=cfg.prefetch, seed=cfg.seed, window=bc.window)
@@ -223,11 +226,8 @@ def run_hosts_bench(cfg: HostBenchConfig, out_dir, console=None) -> dict:
     with tempfile.TemporaryDirectory(prefix="helix-hosts-") as tmp, \
             EmulatedHosts(names, cpus=cpus, link_mbps=cfg.link_mbps) as hosts:
         certs = write_certificates(os.path.join(tmp, "certs"), [hosts.address(n) for n in names])
-        token = os.path.join(tmp, "token")
-        with open(os.open(token, os.O_WRONLY | os.O_CREAT, 0o600), "w") as f:
-            f.write(os.urandom(24).hex())
         env = _env({"HELIX_TLS_CERT": certs["cert"], "HELIX_TLS_KEY": certs["key"], "HELIX_TLS_CA": certs["ca"],
-                    "HELIX_TOKEN": open(token).read()})
+                    "HELIX_TOKEN": new_token()})  # the services and ranks get it by their environment
         plan = replace(plan, master_addr=hosts.address("h0"))
         runs = [("native", 0)] if "native" in cfg.systems else []
         runs += [("helix", k) for k in cfg.sidecars] if "helix" in cfg.systems else []

@@ -19,18 +19,15 @@ from .errors import ClusterError
 
 __all__ = ["RaySidecars", "ray_sidecars"]
 
-_READY = "HELIX_READY "
-
 
 class _Sidecar:
     """A Ray actor that owns one remote DataServer process (started in ``__init__``)."""
 
     def __init__(self, coordinator: str, workers: int, token: str | None, env: dict, config_json: str,
                  host: str | None, insecure: bool, startup_timeout_s: float):
-        import selectors
-        import time
-
         import ray
+
+        from .runtime.cluster import wait_ready
 
         host = host or ray.util.get_node_ip_address()
         argv = [sys.executable, "-m", "helix_core.runtime.process", "dataserver", "--coordinator", coordinator,
@@ -45,22 +42,13 @@ class _Sidecar:
         self.log = tempfile.TemporaryFile()  # the DataServer's stderr: its first words if it fails to start
         self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log,
                                      env=child_env)
-        sel = selectors.DefaultSelector()
-        sel.register(self.proc.stdout, selectors.EVENT_READ)
-        deadline, buf = time.monotonic() + startup_timeout_s, b""
         try:
-            while _READY.encode() + b"{" not in buf or not buf.endswith(b"\n"):
-                if self.proc.poll() is not None or time.monotonic() > deadline:
-                    self.log.seek(0)
-                    said = self.log.read()[-2000:].decode(errors="replace").strip()
-                    raise RuntimeError(f"the sidecar's DataServer did not start (exit code {self.proc.poll()}): "
-                                       f"{said or 'it said nothing'}")
-                if sel.select(timeout=0.2):
-                    buf += os.read(self.proc.stdout.fileno(), 4096)
-        finally:
-            sel.close()
-        line = next(x for x in buf.decode().splitlines() if x.startswith(_READY))
-        self.info = json.loads(line[len(_READY):])
+            self.info = wait_ready(self.proc, "the sidecar's DataServer", startup_timeout_s)
+        except ClusterError as e:
+            self.proc.kill()
+            self.log.seek(0)
+            said = self.log.read()[-2000:].decode(errors="replace").strip()
+            raise RuntimeError(f"{e}: {said or 'it said nothing'}") from None
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """Stop the DataServer gracefully (its pipe closes: it unregisters nothing, frees its slabs,

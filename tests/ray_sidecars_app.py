@@ -16,6 +16,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from dataplane import CFG, torch_batches  # noqa: E402
 
 import helix_core as hx  # noqa: E402
+from helix_core.client.transport import ClusterClient  # noqa: E402
 from helix_core.errors import ClusterError  # noqa: E402
 from helix_core.testing import IndexDataset  # noqa: E402
 
@@ -66,13 +67,19 @@ def main() -> dict:
                     out["exact"] = indices(got) == indices(torch_batches(ds, 2, 0, 1))
                     out["cross_ds_bytes"] = loader.stats()["cross_ds_bytes"]
                     out["resubmits"] = loader.stats()["resubmits"]
-                    servers = loader.client.telemetry()["servers"]
                 deadline, now = time.monotonic() + 60, None
                 while now is None and time.monotonic() < deadline:
                     now = restarted(sidecars, first)
                     time.sleep(0.5)
                 out["after"] = now
-                out["registered"] = [s["server_id"] for s in servers if s["kind"] == "remote" and s["alive"]]
+                # the Coordinator lists the restarted sidecar's new DataServer as a live remote server
+                deadline, alive = time.monotonic() + 30, []
+                while now is not None and now[0]["server_id"] not in alive and time.monotonic() < deadline:
+                    probe = ClusterClient(cluster.address, cluster.token, CFG, 0, 1)
+                    alive = [s["server_id"] for s in probe.telemetry()["servers"] if s["kind"] == "remote" and s["alive"]]
+                    probe.close()
+                    time.sleep(0.2)
+                out["registered"] = alive
             finally:
                 sidecars.close()
             time.sleep(2)

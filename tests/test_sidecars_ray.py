@@ -36,7 +36,8 @@ def test_ray_sidecars_register_serve_restart_after_a_kill_and_close_completely()
     assert got["exact"]  # the epoch ended exactly once, one sidecar killed mid-way
     assert got["cross_ds_bytes"] > 0  # sidecars streamed batches to the rank's local server
     assert got["after"] is not None, "Ray did not restart the killed sidecar"
-    assert got["after"][0]["server_id"] in got["registered"] or got["after"][0]["server_id"] != first[0]["server_id"]
+    assert got["after"][0]["server_id"] != first[0]["server_id"]  # a new incarnation ...
+    assert got["after"][0]["server_id"] in got["registered"]  # ... registered again with the Coordinator
     assert got["actors_left"] == []  # close() ended them
     pids = [s["pid"] for s in first + got["after"]] + [s["actor_pid"] for s in first + got["after"]]
     assert not [p for p in pids if _alive(p)]  # and their DataServers

@@ -122,8 +122,8 @@ def _several_nodes(job, servers: int, per_server: int, local_rank: int, config: 
         cluster = LocalCluster(local_servers=servers, workers_per_server=per_server, token=token, host=bind,
                                tls=tls, config=config, advertise=advertise)
         address = f"{advertise}:{cluster.address.rsplit(':', 1)[1]}" if advertise else cluster.address
-        job.publish("coordinator", {"address": address, "token": token, "tls": tls.to_dict()})
-    info = job.wait("coordinator", config.startup_timeout_s)
+        job.publish("cluster", {"address": address, "token": token, "tls": tls.to_dict()})
+    info = job.wait("cluster", config.startup_timeout_s)
     tls = Tls.from_dict(info["tls"])
     node = f"node/{host_id()}"
     if local_rank == 0:

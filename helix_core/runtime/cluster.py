@@ -25,7 +25,31 @@ from . import shm
 from .auth import new_token
 from .tls import ENV
 
-__all__ = ["LocalCluster", "ServerHandle", "host_layout"]
+__all__ = ["LocalCluster", "ServerHandle", "host_layout", "wait_ready"]
+
+
+def wait_ready(proc: subprocess.Popen, what: str, timeout_s: float) -> dict:
+    """The JSON of a service's ``HELIX_READY`` line on its stdout (a binary pipe);
+    ``ClusterError`` naming ``what`` if it exits first or is not ready within ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    sel = selectors.DefaultSelector()
+    sel.register(proc.stdout, selectors.EVENT_READ)
+    buf = b""
+    try:
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise ClusterError(f"{what} process exited with code {proc.returncode} during start-up")
+            if sel.select(timeout=0.1):
+                chunk = os.read(proc.stdout.fileno(), 4096)
+                if not chunk:
+                    continue
+                buf += chunk
+                for line in buf.split(b"\n")[:-1]:
+                    if line.startswith(b"HELIX_READY "):
+                        return json.loads(line[len(b"HELIX_READY "):])
+        raise ClusterError(f"{what} process not ready within {timeout_s:.0f} s")
+    finally:
+        sel.close()
 
 
 def host_layout(local_ranks: int, workers: int) -> tuple[int, int]:
@@ -110,28 +134,7 @@ class LocalCluster:
                "--config-json", json.dumps(self.config.to_dict())]
         proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
         self._procs.append(proc)
-        return proc, self._wait_ready(proc, " ".join(args[:1]))
-
-    def _wait_ready(self, proc: subprocess.Popen, what: str) -> dict:
-        deadline = time.monotonic() + self.config.startup_timeout_s
-        sel = selectors.DefaultSelector()
-        sel.register(proc.stdout, selectors.EVENT_READ)
-        buf = b""
-        try:
-            while time.monotonic() < deadline:
-                if proc.poll() is not None:
-                    raise ClusterError(f"{what} process exited with code {proc.returncode} during start-up")
-                if sel.select(timeout=0.1):
-                    chunk = os.read(proc.stdout.fileno(), 4096)
-                    if not chunk:
-                        continue
-                    buf += chunk
-                    for line in buf.split(b"\n")[:-1]:
-                        if line.startswith(b"HELIX_READY "):
-                            return json.loads(line[len(b"HELIX_READY "):])
-            raise ClusterError(f"{what} process not ready within {self.config.startup_timeout_s:.0f} s")
-        finally:
-            sel.close()
+        return proc, wait_ready(proc, " ".join(args[:1]), self.config.startup_timeout_s)
 
     def start(self) -> "LocalCluster":
         if self.address:

@@ -73,9 +73,9 @@ class DataServerServicer(pbg.DataServerServicer):
 
     def Configure(self, request, context):
         if request.format == "cloudpickle" and not self.pickle_allowed:
-            context.abort(grpc.StatusCode.PERMISSION_DENIED,
-                          "pickled dataset specs need a token-authenticated cluster (token=... / HELIX_TOKEN) "
-                          "reached over loopback or TLS; this DataServer runs without TLS (--insecure)")
+            why = "this DataServer runs without TLS (--insecure)" if self.token else "this DataServer has no token"
+            context.abort(grpc.StatusCode.PERMISSION_DENIED, "pickled dataset specs need a token-authenticated "
+                          f"cluster (token=... / HELIX_TOKEN) reached over loopback or TLS; {why}")
         if request.format == "json":
             try:
                 spec = json.loads(request.payload)
@@ -186,7 +186,7 @@ class DataServerServicer(pbg.DataServerServicer):
         h = first.header
         if h.tree_pickle and not self.pickle_allowed:
             context.abort(grpc.StatusCode.PERMISSION_DENIED, "pickled batch structure needs a token, and TLS "
-                          "beyond loopback (this DataServer runs without: --insecure)")
+                          "beyond loopback" + (" (this DataServer runs without: --insecure)" if self.token else ""))
         try:
             slab = self.slabs.acquire(h.total_bytes)
         except shm.ShmCapacityError as e:
