@@ -36,6 +36,7 @@ class HostBenchConfig:
     sidecars: tuple[int, ...] = (0, 1, 2)
     sidecar_cpus: float = 0.5
     link_mbps: float | None = None
+    repeats: int = 1  # interleaved rounds (native, helix 0, 1, ... sidecars; again): medians per point
     systems: tuple[str, ...] = ("native", "helix")
     workload: str = "kinetics-mixed"
     model: str = "videomae"
@@ -49,8 +50,8 @@ class HostBenchConfig:
     data_dir: str = str(Path.home() / ".cache" / "helix" / "bench-data")
 
     def __post_init__(self):
-        if self.hosts < 1 or self.ranks_per_host < 1:
-            raise ValueError("--hosts and --ranks-per-host must be >= 1")
+        if self.hosts < 1 or self.ranks_per_host < 1 or self.repeats < 1:
+            raise ValueError("--hosts, --ranks-per-host and --repeats must be >= 1")
         if not self.sidecars or min(self.sidecars) < 0:
             raise ValueError(f"--sidecars must be a list of counts >= 0, got {list(self.sidecars)}")
         for flag, v in (("--host-cpus", self.host_cpus), ("--sidecar-cpus", self.sidecar_cpus)):
@@ -167,6 +168,10 @@ def _run_point(cfg: HostBenchConfig, hosts, system: str, k: int, plan, tmp: Path
         for g in results:
             for why, n in (g["extra"].get("stats", {}).get("placement_reasons") or {}).items():
                 reasons[why] = reasons.get(why, 0) + int(n)
+        stats = [g["extra"].get("stats", {}) for g in results]
+        for key in ("deadline_p50_s", "window_s_per_unit"):  # medians over the ranks: what placement aimed at
+            values = sorted(float(s[key]) for s in stats if s.get(key) is not None)
+            routed[key] = values[len(values) // 2] if values else None
         return {"records": [rec for g in results for rec in g["payload"]], "placement_reasons": reasons, **routed,
                 "cross_ds_bytes": sum(int(g["extra"].get("stats", {}).get("cross_ds_bytes", 0) or 0) for g in results)}
     finally:
@@ -231,8 +236,9 @@ def run_hosts_bench(cfg: HostBenchConfig, out_dir, console=None) -> dict:
         plan = replace(plan, master_addr=hosts.address("h0"))
         runs = [("native", 0)] if "native" in cfg.systems else []
         runs += [("helix", k) for k in cfg.sidecars] if "helix" in cfg.systems else []
-        for system, k in runs:
-            say(f"  {system} with {k} sidecar(s) ...")
+        for rnd, (system, k) in enumerate(runs * cfg.repeats):
+            say(f"  {system} with {k} sidecar(s)" + (f" (round {rnd // len(runs) + 1} of {cfg.repeats})"
+                                                     if cfg.repeats > 1 else "") + " ...")
             got = _run_point(cfg, hosts, system, k, plan, Path(tmp), env)
             rank0 = [r for r in got["records"] if r["rank"] == 0]
             wall = sum(r["step_s"] for r in rank0)
@@ -244,7 +250,8 @@ def run_hosts_bench(cfg: HostBenchConfig, out_dir, console=None) -> dict:
             # share, each sidecar's sends its share; both run at link_mbps)
             link_s = got["cross_ds_bytes"] * 8 / (cfg.link_mbps * 1e6 * min(cfg.hosts, k)) if cfg.link_mbps and k else 0.0
             bound_sps = len(flat) / max(bound.time_s, link_s)
-            points.append({"system": system, "sidecars": k, "cpus": cpus_used, "throughput_sps": samples / wall,
+            points.append({"system": system, "sidecars": k, "round": rnd // len(runs), "cpus": cpus_used,
+                           "throughput_sps": samples / wall,
                            "bound_sps": bound_sps, "bound_fraction": samples / wall / bound_sps,
                            "limited_by": bound.limited_by, "cross_ds_bytes": got["cross_ds_bytes"],
                            "link_utilisation": (got["cross_ds_bytes"] * 8 / wall / (cfg.link_mbps * 1e6)
@@ -252,16 +259,31 @@ def run_hosts_bench(cfg: HostBenchConfig, out_dir, console=None) -> dict:
                            "input_wait_mean_s": float(np.mean([r["input_wait_s"] for r in got["records"]])),
                            "placement_reasons": got["placement_reasons"],
                            **{k: got[k] for k in ("routed", "routed_remote", "server_cross_ds_bytes",
-                                                  "local_dataserver_cpu_s") if k in got}})
+                                                  "local_dataserver_cpu_s", "deadline_p50_s", "window_s_per_unit")
+                                                  if k in got}})
             say(f"    {points[-1]['throughput_sps']:.2f} samples/s, {points[-1]['bound_fraction']:.0%} of the bound")
-    native = next((p["throughput_sps"] for p in points if p["system"] == "native"), None)
-    for p in points:
-        p["vs_native"] = p["throughput_sps"] / native if native else None
     result = {"config": {**asdict(cfg), "sidecars": list(cfg.sidecars), "systems": list(cfg.systems)},
               "steps": steps, "warmup": warmup, "window_scale": scale, "decode_s": decode_s, "gpu_s": gpu_s,
-              "points": points}
+              "runs": points, "points": _medians(points)}
     _write(result, Path(out_dir))
     return result
+
+
+def _medians(runs: list[dict]) -> list[dict]:
+    """One point per (system, sidecars): its median-throughput round, with every round's
+    throughput (``rounds_sps``) and ``vs_native``, the median of the ratios to the same round's native."""
+    import statistics
+
+    native = {p["round"]: p["throughput_sps"] for p in runs if p["system"] == "native"}
+    points = []
+    for key in dict.fromkeys((p["system"], p["sidecars"]) for p in runs):
+        group = sorted((p for p in runs if (p["system"], p["sidecars"]) == key), key=lambda p: p["throughput_sps"])
+        point = dict(group[(len(group) - 1) // 2])
+        point["rounds_sps"] = [p["throughput_sps"] for p in group]
+        ratios = [p["throughput_sps"] / native[p["round"]] for p in group if native.get(p["round"])]
+        point["vs_native"] = statistics.median(ratios) if ratios else None
+        points.append(point)
+    return points
 
 
 def _write(result: dict, out: Path) -> None:
@@ -273,14 +295,20 @@ def _write(result: dict, out: Path) -> None:
              f"{c['sidecar_cpus']} CPU; link {c['link_mbps'] or 'unlimited'} Mbit/s; {c['workload']}, batch "
              f"{c['batch_size']}, {result['steps']} measured steps after {result['warmup']}",
              f"- decode {result['decode_s']:.2f} CPU-s of the measured samples; token-balanced GPU {result['gpu_s']:.2f} s",
-             "", "| System | Sidecars | CPUs | Throughput (samples/s) | Bound (samples/s) | Bound (%) | Limited by "
-             "| vs native | Cross-DS (MB) | Link util. (%) | Input wait mean (s) |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             f"- {c['repeats']} interleaved round(s): each point is its median round; vs native is the median "
+             "ratio to the same round's native; the range is every round's throughput",
+             "", "| System | Sidecars | CPUs | Throughput (samples/s) | Range | Bound (samples/s) | Bound (%) | Limited by "
+             "| vs native | Cross-DS (MB) | Link util. (%) | Input wait mean (s) | Remote requests |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for p in result["points"]:
         util = f"{100 * p['link_utilisation']:.1f}" if p["link_utilisation"] is not None else "n/a"
         vs = f"{p['vs_native']:.2f}x" if p["vs_native"] else "n/a"
+        rounds = p.get("rounds_sps") or [p["throughput_sps"]]
+        remote = f"{p['routed_remote']} of {p['routed']}" if "routed" in p else "n/a"
         lines.append(f"| {p['system']} | {p['sidecars']} | {p['cpus']:g} | {p['throughput_sps']:.2f} | "
-                     f"{p['bound_sps']:.2f} | {100 * p['bound_fraction']:.1f} | {p['limited_by']} | {vs} | "
-                     f"{p['cross_ds_bytes'] / 1e6:.1f} | {util} | {p['input_wait_mean_s']:.4f} |")
+                     f"{min(rounds):.2f}–{max(rounds):.2f} | {p['bound_sps']:.2f} | {100 * p['bound_fraction']:.1f} | "
+                     f"{p['limited_by']} | {vs} | {p['cross_ds_bytes'] / 1e6:.1f} | {util} | "
+                     f"{p['input_wait_mean_s']:.4f} | {remote} |")
     lines += ["", "![Throughput and bound against sidecars](fig_sidecars.png)", ""]
     (out / "report.md").write_text("\n".join(lines))
     import matplotlib

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -101,7 +102,7 @@ def _cmd_bench(a, console) -> int:
 
         cfg = HostBenchConfig(hosts=a.hosts, ranks_per_host=a.ranks_per_host, host_cpus=a.host_cpus,
                               sidecars=tuple(_split(a.sidecars, int)), sidecar_cpus=a.sidecar_cpus,
-                              link_mbps=a.link_mbps, systems=tuple(_split(a.systems)) if a.systems != _ALL else
+                              link_mbps=a.link_mbps, repeats=a.repeats, systems=tuple(_split(a.systems)) if a.systems != _ALL else
                               ("native", "helix"), workload=_split(a.workload)[0], model=a.model,
                               batch_size=_split(a.batch_size, int)[0], warmup=a.warmup, steps=a.steps,
                               prefetch=a.prefetch, clips=a.clips, scale=a.scale, seed=a.seed,
@@ -213,6 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--sidecars", default="0,1,2", help="comma-separated sidecar counts (the sweep)")
     s.add_argument("--sidecar-cpus", type=float, default=0.5, help="each sidecar host's CPU quota (cores)")
     s.add_argument("--link-mbps", type=float, default=None, help="each emulated host's link rate (tc tbf)")
+    s.add_argument("--repeats", type=int, default=1, help="with --hosts: interleaved rounds of the sweep (medians)")
     s.set_defaults(fn=_cmd_bench)
     s = sub.add_parser("planner", help="Tier-1 planner: GPU-cost imbalance per window size, and planner time")
     s.add_argument("--workload", default="kinetics-mixed,openvid-mixed", help="comma-separated list")
@@ -238,6 +240,10 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def main(argv: list[str] | None = None) -> int:
     from rich.console import Console
 
@@ -248,6 +254,9 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] in ("coordinator", "dataserver"):  # their own parser: helix_core.runtime.process
         return _run_service(argv[0], argv[1:])
     args = build_parser().parse_args(argv)
+    # SIGTERM (a job scheduler's, `kill`) unwinds like Ctrl-C, so every owner's cleanup runs: the
+    # bench's emulated hosts, a demo's cluster (the default SIGTERM would strand their processes)
+    signal.signal(signal.SIGTERM, _interrupt)
     try:
         return args.fn(args, console)
     except (ManifestError, SampleError, ClusterError, FileNotFoundError, ValueError) as e:  # named, exit 2

@@ -38,3 +38,50 @@ def test_a_tiny_sidecar_sweep_writes_results_report_and_figure(tmp_path):
     assert all(p["throughput_sps"] > 0 and 0 < p["bound_fraction"] for p in got["points"])
     report = (out / "report.md").read_text()
     assert "| helix | 1 | 1.5 |" in report and (out / "fig_sidecars.png").stat().st_size > 0
+
+
+def test_rounds_are_summarised_by_their_median_and_paired_ratios_to_native():
+    from helix_bench.hosts import _medians
+
+    runs = [{"system": s, "sidecars": k, "round": r, "throughput_sps": v}
+            for r, (n, h) in enumerate([(8.0, 20.0), (10.0, 18.0), (6.0, 30.0)])
+            for s, k, v in (("native", 0, n), ("helix", 1, h))]
+    points = {p["system"]: p for p in _medians(runs)}
+    assert points["helix"]["throughput_sps"] == 20.0 and points["helix"]["rounds_sps"] == [18.0, 20.0, 30.0]
+    assert points["helix"]["vs_native"] == 2.5  # median of 2.5, 1.8, 5.0: each round against its own native
+    assert points["native"]["vs_native"] == 1.0
+    with pytest.raises(ValueError, match="--repeats"):
+        HostBenchConfig(repeats=0)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(EmulatedHosts.unavailable() is not None, reason=str(EmulatedHosts.unavailable()))
+def test_sigterm_to_the_host_bench_stops_its_hosts_and_services(tmp_path):
+    """A scheduler's or the user's SIGTERM unwinds like Ctrl-C: no service, rank or namespace is left."""
+    import signal
+    import time
+
+    from helix_core.emulated_hosts import leftovers
+
+    before = leftovers("")
+    proc = subprocess.Popen([sys.executable, "-m", "helix_core.cli", "bench", "--hosts", "1", "--ranks-per-host", "1",
+                             "--host-cpus", "0.5", "--sidecars", "1", "--sidecar-cpus", "0.5", "--systems", "helix",
+                             "--warmup", "8", "--steps", "400", "--clips", "12", "--scale", "0.25",
+                             "--data", str(tmp_path / "data"), "--out", str(tmp_path / "out")],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        for line in proc.stdout:
+            if "sidecar(s)" in line:
+                break
+        time.sleep(15)  # services and ranks running
+        assert proc.poll() is None
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.stdout.close()
+    assert leftovers("") == before
+    ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+    assert str(tmp_path) not in ps and "helix_bench.hostrank" not in ps
+    assert not (tmp_path / "out" / "results.json").exists()  # no half-written report

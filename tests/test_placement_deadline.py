@@ -96,7 +96,7 @@ class Clock:
 
 def test_deadlines_come_from_measured_windows_per_unit_of_gpu_cost():
     clock = Clock()
-    est = DeadlineEstimator(alpha=1.0, clock=clock)
+    est = DeadlineEstimator(quantile=1.0, clock=clock)  # the slowest window: each new one counts
     for p, units in enumerate([100, 100, 300, 100]):
         est.expect(p, units)
     assert est.deadline(1) is None  # nothing measured yet
@@ -131,3 +131,22 @@ def test_a_batch_fans_out_only_when_one_worker_would_miss_its_deadline():
     assert _fan_out([1, 2, 3, 4], costs(0.3, 0.1, 0.1, 0.1), deadline_s=0.3) == [[1], [2, 3, 4]]  # contiguous, equal cost
     assert _fan_out([7, 8], [None, None], deadline_s=0.0) == [[7, 8]]  # unknown costs: never split
     assert _fan_out([7], costs(5.0), deadline_s=0.0) == [[7]]
+
+
+def test_windows_that_waited_for_a_starved_rank_do_not_stretch_the_deadlines():
+    """A window includes the gradient sync; when another rank's input is late, this rank's window
+    holds that wait. Deadlines follow what the rank computes when nobody makes it wait, so a
+    starved job's slow pace does not become the target placement aims for."""
+    clock = Clock()
+    est = DeadlineEstimator(clock=clock)
+    for p in range(40):
+        est.expect(p, 100)
+        est.yielded(p)
+        clock.t += 0.2 if p % 4 == 0 else 0.8  # 1 in 4 steps it is the slowest rank: no wait
+        est.asked()
+    assert est.seconds_per_unit == pytest.approx(0.002)
+    for p in range(40, 43):
+        est.expect(p, 100)
+    assert est.deadline(43) == pytest.approx(3 * 0.2)
+    with pytest.raises(ValueError, match="quantile"):
+        DeadlineEstimator(quantile=1.5)

@@ -4,12 +4,20 @@ for its next batch.
 ``DeadlineEstimator`` is pure (an injected clock, no threads of its own). The loader tells it when
 ``next()`` returned a batch (the rank starts computing it) and when ``next()`` is called again
 (the window ended), or the trainer reports the window itself (``report_step_time``, CUDA-event
-timings on a GPU). Windows are learnt per unit of predicted GPU cost (EWMA), so a token-heavy
-batch ahead pushes back the deadlines of the batches behind it. A deadline is "seconds from now"
+timings on a GPU). Windows are learnt per unit of predicted GPU cost, so a token-heavy batch ahead
+pushes back the deadlines of the batches behind it.
+
+A window as measured includes the wait at the gradient sync for the slowest rank. When input
+starves the job, that wait is input wait, not compute: learning its mean would let deadlines drift
+to the starved pace, where every late server "meets" them and placement never moves work to spare
+CPU — a slow equilibrium that feeds itself. So the estimate is a low quantile of the recent
+windows: what a rank computes when nobody makes it wait (in a synchronous job the slowest rank of
+each step waits for no one). A deadline is "seconds from now"
 until the rank will ask for a batch: that is what crosses processes, never a clock value.
 """
 from __future__ import annotations
 
+import collections
 import math
 import threading
 import time
@@ -24,13 +32,16 @@ class DeadlineEstimator:
     batch it requests); ``yielded(position)``: ``next()`` returned it; ``asked()``: ``next()`` was
     called (the previous batch's window ended); ``report(seconds)``: the trainer measured the
     current batch's window. ``deadline(position)`` is None until one window was measured.
-    ``alpha``: weight of the newest window in the EWMA of seconds per unit.
+    ``seconds_per_unit``: the ``quantile`` of the last ``history`` windows' seconds per unit.
     """
 
-    def __init__(self, alpha: float = 0.3, clock=time.perf_counter):
-        if not 0.0 < alpha <= 1.0:
-            raise ValueError(f"alpha must be in (0, 1], got {alpha}")
-        self.alpha, self.clock = alpha, clock
+    def __init__(self, quantile: float = 0.1, history: int = 64, clock=time.perf_counter):
+        if not 0.0 <= quantile <= 1.0:
+            raise ValueError(f"quantile must be in [0, 1], got {quantile}")
+        if history < 1:
+            raise ValueError(f"history must be >= 1 windows, got {history}")
+        self.quantile, self.clock = quantile, clock
+        self._history: collections.deque = collections.deque(maxlen=int(history))
         self._lock = threading.Lock()
         self._units: dict[int, float] = {}  # position -> predicted GPU cost units
         self._mean_units = 1.0
@@ -80,9 +91,9 @@ class DeadlineEstimator:
                 self._learn(self._next - 1, seconds)
 
     def _learn(self, position: int, window: float) -> None:
-        spu = window / self._units.get(position, self._mean_units)
-        self.seconds_per_unit = spu if self.seconds_per_unit is None else \
-            (1 - self.alpha) * self.seconds_per_unit + self.alpha * spu
+        self._history.append(window / self._units.get(position, self._mean_units))
+        ordered = sorted(self._history)  # <= history values, once per step
+        self.seconds_per_unit = ordered[int(self.quantile * (len(ordered) - 1))]
         self.windows += 1
 
     # ---- predictions --------------------------------------------------------------------------------
