@@ -123,6 +123,15 @@ def _cmd_bench(a, console) -> int:
     return 0
 
 
+def _cmd_soak(a, console) -> int:
+    _need_bench()
+    from helix_bench.soak import SoakConfig, run_soak
+
+    rows = run_soak(SoakConfig(minutes=a.minutes, report_every_s=a.report_every, fault_every_s=a.fault_every,
+                               clients=a.clients), console=console)
+    return 0 if rows and rows[-1]["lost"] == 0 and rows[-1]["repeated"] == 0 else 1
+
+
 def _cmd_planner(a, console) -> int:
     _need_bench()
     from helix_bench.planner import run_planner_bench
@@ -216,6 +225,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--link-mbps", type=float, default=None, help="each emulated host's link rate (tc tbf)")
     s.add_argument("--repeats", type=int, default=1, help="with --hosts: interleaved rounds of the sweep (medians)")
     s.set_defaults(fn=_cmd_bench)
+    s = sub.add_parser("soak", help="loaders against a cluster for a long time with faults injected: RSS, "
+                                    "/dev/shm, descriptors, threads, samples lost / repeated")
+    s.add_argument("--minutes", type=float, default=30.0)
+    s.add_argument("--report-every", type=float, default=120.0, help="seconds between rows")
+    s.add_argument("--fault-every", type=float, default=15.0, help="seconds between faults")
+    s.add_argument("--clients", type=int, default=2, help="loader processes (ranks of one job)")
+    s.set_defaults(fn=_cmd_soak)
     s = sub.add_parser("planner", help="Tier-1 planner: GPU-cost imbalance per window size, and planner time")
     s.add_argument("--workload", default="kinetics-mixed,openvid-mixed", help="comma-separated list")
     s.add_argument("--models", default="videomae,qwen2-vl,wan", help="comma-separated model families")

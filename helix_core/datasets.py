@@ -14,6 +14,7 @@ import torch
 
 from .costs import CostFit, CostModel, profile_bucket
 from .descriptors import CostProfile, SampleDescriptor
+from .errors import SampleError, text_of
 from .families import VideoSpec
 from .manifest import Manifest
 from .media.decode import decode_frames, uniform_indices
@@ -21,7 +22,13 @@ from .media.probe import probe
 from .profiles import ProfileTable
 from .text import load_tokenizer
 
-__all__ = ["VideoClipDataset", "VideoTextDataset", "sample_generator"]
+__all__ = ["MAX_FRAMES", "MAX_FRAME_PIXELS", "VideoClipDataset", "VideoTextDataset", "sample_generator"]
+
+#: Caps checked from the container's header before a sample is decoded (a forged header must not
+#: make a worker allocate gigabytes): far above any training clip — 8K UHD is 33 Mpx, a 2-hour
+#: film at 30 fps 216,000 frames.
+MAX_FRAME_PIXELS = 8192 * 8192
+MAX_FRAMES = 500_000
 
 
 def sample_generator(seed: int, epoch: int, index: int) -> torch.Generator:
@@ -46,9 +53,14 @@ class VideoClipDataset(torch.utils.data.Dataset):
 
     def __init__(self, manifest: str | os.PathLike, model: str = "videomae", num_frames: int | None = None,
                  size: int | tuple[int, int] | None = None, *, profiles: str | os.PathLike | bool | None = None,
-                 seed: int = 0, random_flip: float = 0.0, transform=None):
+                 seed: int = 0, random_flip: float = 0.0, transform=None, max_frame_pixels: int = MAX_FRAME_PIXELS,
+                 max_frames: int = MAX_FRAMES):
         if not 0.0 <= random_flip <= 1.0:
             raise ValueError(f"random_flip must be a probability in [0, 1], got {random_flip}")
+        for name, v in (("max_frame_pixels", max_frame_pixels), ("max_frames", max_frames)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+        self.max_frame_pixels, self.max_frames = max_frame_pixels, max_frames
         self.manifest_path = Path(manifest).absolute()
         self.spec = VideoSpec(model, num_frames, size)
         self.manifest = Manifest(manifest)
@@ -75,7 +87,7 @@ class VideoClipDataset(torch.utils.data.Dataset):
                 raise FileNotFoundError(f"profile table {path} does not exist (make it with `helix profile`)")
             return None
         table = ProfileTable.load(path)
-        if len(table) != len(self.manifest) or list(table.path) != self.manifest.paths:
+        if len(table) != len(self.manifest) or list(table.path) != [text_of(p) for p in self.manifest.paths]:
             raise ValueError(f"profile table {path} does not match manifest {self.manifest_path} "
                              f"({len(table)} rows for {len(self.manifest)} samples or other paths): "
                              "re-run `helix profile`")
@@ -169,6 +181,11 @@ class VideoClipDataset(torch.utils.data.Dataset):
         sample's ``"video"`` is then that memory, unless a transform made a new tensor."""
         index = self._check(index)
         d = self.descriptor(index)
+        if d.width * d.height > self.max_frame_pixels:
+            raise SampleError(index, d.path, f"frames of {d.width}x{d.height} ({d.width * d.height:,} pixels) exceed "
+                                             f"max_frame_pixels={self.max_frame_pixels:,}: not decoded")
+        if d.frames > self.max_frames:
+            raise SampleError(index, d.path, f"{d.frames:,} frames exceed max_frames={self.max_frames:,}: not decoded")
         g = self._geometry(d)
         idx = uniform_indices(d.frames, int(g.t[0]))
         crop = (int(g.out_h[0]), int(g.out_w[0]))
@@ -213,6 +230,7 @@ class VideoClipDataset(torch.utils.data.Dataset):
                   "num_frames": self.spec.num_frames,
                   "size": list(self.spec.size) if isinstance(self.spec.size, tuple) else self.spec.size,
                   "seed": self.seed, "random_flip": self.random_flip,
+                  "max_frame_pixels": self.max_frame_pixels, "max_frames": self.max_frames,
                   "profiles": str(self._profiles) if isinstance(self._profiles, Path) else self._profiles}
         if self.transform is not None:
             kwargs["transform"] = function_path(self.transform)

@@ -1,7 +1,17 @@
 """Exception types of Helix: every error names the thing it is about."""
 from __future__ import annotations
 
-__all__ = ["ClusterError", "ManifestError", "SampleError", "SpecError"]
+import os
+
+__all__ = ["ClusterError", "ManifestError", "SampleError", "SpecError", "text_of"]
+
+
+def text_of(value) -> str:
+    """``value`` as text any wire and table can carry: a file name that is not UTF-8 (POSIX allows
+    any bytes; Python holds them as lone surrogates, which protobuf and JSON refuse) keeps its
+    bytes visible as ``\\xNN`` escapes instead of breaking the error that names it."""
+    text = os.fsdecode(value) if isinstance(value, bytes) else str(value)
+    return text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
 
 
 class SampleError(Exception):
@@ -13,8 +23,8 @@ class SampleError(Exception):
 
     def __init__(self, index: int, path: str, cause: str):
         self.index = int(index)
-        self.path = str(path)
-        self.cause = str(cause)
+        self.path = text_of(path)
+        self.cause = text_of(cause)
         super().__init__(f"sample {self.index} ({self.path}): {self.cause}")
 
     def __reduce__(self):  # keep the fields when the error crosses a process boundary

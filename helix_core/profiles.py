@@ -17,7 +17,7 @@ import numpy as np
 
 from .costs import CostFit, calibrate, profile_bucket
 from .descriptors import SampleDescriptor
-from .errors import SampleError
+from .errors import SampleError, text_of
 from .manifest import Manifest
 
 __all__ = ["PROFILE_VERSION", "ProfileTable", "profile_dataset"]
@@ -88,6 +88,8 @@ class ProfileTable:
         tmp = path.with_name(f".{path.name}.part")
         header = {"helix_profiles": PROFILE_VERSION, "fit": asdict(self.fit), "calibration": self.calibration}
         cols = {k: self.columns[k].tolist() for k in _INT + _FLOAT + _STR}
+        for k in _STR:  # a non-UTF-8 file name: its bytes as \xNN escapes (JSON readers refuse lone surrogates)
+            cols[k] = [text_of(v) if isinstance(v, str) else v for v in cols[k]]
         keys = list(cols)
         with open(tmp, "w") as f:
             f.write(json.dumps(header) + "\n")

@@ -35,7 +35,7 @@ def test_a_tiny_sidecar_sweep_writes_results_report_and_figure(tmp_path):
     assert set(points) == {("native", 0), ("helix", 0), ("helix", 1)}
     assert points[("helix", 1)]["cpus"] == 1.5 and points[("native", 0)]["cpus"] == 1.0  # the CPU each may use
     assert points[("helix", 1)]["cross_ds_bytes"] > 0 and points[("helix", 0)]["cross_ds_bytes"] == 0
-    assert all(p["throughput_sps"] > 0 and 0 < p["bound_fraction"] for p in got["points"])
+    assert all(p["throughput_sps"] > 0 and 0 < p["bound_fraction"] and 0 <= p["miss_rate"] <= 1 for p in got["points"])
     report = (out / "report.md").read_text()
     assert "| helix | 1 | 1.5 |" in report and (out / "fig_sidecars.png").stat().st_size > 0
 

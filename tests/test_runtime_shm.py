@@ -210,3 +210,38 @@ def test_handle_and_header(prefix):
         assert (magic, gen, state, cap) == (b"HELIXSLB", 1, shm.BUSY, MIB)
         assert len(mm) == shm.HEADER_BYTES + MIB
         mm.close()
+
+
+def test_a_slab_whose_holder_died_is_taken_back_and_idle_slabs_are_unlinked():
+    import multiprocessing as mp
+    import time
+
+    from helix_core.runtime.reader import SlabReader
+
+    def hold(handle, ready):
+        r = SlabReader()
+        r.view(handle)  # maps it: the lease names this process
+        ready.set()
+        time.sleep(60)
+
+    prefix = f"helix-test{os.getpid()}-lease-"
+    with shm.SlabPool(prefix, orphan_s=3600.0, idle_s=3600.0) as pool:
+        slab = pool.acquire(1000)
+        handle = slab.handle(1000)
+        ctx = mp.get_context("fork")
+        ready = ctx.Event()
+        p = ctx.Process(target=hold, args=(handle, ready))
+        p.start()
+        assert ready.wait(30)
+        assert pool.reclaim() == 0 and not slab.free  # its holder lives
+        p.kill()
+        p.join()
+        assert pool.reclaim() == 1 and slab.free  # its holder died: the slab is free again
+        unmapped = pool.acquire(1000)  # handed out, never mapped: taken back only after orphan_s
+        assert pool.reclaim() == 0 and not unmapped.free
+        pool.orphan_s = 0.0
+        assert pool.reclaim() == 1
+        pool.idle_s = 0.0
+        time.sleep(0.01)
+        pool.reclaim()
+        assert pool.stats()["segments"] == 0 and shm.list_segments(prefix) == []  # idle: given back

@@ -29,6 +29,7 @@ from ..runtime.specs import make_spec
 from ..telemetry import LoaderStats
 from .costing import PlanCosts, gpu_units
 from .deadline import DeadlineEstimator
+from .options import check_loader_options
 from .dispatch import Dispatch
 from .embedded import acquire_embedded, release_embedded
 from .iterator import EpochSampler, LoaderIter
@@ -76,6 +77,10 @@ class DistributedDataLoader:
                  balance: str | None = None, window: int = 8, gpu_cost=None, microbatch_size: int | None = None,
                  on_error: str = "raise", pin_memory: bool = False, device=None, num_workers: int | None = None,
                  config: ClusterConfig | None = None, ddl_tolerance_s: float = 0.010, tls=None):
+        check_loader_options(batch_size=batch_size, rank=rank, world_size=world_size, coordinator=coordinator,
+                             token=token, shuffle=shuffle, seed=seed, drop_last=drop_last, collate_fn=collate_fn,
+                             prefetch_depth=prefetch_depth, microbatch_size=microbatch_size, pin_memory=pin_memory,
+                             num_workers=num_workers, config=config, ddl_tolerance_s=ddl_tolerance_s)
         if scheduler not in SCHEDULERS:
             raise ValueError(f"scheduler={scheduler!r}; valid: {', '.join(SCHEDULERS)}")
         if balance not in BALANCES:
@@ -85,8 +90,6 @@ class DistributedDataLoader:
                              "together must be an int >= 1 (1: within each step)")
         if on_error not in ON_ERROR:
             raise ValueError(f"on_error={on_error!r}; valid: {', '.join(ON_ERROR)}")
-        if batch_size < 1 or prefetch_depth < 1 or (microbatch_size is not None and microbatch_size < 1):
-            raise ValueError("batch_size, prefetch_depth and microbatch_size must be >= 1")
         r, w = _default_rank_world()
         self.rank, self.world_size = (r if rank is None else rank), (w if world_size is None else world_size)
         if not 0 <= self.rank < self.world_size:

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import threading
 import time
+import uuid
 
 import grpc
 
@@ -25,6 +27,7 @@ from ..runtime.reader import SlabReader
 from ..runtime.tensors import copy_tensors, read_tensors, unflatten
 from ..runtime.tls import Tls
 from ..protocol import ErrorKind, Route, route_request
+from ..runtime.registry import TASK_ID_BITS
 
 __all__ = ["ClusterClient", "TRANSIENT"]
 
@@ -73,10 +76,21 @@ class ClusterClient:
         # pickles only with a token, and only where it can't be read off the wire (loopback or TLS)
         self.cluster_id = hello.cluster_id
         self.pickle_allowed = hello.pickle_allowed and pickle_allowed(address.rsplit(":", 1)[0], token, self.tls)
-        reply = self._call(self.coordinator.RegisterClient,
-                           pb.RegisterClientRequest(rank=rank, world_size=world_size, host=self.host,
-                                                    local_rank=self.local_rank))
-        self.client_id, self.task_id_base = reply.client_id, reply.task_id_base
+        # its own id and task-id base, so both survive a Coordinator restart (servers key tasks by
+        # client id and task id; the random base keeps ids apart in the Coordinator's books too)
+        self.client_id = f"c{rank}-{uuid.uuid4().hex[:12]}"
+        self.task_id_base = (secrets.randbits(23) + 1) << TASK_ID_BITS
+        self._register()
+        self._known: dict[str, tuple[str, str]] = {}  # server id -> (address, kind), from routes: our host's locals, remotes
+        self._delivery: tuple[str, str] | None = None  # the last delivery server the Coordinator named
+        self._outage: float | None = None  # monotonic time the Coordinator became unreachable (None: it answers)
+        self._fallback_load: dict[str, int] = {}  # server id -> this client's requests routed there in an outage
+        self._fallback_owner: dict[int, str] = {}  # task id -> its server, for those
+        self.fallback_routes = 0
+        self._watching, self._state = False, None
+        self._last_rpc = time.monotonic()
+        self._closing = threading.Event()
+        threading.Thread(target=self._keep_lease, name="helix-lease", daemon=True).start()
         self._stubs: dict[str, pbg.DataServerStub] = {}
         self._channels: list[grpc.Channel] = [self._channel]
         self._configured: set[tuple[str, str]] = set()
@@ -107,16 +121,46 @@ class ClusterClient:
                 raise ClusterError("loader stopped")
             delay = min(delay * 2, 0.5)
 
+    def _register(self) -> None:
+        reply = self._call(self.coordinator.RegisterClient,
+                           pb.RegisterClientRequest(rank=self.rank, world_size=self.world_size, host=self.host,
+                                                    local_rank=self.local_rank, client_id=self.client_id,
+                                                    task_id_base=self.task_id_base))
+        if reply.client_id != self.client_id:  # an older Coordinator: take what it made
+            self.client_id, self.task_id_base = reply.client_id, reply.task_id_base
+
     def route(self, part, deadline_s: float | None = None, scheduler: str = "", stop=None) -> Route:
         """Where to run one ``Part``: its cost, ``deadline_s`` (seconds from now; None: unknown)
         and the placement policy by name (empty: the Coordinator's). The tasks completed since
-        the last Route ride along (no RPC of their own)."""
+        the last Route ride along (no RPC of their own).
+
+        While the Coordinator is unreachable (after it answered once), the data keeps flowing:
+        the client routes by itself among the servers it knows (``_fallback``) and tries the
+        Coordinator again whenever its channel is ready; when one answers (restarted on the same
+        address, or back from a stall), the client registers again and placement resumes."""
+        if self._outage is not None and self._channel_state() != grpc.ChannelConnectivity.READY:
+            return self._fallback(part)
         with self._lock:
             done, self._completed = self._completed, []
+        request = route_request(self.client_id, self.rank, part, deadline_s, scheduler, done, self.host, self.local_rank)
+        self._last_rpc = time.monotonic()
         try:
-            reply = self._call(self.coordinator.Route, route_request(self.client_id, self.rank, part, deadline_s,
-                                                                     scheduler, done, self.host, self.local_rank),
-                               stop=stop)
+            if self._delivery is None:  # never answered yet: wait for it (coordinator_timeout_s), then fail
+                reply = self._call(self.coordinator.Route, request, stop=stop)
+            else:
+                reply = self.coordinator.Route(request, timeout=self.config.rpc_timeout_s, metadata=self.metadata)
+        except grpc.RpcError as e:
+            with self._lock:
+                self._completed[:0] = done[-100_000:]  # for the Coordinator, if this one comes back
+            if e.code() == grpc.StatusCode.UNAUTHENTICATED:
+                raise ClusterError(f"the Coordinator at {self.address} refused this client: {e.details()}") from None
+            if e.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+                                grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.CANCELLED):
+                raise ClusterError(f"the Coordinator at {self.address}: {e.code().name} {e.details()}") from None
+            if self._outage is None:
+                self._outage = time.monotonic()
+                self._watch_channel()
+            return self._fallback(part)
         except BaseException:
             with self._lock:
                 self._completed[:0] = done
@@ -124,12 +168,75 @@ class ClusterClient:
         if reply.delivery_host != self.host:  # never map another host's shared memory
             raise ClusterError(f"the Coordinator at {self.address} routed rank {self.rank} of host {self.host!r} "
                                f"through {reply.delivery_server_id} of host {reply.delivery_host!r}")
+        if self._outage is not None:  # it is back (maybe a new one that knows nothing): be known again
+            self._outage = None
+            try:
+                self._register()
+            except ClusterError:
+                pass
+        with self._lock:
+            self._known[reply.exec_server_id] = (reply.exec_address, reply.exec_kind)
+            self._known[reply.delivery_server_id] = (reply.delivery_address, "local")
+            self._delivery = (reply.delivery_server_id, reply.delivery_address)
         return Route.from_pb(reply)
+
+    def _keep_lease(self) -> None:
+        """Renew this client's lease with the Coordinator while it routes nothing (validation, a
+        checkpoint, a slow step): a client that dies stops renewing, and its load is released."""
+        every = self.config.heartbeat_interval_s
+        while not self._closing.wait(every):
+            if time.monotonic() - self._last_rpc >= every:
+                with self._lock:
+                    done, self._completed = self._completed, []
+                self._last_rpc = time.monotonic()
+                self._fire(self.coordinator.ReportCompletion, pb.Completions(client_id=self.client_id, task_ids=done))
+
+    def _channel_state(self):
+        return self._state
+
+    def _watch_channel(self) -> None:
+        """Follow the Coordinator channel's connectivity from the first outage on (gRPC keeps
+        reconnecting, ``max_reconnect_backoff_ms`` apart), so an outage costs no RPC per request."""
+        if self._watching:
+            return
+        self._watching, self._state = True, None
+
+        def seen(state):
+            self._state = state
+
+        self._channel.subscribe(seen, try_to_connect=True)
+
+    def _fallback(self, part) -> Route:
+        """A Route without the Coordinator: among the servers this client knows — its delivery
+        server first, then its host's other local servers and the remote ones — the one with
+        the fewest of this client's requests, skipping those the part found dead."""
+        with self._lock:
+            if self._delivery is None:
+                raise ClusterError(f"lost the Coordinator at {self.address} before it named a server")
+            locals_ = [sid for sid, (_, kind) in self._known.items() if kind == "local"]  # all on our host
+            ordered = [self._delivery[0]] + [sid for sid in locals_ if sid != self._delivery[0]]
+            delivery = next((sid for sid in ordered if sid not in part.excluded), None)
+            if delivery is None:
+                raise ClusterError(f"the Coordinator at {self.address} is unreachable and every DataServer this "
+                                   f"client knows on host {self.host!r} failed: {sorted(part.excluded)}")
+            candidates = [delivery] + [sid for sid in self._known if sid != delivery and sid not in part.excluded]
+            chosen = min(candidates, key=lambda sid: (self._fallback_load.get(sid, 0), sid != delivery))
+            prev = self._fallback_owner.pop(part.task_id, None)
+            if prev is not None:
+                self._fallback_load[prev] -= 1
+            self._fallback_owner[part.task_id] = chosen
+            self._fallback_load[chosen] = self._fallback_load.get(chosen, 0) + 1
+            self.fallback_routes += 1
+            address, kind = self._known[chosen]
+            return Route(chosen, address, kind, delivery, self._known[delivery][0], "coordinator-unreachable", 0.0)
 
     def completed(self, task_id: int) -> None:
         """A request's reply landed (or it failed or was given up): the next Route tells the Coordinator."""
         with self._lock:
             self._completed.append(task_id)
+            owner = self._fallback_owner.pop(task_id, None)
+            if owner is not None:
+                self._fallback_load[owner] -= 1
 
     def flush_completions(self) -> None:
         """Tell the Coordinator now of the completions no Route has carried yet (fire and forget)."""
@@ -252,6 +359,7 @@ class ClusterClient:
         return RuntimeError(f"DataServer task {reply.task_id} failed ({kind.name}): {reply.error}")
 
     def close(self) -> None:
+        self._closing.set()
         self.flush_completions()
         with self._lock:  # reports and cancels in flight land first (a dead peer: not long)
             self._landed_cond.wait_for(lambda: not self._fired, min(2.0, self.config.rpc_timeout_s))

@@ -123,25 +123,37 @@ def _sequential(container, stream, idx: np.ndarray, put) -> tuple[int, int]:
     return slot, n
 
 
-def _frame_number(frame, stream, start: int, fps: float) -> int:
-    if frame.pts is None:
-        return -1
-    return int(round(float((frame.pts - start) * stream.time_base) * fps))
+def _presentation_pts(container, stream) -> list[int]:
+    """Every frame's timestamp in presentation order, from the packets alone (demuxing reads no
+    pixels: a small fraction of decoding). Frame n of sequential decoding is the one at the n-th
+    timestamp, on a constant frame rate or a variable one."""
+    pts = sorted(p.pts for p in container.demux(stream) if p.pts is not None and p.size)
+    return pts
 
 
 def _seek(container, stream, idx: np.ndarray, put) -> tuple[int, int]:
-    rate = stream.average_rate or stream.guessed_rate
-    if not rate or stream.time_base is None:  # no timing to seek by: fall back
+    """Seek to the keyframe before each chosen frame and decode up to it. Frames are found by
+    timestamp (``_presentation_pts``), never by ``pts x average rate``, which lands on the wrong
+    frames of a variable-frame-rate clip."""
+    import bisect
+
+    if stream.time_base is None:  # no timing to seek by: fall back
         return _sequential(container, stream, idx, put)
-    fps, start = float(rate), int(stream.start_time or 0)
+    pts = _presentation_pts(container, stream)
+    if not pts:
+        return _sequential(container, stream, idx, put)
     slot, decoded = 0, 0
     while slot < len(idx):
         target = int(idx[slot])
-        container.seek(start + int(target / fps / stream.time_base), stream=stream, backward=True)
+        if target >= len(pts):
+            break  # past the stream's last frame
+        container.seek(pts[target], stream=stream, backward=True)
         before = slot
         for frame in container.decode(stream):
             decoded += 1
-            n = _frame_number(frame, stream, start, fps)
+            if frame.pts is None:
+                continue
+            n = bisect.bisect_left(pts, frame.pts)  # this frame's number in presentation order
             while slot < len(idx) and idx[slot] <= n:
                 put(slot, frame)
                 slot += 1

@@ -147,13 +147,7 @@ class LocalCluster:
             else:
                 self.address = self._join
             pending = [("local", r) for r in range(self.local_servers)] + [("remote", -1)] * self.remote_servers
-            procs = []
-            for kind, rank in pending:  # start them all, then wait: start-ups overlap
-                where = ["--local-rank", str(rank)] if kind == "local" else ["--remote"]
-                env_args = ["dataserver", "--coordinator", self.address, *where, "--workers",
-                            str(self.workers_per_server), "--host", self.host,
-                            *(["--advertise", self.advertise] if self.advertise else [])]
-                procs.append((kind, env_args))
+            procs = [(kind, self._server_args(kind, rank)) for kind, rank in pending]
             started = [(kind, *self._spawn(a)) for kind, a in procs]
             self.servers = [ServerHandle(i, kind, info["address"], info["pid"], info["server_id"], p)
                             for i, (kind, p, info) in enumerate(started)]
@@ -163,6 +157,25 @@ class LocalCluster:
             self.close()
             raise
         return self
+
+    def _server_args(self, kind: str, rank: int) -> list[str]:
+        where = ["--local-rank", str(rank)] if kind == "local" else ["--remote"]
+        return ["dataserver", "--coordinator", self.address, *where, "--workers", str(self.workers_per_server),
+                "--host", self.host, *(["--advertise", self.advertise] if self.advertise else [])]
+
+    def restart_server(self, i: int) -> ServerHandle:
+        """Start DataServer ``i`` again (SIGKILLing it first if it still runs), same kind and slot,
+        a new process on a new port; it registers with the Coordinator like any new server."""
+        old = self.servers[i]
+        self.kill_server(i)
+        if old.process in self._procs:
+            self._procs.remove(old.process)
+            if old.process.stdout:
+                old.process.stdout.close()
+        rank = sum(s.kind == "local" for s in self.servers[:i]) if old.kind == "local" else -1
+        proc, info = self._spawn(self._server_args(old.kind, rank))
+        self.servers[i] = ServerHandle(i, old.kind, info["address"], info["pid"], info["server_id"], proc)
+        return self.servers[i]
 
     def kill_server(self, i: int) -> None:
         """SIGKILL DataServer ``i`` (index into ``servers``), like tf.data's ``stop_worker``."""
@@ -176,6 +189,26 @@ class LocalCluster:
         if self._coordinator is not None and self._coordinator.poll() is None:
             self._coordinator.kill()
             self._coordinator.wait(timeout=self.config.stop_timeout_s)
+
+    def restart_coordinator(self) -> None:
+        """Start the Coordinator again on the same address (SIGKILLing it first if it still runs),
+        like tf.data service's ``restart_dispatcher()``: it knows nothing, and servers and clients
+        register again within a few heartbeats. Only for a cluster that started its Coordinator."""
+        if self._join is not None or not self.address:
+            raise RuntimeError("restart_coordinator(): this LocalCluster did not start a Coordinator")
+        self.kill_coordinator()
+        if self._coordinator in self._procs:
+            self._procs.remove(self._coordinator)
+            if self._coordinator.stdout:
+                self._coordinator.stdout.close()
+        port = self.address.rsplit(":", 1)[1]
+        proc, info = self._spawn(["coordinator", "--host", self.host, "--port", port, "--scheduler", self.scheduler,
+                                  "--cluster-id", self.cluster_id])
+        self._procs.remove(proc)
+        self._procs.insert(0, proc)  # still stopped last (cleanup stops servers first)
+        self._coordinator = proc
+        if info["address"] != self.address:
+            raise RuntimeError(f"restarted Coordinator listens on {info['address']}, not {self.address}")
 
     @property
     def coordinator_pid(self) -> int | None:

@@ -43,11 +43,13 @@ class CoordinatorServicer(pbg.CoordinatorServicer):
                                       heartbeat_interval_s=self.registry.config.heartbeat_interval_s)
 
     async def RegisterClient(self, request, context):
-        cid, base = self.registry.register_client(request.rank, request.world_size, request.host, request.local_rank)
+        cid, base = self.registry.register_client(request.rank, request.world_size, request.host, request.local_rank,
+                                                  request.client_id, request.task_id_base)
         return pb.RegisterClientReply(client_id=cid, cluster_id=self.registry.cluster_id, task_id_base=base)
 
     async def Heartbeat(self, request, context):
-        known = self.registry.heartbeat(request.server_id, queue_depth=request.queue_depth, inflight=request.inflight,
+        known = self.registry.heartbeat(request.server_id, healthy=request.workers_alive > 0,
+                                        queue_depth=request.queue_depth, inflight=request.inflight,
                                         latency_per_cost=request.latency_per_cost or 1.0, completed=request.completed,
                                         cross_ds_bytes=request.cross_ds_bytes, queued_cpu_s=request.queued_cpu_s,
                                         link_bandwidth_bps=request.link_bandwidth_bps,
@@ -68,7 +70,8 @@ class CoordinatorServicer(pbg.CoordinatorServicer):
         try:
             chosen, delivery, decision, us = self.registry.route(request.rank, request.task_id, cost,
                                                                  set(request.exclude), policy.name, t_arrival,
-                                                                 host=request.host, local_rank=request.local_rank)
+                                                                 host=request.host, local_rank=request.local_rank,
+                                                                 client_id=request.client_id)
         except NoDeliveryServer as e:  # none on the rank's host (yet): the client retries, then names the host
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
         except ValueError as e:
@@ -78,7 +81,8 @@ class CoordinatorServicer(pbg.CoordinatorServicer):
                              reason=decision.reason, decision_us=us, exec_kind=chosen.kind,
                              delivery_host=delivery.host)
 
-    async def ReportCompletion(self, request, context):
+    async def ReportCompletion(self, request, context):  # also a client's lease renewal (with no task ids)
+        self.registry.seen(request.client_id)
         self.registry.complete(request.task_ids)
         return pb.Ack(ok=True)
 

@@ -20,6 +20,7 @@ import grpc
 from ..config import PROTOCOL_VERSION, ClusterConfig
 from . import shm
 from .auth import call_metadata
+from ..errors import text_of
 from ..protocol import ErrorKind
 from .proto import helix_pb2 as pb
 from .proto import helix_pb2_grpc as pbg
@@ -47,7 +48,7 @@ def _batch_pb(result: dict) -> pb.BatchHandle:
 
 
 def _failure_pb(f: dict | None) -> pb.SampleFailure | None:
-    return None if not f else pb.SampleFailure(index=f["index"], path=f["path"], cause=f["cause"])
+    return None if not f else pb.SampleFailure(index=f["index"], path=text_of(f["path"]), cause=text_of(f["cause"]))
 
 
 class DataServerServicer(pbg.DataServerServicer):
@@ -93,14 +94,15 @@ class DataServerServicer(pbg.DataServerServicer):
         if request.on_error not in ("raise", "skip") or not request.indices:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "Execute needs indices and on_error in (raise, skip)")
         remote = bool(request.deliver_to) and request.deliver_to != self.address
-        task = {"task_id": request.task_id, "spec_id": request.spec_id, "indices": list(request.indices),
+        task = {"task_id": request.task_id, "client_id": request.client_id, "spec_id": request.spec_id,
+                "indices": list(request.indices),
                 "epoch": request.epoch, "substitutes": list(request.substitutes), "on_error": request.on_error,
                 "deadline_s": request.deadline_s if request.has_deadline else None,
                 "predicted_cpu_s": max(0.0, request.predicted_cpu_s),
                 # pieces are delivered here only, and substitutes (on_error="skip") belong to one worker
                 "splittable": request.splittable and not remote and not request.substitutes}
         fut = self.pool.submit(task)
-        context.add_callback(lambda: self.pool.cancel([request.task_id]) if not fut.done() else None)
+        context.add_callback(lambda: self.pool.cancel([request.task_id], request.client_id) if not fut.done() else None)
         try:
             # answer before the client's own deadline, or a result that lands just then is dropped
             # with its slab (the client never sees the reply, so nobody releases it)
@@ -108,13 +110,13 @@ class DataServerServicer(pbg.DataServerServicer):
             wait = self.config.execute_timeout_s if remaining is None else max(0.0, remaining - 1.0)
             result = fut.result(timeout=min(self.config.execute_timeout_s, wait))
         except Exception as e:  # cancelled by the client or timed out
-            self.pool.cancel([request.task_id])
+            self.pool.cancel([request.task_id], request.client_id)
             if fut.done() and not fut.cancelled():  # it landed just as we gave up: nobody will read it
                 for handle in handles(fut.result()):
                     shm.release_segment(handle)
             return pb.ExecuteReply(task_id=request.task_id, error_kind=ErrorKind.NOT_COMPLETED, error=repr(e))
         reply = pb.ExecuteReply(task_id=request.task_id, error_kind=result.get("error_kind", ErrorKind.NONE),
-                                error=result.get("error", ""), failure=_failure_pb(result.get("failure")),
+                                error=text_of(result.get("error", "")), failure=_failure_pb(result.get("failure")),
                                 skipped=[_failure_pb(f) for f in result.get("skipped", [])],
                                 exec_s=result.get("exec_s", 0.0), decoded=result.get("decoded", ()),
                                 decode_cpu_s=result.get("decode_cpu_s", ()), queue_s=result.get("queue_s", 0.0))
@@ -205,13 +207,13 @@ class DataServerServicer(pbg.DataServerServicer):
             tensors=h.tensors))
 
     def Cancel(self, request, context):
-        self.pool.cancel(list(request.task_ids))
+        self.pool.cancel(list(request.task_ids), request.client_id)
         return pb.Ack(ok=True)
 
     def Health(self, request, context):
         st = self.pool.stats()
         return pb.HealthReply(server_id=self.server_id, workers_alive=st["workers_alive"],
-                              queue_depth=st["queue_depth"], serving=True, worker_pids=st["worker_pids"],
+                              queue_depth=st["queue_depth"], serving=st["workers_alive"] > 0, worker_pids=st["worker_pids"],
                               pid=os.getpid())
 
 
@@ -232,6 +234,7 @@ def _heartbeats(servicer: DataServerServicer, coord, token, config: ClusterConfi
     intervals, last = heartbeat_intervals(config), None
     wait = next(intervals)
     while not stop.wait(wait):
+        servicer.slabs.reclaim()  # delivery slabs of clients that died come back; unused ones go
         st = servicer.pool.stats()
         req = pb.HeartbeatRequest(
             server_id=servicer.server_id, queue_depth=st["queue_depth"], inflight=st["inflight"],
@@ -268,7 +271,8 @@ def serve_dataserver(coordinator: str, kind: str, local_rank: int, workers: int,
     # bound to every interface: peers need a name that reaches this machine, not the wildcard
     address = f"{advertise or (socket.getfqdn() if host in ('0.0.0.0', '::', '') else host)}:{bound}"
     tag = f"{kind[0]}{local_rank if kind == 'local' else ''}p{os.getpid()}-"
-    slabs = shm.SlabPool(f"helix-{hello.cluster_id}-{tag}d-")
+    slabs = shm.SlabPool(f"helix-{hello.cluster_id}-{tag}d-", orphan_s=config.execute_timeout_s + config.rpc_timeout_s,
+                         idle_s=config.slab_idle_s)
     slots = config.decode_slots or os.cpu_count() or 1  # one decode per core, across the host's servers
     host_slots = HostSlots(f"helix-{hello.cluster_id}-cpu")  # the last server of the host unlinks them
     try:

@@ -35,9 +35,10 @@ class EdfQueue:
                 return task
         return None
 
-    def remove(self, task_ids: set[int]) -> list[dict]:
-        """Drop the queued tasks (and pieces) of ``task_ids``; the dropped ones."""
-        gone = [(seq, t) for seq, t in self._ids.items() if t["task_id"] in task_ids]
+    def remove(self, task_ids: set[int], client_id: str = "") -> list[dict]:
+        """Drop the queued tasks (and pieces) of ``task_ids`` of client ``client_id``; the dropped ones."""
+        gone = [(seq, t) for seq, t in self._ids.items()
+                if t["task_id"] in task_ids and t.get("client_id", "") == client_id]
         for seq, task in gone:
             del self._ids[seq]
             self.cpu_s = max(0.0, self.cpu_s - task.get("predicted_cpu_s", 0.0))

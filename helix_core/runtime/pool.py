@@ -32,8 +32,13 @@ __all__ = ["WorkerPool"]
 log = logging.getLogger("helix.workers")
 
 
+def _key(task: dict) -> tuple[str, int]:
+    return task.get("client_id", ""), task["task_id"]
+
+
 class _Worker:
-    def __init__(self, wid: int, incarnation: int, prefix: str, allow_pickle: bool, cpu_slots=None):
+    def __init__(self, wid: int, incarnation: int, prefix: str, allow_pickle: bool, cpu_slots=None,
+                 memory_fraction: float = 1.0, slab_lease: tuple[float, float] = (900.0, 60.0)):
         ctx = mp.get_context("spawn")
         self.wid, self.incarnation = wid, incarnation
         self.prefix = f"{prefix}w{wid}i{incarnation}-"
@@ -42,13 +47,15 @@ class _Worker:
         self.progress.clear()
         self.claim = Claim(ctx)
         self.proc = ctx.Process(target=worker_main, args=(child, self.prefix, allow_pickle, os.getpid(), cpu_slots,
-                                                          self.progress, self.claim), name=f"helix-worker-{wid}",
+                                                          self.progress, self.claim, memory_fraction, slab_lease),
+                                name=f"helix-worker-{wid}",
                                 daemon=True)
         self.proc.start()
         child.close()
         self.task: dict | None = None
         self.started = 0.0  # clock() when its task was handed over
         self.specs: set[str] = set()
+        self.timed_out: tuple[int, str, str] | None = None  # (index, path, cause): the watchdog killed it
 
 
 class WorkerPool:
@@ -60,6 +67,7 @@ class WorkerPool:
     seconds, and reports the predicted CPU seconds queued or running, ``queued_cpu_s``)."""
 
     LPC_ALPHA = 0.2  # weight of the newest measurement in latency_per_cost
+    TIMEOUT_COST_MULTIPLE = 20.0  # a sample's watchdog: at least this many times its predicted wall time
 
     def __init__(self, n: int, shm_prefix: str, allow_pickle: bool, config: ClusterConfig, clock=time.monotonic,
                  cpu_slots: tuple[str, int] | None = None):
@@ -70,21 +78,27 @@ class WorkerPool:
         self._lock = threading.Lock()
         self._specs: dict[str, tuple[bytes, str]] = {}
         self._pending = EdfQueue()
-        # task id -> (serial of its current submission, Future): a task resubmitted under the same id
-        # (the client retries) never receives a result, or a piece, of an earlier submission
-        self._futures: dict[int, tuple[int, Future]] = {}
+        # (client id, task id) -> (serial of its current submission, Future): a task resubmitted under
+        # the same id (the client retries) never receives a result, or a piece, of an earlier
+        # submission; two clients' tasks never meet, whatever their ids
+        self._futures: dict[tuple[str, int], tuple[int, Future]] = {}
         self._serials = itertools.count()
         self._split: dict[int, Pieces] = {}  # submission serial -> the pieces of a batch split by stealing
         self.steals = 0
         self._kills: collections.Counter = collections.Counter()
         self._wake_r, self._wake_w = mp.Pipe(duplex=False)
         self._stop = threading.Event()
-        self.completed, self.respawns = 0, 0
+        self.completed, self.respawns, self.supervisor_errors = 0, 0, 0
         self._graveyard: list[str] = []  # dead workers' slabs still held by clients
         self.latency_per_cost = 1.0  # wall seconds per predicted CPU second (1 until measured)
-        self._workers = [_Worker(i, 0, shm_prefix, allow_pickle, cpu_slots) for i in range(n)]
+        self._workers = [self._spawn(i, 0) for i in range(n)]
         self._thread = threading.Thread(target=self._supervise, name="helix-supervisor", daemon=True)
         self._thread.start()
+
+    def _spawn(self, wid: int, incarnation: int) -> _Worker:
+        c = self.config
+        return _Worker(wid, incarnation, self.prefix, self.allow_pickle, self.cpu_slots, c.worker_memory_fraction,
+                       (c.execute_timeout_s + c.rpc_timeout_s, c.slab_idle_s))
 
     # ---- API used by gRPC handler threads --------------------------------------------------------
     def configure(self, spec_id: str, payload: bytes, fmt: str) -> None:
@@ -104,19 +118,20 @@ class WorkerPool:
             deadline = task.get("deadline_s")
             task["_arrival"], task["_key"] = now, now + (max(0.0, deadline) if deadline is not None else 0.0)
             task["_serial"] = next(self._serials)
-            self._futures[task["task_id"]] = (task["_serial"], fut)
+            self._futures[_key(task)] = (task["_serial"], fut)
             self._pending.push(task)
         self._wake_w.send_bytes(b"t")
         return fut
 
-    def cancel(self, task_ids) -> None:
+    def cancel(self, task_ids, client_id: str = "") -> None:
+        """Drop the tasks ``task_ids`` of client ``client_id`` (not started: never run)."""
         with self._lock:
             ids = set(task_ids)
             for tid in ids:
-                _, fut = self._futures.pop(tid, (None, None))
+                _, fut = self._futures.pop((client_id, tid), (None, None))
                 if fut is not None:
                     fut.cancel()
-            for task in self._pending.remove(ids):  # queued pieces of a split batch never run: count them out
+            for task in self._pending.remove(ids, client_id):  # queued pieces of a split batch never run: count them out
                 self._piece_done(task, {"error_kind": ErrorKind.NOT_COMPLETED, "error": "cancelled"})
 
     def stats(self) -> dict:
@@ -133,25 +148,73 @@ class WorkerPool:
 
     # ---- supervisor thread ---------------------------------------------------------------------------
     def _supervise(self) -> None:
+        """The supervisor thread: survives its own failures (a respawn refused with EAGAIN or
+        ENOMEM right after an OOM kill, ...) with a bounded back-off; meanwhile ``stats`` shows
+        fewer live workers, and a server with none reports itself unhealthy."""
+        delay = 0.05
         while not self._stop.is_set():
-            self._assign()
-            if self._graveyard:
-                self._graveyard = [n for n in self._graveyard if not shm.unlink_if_free(n)]
-            objs = [self._wake_r] + [w.conn for w in self._workers] + [w.proc.sentinel for w in self._workers]
-            try:  # every event wakes it (a task, a result, a death, close); dead workers' slabs are re-checked
-                ready = mp_wait(objs, timeout=1.0 if self._graveyard else None)
-            except OSError:
+            try:
+                self._supervise_once()
+                delay = 0.05
+            except Exception as e:
+                self.supervisor_errors += 1
+                log.error("worker supervisor: %s: %s; retrying in %.2f s", type(e).__name__, e, delay)
+                self._stop.wait(delay)
+                delay = min(delay * 2, 5.0)
+
+    def _supervise_once(self) -> None:
+        self._assign()
+        if self._graveyard:
+            self._graveyard = [n for n in self._graveyard if not shm.unlink_if_free(n)]
+        objs = [self._wake_r] + [w.conn for w in self._workers] + [w.proc.sentinel for w in self._workers]
+        timeout = self._watchdog()
+        if self._graveyard:  # dead workers' slabs are re-checked
+            timeout = 1.0 if timeout is None else min(timeout, 1.0)
+        try:  # every event wakes it (a task, a result, a death, close), and the next sample's watchdog
+            ready = mp_wait(objs, timeout=timeout)
+        except OSError:
+            return
+        for obj in ready:
+            if obj is self._wake_r:
+                while self._wake_r.poll():
+                    self._wake_r.recv_bytes()
+        for w in list(self._workers):
+            if w.conn in ready:
+                self._drain(w)
+            if w.proc.sentinel in ready or not w.proc.is_alive():
+                self._drain(w)
+                self._on_death(w)
+
+    def _sample_limit_s(self, task: dict) -> float:
+        """How long one sample of ``task`` may take: ``sample_timeout_s``, or a multiple of its
+        predicted wall time if that is longer."""
+        n = max(1, len(task.get("indices", ())))
+        predicted = task.get("predicted_cpu_s", 0.0) / n * self.latency_per_cost
+        return max(self.config.sample_timeout_s, self.TIMEOUT_COST_MULTIPLE * predicted)
+
+    def _watchdog(self) -> float | None:
+        """Kill every worker whose sample ran past its limit (the sample fails: ``_on_death``);
+        seconds until the next limit runs out (None: no sample in progress)."""
+        now, nxt = time.monotonic(), None  # Progress stamps samples with the host's monotonic clock
+        for w in self._workers:
+            task = w.task
+            got = w.progress.get_started() if task is not None and w.timed_out is None else None
+            if got is None:
                 continue
-            for obj in ready:
-                if obj is self._wake_r:
-                    while self._wake_r.poll():
-                        self._wake_r.recv_bytes()
-            for w in list(self._workers):
-                if w.conn in ready:
-                    self._drain(w)
-                if w.proc.sentinel in ready or not w.proc.is_alive():
-                    self._drain(w)
-                    self._on_death(w)
+            index, path, started = got
+            limit = self._sample_limit_s(task)
+            left = started + limit - now
+            if left > 0:
+                nxt = left if nxt is None else min(nxt, left)
+                continue
+            w.timed_out = (index, path, f"timed out: still decoding after {limit:.0f} s (sample_timeout_s); "
+                                        "its worker was killed")
+            log.warning("worker %d: sample %s (%s) ran past %.0f s; killing the worker", w.wid, index, path, limit)
+            try:
+                w.proc.kill()
+            except (OSError, ValueError):
+                pass
+        return nxt
 
     def _assign(self) -> None:
         with self._lock:
@@ -230,11 +293,11 @@ class WorkerPool:
 
     def _current(self, task: dict) -> bool:
         """``task`` (or a piece of it) belongs to its id's live submission (not cancelled, not superseded)."""
-        return self._futures.get(task["task_id"], (None, None))[0] == task.get("_serial")
+        return self._futures.get(_key(task), (None, None))[0] == task.get("_serial")
 
     def _take_future(self, task: dict) -> Future | None:
         """The Future a result of ``task`` resolves, if it is the live submission's (under the lock)."""
-        return self._futures.pop(task["task_id"])[1] if self._current(task) else None
+        return self._futures.pop(_key(task))[1] if self._current(task) else None
 
     @staticmethod
     def _deliver(fut: Future | None, result: dict) -> None:
@@ -269,7 +332,7 @@ class WorkerPool:
         if self.cpu_slots:  # a decode slot it held is free now, and the kernel tells no one
             cpuslots.notify(*self.cpu_slots)
         i = self._workers.index(w)
-        self._workers[i] = _Worker(w.wid, w.incarnation + 1, self.prefix, self.allow_pickle, self.cpu_slots)
+        self._workers[i] = self._spawn(w.wid, w.incarnation + 1)
         self.respawns += 1
         task, current = w.task, w.progress.get()
         log.warning("worker %d died (exit %s) during task %s at sample %s; respawned", w.wid, code,
@@ -280,11 +343,26 @@ class WorkerPool:
             if not self._current(task):  # cancelled (or resubmitted) meanwhile
                 self._piece_done(task, {"error_kind": ErrorKind.NOT_COMPLETED, "error": "cancelled"})
                 return
+            if w.timed_out is not None:  # a hung sample fails at once: it is never run again, here or elsewhere
+                current = w.timed_out[:2]
+                self._kills[current[0]] = self.config.max_task_retries
+            if current is None:  # it died before its first sample (loading the spec, waiting for a slot)
+                task["_early_deaths"] = task.get("_early_deaths", 0) + 1
+                if task["_early_deaths"] > self.config.max_task_retries:
+                    failed = {"error_kind": ErrorKind.INTERNAL, "skipped": [],
+                              "error": f"worker processes died {task['_early_deaths']} times (last exit code {code}) "
+                                       "before preparing any sample of this task"}
+                    if task["_serial"] in self._split:
+                        self._piece_done(task, failed)
+                    else:
+                        self._take_future(task).set_result(failed)
+                    return
             if current is not None:
                 self._kills[current[0]] += 1
                 if self._kills[current[0]] > self.config.max_task_retries:
-                    cause = (f"worker process died (exit code {code}) while preparing this sample "
-                             f"{self._kills[current[0]]} times")
+                    cause = w.timed_out[2] if w.timed_out is not None else (
+                        f"worker process died (exit code {code}) while preparing this sample "
+                        f"{self._kills[current[0]]} times")
                     failed = {"error_kind": ErrorKind.SAMPLE, "error": cause,
                               "failure": _failure(current[0], current[1], cause), "skipped": []}
                     if task.get("on_error") == "skip":

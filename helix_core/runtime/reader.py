@@ -7,7 +7,8 @@ import mmap
 import os
 import threading
 
-from .shm import _GEN_AT, _STATE_AT, _U64, FREE, HEADER_BYTES, MAGIC, SHM_DIR, _close_map, _path
+from .shm import _GEN_AT, _LEASE, _LEASE_AT, _STATE_AT, _U64, FREE, HEADER_BYTES, MAGIC, SHM_DIR, _close_map, _path, \
+    holder_stamp
 
 __all__ = ["SlabReader"]
 
@@ -64,6 +65,9 @@ class SlabReader:
     def view(self, handle: dict) -> memoryview:
         """The used payload bytes, [HEADER_BYTES, HEADER_BYTES + nbytes) of the file."""
         mm = self.attach(handle["segment"])
+        if "generation" in handle and _U64.unpack_from(mm, _GEN_AT)[0] == handle["generation"]:
+            pid, start = holder_stamp()  # the lease: its producer takes it back if this process dies
+            _LEASE.pack_into(mm, _LEASE_AT, pid, start, _LEASE.unpack_from(mm, _LEASE_AT)[2])
         end = HEADER_BYTES + handle["nbytes"]
         if end > len(mm):
             raise ValueError(f"handle asks for {handle['nbytes']} bytes; segment {handle['segment']} "

@@ -67,7 +67,8 @@ class Registry:
         self.decisions: collections.deque = collections.deque(maxlen=10_000)
         self.decision_us: collections.deque = collections.deque(maxlen=10_000)
         self.routed = 0
-        self._owner: dict[int, tuple] = {}  # task_id -> (server id, predicted cpu_s, routed at) until completed
+        # task_id -> (server id, predicted cpu_s, routed at, client id) until completed
+        self._owner: dict[int, tuple] = {}
         self._lock = threading.Lock()
         self._order: tuple[dict, list[ServerState]] | None = None  # (locals by host, all), cached
         self._live: dict[str, ServerColumns] = {}  # host -> its ranks' live candidates' columns
@@ -92,24 +93,30 @@ class Registry:
             log.info("registered %s server %s at %s (%d workers)", kind, sid, address, workers)
             return st
 
-    def register_client(self, rank: int, world_size: int, host: str, local_rank: int = -1) -> tuple[str, int]:
-        """A new client's id and task-id base: its task ids are ``base + 1, base + 2, ...``, so two
-        loaders (same rank or not) never share one."""
-        cid = f"c{rank}-{uuid.uuid4().hex[:6]}"
+    def register_client(self, rank: int, world_size: int, host: str, local_rank: int = -1, client_id: str = "",
+                        task_id_base: int = 0) -> tuple[str, int]:
+        """A client's id and task-id base: its task ids are ``base + 1, base + 2, ...``. A client
+        makes both itself (a uuid; a random base, ``ClusterClient``), so they survive a Coordinator
+        restart and a re-registration keeps them; servers key tasks by (client id, task id), so two
+        clients never collide there even if their bases did. Without them (an older client) the
+        Coordinator makes them: unique among the clients it has seen."""
+        cid = client_id or f"c{rank}-{uuid.uuid4().hex[:6]}"
         with self._lock:
-            base = (len(self.clients) + 1) << TASK_ID_BITS
+            base = task_id_base or (len(self.clients) + 1) << TASK_ID_BITS
             self.clients[cid] = {"rank": rank, "world_size": world_size, "host": host, "local_rank": local_rank,
-                                 "task_id_base": base}
+                                 "task_id_base": base, "last_seen": self.clock()}
         return cid, base
 
-    def heartbeat(self, server_id: str, **stats) -> bool:
+    def heartbeat(self, server_id: str, healthy: bool = True, **stats) -> bool:
+        """A server's heartbeat; ``healthy`` False (it has no live worker: it cannot keep them)
+        takes it out of placement like a dead one until a healthy heartbeat comes."""
         with self._lock:
             st = self.servers.get(server_id)
             if st is None:
                 return False
-            if not st.alive:
+            if st.alive != healthy:
                 self._live = {}
-            st.last_seen, st.alive = self.clock(), True
+            st.last_seen, st.alive = self.clock(), bool(healthy)
             for k, v in stats.items():
                 setattr(st, k, v)
             if "queued_cpu_s" in stats:  # the server's own count now covers what was routed before it
@@ -118,11 +125,32 @@ class Registry:
             self._sync(st)
             return True
 
+    @property
+    def lease_s(self) -> float:
+        """A client silent this long (no Route, completion or lease renewal) is gone: its load is released."""
+        return 3 * self.config.heartbeat_timeout_s
+
+    def seen(self, client_id: str) -> None:
+        """A client's lease renewal (every RPC of it renews it)."""
+        with self._lock:
+            c = self.clients.get(client_id)
+            if c is not None:
+                c["last_seen"] = self.clock()
+
     def sweep(self) -> list[str]:
-        """Mark servers dead whose last heartbeat is older than the timeout; return their ids."""
+        """Mark servers dead whose last heartbeat is older than the timeout, and drop clients whose
+        lease ran out, releasing the load they left on servers; return the dead servers' ids."""
         dead = []
         with self._lock:
             now = self.clock()
+            gone = [cid for cid, c in self.clients.items() if now - c["last_seen"] > self.lease_s]
+            for cid in gone:
+                del self.clients[cid]
+            if gone:
+                lost = set(gone)
+                for task_id in [t for t, owner in self._owner.items() if owner[3] in lost]:
+                    self._release(self._owner.pop(task_id))
+                log.warning("clients %s stopped renewing their lease: their load is released", gone)
             for st in self.servers.values():
                 if st.alive and now - st.last_seen > self.config.heartbeat_timeout_s:
                     st.alive = False
@@ -211,7 +239,7 @@ class Registry:
         return chosen
 
     def route(self, rank: int, task_id: int, cost: dict, exclude: set[str], scheduler: str | None = None,
-              t_arrival: float | None = None, *, host: str, local_rank: int | None = None):
+              t_arrival: float | None = None, *, host: str, local_rank: int | None = None, client_id: str = ""):
         """Place one request of a rank on ``host`` (its ``local_rank`` picks its delivery server):
         the candidates are that host's local servers and the remote ones. ``cost``:
         ``PlacementRequest`` fields (cpu_s, io_bytes, out_bytes, tokens, deadline_s). Returns
@@ -232,7 +260,10 @@ class Registry:
             chosen.pending_cpu_s += request.cpu_s
             chosen.load_cpu_s += request.cpu_s
             self._sync(chosen)
-            self._owner[task_id] = (chosen.server_id, request.cpu_s, chosen.last_seen)
+            self._owner[task_id] = (chosen.server_id, request.cpu_s, chosen.last_seen, client_id)
+            c = self.clients.get(client_id)
+            if c is not None:
+                c["last_seen"] = self.clock()
             self.routed += 1
             us = (time.perf_counter() - t0) * 1e6
         self.decision_us.append(us)
@@ -243,7 +274,7 @@ class Registry:
 
     def _release(self, owner: tuple) -> None:
         """A routed task is done (or void): it no longer loads its server (caller holds the lock)."""
-        server_id, cpu_s, beat = owner
+        server_id, cpu_s, beat, _ = owner
         st = self.servers.get(server_id)
         if st is None:
             return

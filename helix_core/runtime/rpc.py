@@ -14,9 +14,25 @@ __all__ = ["channel_options", "check_hello", "connect", "create_aio_server", "cr
 
 
 def channel_options(config: ClusterConfig) -> list[tuple[str, int]]:
+    """Options of every channel and server: message limits, and keepalive — a peer that stops
+    answering HTTP/2 pings (SIGSTOPped, its host gone, a half-open connection) fails the calls in
+    flight with UNAVAILABLE within ``keepalive_s + keepalive_timeout_s``, so they are resubmitted
+    elsewhere instead of waiting out ``execute_timeout_s``. (gRPC's ping ack timeout,
+    ``ping_timeout_ms``, defaults to a minute and overrides the keepalive timeout: both are set.)
+    Servers accept pings that often without data frames (a decode sends none for seconds)."""
+    ping_ms, timeout_ms = int(config.keepalive_s * 1000), int(config.keepalive_timeout_s * 1000)
     return [("grpc.max_send_message_length", config.max_message_bytes),
             ("grpc.max_receive_message_length", config.max_message_bytes),
-            ("grpc.so_reuseport", 0)]
+            ("grpc.so_reuseport", 0),
+            ("grpc.keepalive_time_ms", ping_ms), ("grpc.keepalive_timeout_ms", timeout_ms),
+            ("grpc.http2.ping_timeout_ms", timeout_ms), ("grpc.http2.max_pings_without_data", 0),
+            # the server side: never refuse a client's pings as too many (GOAWAY "too_many_pings")
+            ("grpc.http2.min_recv_ping_interval_without_data_ms", max(1, ping_ms // 2)),
+            ("grpc.http2.max_ping_strikes", 0),
+            # a restarted peer (a Coordinator back on its address) is found within a second, not gRPC's
+            # default back-off of up to two minutes
+            ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
+            ("grpc.max_reconnect_backoff_ms", 1000)]
 
 
 def _bind(server, host: str, port: int, tls) -> int:

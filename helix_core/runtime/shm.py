@@ -11,7 +11,11 @@ from under the server. Every segment has one owner that unlinks it: the pool tha
 (`close()`, or a finalizer at interpreter exit), or `sweep(prefix)` after a killed process.
 
 Header (little-endian, byte 0): magic b"HELIXSLB", generation u64, state u64 (FREE/BUSY),
-capacity u64 (payload bytes), zero padding up to HEADER_BYTES.
+capacity u64 (payload bytes), then the lease: the holder's pid u64 and process start time u64
+(clock ticks, /proc: a reused pid is not the holder), and when the producer handed it out (f64,
+CLOCK_MONOTONIC); zero padding up to HEADER_BYTES. A client that maps a slab writes itself in as
+holder; a producer takes back a BUSY slab whose holder died, or that nobody mapped within
+``orphan_s`` (``SlabPool.reclaim``), and unlinks free slabs unused for ``idle_s``.
 """
 from __future__ import annotations
 
@@ -21,10 +25,12 @@ import os
 import secrets
 import struct
 import threading
+import time
 import weakref
 
 __all__ = ["ALIGN", "BUSY", "FREE", "HEADER_BYTES", "MAGIC", "SHM_DIR", "ShmCapacityError", "Slab",
-           "SlabPool", "list_segments", "release_segment", "sweep", "unlink_if_free"]
+           "SlabPool", "holder_alive", "holder_stamp", "list_segments", "process_start", "release_segment", "sweep",
+           "unlink_if_free"]
 
 SHM_DIR = "/dev/shm"
 HEADER_BYTES = 64
@@ -37,6 +43,39 @@ _MIB = 1 << 20
 _HEADER = struct.Struct("<8sQQQ")  # magic, generation, state, capacity
 _U64 = struct.Struct("<Q")
 _GEN_AT, _STATE_AT = 8, 16
+_LEASE = struct.Struct("<QQd")  # holder pid, holder start time, handed out at
+_LEASE_AT = 32
+
+
+def process_start(pid: int) -> int:
+    """A process's start time (clock ticks since boot, /proc/PID/stat field 22); 0 if unknown."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return int(f.read().rsplit(b")", 1)[1].split()[19])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+_SELF: list = []  # (pid, start) of this process, once known (a fork gets its own)
+
+
+def holder_stamp() -> tuple[int, int]:
+    """This process as a slab holder: (pid, start time)."""
+    pid = os.getpid()
+    if not _SELF or _SELF[0][0] != pid:
+        _SELF[:] = [(pid, process_start(pid))]
+    return _SELF[0]
+
+
+def holder_alive(pid: int, start: int) -> bool:
+    """Whether the process that holds a slab still runs (the same one: its start time matches)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # another user's process: it exists
+    return not start or process_start(pid) in (0, start)
 
 
 class ShmCapacityError(RuntimeError):
@@ -81,6 +120,7 @@ class Slab:
         self.generation = generation
         self._mm = mm
         self.payload = memoryview(mm)[HEADER_BYTES:HEADER_BYTES + capacity]
+        self.last_used = time.monotonic()
 
     @property
     def free(self) -> bool:
@@ -97,10 +137,19 @@ class Slab:
         """Producer side: give the slab back without a client (e.g. the delivery failed)."""
         _U64.pack_into(self._mm, _STATE_AT, FREE)
 
+    def orphaned(self, orphan_s: float, now: float) -> bool:
+        """BUSY, and its holder died — or nobody mapped it within ``orphan_s`` of the hand-out."""
+        if self.free:
+            return False
+        pid, start, handed = _LEASE.unpack_from(self._mm, _LEASE_AT)
+        return not holder_alive(pid, start) if pid else now - handed > orphan_s
+
     def _mark_busy(self) -> None:
         # generation first: a client releasing a stale handle compares against it
         self.generation += 1
+        self.last_used = time.monotonic()
         _U64.pack_into(self._mm, _GEN_AT, self.generation)
+        _LEASE.pack_into(self._mm, _LEASE_AT, 0, 0, self.last_used)
         _U64.pack_into(self._mm, _STATE_AT, BUSY)
 
     def _close(self) -> None:
@@ -169,12 +218,14 @@ class SlabPool:
     beyond `max_segments` are unlinked as soon as they are free again.
     """
 
-    def __init__(self, prefix: str, max_segments: int = 64):
+    def __init__(self, prefix: str, max_segments: int = 64, orphan_s: float = 900.0, idle_s: float = 60.0):
         if max_segments < 1:
             raise ValueError(f"SlabPool(max_segments={max_segments}): need at least 1")
         _path(prefix + "x")  # the prefix must make valid file names
         self.prefix = prefix
         self.max_segments = max_segments
+        self.orphan_s, self.idle_s = orphan_s, idle_s
+        self.reclaimed = 0
         self._slabs: list[Slab] = []
         self._names: list[str] = []  # shared with the finalizer, which must not reference self
         self._lock = threading.Lock()
@@ -193,6 +244,8 @@ class SlabPool:
             if self._closed:
                 raise RuntimeError("SlabPool is closed")
             fits = [s for s in self._slabs if s.capacity >= nbytes and s.free]
+            if not fits and self._reclaim():  # slabs of clients that died count as free
+                fits = [s for s in self._slabs if s.capacity >= nbytes and s.free]
             if fits:
                 slab = min(fits, key=lambda s: s.capacity)
                 self._reused += 1
@@ -206,6 +259,26 @@ class SlabPool:
             if len(self._slabs) > self.max_segments:  # the overflow of kept batches, once they are free
                 self._drop([s for s in self._slabs if s.free][:len(self._slabs) - self.max_segments])
             return slab
+
+    def reclaim(self) -> int:
+        """Take back slabs whose holder died or that nobody mapped within ``orphan_s``, and unlink
+        free ones unused for ``idle_s`` (a long-lived server gives /dev/shm back); how many were
+        taken back. Cheap: call it when idle."""
+        with self._lock:
+            if self._closed:
+                return 0
+            got = self._reclaim()
+            now = time.monotonic()
+            self._drop([s for s in self._slabs if s.free and now - s.last_used > self.idle_s])
+            return got
+
+    def _reclaim(self) -> int:
+        now = time.monotonic()
+        stale = [s for s in self._slabs if s.orphaned(self.orphan_s, now)]
+        for slab in stale:
+            slab.release()
+        self.reclaimed += len(stale)
+        return len(stale)
 
     def _drop(self, slabs: list[Slab]) -> None:
         for slab in slabs:

@@ -24,39 +24,69 @@ __all__ = ["Progress", "worker_main"]
 
 
 class Progress:
-    """The sample a worker is preparing — index and path — in shared memory (written per sample
-    by the worker, read by the supervisor only after the worker died; no message, no wake-up)."""
+    """The sample a worker is preparing — index, path and when it started (``time.monotonic``,
+    one clock for every process of the host) — in shared memory, written per sample by the worker.
+    The supervisor reads it when the worker dies (to name the sample that killed it) and when a
+    sample's watchdog runs out; no message, no wake-up."""
 
     SIZE = 4096
+    _HEAD = 20  # index (q), started (d), path length (i)
 
     def __init__(self, ctx):
         self._buf = ctx.RawArray(ctypes.c_char, self.SIZE)
 
     def set(self, index: int, path: str) -> None:
-        raw = str(path).encode("utf-8", "replace")[: self.SIZE - 13]
-        self._buf[8:12] = struct.pack("<i", len(raw))
-        self._buf[12:12 + len(raw)] = raw
+        raw = str(path).encode("utf-8", "surrogateescape")[: self.SIZE - self._HEAD - 1]
+        self._buf[8:20] = struct.pack("<di", time.monotonic(), len(raw))
+        self._buf[20:20 + len(raw)] = raw
         self._buf[0:8] = struct.pack("<q", int(index))  # last: a reader never sees a new index with an old path
 
     def clear(self) -> None:
         self._buf[0:8] = struct.pack("<q", -1)
 
     def get(self) -> tuple[int, str] | None:
+        got = self.get_started()
+        return None if got is None else got[:2]
+
+    def get_started(self) -> tuple[int, str, float] | None:
+        """(index, path, monotonic start time) of the sample in progress, None between samples."""
         (index,) = struct.unpack("<q", self._buf[0:8])
         if index < 0:
             return None
-        (n,) = struct.unpack("<i", self._buf[8:12])
-        return index, self._buf[12:12 + n].decode("utf-8", "replace")
+        started, n = struct.unpack("<di", self._buf[8:20])
+        return index, self._buf[20:20 + n].decode("utf-8", "replace"), started
+
+
+def limit_memory(fraction: float) -> int:
+    """Cap this process's address space at ``fraction`` of the host's RAM (RLIMIT_AS), so a
+    decode bomb fails with an allocation error here — a ``SampleError`` — instead of waking the
+    OOM killer, which may pick the trainer. The cap in bytes (0: none could be set)."""
+    import resource
+
+    try:
+        limit = int(fraction * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+        soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+        if hard != resource.RLIM_INFINITY:
+            limit = min(limit, hard)
+        resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
+        return limit
+    except (ValueError, OSError):
+        return 0
 
 
 def worker_main(conn, shm_prefix: str, allow_pickle: bool, parent_pid: int, cpu_slots=None,
-                progress: Progress | None = None, claim=None) -> None:
+                progress: Progress | None = None, claim=None, memory_fraction: float = 1.0,
+                slab_lease: tuple[float, float] = (900.0, 60.0)) -> None:
     """Entry point of a worker process: serve ``("spec", ...)`` and ``("task", ...)`` messages.
     ``cpu_slots``: ``(prefix, n)`` of the host's decode slots (a task runs holding one);
     ``progress``: where it records the sample it is working on; ``claim``: the ``steal.Claim``
-    it checks before each sample (the supervisor may give the tail of its batch to another worker)."""
+    it checks before each sample (the supervisor may give the tail of its batch to another worker);
+    ``memory_fraction``: its address-space cap, a share of the host's RAM (``limit_memory``);
+    ``slab_lease``: its slabs' ``(orphan_s, idle_s)`` (``shm.SlabPool``), reclaimed whenever it is idle."""
     os.environ["OMP_NUM_THREADS"] = "1"
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the owner's to handle
+    if memory_fraction < 1.0:
+        limit_memory(memory_fraction)
     import torch
 
     from .cpuslots import CpuSlots
@@ -64,13 +94,14 @@ def worker_main(conn, shm_prefix: str, allow_pickle: bool, parent_pid: int, cpu_
     torch.set_num_threads(1)
     slots = CpuSlots(*cpu_slots) if cpu_slots else None
     orphaned = (lambda: os.getppid() != parent_pid)
-    pool = shm.SlabPool(shm_prefix)
+    pool = shm.SlabPool(shm_prefix, orphan_s=slab_lease[0], idle_s=slab_lease[1])
     specs: dict[str, tuple] = {}
     try:
         while True:
             if not conn.poll(2.0):  # a closed pipe wakes it at once; this only catches a parent that vanished
                 if os.getppid() != parent_pid:
                     return  # orphaned
+                pool.reclaim()  # idle: slabs of clients that died come back; unused ones go
                 continue
             try:
                 msg = conn.recv()
@@ -106,7 +137,9 @@ def worker_main(conn, shm_prefix: str, allow_pickle: bool, parent_pid: int, cpu_
 
 
 def _failure(index: int, path: str, cause: str) -> dict:
-    return {"index": int(index), "path": str(path), "cause": str(cause)}
+    from ..errors import text_of
+
+    return {"index": int(index), "path": text_of(path), "cause": text_of(cause)}
 
 
 def _run_task(task: dict, specs: dict, pool, progress, allow_pickle: bool, may_start) -> dict:

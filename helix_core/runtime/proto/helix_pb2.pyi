@@ -73,16 +73,20 @@ class RegisterServerReply(_message.Message):
     def __init__(self, server_id: _Optional[str] = ..., cluster_id: _Optional[str] = ..., heartbeat_interval_s: _Optional[float] = ...) -> None: ...
 
 class RegisterClientRequest(_message.Message):
-    __slots__ = ("rank", "world_size", "host", "local_rank")
+    __slots__ = ("rank", "world_size", "host", "local_rank", "client_id", "task_id_base")
     RANK_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
     LOCAL_RANK_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    TASK_ID_BASE_FIELD_NUMBER: _ClassVar[int]
     rank: int
     world_size: int
     host: str
     local_rank: int
-    def __init__(self, rank: _Optional[int] = ..., world_size: _Optional[int] = ..., host: _Optional[str] = ..., local_rank: _Optional[int] = ...) -> None: ...
+    client_id: str
+    task_id_base: int
+    def __init__(self, rank: _Optional[int] = ..., world_size: _Optional[int] = ..., host: _Optional[str] = ..., local_rank: _Optional[int] = ..., client_id: _Optional[str] = ..., task_id_base: _Optional[int] = ...) -> None: ...
 
 class RegisterClientReply(_message.Message):
     __slots__ = ("client_id", "cluster_id", "task_id_base")
