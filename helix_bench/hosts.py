@@ -158,10 +158,12 @@ def _run_point(cfg: HostBenchConfig, hosts, system: str, k: int, plan, tmp: Path
         results = []
         for proc, out in ranks:
             proc.wait(timeout=1800)
-            got = json.loads(out.read_text()) if out.exists() else {"kind": "error", "payload": "no result"}
-            if got["kind"] != "ok":
-                raise RuntimeError(f"{system} with {k} sidecars, rank {got.get('rank')}: {got['payload']}")
-            results.append(got)
+            results.append(json.loads(out.read_text()) if out.exists() else {"kind": "error", "payload": "no result"})
+        failed = [(r, g) for r, g in enumerate(results) if g["kind"] != "ok"]
+        if failed:  # the rank that failed first, not those whose collective lost it as a peer
+            rank, got = next(((r, g) for r, g in failed if "closed by peer" not in str(g["payload"])), failed[0])
+            raise RuntimeError(f"{system} with {k} sidecars: ranks {[r for r, _ in failed]} failed; rank {rank}: "
+                               f"{got['payload']}")
         routed = _routed(hosts, plan.coordinator, env) if system == "helix" else {}
         if local_pids:  # the GPU hosts' DataServer processes themselves (serving, receiving streams), not their workers
             routed["local_dataserver_cpu_s"] = sum(_cpu_s(pid) for pid in local_pids)
