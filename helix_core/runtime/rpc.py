@@ -30,9 +30,9 @@ def channel_options(config: ClusterConfig) -> list[tuple[str, int]]:
             ("grpc.http2.min_recv_ping_interval_without_data_ms", max(1, ping_ms // 2)),
             ("grpc.http2.max_ping_strikes", 0),
             # a restarted peer (a Coordinator back on its address) is found within a second, not gRPC's
-            # default back-off of up to two minutes
-            ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
-            ("grpc.max_reconnect_backoff_ms", 1000)]
+            # default back-off of up to two minutes. (Not min_reconnect_backoff_ms: gRPC also takes it
+            # as the connect timeout, and a TLS handshake on a busy host takes longer than 100 ms.)
+            ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 1000)]
 
 
 def _bind(server, host: str, port: int, tls) -> int:
