@@ -34,6 +34,8 @@ def main(a: dict) -> dict:
                     torch.equal(g["x"], w["x"]) and torch.equal(g["index"], w["index"]) for g, w in zip(got, want))
                 stats = loader.stats()
                 run["cross_ds_bytes"], run["resubmits"] = stats["cross_ds_bytes"], stats["resubmits"]
+                # how the Coordinator sees this client, while it still holds its lease
+                run["registered_host"] = loader.client.telemetry()["clients"][loader.client.client_id]["host"]
         except Exception as e:  # noqa: BLE001 - the test reads the error
             run["error"] = f"{type(e).__name__}: {e}"
             run["trace"] = traceback.format_exc()

@@ -145,3 +145,27 @@ def test_config_validation():
         ClusterConfig(heartbeat_interval_s=1.0, heartbeat_timeout_s=0.5)
     with pytest.raises(ValueError, match="rpc_timeout_s"):
         ClusterConfig(rpc_timeout_s=0)
+
+
+def test_an_unhealthy_server_leaves_placement_and_a_silent_clients_load_is_released():
+    reg, clock, (s0, s1, s2), remote = _registry()
+    assert reg.heartbeat(s1.server_id, healthy=False, queue_depth=0)  # alive, but no worker it can keep
+    assert reg.delivery_server(1, set(), "h").server_id == s2.server_id
+    for k in range(20):
+        chosen, _, _, _ = reg.route(0, 100 + k, {"cpu_s": 0.1}, set(), host="h", client_id="cA")
+        assert chosen.server_id != s1.server_id
+    assert reg.heartbeat(s1.server_id, healthy=True, queue_depth=0)
+    assert reg.delivery_server(1, set(), "h").server_id == s1.server_id  # back once it is healthy
+    cid, _ = reg.register_client(0, 1, "h", 0, client_id="cB", task_id_base=7 << 40)
+    assert cid == "cB" and reg.clients["cB"]["task_id_base"] == 7 << 40  # the client's own id and base
+    for k in range(3):
+        reg.route(0, (7 << 40) + k, {"cpu_s": 0.5}, set(), host="h", client_id="cB")
+    assert sum(s.outstanding for s in reg.servers.values()) == 23
+    clock.t = reg.lease_s / 2
+    reg.seen("cB")  # it renews; cA never registered, its load stays until completed
+    clock.t = reg.lease_s * 1.2
+    reg.sweep()
+    assert "cB" in reg.clients
+    clock.t = reg.lease_s * 1.6  # cB silent for longer than its lease
+    reg.sweep()
+    assert "cB" not in reg.clients and sum(s.outstanding for s in reg.servers.values()) == 20
