@@ -100,3 +100,37 @@ def test_a_non_utf8_file_name_is_a_sample_error_that_skip_skips_and_a_table_stor
     with hx.DistributedDataLoader(ds, batch_size=2, rank=0, world_size=1, num_workers=1) as ld:
         with pytest.raises(hx.SampleError, match="clip_"):
             list(ld)
+
+
+def _bomb(path, side: int = 9216):
+    """A real H.264 clip whose every frame is side x side (85 Mpx at 9216: above the 8192² cap; FFmpeg
+    itself refuses 16384² images, so a claim that large never gets past its own checks)."""
+    import av
+
+    with av.open(str(path), "w", format="mp4") as out:
+        s = out.add_stream("libx264", rate=1)
+        s.width = s.height = side
+        s.pix_fmt = "yuv420p"
+        s.options = {"preset": "ultrafast", "threads": "1"}
+        f = av.VideoFrame(side, side, "yuv420p")
+        for plane in f.planes:
+            plane.update(bytes(plane.buffer_size))
+        out.mux(s.encode(f))
+        out.mux(s.encode(None))
+    return path
+
+
+@pytest.mark.slow
+def test_a_decode_bomb_fails_its_sample_before_decoding_and_the_pool_keeps_serving(small_clip, tmp_path):
+    _, clip = small_clip
+    bomb = _bomb(tmp_path / "bomb.mp4")
+    good = tmp_path / "good.mp4"
+    good.write_bytes(clip.read_bytes())
+    manifest = write_manifest(tmp_path, [{"path": str(p)} for p in (good, bomb, good, good)])
+    ds = hx.VideoClipDataset(manifest, num_frames=4, size=32, profiles=False)
+    with pytest.raises(hx.SampleError, match="9216x9216 .* max_frame_pixels") as e:
+        ds[1]
+    assert e.value.index == 1 and e.value.path.endswith("bomb.mp4")
+    with hx.DistributedDataLoader(ds, batch_size=2, rank=0, world_size=1, on_error="skip", num_workers=1) as ld:
+        batches = list(ld)  # the same worker goes on decoding after it
+        assert ld.stats()["skipped"] == 1 and [len(b["index"]) for b in batches] == [2, 2]
