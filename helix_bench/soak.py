@@ -161,7 +161,8 @@ def run_soak(cfg: SoakConfig, console=None) -> list[dict]:
     columns = ("minute", "rss_mb", "segments", "shm_mb", "fds", "threads", "epochs", "lost", "repeated", "faults")
 
     def show(row: dict) -> None:
-        console.print("  ".join(f"{k} {row[k]:.1f}" if isinstance(row[k], float) else f"{k} {row[k]}" for k in columns))
+        console.print("  ".join(f"{k} {row[k]:.1f}" if isinstance(row[k], float) else f"{k} {row[k]}" for k in columns),
+                      soft_wrap=True)  # one row per line, whatever the terminal's width
 
     with hx.LocalCluster(local_servers=2, remote_servers=1, workers_per_server=1, config=config) as cluster:
         def make_client(rank: int) -> _Client:

@@ -88,6 +88,23 @@ def notify(prefix: str, n: int, shm_dir: str = "/dev/shm") -> None:
         os.close(fd)
 
 
+def forget(prefix: str, pid: int, shm_dir: str = "/dev/shm") -> None:
+    """A waiter died (SIGKILL: it could not delist): drop its entry and unlink its FIFO."""
+    try:
+        os.unlink(_fifo(shm_dir, prefix, pid))
+    except FileNotFoundError:
+        pass
+    if not os.path.exists(os.path.join(shm_dir, f"{prefix}q")):
+        return
+    fd, m, table = _table(shm_dir, prefix)
+    try:
+        table["pid"][table["pid"] == pid] = 0
+    finally:
+        del table
+        m.close()
+        os.close(fd)
+
+
 class CpuSlots:
     """``n`` decode slots shared by every process that opens the same ``prefix`` on this host."""
 

@@ -329,7 +329,8 @@ class WorkerPool:
         # its slabs: free ones go now; those a client still holds (maybe not even mapped yet) stay
         # until released, so a reply already sent stays readable
         self._graveyard += [n for n in shm.list_segments(w.prefix) if not shm.unlink_if_free(n)]
-        if self.cpu_slots:  # a decode slot it held is free now, and the kernel tells no one
+        if self.cpu_slots:  # a decode slot it held is free now, and the kernel tells no one; its FIFO goes
+            cpuslots.forget(self.cpu_slots[0], w.proc.pid)
             cpuslots.notify(*self.cpu_slots)
         i = self._workers.index(w)
         self._workers[i] = self._spawn(w.wid, w.incarnation + 1)

@@ -362,8 +362,8 @@ def sweep(prefix: str) -> int:
 
 
 def unlink_if_free(name: str) -> bool:
-    """Unlink segment ``name`` unless a client still holds it (header state BUSY). True when the
-    segment is gone afterwards. Used for the slabs of a dead producer: those already handed to a
+    """Unlink segment ``name`` unless a client still holds it (header state BUSY, its holder alive).
+    True when the segment is gone afterwards. Used for the slabs of a dead producer: those already handed to a
     client must survive until it has mapped and released them."""
     path = os.path.join(SHM_DIR, name)
     try:
@@ -372,7 +372,9 @@ def unlink_if_free(name: str) -> bool:
     except FileNotFoundError:
         return True
     if len(head) == HEADER_BYTES and head[:8] == MAGIC and _U64.unpack_from(head, _STATE_AT)[0] != FREE:
-        return False
+        pid, start, _ = _LEASE.unpack_from(head, _LEASE_AT)
+        if not pid or holder_alive(pid, start):  # held (or not mapped yet): it must stay readable
+            return False
     try:
         os.unlink(path)
     except FileNotFoundError:
