@@ -7,8 +7,8 @@ import mmap
 import os
 import threading
 
-from .shm import _GEN_AT, _LEASE, _LEASE_AT, _STATE_AT, _U64, FREE, HEADER_BYTES, MAGIC, SHM_DIR, _close_map, _path, \
-    holder_stamp
+from .lease import holder_stamp
+from .shm import _GEN_AT, _LEASE, _LEASE_AT, _STATE_AT, _U64, FREE, HEADER_BYTES, MAGIC, SHM_DIR, _close_map, _path
 
 __all__ = ["SlabReader"]
 

@@ -28,9 +28,10 @@ import threading
 import time
 import weakref
 
+from .lease import holder_alive
+
 __all__ = ["ALIGN", "BUSY", "FREE", "HEADER_BYTES", "MAGIC", "SHM_DIR", "ShmCapacityError", "Slab",
-           "SlabPool", "holder_alive", "holder_stamp", "list_segments", "process_start", "release_segment", "sweep",
-           "unlink_if_free"]
+           "SlabPool", "list_segments", "release_segment", "sweep", "unlink_if_free"]
 
 SHM_DIR = "/dev/shm"
 HEADER_BYTES = 64
@@ -45,37 +46,6 @@ _U64 = struct.Struct("<Q")
 _GEN_AT, _STATE_AT = 8, 16
 _LEASE = struct.Struct("<QQd")  # holder pid, holder start time, handed out at
 _LEASE_AT = 32
-
-
-def process_start(pid: int) -> int:
-    """A process's start time (clock ticks since boot, /proc/PID/stat field 22); 0 if unknown."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return int(f.read().rsplit(b")", 1)[1].split()[19])
-    except (OSError, ValueError, IndexError):
-        return 0
-
-
-_SELF: list = []  # (pid, start) of this process, once known (a fork gets its own)
-
-
-def holder_stamp() -> tuple[int, int]:
-    """This process as a slab holder: (pid, start time)."""
-    pid = os.getpid()
-    if not _SELF or _SELF[0][0] != pid:
-        _SELF[:] = [(pid, process_start(pid))]
-    return _SELF[0]
-
-
-def holder_alive(pid: int, start: int) -> bool:
-    """Whether the process that holds a slab still runs (the same one: its start time matches)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass  # another user's process: it exists
-    return not start or process_start(pid) in (0, start)
 
 
 class ShmCapacityError(RuntimeError):
