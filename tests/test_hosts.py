@@ -132,12 +132,13 @@ def test_two_hosts_and_a_sidecar_through_the_cli(hosts, tmp_path):
 def test_a_hosts_last_local_server_killed_its_ranks_get_an_error_naming_it_other_hosts_go_on(hosts, tmp_path):
     cluster = Cluster(hosts, tmp_path)
     try:
-        # samples decode slowly (12 per rank, 0.1 s each): both ranks are mid-epoch when b loses its server
-        started = cluster.ranks([("a", 0), ("b", 0)], ["least-request"], n=24, delay_s=0.1)
+        # samples decode slowly (12 per rank, 0.25 s each): b loses its server once each rank has its first batch
+        started = cluster.ranks([("a", 0), ("b", 0)], ["least-request"], n=24, delay_s=0.25, mark_first=True)
         deadline = time.monotonic() + 120
-        while len(cluster.status("a")["clients"]) < 2:  # both loaders registered: their epochs begin
-            assert time.monotonic() < deadline, "the ranks never registered"
-            time.sleep(0.2)
+        while not all(Path(str(out) + ".first").exists() for _, out in started):
+            assert time.monotonic() < deadline, "the ranks never received a batch"
+            assert all(proc.poll() is None for proc, _ in started), "a rank ended before its first batch"
+            time.sleep(0.05)
         cluster.procs["local-b"].send_signal(signal.SIGKILL)
         results = _results(started)
         status = cluster.status("a")
