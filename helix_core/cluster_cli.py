@@ -19,7 +19,7 @@ def _cmd_status(a, console) -> int:
     from .runtime.rpc import check_hello, connect
     from .runtime.tls import Tls
 
-    token, config, tls = load_token(token_file=a.token_file), ClusterConfig(), Tls.from_env()
+    token, config, tls = load_token(token_file=a.token_file, coordinator=a.coordinator), ClusterConfig(), Tls.from_env()
     channel = connect(a.coordinator, config, tls)
     try:
         stub = pbg.CoordinatorStub(channel)
@@ -70,7 +70,7 @@ def _cmd_sidecars(a, console) -> int:
         raise ValueError(f"--resources must be a JSON object of Ray resources, got {a.resources!r}: {e}") from None
     if not isinstance(resources, dict):
         raise ValueError(f"--resources must be a JSON object of Ray resources, got {a.resources!r}")
-    token = load_token(token_file=a.token_file)
+    token = load_token(token_file=a.token_file, coordinator=a.coordinator)
     with console.status(f"starting {a.count} sidecar(s) on the Ray cluster at {a.ray} ..."):
         sidecars = ray_sidecars(a.coordinator, a.count, a.workers, token, ray_address=a.ray, host=a.host,
                                 insecure=a.insecure, **({"resources": resources} if resources else {}))

@@ -44,6 +44,7 @@ class ClusterConfig:
     server_threads: int = 64  # gRPC handler threads of a DataServer (bounds tasks in flight)
     decode_slots: int = 0  # batches prepared at once per host, by all its workers (0: one per core)
     work_stealing: bool = True  # a DataServer worker with nothing queued takes the unstarted tail of a running batch
+    allow_pickle: bool = True  # cloudpickled datasets and batches between authenticated peers (False: JSON specs only)
 
     def __post_init__(self):
         for f in fields(self):

@@ -14,7 +14,7 @@ import torch
 
 from .costs import CostFit, CostModel, profile_bucket
 from .descriptors import CostProfile, SampleDescriptor
-from .errors import SampleError, text_of
+from .errors import PICKLING, SampleError, text_of
 from .families import VideoSpec
 from .manifest import Manifest
 from .media.decode import decode_frames, uniform_indices
@@ -218,14 +218,15 @@ class VideoClipDataset(torch.utils.data.Dataset):
         """Import path plus JSON arguments that rebuild this very dataset in another process (paths
         absolute); ``SpecError`` naming the argument when one cannot travel as JSON (a ``transform``
         that is not a module-level function; a subclass that does not define its own
-        ``helix_spec``, whose fields would be lost) — it then needs cloudpickle, so a token."""
+        ``helix_spec``, whose fields would be lost) — it then needs cloudpickle, which a cluster reached
+        over loopback or TLS accepts."""
         from .errors import SpecError
         from .runtime.specs import function_path
 
         name = type(self).__name__
         if "helix_spec" not in type(self).__dict__:
             raise SpecError(name, f"the fields of subclass {name}",
-                            f"define {name}.helix_spec() (extend super().helix_spec()), or give the cluster a token")
+                            f"define {name}.helix_spec() (extend super().helix_spec()), or use " + PICKLING)
         kwargs = {"manifest": str(self.manifest_path), "model": self.spec.model,
                   "num_frames": self.spec.num_frames,
                   "size": list(self.spec.size) if isinstance(self.spec.size, tuple) else self.spec.size,
@@ -236,7 +237,7 @@ class VideoClipDataset(torch.utils.data.Dataset):
             kwargs["transform"] = function_path(self.transform)
             if kwargs["transform"] is None:
                 raise SpecError(name, f"transform={self.transform!r}",
-                                "make it a module-level function of an importable module, or give the cluster a token")
+                                "make it a module-level function of an importable module, or use " + PICKLING)
         return {"target": f"{type(self).__module__}.{type(self).__qualname__}", "kwargs": kwargs}
 
 
@@ -267,7 +268,7 @@ class VideoTextDataset(VideoClipDataset):
         source = self.tokenizer.source
         if not isinstance(source, (str, os.PathLike, type(None))):
             raise SpecError(type(self).__name__, "tokenizer (an object)",
-                            "pass its local folder path instead, or give the cluster a token")
+                            "pass its local folder path instead, or use " + PICKLING)
         if source is not None and Path(source).exists():
             source = str(Path(source).absolute())
         spec["kwargs"].update(tokenizer=None if source is None else str(source), max_text_len=self.max_text_len)

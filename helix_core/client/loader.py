@@ -25,6 +25,7 @@ from ..collate import pad_collate
 from ..config import ClusterConfig
 from ..planning.batching import TokenPlanner
 from ..planning.placement import SCHEDULERS
+from ..runtime.auth import load_token
 from ..runtime.specs import make_spec
 from ..telemetry import LoaderStats
 from .costing import PlanCosts, gpu_units
@@ -111,8 +112,8 @@ class DistributedDataLoader:
             self._batches = ShardBatches(len(dataset), batch_size, *shard)
         self._embedded, self.cluster = False, None  # cluster: the LocalCluster this process started for it
         address = coordinator or os.environ.get("HELIX_COORDINATOR")
-        if address is not None and token is None:  # a running cluster: its token may come from the environment
-            token = os.environ.get("HELIX_TOKEN") or None
+        if address is not None and token is None:  # a running cluster: HELIX_TOKEN, or its Coordinator's token file
+            token = load_token(coordinator=address)
         if address is None:  # shared by this process's loaders (train and val); one per job
             self.cluster, address, token, job_tls = acquire_embedded(self.world_size, num_workers, self.config)
             tls = tls if job_tls is None else job_tls

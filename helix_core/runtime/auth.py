@@ -1,6 +1,8 @@
 """Token authentication: a server interceptor checks every RPC; clients attach the token.
 
-Services bind 127.0.0.1 unless told otherwise; any other address needs a token and TLS (or
+Every cluster has a token: a Coordinator started on loopback without one makes one and leaves
+it in the user's private Helix folder for the same user's processes (``tokenfiles``). Services
+bind 127.0.0.1 unless told otherwise; any other address needs a token given to it and TLS (or
 ``--insecure``). Pickled payloads travel only with a token and where it can't be read off the wire:
 loopback, or TLS.
 """
@@ -15,8 +17,8 @@ import secrets
 import grpc
 
 log = logging.getLogger("helix.auth")
-__all__ = ["AioTokenInterceptor", "TOKEN_METADATA", "TokenInterceptor", "call_metadata", "check_bind", "load_token",
-           "new_token", "pickle_allowed"]
+__all__ = ["AioTokenInterceptor", "TOKEN_METADATA", "TokenInterceptor", "call_metadata", "check_bind", "is_loopback",
+           "load_token", "new_token", "pickle_allowed"]
 
 TOKEN_METADATA = "helix-token"
 
@@ -25,8 +27,9 @@ def new_token() -> str:
     return secrets.token_urlsafe(32)
 
 
-def load_token(token: str | None = None, token_file: str | None = None) -> str | None:
-    """The token from the argument, else the file, else ``HELIX_TOKEN``, else None."""
+def load_token(token: str | None = None, token_file: str | None = None, coordinator: str | None = None) -> str | None:
+    """The token from the argument, else the file, else ``HELIX_TOKEN``, else the one this user's
+    Coordinator at ``coordinator`` left in the private Helix folder (``tokenfiles``), else None."""
     if token:
         return token
     if token_file:
@@ -38,10 +41,12 @@ def load_token(token: str | None = None, token_file: str | None = None) -> str |
         if not value:
             raise ValueError(f"token file {token_file} is empty")
         return value
-    return os.environ.get("HELIX_TOKEN") or None
+    from .tokenfiles import find_token
+
+    return os.environ.get("HELIX_TOKEN") or find_token(coordinator)
 
 
-def _is_loopback(host: str) -> bool:
+def is_loopback(host: str) -> bool:
     if host in ("localhost",):
         return True
     try:
@@ -52,7 +57,7 @@ def _is_loopback(host: str) -> bool:
 
 def check_bind(host: str, token: str | None, tls=None, insecure: bool = False) -> None:
     """Refuse to listen beyond loopback without a token, or without TLS unless ``insecure``."""
-    if _is_loopback(host):
+    if is_loopback(host):
         return
     if not token:
         raise ValueError(f"listening on {host} needs a token: pass --token-file FILE or set HELIX_TOKEN "
@@ -66,10 +71,11 @@ def check_bind(host: str, token: str | None, tls=None, insecure: bool = False) -
                     "pickled datasets and batches are refused", host)
 
 
-def pickle_allowed(host: str, token: str | None, tls=None) -> bool:
+def pickle_allowed(host: str, token: str | None, tls=None, allowed: bool = True) -> bool:
     """Whether a service (or a client, by the address it dials) may exchange pickled data: only
-    with a token, and only where the token can't be read off the wire (loopback, or TLS)."""
-    return bool(token) and (tls is not None or _is_loopback(host))
+    with a token, only where the token can't be read off the wire (loopback, or TLS), and only if
+    the cluster allows it (``ClusterConfig.allow_pickle``)."""
+    return allowed and bool(token) and (tls is not None or is_loopback(host))
 
 
 def call_metadata(token: str | None) -> tuple:

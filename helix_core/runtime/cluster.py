@@ -22,7 +22,8 @@ from dataclasses import dataclass
 from ..config import ClusterConfig
 from ..errors import ClusterError
 from . import shm
-from .auth import new_token
+from .auth import load_token, new_token
+from .tokenfiles import remove_token, token_path
 from .tls import ENV
 
 __all__ = ["LocalCluster", "ServerHandle", "host_layout", "wait_ready"]
@@ -85,8 +86,10 @@ class LocalCluster:
     ``coordinator="host:port"``, only the DataServers, joining that Coordinator (a job's other nodes);
     ``advertise``: the name the DataServers register to be dialled by (default ``host``).
 
-    ``token``: require it on every RPC (and so allow cloudpickled datasets); ``token=True`` makes a
-    fresh one. ``tls``: a ``Tls`` for every port and channel of the cluster (default: its
+    ``token``: the token every RPC must carry (default, or ``True``: a fresh one; a cluster never
+    runs without one). The Coordinator leaves it in the user's private Helix folder, so this user's
+    loaders and ``helix`` commands given only ``address`` find it; cloudpickled datasets travel
+    unless ``config.allow_pickle`` is False. ``tls``: a ``Tls`` for every port and channel of the cluster (default: its
     processes read ``HELIX_TLS_*``); clients pass ``cluster.tls``. ``address`` is ``"host:port"``
     of the Coordinator; ``servers`` lists local servers first, then remote ones; ``kill_server(i)``
     SIGKILLs one (fault injection).
@@ -103,14 +106,23 @@ class LocalCluster:
                              f"(got {local_servers}, {remote_servers}, {workers_per_server})")
         self.local_servers, self.remote_servers = local_servers, remote_servers
         self.workers_per_server = workers_per_server
-        self.token = new_token() if token is True else (token or None)
+        if isinstance(token, str) and token:
+            self.token = token
+        elif coordinator is None:
+            self.token = new_token()
+        else:  # joining: that Coordinator's token (HELIX_TOKEN, or the file this user's Coordinator left)
+            self.token = load_token(coordinator=coordinator)
+            if not self.token:
+                raise ValueError(f"LocalCluster(coordinator={coordinator!r}) needs that cluster's token: pass token=... "
+                                 f"or set HELIX_TOKEN (none in {token_path(coordinator)})")
         self.host, self.scheduler = host, scheduler
         self.config = config or ClusterConfig()
         self.cluster_id = uuid.uuid4().hex[:12]  # joining a coordinator: its id, learnt at start
         self.tls, self._join, self.advertise = tls, coordinator, advertise
         tls_dir = tempfile.mkdtemp(prefix="helix-tls-") if tls is not None else None  # 0700, ours
         self._tls_env = tls.environ(tls_dir) if tls is not None else {}
-        self._state = {"cluster_id": self.cluster_id, "tls_dir": tls_dir}  # what cleanup sweeps and removes
+        self._state = {"cluster_id": self.cluster_id, "tls_dir": tls_dir,  # what cleanup sweeps and removes
+                       "token": self.token, "address": ""}
         self.address = ""
         self.servers: list[ServerHandle] = []
         self._coordinator: subprocess.Popen | None = None
@@ -124,10 +136,7 @@ class LocalCluster:
     # ---- lifecycle ---------------------------------------------------------------------------------
     def _spawn(self, args: list[str]) -> tuple[subprocess.Popen, dict]:
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-        if self.token:
-            env["HELIX_TOKEN"] = self.token
-        else:
-            env.pop("HELIX_TOKEN", None)
+        env["HELIX_TOKEN"] = self.token
         env = {k: v for k, v in env.items() if k not in ENV.values()} if self._tls_env else env
         env.update(self._tls_env)
         cmd = [sys.executable, "-m", "helix_core.runtime.process", *args, "--owned",
@@ -144,6 +153,7 @@ class LocalCluster:
                 proc, info = self._spawn(["coordinator", "--host", self.host, "--port", "0", "--scheduler",
                                           self.scheduler, "--cluster-id", self.cluster_id])
                 self._coordinator, self.address = proc, info["address"]
+                self._state["address"] = self.address  # its token file, if a SIGKILL left it
             else:
                 self.address = self._join
             pending = [("local", r) for r in range(self.local_servers)] + [("remote", -1)] * self.remote_servers
@@ -249,6 +259,8 @@ class LocalCluster:
             if p.stdout:
                 p.stdout.close()
         shm.sweep(f"helix-{state['cluster_id']}-")
+        if state["address"]:
+            remove_token(state["address"], state["token"])
         if state["tls_dir"] is not None:
             shutil.rmtree(state["tls_dir"], ignore_errors=True)
 

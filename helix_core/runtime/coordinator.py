@@ -98,7 +98,12 @@ def serve_coordinator(host: str, port: int, token: str | None, config: ClusterCo
                       stop: threading.Event, on_ready=None, cluster_id: str | None = None, tls=None,
                       insecure: bool = False) -> None:
     """Run a Coordinator until ``stop`` is set (blocking). ``on_ready(address)`` after binding;
-    ``tls``: a ``Tls`` for its port; ``insecure``: beyond loopback without TLS."""
+    ``tls``: a ``Tls`` for its port; ``insecure``: beyond loopback without TLS.
+
+    ``token`` None on loopback: reuse the token this user's Coordinator on the same fixed port left
+    (a restart keeps its servers and clients), else make one. The token is written to the user's
+    private folder for the address (``tokenfiles``); it is removed at exit, except a made one on a
+    fixed port, which the next Coordinator there reuses."""
     import asyncio
 
     asyncio.run(_serve(host, port, token, config, scheduler, stop, on_ready, cluster_id, tls, insecure))
@@ -107,19 +112,26 @@ def serve_coordinator(host: str, port: int, token: str | None, config: ClusterCo
 async def _serve(host, port, token, config, scheduler, stop, on_ready, cluster_id, tls, insecure) -> None:
     import asyncio
 
-    from .auth import pickle_allowed
+    from .auth import is_loopback, new_token, pickle_allowed
     from .rpc import create_aio_server
+    from .tokenfiles import find_token, remove_token, write_token
 
+    made = token is None and is_loopback(host)  # beyond loopback, create_aio_server asks for one
+    if made:
+        token = (find_token(f"{host}:{port}") if port else None) or new_token()
     registry = Registry(config, scheduler, cluster_id=cluster_id or uuid.uuid4().hex[:12])
     server, bound = create_aio_server(host, port, token, config, tls, insecure)
+    address = f"{host}:{bound}"
+    write_token(address, token)
     # A long-lived service with a stable heap: keep startup objects out of collections and collect
     # the young generation rarely, so a collection lands in fewer than 1 in 1,000 routing decisions.
     gc.freeze()
     gc.set_threshold(50_000, 20, 20)
-    pbg.add_CoordinatorServicer_to_server(CoordinatorServicer(registry, stop, pickle_allowed(host, token, tls)), server)
+    pbg.add_CoordinatorServicer_to_server(CoordinatorServicer(
+        registry, stop, pickle_allowed(host, token, tls, config.allow_pickle)), server)
     await server.start()
     if on_ready is not None:
-        on_ready(f"{host}:{bound}", registry.cluster_id)
+        on_ready(address, registry.cluster_id)
     try:
         while not stop.is_set():
             # a dead server is found within heartbeat_timeout_s * 1.2 (an idle server beats every timeout / 3)
@@ -127,3 +139,5 @@ async def _serve(host, port, token, config, scheduler, stop, on_ready, cluster_i
             registry.sweep()
     finally:
         await server.stop(grace=min(1.0, config.stop_timeout_s))
+        if not (made and port):
+            remove_token(address, token)

@@ -20,7 +20,7 @@ import grpc
 from ..config import PROTOCOL_VERSION, ClusterConfig
 from . import shm
 from .auth import call_metadata
-from ..errors import text_of
+from ..errors import PICKLING, text_of
 from ..protocol import ErrorKind
 from .proto import helix_pb2 as pb
 from .proto import helix_pb2_grpc as pbg
@@ -68,15 +68,18 @@ class DataServerServicer(pbg.DataServerServicer):
         # maps of the workers' slabs, kept: they are reused, so a stream never re-faults their pages
         self.reader = SlabReader()
 
+    def _no_pickle_why(self) -> str:
+        return "runs with ClusterConfig(allow_pickle=False)" if not self.config.allow_pickle \
+            else "listens beyond loopback without TLS (--insecure)"
+
     def Hello(self, request, context):
         return pb.HelloReply(protocol_version=PROTOCOL_VERSION, cluster_id=self.cluster_id,
                              pickle_allowed=self.pickle_allowed)
 
     def Configure(self, request, context):
         if request.format == "cloudpickle" and not self.pickle_allowed:
-            why = "this DataServer runs without TLS (--insecure)" if self.token else "this DataServer has no token"
-            context.abort(grpc.StatusCode.PERMISSION_DENIED, "pickled dataset specs need a token-authenticated "
-                          f"cluster (token=... / HELIX_TOKEN) reached over loopback or TLS; {why}")
+            context.abort(grpc.StatusCode.PERMISSION_DENIED, f"pickled dataset specs need {PICKLING}; this "
+                          f"DataServer {self._no_pickle_why()}")
         if request.format == "json":
             try:
                 spec = json.loads(request.payload)
@@ -187,8 +190,8 @@ class DataServerServicer(pbg.DataServerServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a delivery stream starts with a header")
         h = first.header
         if h.tree_pickle and not self.pickle_allowed:
-            context.abort(grpc.StatusCode.PERMISSION_DENIED, "pickled batch structure needs a token, and TLS "
-                          "beyond loopback" + (" (this DataServer runs without: --insecure)" if self.token else ""))
+            context.abort(grpc.StatusCode.PERMISSION_DENIED, f"a pickled batch structure needs {PICKLING}; this "
+                          f"DataServer {self._no_pickle_why()}")
         try:
             slab = self.slabs.acquire(h.total_bytes)
         except shm.ShmCapacityError as e:
@@ -262,10 +265,14 @@ def serve_dataserver(coordinator: str, kind: str, local_rank: int, workers: int,
     from .auth import pickle_allowed
     from .hostid import host_id as this_host
     from .rpc import check_hello, create_server
+    from .tokenfiles import token_path
 
+    if not token:
+        raise ValueError(f"no token for the Coordinator at {coordinator}: pass --token-file FILE or set HELIX_TOKEN "
+                         f"(a Coordinator this user started on this machine leaves it in {token_path(coordinator)})")
     host_id = this_host(host_id)
     server, bound = create_server(host, port, token, config, threads=config.server_threads, tls=tls, insecure=insecure)
-    allow_pickle = pickle_allowed(host, token, tls)
+    allow_pickle = pickle_allowed(host, token, tls, config.allow_pickle)
     coord = pbg.CoordinatorStub(connect(coordinator, config, tls))
     hello = check_hello(coord, "dataserver", token, config.rpc_timeout_s, f"the Coordinator at {coordinator}", tls)
     # bound to every interface: peers need a name that reaches this machine, not the wildcard

@@ -65,7 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="this host's identity (default: HELIX_HOST_ID, else hostname + boot id); "
                         "local servers serve the ranks of their own host only")
     for s in (c, d):
-        s.add_argument("--token-file", default=None, help="file holding the token (or set HELIX_TOKEN)")
+        s.add_argument("--token-file", default=None,
+                       help="file holding the token (or set HELIX_TOKEN; default: the one this user's Coordinator "
+                            "left in the private Helix folder, made by a Coordinator started without one)")
         s.add_argument("--tls-cert", default=None, help="PEM certificate (chain) of this service (or HELIX_TLS_CERT)")
         s.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert (or HELIX_TLS_KEY)")
         s.add_argument("--tls-ca", default=None, help="PEM CA that peers' certificates are checked against (or HELIX_TLS_CA)")
@@ -81,7 +83,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level, stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
-        token = load_token(token_file=args.token_file)
+        token = load_token(token_file=args.token_file,
+                           coordinator=args.coordinator if args.role == "dataserver" else None)
         config = ClusterConfig(**json.loads(args.config_json)) if args.config_json else ClusterConfig()
         tls = Tls.from_files(args.tls_cert, args.tls_key, args.tls_ca) if (args.tls_cert or args.tls_key or args.tls_ca) \
             else Tls.from_env()

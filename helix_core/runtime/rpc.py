@@ -83,7 +83,9 @@ def check_hello(stub, role: str, token: str | None, timeout_s: float, what: str,
                            timeout=timeout_s, metadata=call_metadata(token))
     except grpc.RpcError as e:
         if e.code() == grpc.StatusCode.UNAUTHENTICATED:
-            raise ClusterError(f"{what} refused the connection: {e.details()}") from None
+            hint = "" if token else ("; none was passed, and this user's private Helix folder holds none for this "
+                                     "address (its Coordinator runs under another user, or on another machine)")
+            raise ClusterError(f"{what} refused the connection: {e.details()}{hint}") from None
         if tls is None:
             hint = "; if it uses TLS, set HELIX_TLS_CA, HELIX_TLS_CERT and HELIX_TLS_KEY (its CA, and a certificate it signed)"
         elif tls.cert is None:

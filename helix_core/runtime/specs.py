@@ -1,9 +1,9 @@
 """How a dataset and collate function travel to DataServer workers.
 
-Without a token: as import path plus JSON arguments (a dataset defines ``helix_spec()``; a
-collate function is a module-level function) — never pickle. With a token-authenticated cluster
-(an embedded one always has a token), cloudpickle is allowed, so a dataset class defined in a
-training script just works.
+As import path plus JSON arguments when they carry everything (a dataset defines ``helix_spec()``;
+a collate function is a module-level function); else by cloudpickle, which every cluster (all
+have a token) accepts over loopback or TLS, so a dataset class defined in a training script just
+works — unless it runs ``--insecure`` beyond loopback or with ``ClusterConfig(allow_pickle=False)``.
 """
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ def import_path(fn) -> str | None:
 
 
 def json_function(fn) -> bool:
-    """Whether a JSON spec (no token) may name ``fn`` (a collate function, a transform): a
+    """Whether a JSON spec (no pickle) may name ``fn`` (a collate function, a transform): a
     module-level Python function outside the standard library (a spec may come from any local peer)."""
     module = getattr(fn, "__module__", None) or ""
     return isinstance(fn, types.FunctionType) and bool(module) and module.split(".")[0] not in sys.stdlib_module_names
@@ -64,10 +64,6 @@ def resolve_function(path: str, what: str):
     return fn
 
 
-_NEEDS_TOKEN = ("Start the cluster with a token (LocalCluster(token=...), `helix coordinator --token-file`, or "
-                "HELIX_TOKEN) — and, beyond loopback, TLS (not --insecure) — so cloudpickle is allowed")
-
-
 def make_spec(dataset, collate_fn, pickle_allowed: bool) -> tuple[str, bytes, str]:
     """``(spec_id, payload, format)`` for ``Configure``. JSON when the dataset's ``helix_spec()``
     and the collate function carry everything; else cloudpickle when the cluster allows it; else
@@ -75,7 +71,7 @@ def make_spec(dataset, collate_fn, pickle_allowed: bool) -> tuple[str, bytes, st
     from torch.utils.data import default_collate
 
     from ..dataset import Specced
-    from ..errors import SpecError
+    from ..errors import PICKLING, SpecError
 
     collate_path = _DEFAULT_COLLATE if collate_fn in (None, default_collate) else function_path(collate_fn)
     lost = None if collate_path is not None else \
@@ -95,8 +91,8 @@ def make_spec(dataset, collate_fn, pickle_allowed: bool) -> tuple[str, bytes, st
 
         payload, fmt = cloudpickle.dumps({"dataset": dataset, "collate_fn": collate_fn or default_collate}), "cloudpickle"
     else:
-        raise ValueError(f"{lost} cannot travel to the DataServers without pickle, and this cluster allows none "
-                         f"(it has no token, or is reached beyond loopback without TLS). {_NEEDS_TOKEN}.")
+        raise ValueError(f"{lost} cannot travel to the DataServers without cloudpickle, and this cluster takes none "
+                         f"(reached beyond loopback without TLS, or ClusterConfig(allow_pickle=False)): use {PICKLING}")
     return hashlib.sha256(fmt.encode() + payload).hexdigest()[:16], payload, fmt
 
 
@@ -106,7 +102,7 @@ def load_spec(payload: bytes, fmt: str, allow_pickle: bool):
 
     if fmt == "cloudpickle":
         if not allow_pickle:
-            raise PermissionError("refusing a pickled dataset spec: this DataServer has no token")
+            raise PermissionError("refusing a pickled dataset spec: this DataServer takes no pickle")
         import cloudpickle
 
         spec = cloudpickle.loads(payload)

@@ -4,7 +4,7 @@ lay the tensors out in a slab payload, and map them back zero-copy on the client
 A batch is a tree of dict (str keys) / list / tuple / torch.Tensor / numpy array / str / int /
 float / bool / None. The tree travels as JSON with placeholders (`{"__t": i}` for tensor i,
 `{"__t": i, "np": true}` for a numpy array, `{"__tuple": [...]}` for a tuple); anything else needs
-cloudpickle, which only a token-authenticated cluster allows (`allow_pickle=True`).
+cloudpickle, which only an authenticated cluster reached over loopback or TLS allows (`allow_pickle=True`).
 Tensor metas match the `TensorMeta` message: dtype, shape, offset, nbytes, is_inline, inline_data.
 """
 from __future__ import annotations
@@ -15,6 +15,8 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
+
+from ..errors import PICKLING
 
 __all__ = ["INLINE_BYTES", "ChunkWriter", "copy_tensors", "flatten", "iter_chunks", "layout", "read_tensors",
            "unflatten", "write_tensors"]
@@ -127,8 +129,8 @@ def flatten(batch, allow_pickle: bool = False) -> tuple[str, bytes, list[torch.T
         return json.dumps(_to_json_tree(batch, "batch", ex), separators=(",", ":")), b"", ex.tensors
     except _Unsupported as e:
         if not allow_pickle:
-            raise TypeError(f"{e.path} is {e.what}, which Helix can only send with cloudpickle: use a "
-                            f"token-authenticated cluster (which allows cloudpickle) or return plain "
+            raise TypeError(f"{e.path} is {e.what}, which Helix can only send with cloudpickle: use "
+                            f"{PICKLING} or return plain "
                             f"types (dict/list/tuple/tensor/ndarray/str/int/float/bool/None)") from None
     ex = _Extractor()
     return "", _pickle_tree(batch, ex), ex.tensors
