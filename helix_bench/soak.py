@@ -117,11 +117,6 @@ def _row(cluster, totals: dict, faults: int, t0: float) -> dict:
 
 
 def _inject(kind: str, cluster, clients: list, make_client) -> None:
-    import grpc
-
-    from helix_core.runtime.proto import helix_pb2 as pb
-    from helix_core.runtime.proto import helix_pb2_grpc as pbg
-
     if kind == "kill-server":
         cluster.restart_server(len(cluster.servers) - 1)  # SIGKILL, then a new one in its slot
     elif kind == "stop-server":
@@ -130,8 +125,7 @@ def _inject(kind: str, cluster, clients: list, make_client) -> None:
         time.sleep(4.0)
         os.kill(pid, signal.SIGCONT)
     elif kind == "kill-worker":
-        with grpc.insecure_channel(cluster.servers[0].address) as ch:
-            pids = list(pbg.DataServerStub(ch).Health(pb.HealthRequest(), timeout=5).worker_pids)
+        pids = cluster.worker_pids(0)
         if pids:
             os.kill(pids[0], signal.SIGKILL)
     elif kind == "restart-coordinator":

@@ -8,22 +8,14 @@ import sys
 import textwrap
 import time
 
-import grpc
 import psutil
 import pytest
 
 import helix_core as hx
 from helix_core.runtime import shm
-from helix_core.runtime.proto import helix_pb2 as pb
-from helix_core.runtime.proto import helix_pb2_grpc as pbg
 from helix_core.testing import IndexDataset
 
 from dataplane import CFG, assert_same_batches, children, helix_children, segments, torch_batches, wait_for
-
-
-def _worker_pids(server) -> list[int]:
-    with grpc.insecure_channel(server.address) as ch:
-        return list(pbg.DataServerStub(ch).Health(pb.HealthRequest(), timeout=5).worker_pids)
 
 
 def test_sigkill_dataservers_mid_epoch_loses_nothing():
@@ -53,11 +45,11 @@ def test_sigkill_worker_mid_epoch_loses_nothing():
             for i, b in enumerate(ld):
                 got.append(b)
                 if i in (3, 9):
-                    pid = _worker_pids(cluster.servers[0])[0]
+                    pid = cluster.worker_pids(0)[0]
                     os.kill(pid, signal.SIGKILL)
                     killed.append(pid)
             assert_same_batches(got, torch_batches(ds, 2, 0, 1))
-        assert not set(killed) & set(_worker_pids(cluster.servers[0]))  # replaced by new workers
+        assert not set(killed) & set(cluster.worker_pids(0))  # replaced by new workers
 
 
 def test_sample_that_keeps_killing_workers_becomes_a_sample_error():

@@ -44,16 +44,7 @@ def test_a_sigstopped_dataserver_costs_seconds_not_the_batch_deadline():
 
 
 def _worker_pids(cluster) -> set[int]:
-    import grpc
-
-    from helix_core.runtime.proto import helix_pb2 as pb
-    from helix_core.runtime.proto import helix_pb2_grpc as pbg
-
-    pids = set()
-    for s in cluster.servers:
-        with grpc.insecure_channel(s.address) as ch:
-            pids |= set(pbg.DataServerStub(ch).Health(pb.HealthRequest(), timeout=5).worker_pids)
-    return pids
+    return {pid for i in range(len(cluster.servers)) for pid in cluster.worker_pids(i)}
 
 
 WATCHDOG = CFG.__class__.for_tests(sample_timeout_s=2.0)

@@ -245,3 +245,26 @@ def test_a_slab_whose_holder_died_is_taken_back_and_idle_slabs_are_unlinked():
         time.sleep(0.01)
         pool.reclaim()
         assert pool.stats()["segments"] == 0 and shm.list_segments(prefix) == []  # idle: given back
+
+
+def test_a_dead_producers_slab_is_unlinked_once_free_or_never_mapped_within_orphan_s():
+    import time
+
+    from helix_core.runtime.reader import SlabReader
+
+    prefix = f"helix-test{os.getpid()}-grave-"
+    pool = shm.SlabPool(prefix)
+    try:
+        held, unmapped, free = pool.acquire(100), pool.acquire(100), pool.acquire(100)
+        free.release()
+        reader = SlabReader()
+        reader.view(held.handle(100))  # this process maps it: its holder is alive
+        # the producer dies (its pool never closes): what may its graveyard unlink?
+        assert shm.unlink_if_free(free.name) and not shm.unlink_if_free(held.name, 0.0)
+        assert not shm.unlink_if_free(unmapped.name) and not shm.unlink_if_free(unmapped.name, 3600.0)
+        time.sleep(0.01)
+        assert shm.unlink_if_free(unmapped.name, 0.001)  # being written when it died: nobody will map it
+        assert sorted(shm.list_segments(prefix)) == [held.name]
+        reader.close()
+    finally:
+        shm.sweep(prefix)

@@ -25,7 +25,6 @@ from ..collate import pad_collate
 from ..config import ClusterConfig
 from ..planning.batching import TokenPlanner
 from ..planning.placement import SCHEDULERS
-from ..runtime.auth import load_token
 from ..runtime.specs import make_spec
 from ..telemetry import LoaderStats
 from .costing import PlanCosts, gpu_units
@@ -57,8 +56,8 @@ class DistributedDataLoader:
     Arguments follow torch's ``DataLoader`` / ``DistributedSampler`` where they overlap
     (``batch_size``, ``shuffle``, ``seed``, ``drop_last``, ``collate_fn``, ``pin_memory``), plus:
     ``coordinator`` ("host:port"; default ``HELIX_COORDINATOR``, else an embedded LocalCluster),
-    ``token`` (default ``HELIX_TOKEN``), ``prefetch_depth`` (batches requested ahead), ``microbatch_size`` (split each batch
-    into requests of this many samples, merged — padded — before it is yielded), ``on_error``
+    ``token`` (default ``HELIX_TOKEN``, else the one its Coordinator left for this user),
+    ``prefetch_depth`` (batches requested ahead), ``microbatch_size`` (split each batch into requests of this many samples, merged — padded — before it is yielded), ``on_error``
     ("raise": ``SampleError`` at the batch; "skip": replaced from this rank's shard, counted in
     ``stats()["skipped"]``), ``device`` (copy batches there, non-blocking), ``num_workers`` (worker
     processes of an embedded cluster), ``tls`` (a ``hx.Tls`` for every channel; default
@@ -112,8 +111,6 @@ class DistributedDataLoader:
             self._batches = ShardBatches(len(dataset), batch_size, *shard)
         self._embedded, self.cluster = False, None  # cluster: the LocalCluster this process started for it
         address = coordinator or os.environ.get("HELIX_COORDINATOR")
-        if address is not None and token is None:  # a running cluster: HELIX_TOKEN, or its Coordinator's token file
-            token = load_token(coordinator=address)
         if address is None:  # shared by this process's loaders (train and val); one per job
             self.cluster, address, token, job_tls = acquire_embedded(self.world_size, num_workers, self.config)
             tls = tls if job_tls is None else job_tls

@@ -17,7 +17,7 @@ import grpc
 
 from ..config import ClusterConfig
 from ..errors import ClusterError, SampleError
-from ..runtime.auth import call_metadata, pickle_allowed
+from ..runtime.auth import call_metadata, load_token, pickle_allowed
 from ..runtime.hostid import host_id
 from ..runtime.proto import helix_pb2 as pb
 from ..runtime.proto import helix_pb2_grpc as pbg
@@ -61,7 +61,10 @@ class ClusterClient:
 
     def __init__(self, address: str, token: str | None, config: ClusterConfig, rank: int, world_size: int,
                  local_rank: int | None = None, tls=None):
-        """``tls``: a ``Tls`` for every channel (default: ``HELIX_TLS_*``, else none)."""
+        """``token``: default ``HELIX_TOKEN``, else the one this user's Coordinator at ``address``
+        left in the private Helix folder; ``tls``: a ``Tls`` for every channel (default:
+        ``HELIX_TLS_*``, else none)."""
+        token = load_token(token, coordinator=address)
         self.address, self.token, self.config = address, token, config
         self.tls = Tls.from_env() if tls is None else tls
         self.rank, self.world_size = rank, world_size

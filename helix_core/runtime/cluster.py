@@ -194,6 +194,19 @@ class LocalCluster:
             s.process.kill()
             s.process.wait(timeout=self.config.stop_timeout_s)
 
+    def worker_pids(self, i: int) -> list[int]:
+        """The worker process ids of DataServer ``i`` (its ``Health`` reply), for fault injection."""
+        import grpc
+
+        from .auth import call_metadata
+        from .proto import helix_pb2 as pb, helix_pb2_grpc as pbg
+        from .rpc import connect
+
+        with connect(self.servers[i].address, self.config, self.tls) as ch:
+            reply = pbg.DataServerStub(ch).Health(pb.HealthRequest(), timeout=self.config.rpc_timeout_s,
+                                                  metadata=call_metadata(self.token))
+        return list(reply.worker_pids)
+
     def kill_coordinator(self) -> None:
         """SIGKILL the Coordinator (fault injection: clients must fail within their timeout)."""
         if self._coordinator is not None and self._coordinator.poll() is None:

@@ -1,4 +1,5 @@
-"""A DataServer's supervised pool of worker processes (``worker.py`` is the child's side).
+"""A DataServer's supervised pool of worker processes (``worker.py`` is the child's program,
+``workerproc.py`` the supervisor's handle of one).
 
 Queued tasks run earliest-deadline-first: a task's key is its arrival time plus its deadline
 (seconds from now, as the client sent it), or its arrival time when it has none — so without
@@ -14,7 +15,6 @@ import collections
 import itertools
 import logging
 import multiprocessing as mp
-import os
 import threading
 import time
 from concurrent.futures import Future
@@ -22,10 +22,11 @@ from multiprocessing.connection import wait as mp_wait
 
 from ..config import ClusterConfig
 from ..protocol import ErrorKind
-from . import cpuslots, shm
+from . import shm
 from .edf import EdfQueue
-from .steal import Claim, Pieces, handles
-from .worker import Progress, _failure, worker_main
+from .steal import Pieces, handles
+from .worker import _failure
+from .workerproc import WorkerProcess
 
 __all__ = ["WorkerPool"]
 
@@ -34,28 +35,6 @@ log = logging.getLogger("helix.workers")
 
 def _key(task: dict) -> tuple[str, int]:
     return task.get("client_id", ""), task["task_id"]
-
-
-class _Worker:
-    def __init__(self, wid: int, incarnation: int, prefix: str, allow_pickle: bool, cpu_slots=None,
-                 memory_fraction: float = 1.0, slab_lease: tuple[float, float] = (900.0, 60.0)):
-        ctx = mp.get_context("spawn")
-        self.wid, self.incarnation = wid, incarnation
-        self.prefix = f"{prefix}w{wid}i{incarnation}-"
-        self.conn, child = ctx.Pipe(duplex=True)
-        self.progress = Progress(ctx)
-        self.progress.clear()
-        self.claim = Claim(ctx)
-        self.proc = ctx.Process(target=worker_main, args=(child, self.prefix, allow_pickle, os.getpid(), cpu_slots,
-                                                          self.progress, self.claim, memory_fraction, slab_lease),
-                                name=f"helix-worker-{wid}",
-                                daemon=True)
-        self.proc.start()
-        child.close()
-        self.task: dict | None = None
-        self.started = 0.0  # clock() when its task was handed over
-        self.specs: set[str] = set()
-        self.timed_out: tuple[int, str, str] | None = None  # (index, path, cause): the watchdog killed it
 
 
 class WorkerPool:
@@ -95,9 +74,9 @@ class WorkerPool:
         self._thread = threading.Thread(target=self._supervise, name="helix-supervisor", daemon=True)
         self._thread.start()
 
-    def _spawn(self, wid: int, incarnation: int) -> _Worker:
+    def _spawn(self, wid: int, incarnation: int) -> WorkerProcess:
         c = self.config
-        return _Worker(wid, incarnation, self.prefix, self.allow_pickle, self.cpu_slots, c.worker_memory_fraction,
+        return WorkerProcess(wid, incarnation, self.prefix, self.allow_pickle, self.cpu_slots, c.worker_memory_fraction,
                        (c.execute_timeout_s + c.rpc_timeout_s, c.slab_idle_s))
 
     # ---- API used by gRPC handler threads --------------------------------------------------------
@@ -165,7 +144,8 @@ class WorkerPool:
     def _supervise_once(self) -> None:
         self._assign()
         if self._graveyard:
-            self._graveyard = [n for n in self._graveyard if not shm.unlink_if_free(n)]
+            orphan_s = self.config.execute_timeout_s + self.config.rpc_timeout_s  # as the slab pools'
+            self._graveyard = [n for n in self._graveyard if not shm.unlink_if_free(n, orphan_s)]
         objs = [self._wake_r] + [w.conn for w in self._workers] + [w.proc.sentinel for w in self._workers]
         timeout = self._watchdog()
         if self._graveyard:  # dead workers' slabs are re-checked
@@ -210,10 +190,7 @@ class WorkerPool:
             w.timed_out = (index, path, f"timed out: still decoding after {limit:.0f} s (sample_timeout_s); "
                                         "its worker was killed")
             log.warning("worker %d: sample %s (%s) ran past %.0f s; killing the worker", w.wid, index, path, limit)
-            try:
-                w.proc.kill()
-            except (OSError, ValueError):
-                pass
+            w.kill()
         return nxt
 
     def _assign(self) -> None:
@@ -226,7 +203,7 @@ class WorkerPool:
                     return
                 self._hand(w, task)
 
-    def _hand(self, w: _Worker, task: dict) -> None:
+    def _hand(self, w: WorkerProcess, task: dict) -> None:
         try:
             if task["spec_id"] not in w.specs:
                 payload, fmt = self._specs.get(task["spec_id"], (b"", "missing"))
@@ -263,7 +240,7 @@ class WorkerPool:
             return piece
         return None
 
-    def _drain(self, w: _Worker) -> None:
+    def _drain(self, w: WorkerProcess) -> None:
         while True:
             try:
                 if not w.conn.poll():
@@ -274,7 +251,7 @@ class WorkerPool:
             if msg[0] == "done":
                 self._finish(w, msg[1], msg[2])
 
-    def _finish(self, w: _Worker, task_id: int, result: dict) -> None:
+    def _finish(self, w: WorkerProcess, task_id: int, result: dict) -> None:
         with self._lock:
             task = w.task
             w.task = None
@@ -321,17 +298,11 @@ class WorkerPool:
                 shm.release_segment(handle)
         self._deliver(self._take_future(task), combined)
 
-    def _on_death(self, w: _Worker) -> None:
+    def _on_death(self, w: WorkerProcess) -> None:
         if self._stop.is_set():
             return
-        w.proc.join(timeout=1.0)
-        code = w.proc.exitcode
-        # its slabs: free ones go now; those a client still holds (maybe not even mapped yet) stay
-        # until released, so a reply already sent stays readable
-        self._graveyard += [n for n in shm.list_segments(w.prefix) if not shm.unlink_if_free(n)]
-        if self.cpu_slots:  # a decode slot it held is free now, and the kernel tells no one; its FIFO goes
-            cpuslots.forget(self.cpu_slots[0], w.proc.pid)
-            cpuslots.notify(*self.cpu_slots)
+        code, held = w.bury()
+        self._graveyard += held
         i = self._workers.index(w)
         self._workers[i] = self._spawn(w.wid, w.incarnation + 1)
         self.respawns += 1

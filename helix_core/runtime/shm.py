@@ -331,10 +331,12 @@ def sweep(prefix: str) -> int:
     return count
 
 
-def unlink_if_free(name: str) -> bool:
-    """Unlink segment ``name`` unless a client still holds it (header state BUSY, its holder alive).
-    True when the segment is gone afterwards. Used for the slabs of a dead producer: those already handed to a
-    client must survive until it has mapped and released them."""
+def unlink_if_free(name: str, orphan_s: float | None = None) -> bool:
+    """Unlink segment ``name`` unless a client still holds it (header state BUSY, its holder alive)
+    or may still map it (BUSY and not mapped yet, handed out less than ``orphan_s`` ago; None: for
+    ever). True when the segment is gone afterwards. Used for the slabs of a dead producer: those
+    already handed to a client must survive until it has mapped and released them; one it was
+    writing when it died is never mapped, and goes after ``orphan_s``."""
     path = os.path.join(SHM_DIR, name)
     try:
         with open(path, "rb") as f:
@@ -342,9 +344,9 @@ def unlink_if_free(name: str) -> bool:
     except FileNotFoundError:
         return True
     if len(head) == HEADER_BYTES and head[:8] == MAGIC and _U64.unpack_from(head, _STATE_AT)[0] != FREE:
-        pid, start, _ = _LEASE.unpack_from(head, _LEASE_AT)
-        if not pid or holder_alive(pid, start):  # held (or not mapped yet): it must stay readable
-            return False
+        pid, start, handed = _LEASE.unpack_from(head, _LEASE_AT)
+        if holder_alive(pid, start) if pid else (orphan_s is None or time.monotonic() - handed <= orphan_s):
+            return False  # held, or not mapped yet: it must stay readable
     try:
         os.unlink(path)
     except FileNotFoundError:
