@@ -24,6 +24,7 @@ _EXPORTS = {
     "pad_collate": "collate",
     "probe": "media.probe",
     "GPU_COSTS": "planning.gpu", "GpuCost": "planning.gpu", "TokenPlanner": "planning.batching",
+    "Rebalance": "planning.rebalance", "GateArgs": "planning.rebalance",
 }
 _MODULES = {"synth": "media.synth", "tokens": "tokens"}
 

@@ -58,8 +58,8 @@ class DistributedDataLoader:
     ``coordinator`` ("host:port"; default ``HELIX_COORDINATOR``, else an embedded LocalCluster),
     ``token`` (default ``HELIX_TOKEN``, else the one its Coordinator left for this user),
     ``prefetch_depth`` (batches requested ahead), ``microbatch_size`` (split each batch into requests
-    of this many samples, merged — padded — before it is yielded), ``on_error`` ("raise": ``SampleError`` at the batch; "skip": replaced from this rank's shard, counted in
-    ``stats()["skipped"]``), ``device`` (copy batches there, non-blocking), ``num_workers`` (worker
+    of this many samples, merged — padded — before it is yielded), ``on_error`` ("raise":
+    ``SampleError`` at the batch; "skip": replaced from this rank's shard, counted in ``stats()["skipped"]``), ``device`` (copy batches there, non-blocking), ``num_workers`` (worker
     processes of an embedded cluster), ``tls`` (a ``hx.Tls`` for every channel; default
     ``HELIX_TLS_CERT`` / ``_KEY`` / ``_CA``, else none).
 

@@ -1,0 +1,278 @@
+"""Tier-2 balance correction (paper Section 3.4 "Balance correction", Algorithm 1 lines 10–14,
+Listing 1): pure, no gRPC, processes or clocks.
+
+Tier 1 composes steps from estimates before anything is decoded. Once a round of samples is
+materialized, their real features (the tokens of the decoded shape, the bytes) are known. The
+user's ``sort_fn`` sees one feature dict per buffered sample — the user's ``feature_fn`` output
+plus ``"rank"`` (the rank it is going to) and ``"step"`` (its global step) — and returns, in the
+same order, the rank each sample should go to. A sample moves only between the ranks of its own
+global step, and every rank keeps its batch size: so each step's samples, and each window's
+multiset, stay what Tier 1 planned.
+
+:func:`check_assignment` names what is wrong with an assignment (the round then keeps the current
+one), :func:`plan_exchange` turns a valid one into keeps and sends, and :func:`balance_cost` is
+the default policy: equal-count LPT of the measured GPU cost within each step, kept only if the
+projected time saved on each step's slowest rank exceeds the predicted transfer time by a margin
+(the cost gate — the peers that rebalance after loading gate on a fixed imbalance threshold).
+"""
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["Exchange", "GateArgs", "Rebalance", "balance_cost", "check_assignment", "default_features", "gate",
+           "lpt_within_steps",
+           "plan_exchange", "projected_gain_s", "step_loads", "transfer_s"]
+
+Features = Sequence[dict]
+
+
+@dataclass(frozen=True)
+class Rebalance:
+    """What Tier 2 does: the paper's ``load_balance_config`` (also accepted as a dict of these keys).
+
+    ``feature_fn(sample) -> dict`` (small, JSON-able) runs where the sample was decoded (default:
+    ``{"tokens", "bytes"}`` of the decoded sample); ``sort_fn(features, args) -> list[int]``
+    (default :func:`balance_cost`); ``client_ranks``: groups of ranks that exchange among
+    themselves (default: all ranks, one group; a rank in no group keeps its samples);
+    ``buffer_size``: samples per round and group; ``args``: passed to ``sort_fn`` as it is (for the
+    default, a :class:`GateArgs` or a dict of its fields); ``round_timeout_s``: a round closes when
+    full or this long after its first sample, so no rank waits on another's requests beyond it.
+    """
+
+    feature_fn: Callable[[dict], dict] | None = None
+    sort_fn: Callable[[list[dict], Any], list[int]] | None = None
+    client_ranks: tuple[tuple[int, ...], ...] | None = None
+    buffer_size: int = 64
+    args: Any = None
+    round_timeout_s: float = 0.05
+
+    def __post_init__(self):
+        for name in ("feature_fn", "sort_fn"):
+            v = getattr(self, name)
+            if v is not None and not callable(v):
+                raise TypeError(f"Rebalance.{name} must be a function, got {type(v).__name__} {v!r}")
+        if isinstance(self.buffer_size, bool) or not isinstance(self.buffer_size, int) or self.buffer_size < 2:
+            raise ValueError(f"Rebalance.buffer_size must be an int >= 2 (samples per round), got {self.buffer_size!r}")
+        t = self.round_timeout_s
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not (math.isfinite(t) and t > 0):
+            raise ValueError(f"Rebalance.round_timeout_s must be a finite positive number of seconds, got {t!r}")
+        if self.client_ranks is not None:
+            object.__setattr__(self, "client_ranks", _groups(self.client_ranks))
+
+    @classmethod
+    def of(cls, value) -> "Rebalance | None":
+        """``value`` as a ``Rebalance``: one already, a dict of its keys (``load_balance_config``), or None."""
+        if value is None or isinstance(value, Rebalance):
+            return value
+        if isinstance(value, dict):
+            unknown = sorted(set(value) - set(cls.__dataclass_fields__))
+            if unknown:
+                raise ValueError(f"rebalance: unknown key(s) {unknown}; valid: {', '.join(cls.__dataclass_fields__)}")
+            return cls(**value)
+        raise TypeError(f"rebalance must be an hx.Rebalance, a dict of its keys or None, got {type(value).__name__}")
+
+    def groups(self, world_size: int) -> tuple[tuple[int, ...], ...]:
+        """The groups for ``world_size`` ranks; ``ValueError`` naming a rank outside it."""
+        groups = self.client_ranks if self.client_ranks is not None else (tuple(range(world_size)),)
+        for g in groups:
+            bad = [r for r in g if r >= world_size]
+            if bad:
+                raise ValueError(f"Rebalance.client_ranks: rank(s) {bad} of group {list(g)} not below world_size={world_size}")
+        return groups
+
+
+def _groups(value) -> tuple[tuple[int, ...], ...]:
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence) or not value:
+        raise TypeError(f"Rebalance.client_ranks must be a list of lists of ranks, e.g. [[0, 1, 2, 3]], got {value!r}")
+    seen: set[int] = set()
+    out = []
+    for g in value:
+        if isinstance(g, (str, bytes)) or not isinstance(g, Sequence) or len(g) < 2:
+            raise ValueError(f"Rebalance.client_ranks: each group is a list of two or more ranks, got {g!r}")
+        for r in g:
+            if isinstance(r, bool) or not isinstance(r, int) or r < 0:
+                raise ValueError(f"Rebalance.client_ranks: a rank is an int >= 0, got {r!r} in {list(g)}")
+            if r in seen:
+                raise ValueError(f"Rebalance.client_ranks: rank {r} is in more than one group (or twice in one)")
+            seen.add(r)
+        out.append(tuple(g))
+    return tuple(out)
+
+
+# ---- assignments ------------------------------------------------------------------------------------
+def check_assignment(features: Features, assignment) -> str | None:
+    """None if ``assignment`` is valid for ``features``, else what is wrong: not a list of ints of
+    the same length, a rank outside the round's ranks, or a step whose ranks' sample counts change."""
+    if isinstance(assignment, (str, bytes)) or not isinstance(assignment, Sequence):
+        return f"returned {type(assignment).__name__}, not a list of ranks"
+    if len(assignment) != len(features):
+        return f"returned {len(assignment)} ranks for {len(features)} samples"
+    ranks = {f["rank"] for f in features}
+    for i, r in enumerate(assignment):
+        if isinstance(r, bool) or not isinstance(r, int):
+            return f"sample {i}: rank {r!r} is not an int"
+        if r not in ranks:
+            return f"sample {i}: rank {r} is not one of the round's ranks {sorted(ranks)}"
+    before = Counter((f["step"], f["rank"]) for f in features)
+    after = Counter((f["step"], r) for f, r in zip(features, assignment))
+    if before != after:
+        (step, rank), n = next(((k, v) for k, v in sorted(after.items()) if before.get(k) != v))
+        return f"step {step}: rank {rank} would get {n} samples, not its batch's {before.get((step, rank), 0)}"
+    return None
+
+
+@dataclass(frozen=True)
+class Exchange:
+    """What a valid assignment means for each sample: ``keeps`` (positions that stay) and
+    ``sends`` (``(position, from_rank, to_rank)``), in position order."""
+
+    keeps: tuple[int, ...]
+    sends: tuple[tuple[int, int, int], ...]
+
+    def sent_by(self, rank: int) -> list[tuple[int, int]]:
+        """``(position, to_rank)`` of what ``rank`` sends."""
+        return [(p, dst) for p, src, dst in self.sends if src == rank]
+
+    def received_by(self, rank: int) -> list[tuple[int, int]]:
+        """``(position, from_rank)`` of what ``rank`` receives."""
+        return [(p, src) for p, src, dst in self.sends if dst == rank]
+
+    @property
+    def moved(self) -> int:
+        return len(self.sends)
+
+
+def plan_exchange(features: Features, assignment: Sequence[int]) -> Exchange:
+    """Keeps and sends of a valid ``assignment`` (``ValueError`` with :func:`check_assignment`'s reason)."""
+    why = check_assignment(features, assignment)
+    if why is not None:
+        raise ValueError(f"invalid assignment: {why}")
+    keeps, sends = [], []
+    for p, (f, r) in enumerate(zip(features, assignment)):
+        (keeps.append(p) if f["rank"] == r else sends.append((p, f["rank"], r)))
+    return Exchange(tuple(keeps), tuple(sends))
+
+
+def step_loads(features: Features, assignment: Sequence[int], key: str = "cost") -> dict[int, dict[int, float]]:
+    """``{step: {rank: summed features[key]}}`` under ``assignment`` (every rank of the step listed)."""
+    loads: dict[int, dict[int, float]] = {}
+    for f in features:
+        loads.setdefault(f["step"], {}).setdefault(f["rank"], 0.0)
+    for f, r in zip(features, assignment):
+        loads[f["step"]][r] += float(f[key])
+    return loads
+
+
+def _slowest_sum(features: Features, assignment: Sequence[int], key: str) -> float:
+    return sum(max(ranks.values()) for ranks in step_loads(features, assignment, key).values())
+
+
+def lpt_within_steps(features: Features, key: str = "cost") -> list[int]:
+    """Equal-count LPT of ``features[key]`` inside each step: largest sample first to the least
+    loaded rank of its step that still has room. Deterministic; a tie goes to the sample's own
+    rank (nothing moves that need not), then to the lower rank."""
+    out = [f["rank"] for f in features]
+    by_step: dict[int, list[int]] = {}
+    for p, f in enumerate(features):
+        by_step.setdefault(f["step"], []).append(p)
+    for positions in by_step.values():
+        room = Counter(features[p]["rank"] for p in positions)
+        load = {r: 0.0 for r in room}
+        for p in sorted(positions, key=lambda p: (-float(features[p][key]), p)):
+            own = features[p]["rank"]
+            open_ = [r for r in room if room[r]]
+            best = min(open_, key=lambda r: (load[r], r != own, r))
+            out[p] = best
+            room[best] -= 1
+            load[best] += float(features[p][key])
+    return out
+
+
+# ---- the cost gate -----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class GateArgs:
+    """The default policy's arguments. ``seconds_per_unit``: seconds of GPU step per cost unit (the
+    loader learns it from measured windows); ``bandwidth_bps``: bytes/s of the exchange between
+    servers of different hosts; ``latency_s``: a round's fixed cost; ``margin``: the gain must
+    exceed the transfer by this fraction; ``key``: the feature that is the sample's GPU cost."""
+
+    seconds_per_unit: float = 1e-6
+    bandwidth_bps: float = 1e9
+    latency_s: float = 1e-3
+    margin: float = 0.1
+    key: str = "cost"
+    same_host: dict = field(default_factory=dict)  # {rank: host}: moves within a host copy no bytes
+
+    @classmethod
+    def of(cls, value) -> "GateArgs":
+        if value is None:
+            return cls()
+        if isinstance(value, GateArgs):
+            return value
+        if isinstance(value, dict):
+            return cls(**{k: v for k, v in value.items() if k in cls.__dataclass_fields__})
+        raise TypeError(f"the default Tier-2 policy takes GateArgs or a dict as args, got {type(value).__name__}")
+
+
+def projected_gain_s(features: Features, assignment: Sequence[int], args: GateArgs) -> float:
+    """Seconds saved over the round's steps: the slowest rank's cost now minus under ``assignment``."""
+    current = [f["rank"] for f in features]
+    return (_slowest_sum(features, current, args.key) - _slowest_sum(features, assignment, args.key)) * args.seconds_per_unit
+
+
+def transfer_s(features: Features, assignment: Sequence[int], args: GateArgs) -> float:
+    """Predicted time of the exchange: the busiest rank's bytes in or out at ``bandwidth_bps``
+    (moves between ranks of one host hand over slabs: no bytes), plus ``latency_s`` if anything moves."""
+    host = args.same_host
+    out: Counter = Counter()
+    inn: Counter = Counter()
+    moved = False
+    for f, r in zip(features, assignment):
+        if r == f["rank"]:
+            continue
+        moved = True
+        if host and host.get(r) is not None and host.get(r) == host.get(f["rank"]):
+            continue
+        out[f["rank"]] += float(f.get("bytes", 0))
+        inn[r] += float(f.get("bytes", 0))
+    if not moved:
+        return 0.0
+    busiest = max([*out.values(), *inn.values(), 0.0])
+    return busiest / args.bandwidth_bps + args.latency_s
+
+
+def gate(features: Features, proposal: Sequence[int], args: GateArgs) -> tuple[bool, float, float]:
+    """``(move, gain_s, transfer_s)``: move only if the gain exceeds the transfer by the margin."""
+    gain, cost = projected_gain_s(features, proposal, args), transfer_s(features, proposal, args)
+    return gain > 0 and gain > cost * (1.0 + args.margin), gain, cost
+
+
+def balance_cost(features: list[dict], args=None) -> list[int]:
+    """The default ``sort_fn``: :func:`lpt_within_steps` of the GPU cost, behind the cost gate."""
+    a = GateArgs.of(args)
+    proposal = lpt_within_steps(features, a.key)
+    move, _, _ = gate(features, proposal, a)
+    return proposal if move else [f["rank"] for f in features]
+
+
+def default_features(sample) -> dict:
+    """The default ``feature_fn``: the decoded sample's ``"tokens"`` (its own field, else 0) and
+    ``"bytes"`` (its tensors' sizes). The runtime adds ``"cost"``, the model family's GPU cost of
+    the tokens, when the features carry none."""
+    import torch
+
+    def nbytes(x) -> int:
+        if isinstance(x, torch.Tensor):
+            return x.numel() * x.element_size()
+        if isinstance(x, dict):
+            return sum(nbytes(v) for v in x.values())
+        if isinstance(x, (list, tuple)):
+            return sum(nbytes(v) for v in x)
+        return 0
+
+    tokens = sample.get("tokens", 0) if isinstance(sample, dict) else 0
+    return {"tokens": int(tokens) if not isinstance(tokens, torch.Tensor) else int(tokens.sum()), "bytes": nbytes(sample)}

@@ -1,0 +1,130 @@
+"""Tier-2 policy and plan (pure): the user's config, valid assignments, sends / receives / keeps,
+the default policy's equal-count LPT and its cost gate."""
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import helix_core as hx
+from helix_core.planning.rebalance import (GateArgs, Rebalance, balance_cost, check_assignment, default_features,
+                                           gate, lpt_within_steps, plan_exchange, step_loads, transfer_s)
+
+
+def _round(costs_by_step_rank: list[list[list[float]]], nbytes: int = 1000) -> list[dict]:
+    """Features of a round: ``costs[step][rank]`` lists the costs of that rank's samples."""
+    return [{"cost": c, "bytes": nbytes, "rank": r, "step": s}
+            for s, ranks in enumerate(costs_by_step_rank) for r, cs in enumerate(ranks) for c in cs]
+
+
+def test_the_config_takes_the_papers_keys_and_names_what_is_wrong():
+    def sort(features, args):
+        return [f["rank"] for f in features]
+
+    r = Rebalance.of({"feature_fn": default_features, "sort_fn": sort, "client_ranks": [[0, 1], [2, 3]],
+                      "buffer_size": 64, "args": {"margin": 0.2}})
+    assert r.client_ranks == ((0, 1), (2, 3)) and r.groups(4) == ((0, 1), (2, 3))
+    assert Rebalance().groups(3) == ((0, 1, 2),) and Rebalance.of(None) is None and hx.Rebalance is Rebalance
+    with pytest.raises(ValueError, match=r"unknown key\(s\) \['buffersize'\]"):
+        Rebalance.of({"buffersize": 8})
+    with pytest.raises(ValueError, match="buffer_size must be an int >= 2"):
+        Rebalance(buffer_size=1)
+    with pytest.raises(TypeError, match="sort_fn must be a function"):
+        Rebalance(sort_fn="lpt")
+    with pytest.raises(ValueError, match="rank 1 is in more than one group"):
+        Rebalance(client_ranks=[[0, 1], [1, 2]])
+    with pytest.raises(ValueError, match="two or more ranks"):
+        Rebalance(client_ranks=[[0]])
+    with pytest.raises(ValueError, match=r"rank\(s\) \[4\] of group \[2, 4\] not below world_size=4"):
+        Rebalance(client_ranks=[[0, 1], [2, 4]]).groups(4)
+    with pytest.raises(ValueError, match="round_timeout_s"):
+        Rebalance(round_timeout_s=float("nan"))
+
+
+def test_an_invalid_assignment_is_named():
+    f = _round([[[1, 2], [3, 4]], [[5, 6], [7, 8]]])
+    assert check_assignment(f, [f_["rank"] for f_ in f]) is None
+    assert check_assignment(f, "0101") == "returned str, not a list of ranks"
+    assert check_assignment(f, [0] * 7) == "returned 7 ranks for 8 samples"
+    assert check_assignment(f, [0, 0, 1, 5, 0, 0, 1, 1]) == "sample 3: rank 5 is not one of the round's ranks [0, 1]"
+    assert check_assignment(f, [0, 0, 1, 1.0, 0, 0, 1, 1]) == "sample 3: rank 1.0 is not an int"
+    assert check_assignment(f, [0, 0, 0, 1, 0, 0, 1, 1]) == "step 0: rank 0 would get 3 samples, not its batch's 2"
+    with pytest.raises(ValueError, match="invalid assignment: step 0"):
+        plan_exchange(f, [0, 0, 0, 1, 0, 0, 1, 1])
+
+
+def test_an_exchange_lists_keeps_and_sends_and_each_rank_receives_what_it_sends_for():
+    f = _round([[[9, 8], [1, 1]]])  # step 0: rank 0 holds both heavy samples
+    ex = plan_exchange(f, [0, 1, 0, 1])
+    assert ex.keeps == (0, 3) and ex.sends == ((1, 0, 1), (2, 1, 0)) and ex.moved == 2
+    assert ex.sent_by(0) == [(1, 1)] and ex.received_by(0) == [(2, 1)]
+    assert step_loads(f, [0, 1, 0, 1]) == {0: {0: 10.0, 1: 9.0}}
+
+
+@st.composite
+def rounds(draw):
+    steps, ranks = draw(st.integers(1, 4)), draw(st.integers(2, 4))
+    per = draw(st.integers(1, 3))
+    costs = [[[draw(st.floats(0, 100)) for _ in range(per)] for _ in range(ranks)] for _ in range(steps)]
+    return _round(costs, nbytes=draw(st.integers(0, 10 ** 7)))
+
+
+@settings(max_examples=200, deadline=None)
+@given(rounds(), st.randoms(use_true_random=False))
+def test_any_shuffle_within_steps_keeps_batch_sizes_and_moves_each_sample_once(features, rnd):
+    assignment = [f["rank"] for f in features]
+    by_step = {}
+    for p, f in enumerate(features):
+        by_step.setdefault(f["step"], []).append(p)
+    for positions in by_step.values():  # a random permutation of the step's ranks' slots
+        slots = [assignment[p] for p in positions]
+        rnd.shuffle(slots)
+        for p, r in zip(positions, slots):
+            assignment[p] = r
+    ex = plan_exchange(features, assignment)
+    assert sorted(ex.keeps + tuple(p for p, _, _ in ex.sends)) == list(range(len(features)))  # once each
+    held = {}
+    for p in ex.keeps:
+        held.setdefault((features[p]["step"], features[p]["rank"]), []).append(p)
+    for p, src, dst in ex.sends:
+        assert src == features[p]["rank"] != dst
+        held.setdefault((features[p]["step"], dst), []).append(p)
+    sizes = {}
+    for f in features:
+        sizes[f["step"], f["rank"]] = sizes.get((f["step"], f["rank"]), 0) + 1
+    assert {k: len(v) for k, v in held.items()} == sizes  # every rank's batch size, at every step
+
+
+@settings(max_examples=200, deadline=None)
+@given(rounds(), st.floats(1e3, 1e12))
+def test_the_default_policy_is_valid_and_never_makes_the_slowest_rank_slower(features, bandwidth):
+    args = GateArgs(seconds_per_unit=1e-3, bandwidth_bps=bandwidth)
+    current = [f["rank"] for f in features]
+    for assignment in (lpt_within_steps(features), balance_cost(features, args)):
+        assert check_assignment(features, assignment) is None
+    out = balance_cost(features, args)
+    slowest = lambda a: sum(max(r.values()) for r in step_loads(features, a).values())  # noqa: E731
+    assert slowest(out) <= slowest(current) + 1e-9
+    move, gain, cost = gate(features, out, args)
+    assert out == current or (move and gain > cost)
+
+
+def test_the_gate_keeps_a_balanced_round_and_moves_only_when_the_gain_pays_for_the_bytes():
+    skewed = _round([[[900, 800], [10, 10]]], nbytes=50_000_000)  # rank 0's step is ~85x rank 1's
+    fast = GateArgs(seconds_per_unit=1e-3, bandwidth_bps=10e9)
+    moved = balance_cost(skewed, fast)  # 1.7 s -> 0.91 s for 10 ms of transfer
+    assert step_loads(skewed, moved) == {0: {0: 910.0, 1: 810.0}} and plan_exchange(skewed, moved).moved == 2
+    slow = GateArgs(seconds_per_unit=1e-3, bandwidth_bps=1e6)  # 50 s per clip: not worth it
+    assert balance_cost(skewed, slow) == [0, 0, 1, 1]
+    same = GateArgs(seconds_per_unit=1e-3, bandwidth_bps=1e6, same_host={0: "h", 1: "h"})
+    assert transfer_s(skewed, [0, 1, 0, 1], same) == same.latency_s  # a slab hand-over: no bytes
+    assert balance_cost(skewed, same) == moved
+    balanced = _round([[[500, 10], [490, 20]]])
+    assert balance_cost(balanced, fast) == [0, 0, 1, 1]  # LPT would move, but 0 s gained
+    tiny = _round([[[12, 10], [10, 10]]], nbytes=1)
+    assert balance_cost(tiny, GateArgs(seconds_per_unit=1e-9, latency_s=1e-3)) == [0, 0, 1, 1]  # gain < latency
+
+
+def test_default_features_are_the_samples_tokens_and_bytes():
+    import torch
+
+    s = {"video": torch.zeros(2, 3, 4, 4, dtype=torch.uint8), "tokens": 32, "index": 7, "meta": [torch.zeros(3)]}
+    assert default_features(s) == {"tokens": 32, "bytes": 96 + 12}
