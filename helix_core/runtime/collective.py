@@ -1,0 +1,132 @@
+"""Tier-2 redistribution by collective (paper Section 3.5): DataServers of one ``client_ranks``
+group form a ``torch.distributed`` group of their own and move a round's decoded samples with
+one ``all_to_all`` instead of one gRPC call per sample.
+
+Samples travel as Helix's own wire form — a JSON tree plus tensor descriptors
+(``tensors.flatten``), never pickle — packed per destination into one contiguous ``uint8``
+buffer (:func:`pack`): ``[u64 header length][header JSON][pad to 64][tensor payload]``. A round is
+two collectives: an ``all_to_all_single`` of the per-destination sizes (int64), then one of the
+bytes with those splits (gloo on CPU; NCCL where each server is bound to a GPU). Every collective
+has a timeout (``timeout_s``): a peer that dies mid-round fails the round with ``ClusterError``
+(the caller falls back to resubmitting), never a hang.
+"""
+from __future__ import annotations
+
+import json
+import struct
+from datetime import timedelta
+
+import torch
+
+from ..errors import ClusterError
+from .tensors import flatten, layout, read_tensors, unflatten, write_tensors
+
+__all__ = ["ExchangeGroup", "pack", "unpack"]
+
+_LEN = struct.Struct("<Q")
+_ALIGN = 64
+
+
+def pack(samples: list) -> torch.Tensor:
+    """One contiguous ``uint8`` tensor holding ``samples`` (each a dict / list / tensor tree)."""
+    trees, counts, flat = [], [], []
+    for s in samples:
+        tree, _, ts = flatten(s, allow_pickle=False)
+        trees.append(tree)
+        counts.append(len(ts))
+        flat += ts
+    metas, payload = layout(flat)
+    # small tensors travel in the header (latin-1 text: JSON has no bytes)
+    inline = {i: t.reshape(-1).view(torch.uint8).numpy().tobytes().decode("latin-1")
+              for i, (t, m) in enumerate(zip(flat, metas)) if m["is_inline"]}
+    header = json.dumps({"trees": trees, "counts": counts, "metas": metas, "inline": inline}).encode()
+    start = -(-(_LEN.size + len(header)) // _ALIGN) * _ALIGN
+    buf = torch.empty(start + payload, dtype=torch.uint8)
+    mv = memoryview(buf.numpy())
+    _LEN.pack_into(mv, 0, len(header))
+    mv[_LEN.size:_LEN.size + len(header)] = header
+    if payload:
+        write_tensors(mv[start:], flat, metas)
+    return buf
+
+
+def unpack(buf: torch.Tensor) -> list:
+    """The samples :func:`pack` put in ``buf`` (tensors view ``buf``: no copy)."""
+    mv = memoryview(buf.numpy())
+    if len(mv) < _LEN.size:
+        raise ValueError(f"a packed round buffer has at least {_LEN.size} bytes, got {len(mv)}")
+    (n,) = _LEN.unpack_from(mv, 0)
+    if _LEN.size + n > len(mv):
+        raise ValueError(f"packed header of {n} bytes does not fit a {len(mv)}-byte buffer")
+    head = json.loads(bytes(mv[_LEN.size:_LEN.size + n]))
+    start = -(-(_LEN.size + n) // _ALIGN) * _ALIGN
+    metas = head["metas"]
+    for i, data in head["inline"].items():
+        metas[int(i)]["inline_data"] = data.encode("latin-1")
+    tensors = read_tensors(mv[start:], metas) if metas else []
+    out, k = [], 0
+    for tree, count in zip(head["trees"], head["counts"]):
+        out.append(unflatten(tree, b"", tensors[k:k + count]))
+        k += count
+    return out
+
+
+class ExchangeGroup:
+    """This process's member of a redistribution group: ``rank`` of ``world`` on the store at
+    ``host:port`` (rank 0 hosts it). One group per process (torch.distributed's default group)."""
+
+    def __init__(self, rank: int, world: int, host: str, port: int, backend: str = "gloo", timeout_s: float = 30.0):
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            raise ClusterError("this process is already in a torch.distributed group; a DataServer joins one "
+                               "redistribution group at a time")
+        self.rank, self.world, self.timeout_s = rank, world, timeout_s
+        try:
+            store = dist.TCPStore(host, port, world, is_master=rank == 0, timeout=timedelta(seconds=timeout_s))
+            dist.init_process_group(backend, store=store, rank=rank, world_size=world,
+                                    timeout=timedelta(seconds=timeout_s))
+        except (RuntimeError, OSError) as e:  # DistStoreError, DistNetworkError, timeouts
+            raise ClusterError(f"redistribution group {host}:{port} (rank {rank} of {world}): {e}") from None
+        self._store = store
+        self._dist = dist
+
+    def exchange(self, outgoing: list[list]) -> list[list]:
+        """Send ``outgoing[dst]`` (samples) to every rank ``dst``; returns ``incoming[src]``."""
+        if len(outgoing) != self.world:
+            raise ValueError(f"exchange: one list per rank ({self.world}), got {len(outgoing)}")
+        bufs = [pack(s) if s else torch.empty(0, dtype=torch.uint8) for s in outgoing]
+        got = self.exchange_bytes(bufs)
+        return [unpack(b) if b.numel() else [] for b in got]
+
+    def exchange_bytes(self, outgoing: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The byte buffers of :meth:`exchange`: one ``all_to_all_single`` of sizes, one of bytes."""
+        dist = self._dist
+        try:
+            sizes = torch.tensor([b.numel() for b in outgoing], dtype=torch.int64)
+            theirs = torch.empty(self.world, dtype=torch.int64)
+            dist.all_to_all_single(theirs, sizes)
+            send = torch.cat(outgoing) if any(b.numel() for b in outgoing) else torch.empty(0, dtype=torch.uint8)
+            recv = torch.empty(int(theirs.sum()), dtype=torch.uint8)
+            dist.all_to_all_single(recv, send, output_split_sizes=theirs.tolist(), input_split_sizes=sizes.tolist())
+        except RuntimeError as e:  # a peer died or timed out: the round fails, the caller falls back
+            raise ClusterError(f"redistribution round failed on rank {self.rank} of {self.world}: {e}") from None
+        return list(torch.split(recv, theirs.tolist()))
+
+    def all_gather_json(self, value) -> list:
+        """Every rank's ``value`` (small, JSON-able: features, handles), in rank order."""
+        dist = self._dist
+        mine = torch.frombuffer(bytearray(json.dumps(value).encode()), dtype=torch.uint8)
+        try:  # bytes, not all_gather_object: nothing is unpickled from a peer
+            sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world)]
+            dist.all_gather(sizes, torch.tensor([mine.numel()], dtype=torch.int64))
+            most = max(int(n) for n in sizes)
+            bufs = [torch.empty(most, dtype=torch.uint8) for _ in range(self.world)]
+            dist.all_gather(bufs, torch.cat([mine, torch.zeros(most - mine.numel(), dtype=torch.uint8)]))
+        except RuntimeError as e:
+            raise ClusterError(f"redistribution round failed on rank {self.rank} of {self.world}: {e}") from None
+        return [json.loads(bytes(b[:int(n)].numpy())) for b, n in zip(bufs, sizes)]
+
+    def close(self) -> None:
+        if self._dist.is_initialized():
+            self._dist.destroy_process_group()
