@@ -95,6 +95,12 @@ def _cmd_bench(a, console) -> int:
 
         run_overhead(out=Path(a.out) / "overhead.json" if a.out else None, console=console)
         return 0
+    if a.redistribute:
+        from helix_bench.redistribute import run_redistribute
+
+        run_redistribute(servers=a.ranks, clips=a.redistribute, repeats=a.repeats if a.repeats != 1 else 5,
+                         scale=a.scale, model=a.model, out=Path(a.out) if a.out else None, console=console)
+        return 0
     if not a.out:
         raise ValueError("helix bench needs --out DIR (where the report goes)")
     if a.hosts:
@@ -213,9 +219,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--ddl-tolerance-ms", type=float, default=10.0)
     s.add_argument("--data", default=None, help="where workloads are synthesized (cached)")
-    s.add_argument("--out", default=None, help="report folder (required, except with --overhead)")
+    s.add_argument("--out", default=None, help="report folder (required, except with --overhead / --redistribute)")
     s.add_argument("--overhead", action="store_true",
                    help="instead: Helix's own CPU (idle, per batch by role) and wake-up latency, near-free samples")
+    s.add_argument("--redistribute", type=int, nargs="?", const=64, default=0, metavar="CLIPS",
+                   help="instead: move CLIPS (64) decoded clips among --ranks processes: gloo all_to_all vs one gRPC "
+                        "call a clip vs a handle exchange (Tier 2's paths; --repeats rounds, default 5)")
     s.add_argument("--hosts", type=int, default=0,
                    help="instead: the sidecar sweep on this many emulated GPU hosts (root; native and helix)")
     s.add_argument("--ranks-per-host", type=int, default=2)
