@@ -151,3 +151,15 @@ def test_a_dataserver_without_a_token_for_its_coordinator_names_where_it_looked(
     assert done.returncode == 2
     assert "no token for the Coordinator at 127.0.0.1:" in done.stderr
     assert str(tokenfiles.runtime_dir()) in done.stderr and "--token-file" in done.stderr
+
+
+def test_a_coordinator_that_cannot_leave_its_made_token_privately_refuses_to_start(tmp_path):
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o755)
+    shared.chmod(0o755)
+    env = dict(_env(), HELIX_RUNTIME_DIR=str(shared))
+    done = subprocess.run([sys.executable, "-m", "helix_core.cli", "coordinator", "--port", "0"],
+                          capture_output=True, text=True, env=env, timeout=60)
+    assert done.returncode == 2
+    assert f"token folder {shared} is readable by other users" in done.stderr and "HELIX_RUNTIME_DIR" in done.stderr
+    assert list(shared.iterdir()) == []

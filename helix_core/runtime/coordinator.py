@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import gc
 import json
+import logging
 import threading
 import time
 import uuid
@@ -19,6 +20,8 @@ from .proto import helix_pb2_grpc as pbg
 from .registry import NoDeliveryServer, Registry, ServerState
 
 __all__ = ["CoordinatorServicer", "Registry", "ServerState", "serve_coordinator"]
+
+log = logging.getLogger("helix.coordinator")
 
 
 class CoordinatorServicer(pbg.CoordinatorServicer):
@@ -122,7 +125,14 @@ async def _serve(host, port, token, config, scheduler, stop, on_ready, cluster_i
     registry = Registry(config, scheduler, cluster_id=cluster_id or uuid.uuid4().hex[:12])
     server, bound = create_aio_server(host, port, token, config, tls, insecure)
     address = f"{host}:{bound}"
-    write_token(address, token)
+    try:
+        write_token(address, token)
+    except (OSError, ValueError) as e:  # a made token nobody can find would lock everyone out
+        if made:
+            await server.stop(0)
+            raise ValueError(f"cannot leave this Coordinator's token for its user: {e} (set HELIX_RUNTIME_DIR to a "
+                             "private folder, or pass --token-file)") from None
+        log.warning("token not written to the user's Helix folder (%s); clients need it passed", e)
     # A long-lived service with a stable heap: keep startup objects out of collections and collect
     # the young generation rarely, so a collection lands in fewer than 1 in 1,000 routing decisions.
     gc.freeze()
