@@ -38,7 +38,7 @@ def _member(a: dict) -> dict:
     rank, world, config = a["rank"], a["world"], ClusterConfig()
     ds = hx.VideoClipDataset(a["manifest"], model=a["model"])
     mine = [ds[i] for i in range(rank, a["clips"], world)]
-    received, lock, done = [], threading.Lock(), threading.Event()
+    received, lock = [], threading.Lock()
 
     def push(chunks, context):  # one clip: its packed bytes in chunks
         buf = bytearray()
@@ -49,13 +49,14 @@ def _member(a: dict) -> dict:
             received.extend(out)
         return b""
 
-    server, port = create_server("127.0.0.1", 0, a["token"], config, threads=8)
+    bind = a.get("bind", "127.0.0.1")  # on emulated hosts: this host's address (the bench's own token; no TLS)
+    server, port = create_server(bind, 0, a["token"], config, threads=8, insecure=True)
     server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler("helix.bench.Redistribute", {
         "Push": grpc.stream_unary_rpc_method_handler(push)})])
     server.start()
-    group = ExchangeGroup(rank, world, "127.0.0.1", a["store_port"], timeout_s=120)
+    group = ExchangeGroup(rank, world, a.get("store_host", "127.0.0.1"), a["store_port"], timeout_s=120)
     try:
-        peers = group.all_gather_json(f"127.0.0.1:{port}")
+        peers = group.all_gather_json(f"{bind}:{port}")
         channels = [connect(p, config) for p in peers]
         calls = [ch.stream_unary(_METHOD, request_serializer=None, response_deserializer=None) for ch in channels]
         dest = [(rank + k) % world for k in range(len(mine))]
@@ -109,14 +110,18 @@ def _dests(world: int, clips: int) -> list[tuple[int, int]]:
 
 
 def run_redistribute(servers: int = 4, clips: int = 64, repeats: int = 5, scale: float = 1.0, model: str = "videomae",
-                     out: Path | None = None, console=None) -> dict:
-    """Run the benchmark (``servers`` member processes); print and return the figures."""
+                     out: Path | None = None, console=None, hosts: int = 0) -> dict:
+    """Run the benchmark (``servers`` member processes; ``hosts`` >= 2: spread over that many
+    emulated hosts, ``servers / hosts`` each, gloo and gRPC over their bridge); print and return
+    the figures."""
     import socket
 
     from helix_core.config import cache_dir
     from helix_core.media.synth import make_dataset
     from helix_core.runtime.auth import new_token
 
+    if hosts and (hosts < 2 or servers % hosts):
+        raise ValueError(f"--hosts {hosts}: two or more, dividing --ranks {servers}")
     if servers < 2 or clips < servers or repeats < 1:
         raise ValueError(f"--redistribute needs servers >= 2, clips >= servers, repeats >= 1 "
                          f"(got {servers}, {clips}, {repeats})")
@@ -128,15 +133,58 @@ def run_redistribute(servers: int = 4, clips: int = 64, repeats: int = 5, scale:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         store_port = s.getsockname()[1]
-    token, files = new_token(), []
-    procs = []
-    say(f"{servers} member processes decode {clips} clips, then {repeats} interleaved rounds ...")
+    token = new_token()
+    where = f"{hosts} emulated hosts" if hosts else "one host"
+    say(f"{servers} member processes on {where} decode {clips} clips, then {repeats} interleaved rounds ...")
+    if hosts:
+        from helix_core.emulated_hosts import EmulatedHosts
+
+        with EmulatedHosts([f"h{i}" for i in range(hosts)]) as eh:
+            files = _run_members(servers, clips, repeats, model, token, root, store_port, out, eh)
+    else:
+        files = _run_members(servers, clips, repeats, model, token, root, store_port, out, None)
+    members = [json.loads(f.read_text()) for f in files]
+    for f in files:
+        f.unlink()
+    moved = sum(m["moved_bytes"] for m in members)
+    figures = {"servers": servers, "hosts": hosts or 1, "clips": clips, "repeats": repeats, "scale": scale, "model": model,
+               "moved_bytes": moved, "moved_clips": len(_dests(servers, clips))}
+    for key in ("all_to_all_s", "grpc_s", "handles_s"):
+        per_round = [max(m["rows"][i][key] for m in members) for i in range(repeats)]
+        figures[key] = statistics.median(per_round)
+        figures[key.replace("_s", "_gbps")] = moved / figures[key] / 1e9 if key != "handles_s" else None
+    figures["grpc_over_all_to_all"] = figures["grpc_s"] / figures["all_to_all_s"]
+    say(f"{figures['moved_clips']} clips ({moved / 1e6:.0f} MB) moved among {servers} processes on {where}, "
+        f"medians of {repeats}:")
+    say(f"  all_to_all (gloo)      {figures['all_to_all_s']:.3f} s  {figures['all_to_all_gbps']:.2f} GB/s")
+    say(f"  gRPC, one call a clip  {figures['grpc_s']:.3f} s  {figures['grpc_gbps']:.2f} GB/s  "
+        f"({figures['grpc_over_all_to_all']:.2f}x the all_to_all's time)")
+    say(f"  handle exchange        {figures['handles_s'] * 1e6:.0f} µs (its control round: within a host, 0 bytes copied)")
+    if out is not None:
+        Path(out).mkdir(parents=True, exist_ok=True)
+        (Path(out) / f"redistribute{'-hosts' if hosts else ''}.json").write_text(json.dumps(figures, indent=2))
+    return figures
+
+
+def _run_members(servers, clips, repeats, model, token, root, store_port, out, eh) -> list[Path]:
+    """Start the members (on emulated host ``r * hosts // servers`` when ``eh``), wait, return their files."""
+    import os
+
+    procs, files = [], []
+    names = eh.names if eh is not None else []
     for rank in range(servers):
-        path = Path(out or ".") / f".redistribute-{rank}.json" if out else Path(f"/tmp/helix-redistribute-{rank}.json")
+        path = (Path(out) if out else Path("/tmp")) / f".helix-redistribute-{os.getpid()}-{rank}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         args = dict(rank=rank, world=servers, store_port=store_port, manifest=str(root / "manifest.jsonl"), clips=clips,
                     repeats=repeats, model=model, token=token, out=str(path))
-        procs.append(subprocess.Popen([sys.executable, "-m", "helix_bench.redistribute", json.dumps(args)]))
+        argv = [sys.executable, "-m", "helix_bench.redistribute"]
+        if eh is None:
+            procs.append(subprocess.Popen([*argv, json.dumps(args)]))
+        else:
+            host = names[rank * len(names) // servers]
+            args.update(bind=eh.address(host), store_host=eh.address(names[0]))
+            env = dict(os.environ, GLOO_SOCKET_IFNAME="eth0")  # gloo: the host's own interface, not its hostname
+            procs.append(eh.popen(host, [*argv, json.dumps(args)], env=env))
         files.append(path)
     try:
         codes = [p.wait(timeout=3600) for p in procs]
@@ -147,27 +195,7 @@ def run_redistribute(servers: int = 4, clips: int = 64, repeats: int = 5, scale:
                 p.wait()
     if any(codes):
         raise RuntimeError(f"redistribution members exited with {codes}")
-    members = [json.loads(f.read_text()) for f in files]
-    for f in files:
-        f.unlink()
-    moved = sum(m["moved_bytes"] for m in members)
-    figures = {"servers": servers, "clips": clips, "repeats": repeats, "scale": scale, "model": model,
-               "moved_bytes": moved, "moved_clips": len(_dests(servers, clips))}
-    for key in ("all_to_all_s", "grpc_s", "handles_s"):
-        per_round = [max(m["rows"][i][key] for m in members) for i in range(repeats)]
-        figures[key] = statistics.median(per_round)
-        figures[key.replace("_s", "_gbps")] = moved / figures[key] / 1e9 if key != "handles_s" else None
-    figures["grpc_over_all_to_all"] = figures["grpc_s"] / figures["all_to_all_s"]
-    say(f"{figures['moved_clips']} clips ({moved / 1e6:.0f} MB) moved among {servers} processes on one host, "
-        f"medians of {repeats}:")
-    say(f"  all_to_all (gloo)      {figures['all_to_all_s']:.3f} s  {figures['all_to_all_gbps']:.2f} GB/s")
-    say(f"  gRPC, one call a clip  {figures['grpc_s']:.3f} s  {figures['grpc_gbps']:.2f} GB/s  "
-        f"({figures['grpc_over_all_to_all']:.2f}x the all_to_all's time)")
-    say(f"  handle exchange        {figures['handles_s'] * 1e6:.0f} µs (control round only; 0 bytes copied)")
-    if out is not None:
-        Path(out).mkdir(parents=True, exist_ok=True)
-        (Path(out) / "redistribute.json").write_text(json.dumps(figures, indent=2))
-    return figures
+    return files
 
 
 if __name__ == "__main__":

@@ -99,7 +99,8 @@ def _cmd_bench(a, console) -> int:
         from helix_bench.redistribute import run_redistribute
 
         run_redistribute(servers=a.ranks, clips=a.redistribute, repeats=a.repeats if a.repeats != 1 else 5,
-                         scale=a.scale, model=a.model, out=Path(a.out) if a.out else None, console=console)
+                         scale=a.scale, model=a.model, out=Path(a.out) if a.out else None, console=console,
+                         hosts=a.hosts)
         return 0
     if not a.out:
         raise ValueError("helix bench needs --out DIR (where the report goes)")
