@@ -101,7 +101,7 @@ from helix_core.runtime.rpc import connect
 from helix_core.runtime.tls import Tls
 stub = pbg.CoordinatorStub(connect(sys.argv[1], ClusterConfig(), Tls.from_env()))
 t = json.loads(stub.Telemetry(pb.TelemetryRequest(last_decisions=10000), timeout=10,
-                              metadata=call_metadata(load_token())).json)
+                              metadata=call_metadata(load_token(coordinator=sys.argv[1]))).json)
 kind = {s["server_id"]: s["kind"] for s in t["servers"]}
 print(json.dumps({"routed": t["routed"], "routed_remote": sum(kind.get(d["server"]) == "remote" for d in t["decisions"]),
                   "server_cross_ds_bytes": {s["server_id"]: s["cross_ds_bytes"] for s in t["servers"]}}))

@@ -92,7 +92,8 @@ def add_cluster_commands(sub) -> None:
     s = sub.add_parser("status", help="a running cluster's hosts, servers and clients, as its Coordinator sees them")
     s.add_argument("--coordinator", default=os.environ.get("HELIX_COORDINATOR"), required="HELIX_COORDINATOR" not in os.environ,
                    help="HOST:PORT (default HELIX_COORDINATOR)")
-    s.add_argument("--token-file", default=None, help="file holding the token (or set HELIX_TOKEN)")
+    s.add_argument("--token-file", default=None, help="file holding the token (or set HELIX_TOKEN; default: the one "
+                                                      "this user's Coordinator left in the private Helix folder)")
     s.add_argument("--json", action="store_true", help="print the Coordinator's telemetry as JSON")
     s.set_defaults(fn=_cmd_status)
     s = sub.add_parser("sidecars", help="remote DataServers as Ray actors joining a Coordinator (until Ctrl-C)")
@@ -100,7 +101,8 @@ def add_cluster_commands(sub) -> None:
     s.add_argument("--coordinator", required=True, help="HOST:PORT of the Helix Coordinator to join")
     s.add_argument("--count", type=int, required=True, help="sidecars to start")
     s.add_argument("--workers", type=int, required=True, help="worker processes per sidecar (CPUs it reserves)")
-    s.add_argument("--token-file", default=None, help="file holding the cluster's token (or set HELIX_TOKEN)")
+    s.add_argument("--token-file", default=None, help="file holding the cluster's token (or set HELIX_TOKEN; default: "
+                                                      "the one this user's Coordinator left in the private Helix folder)")
     s.add_argument("--resources", default=None, help='extra Ray resources per sidecar as JSON, e.g. {"cpu_node": 1}')
     s.add_argument("--host", default=None, help="address each sidecar listens on (default: its Ray node's IP)")
     s.add_argument("--insecure", action="store_true", help="listen beyond loopback without TLS (see --tls-* of dataserver)")

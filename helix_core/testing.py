@@ -12,7 +12,7 @@ __all__ = ["CostedDataset", "IndexDataset", "flip_video"]
 
 def flip_video(sample: dict, generator: torch.Generator) -> dict:
     """A module-level ``transform=`` for video datasets: mirror the clip left to right (a JSON spec
-    can name it, so it travels to DataServers of a cluster without a token)."""
+    can name it, so it travels to DataServers of a cluster that takes no pickle)."""
     sample["video"] = sample["video"].flip(-1)
     return sample
 

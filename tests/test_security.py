@@ -95,6 +95,9 @@ def test_pickled_specs_travel_only_where_the_cluster_takes_pickle(secured, kmix)
                                       batch_size=2, rank=0, world_size=1, coordinator=cluster.address,
                                       config=CFG) as ld:  # JSON specs travel everywhere
             assert len(list(ld)) == 3
+    with pytest.raises(ValueError, match="ScriptDataset.*cloudpickle"):  # a client that takes none, on a cluster that does
+        hx.DistributedDataLoader(ScriptDataset(), batch_size=2, rank=0, world_size=1, coordinator=secured.address,
+                                 config=json_only)
     with hx.DistributedDataLoader(ScriptDataset(), batch_size=2, rank=0, world_size=1, coordinator=secured.address,
                                   config=CFG) as ld:  # no token passed: this user's file of the address has it
         assert [b["v"][:, 0].tolist() for b in ld] == [[0, 1], [2, 3]]

@@ -1,6 +1,7 @@
 """No unauthenticated cluster: a Coordinator started with no token makes one and leaves it, 0600,
 in the user's private Helix folder; the same user's DataServers, loaders and ``helix`` commands
 find it by the address; a process under another uid is refused on every RPC of every service."""
+import contextlib
 import json
 import os
 import signal
@@ -14,15 +15,18 @@ from dataplane import CFG, assert_same_batches, torch_batches
 
 import helix_core as hx
 from helix_core.runtime import tokenfiles
+from helix_core.runtime.hostid import host_id
 from helix_core.testing import IndexDataset
 
 
 def test_token_files_are_private_and_found_by_any_loopback_name(tmp_path, monkeypatch):
     monkeypatch.delenv("HELIX_RUNTIME_DIR")
     monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
+    monkeypatch.setattr(tokenfiles, "RUN_USER", str(tmp_path / "no-run-user"))
     monkeypatch.setenv("HOME", str(tmp_path))
     path = tokenfiles.write_token("127.0.0.1:7070", "t0k")
     assert path.parent == tmp_path / ".local" / "share" / "helix" / "runtime"
+    assert host_id().split("-")[0] in path.name  # an NFS home shared by nodes: one file per host
     assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700 and stat.S_IMODE(path.stat().st_mode) == 0o600
     assert tokenfiles.find_token("localhost:7070") == tokenfiles.find_token("[::1]:7070") == "t0k"
     assert tokenfiles.find_token("127.0.0.1:7071") is None and tokenfiles.find_token(None) is None
@@ -37,6 +41,16 @@ def test_token_files_are_private_and_found_by_any_loopback_name(tmp_path, monkey
     path.parent.chmod(0o700)
     tokenfiles.remove_token("127.0.0.1:7070", "t0k")
     assert not path.exists()
+    (tmp_path / "elsewhere").write_text("planted\n")
+    path.symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(ValueError, match="is a symbolic link"):
+        tokenfiles.find_token("127.0.0.1:7070")
+    path.unlink()
+    xdg = tmp_path / "xdg"
+    xdg.mkdir(mode=0o700)
+    tokenfiles.write_token("127.0.0.1:7071", "in-home")
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(xdg))  # another shell of the same user: found in either folder
+    assert tokenfiles.find_token("127.0.0.1:7071") == "in-home"
     with pytest.raises(ValueError, match="not host:port"):
         tokenfiles.token_path("7070")
 
@@ -104,44 +118,108 @@ print(json.dumps(out))
 """
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="running a process as another user needs root (CI runs as root)")
-def test_a_cluster_started_with_no_token_refuses_another_user_and_serves_its_own_with_none_passed(tmp_path):
+@contextlib.contextmanager
+def _services():
+    """``helix coordinator --port P`` and ``helix dataserver``, both with no token: (address, dataserver address)."""
     port = _free_port()
     address = f"127.0.0.1:{port}"
-    coord, info = _start(["coordinator", "--port", str(port)])
-    server = None
+    procs = {}
     try:
+        procs["coordinator"], info = _start(["coordinator", "--port", str(port)])
         assert info["address"] == address
+        procs["dataserver"], sinfo = _start(["dataserver", "--coordinator", address, "--local-rank", "0", "--workers", "1"])
+        yield address, sinfo["address"], procs
+    finally:
+        _stop(procs.get("dataserver"), procs.get("coordinator"))
+
+
+def test_a_cluster_started_with_no_token_makes_one_its_user_finds_and_a_restart_keeps(tmp_path):
+    ds = IndexDataset(8)
+    with _services() as (address, _, procs):
         token_file = tokenfiles.token_path(address)
         token = token_file.read_text().strip()
         assert len(token) >= 32 and stat.S_IMODE(token_file.stat().st_mode) == 0o600
-        server, sinfo = _start(["dataserver", "--coordinator", address, "--local-rank", "0", "--workers", "1"])
-        ds = IndexDataset(8)
         with hx.DistributedDataLoader(ds, batch_size=2, rank=0, world_size=1, coordinator=address, config=CFG) as ld:
             assert_same_batches(list(ld), torch_batches(ds, 2, 0, 1))  # the owner passed no token
+        status = subprocess.run([sys.executable, "-m", "helix_core.cli", "status", "--coordinator", address, "--json"],
+                                capture_output=True, text=True, env=_env(), timeout=60)
+        assert status.returncode == 0, status.stderr
+        assert [s["alive"] for s in json.loads(status.stdout)["servers"]] == [True]
+        # restarted on its address (by hand, systemd, ...): the same token, so its servers and clients stay in
+        _stop(procs.pop("coordinator"))
+        procs["coordinator"], _ = _start(["coordinator", "--port", address.rsplit(":", 1)[1]])
+        assert token_file.read_text().strip() == token
+        with hx.DistributedDataLoader(ds, batch_size=2, rank=0, world_size=1, coordinator=address, config=CFG) as ld:
+            assert_same_batches(list(ld), torch_batches(ds, 2, 0, 1))  # the DataServer registered again
+    assert token_file.exists()  # a made token on a fixed port stays for the next Coordinator there
+
+
+def test_token_files_of_port_0_and_of_a_local_cluster_go_when_they_stop():
+    coord, info = _start(["coordinator", "--port", "0"])
+    path = tokenfiles.token_path(info["address"])
+    assert path.exists()
+    _stop(coord)
+    assert not path.exists()
+    cluster = hx.LocalCluster(local_servers=1, workers_per_server=1, config=CFG)
+    path = tokenfiles.token_path(cluster.address)
+    assert path.read_text().strip() == cluster.token
+    cluster.kill_coordinator()  # SIGKILL: it never removed its file
+    assert path.exists()
+    cluster.close()
+    assert not path.exists()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="running a process as another user needs root (CI runs as root)")
+def test_another_user_is_refused_on_every_rpc_and_never_reads_the_token(tmp_path):
+    with _services() as (address, dataserver, _):
+        token_file = tokenfiles.token_path(address)
         env = dict(_env(), HOME=str(tmp_path / "stranger-home"))
         env.pop("HELIX_RUNTIME_DIR")
         done = subprocess.run([sys.executable, "-c", _STRANGER,
-                               json.dumps({"coordinator": address, "dataserver": sinfo["address"],
+                               json.dumps({"coordinator": address, "dataserver": dataserver,
                                            "token_file": str(token_file)})],
                               capture_output=True, text=True, env=env, timeout=120)
         assert done.returncode == 0, done.stderr
         stranger = json.loads(done.stdout)
         assert stranger["uid"] == 65534 and stranger["read"] == "denied" and stranger["found"] is None
         assert len(stranger["calls"]) == 14 and set(stranger["calls"].values()) == {"UNAUTHENTICATED"}, stranger
-        status = subprocess.run([sys.executable, "-m", "helix_core.cli", "status", "--coordinator", address, "--json"],
-                                capture_output=True, text=True, env=_env(), timeout=60)
-        assert status.returncode == 0, status.stderr  # still serving; the owner's command found the token too
-        assert [s["alive"] for s in json.loads(status.stdout)["servers"]] == [True]
-
-        # restarted on its address (by hand, systemd, ...): the same token, so its servers and clients stay in
-        _stop(coord)
-        coord, _ = _start(["coordinator", "--port", str(port)])
-        assert token_file.read_text().strip() == token
+        ds = IndexDataset(4)
         with hx.DistributedDataLoader(ds, batch_size=2, rank=0, world_size=1, coordinator=address, config=CFG) as ld:
-            assert_same_batches(list(ld), torch_batches(ds, 2, 0, 1))  # the DataServer registered again
+            assert_same_batches(list(ld), torch_batches(ds, 2, 0, 1))  # still serving its owner
+
+
+_SQUATTER = """
+import os, socket, sys
+os.setgroups([]); os.setgid(65534); os.setuid(65534)
+s = socket.socket()  # the socket's owner is the uid that made it
+s.bind(("127.0.0.1", int(sys.argv[1])))
+s.listen()
+print("listening", flush=True)
+sys.stdin.read()
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="running a process as another user needs root (CI runs as root)")
+def test_a_port_another_user_took_never_gets_this_users_token(tmp_path):
+    port = _free_port()
+    address = f"127.0.0.1:{port}"
+    tokenfiles.write_token(address, "this-users-token")  # left by this user's Coordinator, which stopped
+    squatter = subprocess.Popen([sys.executable, "-c", _SQUATTER, str(port)], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, text=True)
+    try:
+        assert squatter.stdout.readline().strip() == "listening"
+        with pytest.raises(ValueError, match=f"{address} is listened on by uid 65534"):
+            tokenfiles.find_token(address)
+        with pytest.raises(hx.ClusterError, match="listened on by uid 65534.*refusing to send"):
+            hx.DistributedDataLoader(IndexDataset(4), batch_size=2, rank=0, world_size=1, coordinator=address,
+                                     token="this-users-token", config=CFG)
+        done = subprocess.run([sys.executable, "-m", "helix_core.cli", "dataserver", "--coordinator", address,
+                               "--local-rank", "0"], capture_output=True, text=True, env=_env(), timeout=60)
+        assert done.returncode == 2 and "listened on by uid 65534" in done.stderr
     finally:
-        _stop(server, coord)
+        squatter.stdin.close()
+        squatter.wait(timeout=10)
+        tokenfiles.remove_token(address, "this-users-token")
 
 
 def test_a_dataserver_without_a_token_for_its_coordinator_names_where_it_looked():

@@ -7,6 +7,7 @@ copy into pinned / device memory.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import secrets
 import threading
@@ -18,6 +19,7 @@ import grpc
 from ..config import ClusterConfig
 from ..errors import ClusterError, SampleError
 from ..runtime.auth import call_metadata, load_token, pickle_allowed
+from ..runtime.tokenfiles import check_listener
 from ..runtime.hostid import host_id
 from ..runtime.proto import helix_pb2 as pb
 from ..runtime.proto import helix_pb2_grpc as pbg
@@ -35,6 +37,9 @@ __all__ = ["ClusterClient", "TRANSIENT"]
 #: (A full /dev/shm is not among them: it comes back as ``ErrorKind.NO_ROOM``, final.)
 TRANSIENT = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED,
              grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL, grpc.StatusCode.FAILED_PRECONDITION}
+
+
+log = logging.getLogger("helix.client")
 
 
 class _Unavailable(grpc.RpcError):
@@ -65,6 +70,10 @@ class ClusterClient:
         left in the private Helix folder; ``tls``: a ``Tls`` for every channel (default:
         ``HELIX_TLS_*``, else none)."""
         token = load_token(token, coordinator=address)
+        try:
+            check_listener(address)  # a loopback port another user took: this user's token never goes there
+        except ValueError as e:
+            raise ClusterError(str(e)) from None
         self.address, self.token, self.config = address, token, config
         self.tls = Tls.from_env() if tls is None else tls
         self.rank, self.world_size = rank, world_size
@@ -78,7 +87,8 @@ class ClusterClient:
                             self.tls)
         # pickles only with a token, and only where it can't be read off the wire (loopback or TLS)
         self.cluster_id = hello.cluster_id
-        self.pickle_allowed = hello.pickle_allowed and pickle_allowed(address.rsplit(":", 1)[0], token, self.tls)
+        self.pickle_allowed = hello.pickle_allowed and pickle_allowed(address.rsplit(":", 1)[0], token, self.tls,
+                                                                      config.allow_pickle)
         # its own id and task-id base, so both survive a Coordinator restart (servers key tasks by
         # client id and task id; the random base keeps ids apart in the Coordinator's books too)
         self.client_id = f"c{rank}-{uuid.uuid4().hex[:12]}"
@@ -124,6 +134,17 @@ class ClusterClient:
                 raise ClusterError("loader stopped")
             delay = min(delay * 2, 0.5)
 
+    @staticmethod
+    def _ours(address: str) -> bool:
+        """Whether ``address`` may get this client's token: not a loopback port another user took
+        (a Coordinator "back" after an outage may be someone else's listener)."""
+        try:
+            check_listener(address)
+        except ValueError as e:
+            log.warning("%s", e)
+            return False
+        return True
+
     def _register(self) -> None:
         reply = self._call(self.coordinator.RegisterClient,
                            pb.RegisterClientRequest(rank=self.rank, world_size=self.world_size, host=self.host,
@@ -141,7 +162,8 @@ class ClusterClient:
         the client routes by itself among the servers it knows (``_fallback``) and tries the
         Coordinator again whenever its channel is ready; when one answers (restarted on the same
         address, or back from a stall), the client registers again and placement resumes."""
-        if self._outage is not None and self._channel_state() != grpc.ChannelConnectivity.READY:
+        if self._outage is not None and (self._channel_state() != grpc.ChannelConnectivity.READY
+                                         or not self._ours(self.address)):
             return self._fallback(part)
         with self._lock:
             done, self._completed = self._completed, []
@@ -327,8 +349,8 @@ class ClusterClient:
         handle = {"segment": b.slab.segment, "generation": b.slab.generation, "nbytes": b.slab.nbytes}
         if b.tree_pickle and not self.pickle_allowed:
             self.reader.release(handle)
-            raise ClusterError("a DataServer sent a pickled batch structure to a client that accepts none (no token, "
-                               "or a cluster reached without TLS beyond loopback)")
+            raise ClusterError("a DataServer sent a pickled batch structure to a client that accepts none (a cluster "
+                               "reached without TLS beyond loopback, or ClusterConfig(allow_pickle=False))")
         metas = _meta_dicts(b.tensors)
         buf = self.reader.view(handle) if b.slab.segment else memoryview(b"")
         if copy:

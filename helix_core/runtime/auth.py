@@ -56,7 +56,10 @@ def is_loopback(host: str) -> bool:
 
 
 def check_bind(host: str, token: str | None, tls=None, insecure: bool = False) -> None:
-    """Refuse to listen beyond loopback without a token, or without TLS unless ``insecure``."""
+    """Refuse to listen without a token, and beyond loopback without TLS unless ``insecure``."""
+    if not token and is_loopback(host):
+        raise ValueError(f"a Helix service on {host} needs a token (every cluster has one: a Coordinator started "
+                         "without one makes one)")
     if is_loopback(host):
         return
     if not token:

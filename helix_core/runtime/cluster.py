@@ -196,8 +196,6 @@ class LocalCluster:
 
     def worker_pids(self, i: int) -> list[int]:
         """The worker process ids of DataServer ``i`` (its ``Health`` reply), for fault injection."""
-        import grpc
-
         from .auth import call_metadata
         from .proto import helix_pb2 as pb, helix_pb2_grpc as pbg
         from .rpc import connect

@@ -119,6 +119,7 @@ async def _serve(host, port, token, config, scheduler, stop, on_ready, cluster_i
     from .rpc import create_aio_server
     from .tokenfiles import find_token, remove_token, write_token
 
+    token = token or None
     made = token is None and is_loopback(host)  # beyond loopback, create_aio_server asks for one
     if made:
         token = (find_token(f"{host}:{port}") if port else None) or new_token()
@@ -139,10 +140,10 @@ async def _serve(host, port, token, config, scheduler, stop, on_ready, cluster_i
     gc.set_threshold(50_000, 20, 20)
     pbg.add_CoordinatorServicer_to_server(CoordinatorServicer(
         registry, stop, pickle_allowed(host, token, tls, config.allow_pickle)), server)
-    await server.start()
-    if on_ready is not None:
-        on_ready(address, registry.cluster_id)
     try:
+        await server.start()
+        if on_ready is not None:
+            on_ready(address, registry.cluster_id)
         while not stop.is_set():
             # a dead server is found within heartbeat_timeout_s * 1.2 (an idle server beats every timeout / 3)
             await asyncio.sleep(config.heartbeat_timeout_s / 5)

@@ -31,6 +31,7 @@ from .cpuslots import HostSlots
 from .pool import WorkerPool
 from .reader import SlabReader
 from .steal import handles
+from .tokenfiles import check_listener
 
 __all__ = ["DataServerServicer", "serve_dataserver"]
 
@@ -232,8 +233,8 @@ def heartbeat_intervals(config: ClusterConfig):
         wait = base if changed else min(longest, wait * 2)
 
 
-def _heartbeats(servicer: DataServerServicer, coord, token, config: ClusterConfig, stop: threading.Event,
-                register) -> None:
+def _heartbeats(servicer: DataServerServicer, coord, coordinator: str, token, config: ClusterConfig,
+                stop: threading.Event, register) -> None:
     intervals, last = heartbeat_intervals(config), None
     wait = next(intervals)
     while not stop.wait(wait):
@@ -245,11 +246,14 @@ def _heartbeats(servicer: DataServerServicer, coord, token, config: ClusterConfi
             completed=st["completed"], cross_ds_bytes=servicer.cross_ds_bytes, queued_cpu_s=st["queued_cpu_s"],
             link_bandwidth_bps=servicer.link_bandwidth_bps, link_latency_s=servicer.link_latency_s)
         try:
+            check_listener(coordinator)  # its Coordinator stopped and another user took the port: not to them
             reply = coord.Heartbeat(req, timeout=config.rpc_timeout_s, metadata=call_metadata(token))
             if not reply.known:
                 register()
         except grpc.RpcError as e:
             log.debug("heartbeat failed: %s", e.code())
+        except ValueError as e:
+            log.warning("heartbeat withheld: %s", e)
         wait = intervals.send(req != last)
         last = req
 
@@ -265,8 +269,9 @@ def serve_dataserver(coordinator: str, kind: str, local_rank: int, workers: int,
     from .auth import pickle_allowed
     from .hostid import host_id as this_host
     from .rpc import check_hello, create_server
-    from .tokenfiles import token_path
+    from .tokenfiles import check_listener as check_coordinator, token_path
 
+    check_coordinator(coordinator)  # never this user's token to another user's port
     if not token:
         raise ValueError(f"no token for the Coordinator at {coordinator}: pass --token-file FILE or set HELIX_TOKEN "
                          f"(a Coordinator this user started on this machine leaves it in {token_path(coordinator)})")
@@ -301,7 +306,7 @@ def serve_dataserver(coordinator: str, kind: str, local_rank: int, workers: int,
 
     try:
         register()
-        hb = threading.Thread(target=_heartbeats, args=(servicer, coord, token, config, stop, register),
+        hb = threading.Thread(target=_heartbeats, args=(servicer, coord, coordinator, token, config, stop, register),
                               name="helix-heartbeat", daemon=True)
         hb.start()
         if on_ready is not None:
