@@ -128,3 +128,26 @@ def test_default_features_are_the_samples_tokens_and_bytes():
 
     s = {"video": torch.zeros(2, 3, 4, 4, dtype=torch.uint8), "tokens": 32, "index": 7, "meta": [torch.zeros(3)]}
     assert default_features(s) == {"tokens": 32, "bytes": 96 + 12}
+
+
+def test_a_round_closes_when_full_or_at_its_timeout_and_one_ranks_round_is_not_movable():
+    from helix_core.planning.rounds import RoundBuffer, RoundItem
+
+    now = [0.0]
+    buf = RoundBuffer([0, 1], buffer_size=3, timeout_s=0.05, clock=lambda: now[0])
+    assert buf.due_in() is None and buf.expire() is None and buf.flush() is None
+    assert buf.add(RoundItem("a", 0, 7, {"cost": 5})) is None
+    now[0] = 0.02
+    assert buf.due_in() == pytest.approx(0.03) and buf.expire() is None
+    assert buf.add(RoundItem("b", 1, 7, {"cost": 1})) is None
+    full = buf.add(RoundItem("c", 0, 8))
+    assert full.closed_by == "full" and [i.key for i in full.items] == ["a", "b", "c"] and full.movable
+    assert full.features()[0] == {"cost": 5, "rank": 0, "step": 7} and len(buf) == 0
+    now[0] = 1.0
+    buf.add(RoundItem("d", 0, 9))
+    buf.add(RoundItem("e", 1, 10))  # two ranks, but of different steps: nothing may move
+    now[0] = 1.06
+    late = buf.expire()
+    assert late.closed_by == "timeout" and not late.movable and buf.due_in() is None
+    with pytest.raises(ValueError, match="rank 2 is not in this group"):
+        buf.add(RoundItem("f", 2, 11))

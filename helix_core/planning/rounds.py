@@ -1,0 +1,91 @@
+"""Tier-2 rounds (pure; the clock is injected): which materialized samples are rebalanced together.
+
+A group's DataServers buffer the samples they materialize for the group's ranks. A round closes
+when it holds ``buffer_size`` samples or ``timeout_s`` after its first one, whichever comes first,
+so no rank ever waits on another rank's requests beyond the timeout (ranks that ask at different
+times, or a client that steps its loaders one after the other, never deadlock). A closed round
+whose samples could not move — no global step with samples of two ranks in it — is kept as it is
+without running the policy.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+__all__ = ["Round", "RoundBuffer", "RoundItem"]
+
+
+@dataclass(frozen=True)
+class RoundItem:
+    """One materialized sample: ``key`` (whatever names it to the runtime: a slab handle, a task
+    and position), the ``rank`` it is going to, its global ``step`` and its ``features``."""
+
+    key: object
+    rank: int
+    step: int
+    features: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Round:
+    """A closed round: its items in arrival order, and why it closed (``"full"`` or ``"timeout"``)."""
+
+    items: tuple[RoundItem, ...]
+    closed_by: str
+
+    @property
+    def movable(self) -> bool:
+        """Whether some global step has samples of two or more ranks here (else nothing may move)."""
+        ranks_of: dict[int, set[int]] = {}
+        for it in self.items:
+            ranks_of.setdefault(it.step, set()).add(it.rank)
+        return any(len(r) > 1 for r in ranks_of.values())
+
+    def features(self) -> list[dict]:
+        """What the policy sees: each item's features plus ``"rank"`` and ``"step"``."""
+        return [{**it.features, "rank": it.rank, "step": it.step} for it in self.items]
+
+
+class RoundBuffer:
+    """The open round of one group of ``ranks``. ``add`` returns the round it closed (full);
+    ``expire`` the one whose timeout passed; ``due_in`` says how long the waiter may sleep."""
+
+    def __init__(self, ranks, buffer_size: int, timeout_s: float, clock: Callable[[], float] = time.monotonic):
+        if buffer_size < 2 or not timeout_s > 0:
+            raise ValueError(f"RoundBuffer: buffer_size >= 2 and timeout_s > 0 (got {buffer_size}, {timeout_s})")
+        self.ranks = frozenset(ranks)
+        self.buffer_size, self.timeout_s, self.clock = buffer_size, timeout_s, clock
+        self._items: list[RoundItem] = []
+        self._opened: float | None = None
+
+    def add(self, item: RoundItem) -> Round | None:
+        if item.rank not in self.ranks:
+            raise ValueError(f"RoundBuffer: rank {item.rank} is not in this group {sorted(self.ranks)}")
+        if not self._items:
+            self._opened = self.clock()
+        self._items.append(item)
+        return self._close("full") if len(self._items) >= self.buffer_size else None
+
+    def due_in(self) -> float | None:
+        """Seconds until the open round times out (0: now); None when no round is open."""
+        if self._opened is None:
+            return None
+        return max(0.0, self._opened + self.timeout_s - self.clock())
+
+    def expire(self) -> Round | None:
+        """The open round, if its timeout has passed."""
+        left = self.due_in()
+        return self._close("timeout") if left is not None and left <= 0 else None
+
+    def flush(self) -> Round | None:
+        """Whatever is open, closed now (an epoch's end, a shutdown)."""
+        return self._close("flush") if self._items else None
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def _close(self, why: str) -> Round:
+        out = Round(tuple(self._items), why)
+        self._items, self._opened = [], None
+        return out
