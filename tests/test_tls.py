@@ -71,7 +71,9 @@ def test_tls_files_are_checked_up_front_naming_the_flag(tmp_path):
 
 def test_beyond_loopback_a_service_needs_a_token_and_tls_or_insecure():
     tls = Tls.for_job()
-    check_bind("127.0.0.1", None)  # loopback: as before
+    check_bind("127.0.0.1", "t")  # loopback: a token, no TLS needed
+    with pytest.raises(ValueError, match="needs a token"):  # no service runs without one
+        check_bind("127.0.0.1", None)
     with pytest.raises(ValueError, match="needs a token"):
         check_bind("192.0.2.1", None, tls)
     with pytest.raises(ValueError, match="needs TLS .*--insecure"):
