@@ -21,14 +21,14 @@ import torch
 from ..errors import ClusterError
 from .tensors import flatten, layout, read_tensors, unflatten, write_tensors
 
-__all__ = ["ExchangeGroup", "pack", "unpack"]
+__all__ = ["ExchangeGroup", "pack", "pack_many", "unpack"]
 
 _LEN = struct.Struct("<Q")
 _ALIGN = 64
 
 
-def pack(samples: list) -> torch.Tensor:
-    """One contiguous ``uint8`` tensor holding ``samples`` (each a dict / list / tensor tree)."""
+def _plan(samples: list) -> tuple[bytes, list[torch.Tensor], list[dict], int, int]:
+    """``(header, tensors, metas, payload start, total bytes)`` of ``samples`` packed."""
     trees, counts, flat = [], [], []
     for s in samples:
         tree, _, ts = flatten(s, allow_pickle=False)
@@ -41,13 +41,37 @@ def pack(samples: list) -> torch.Tensor:
               for i, (t, m) in enumerate(zip(flat, metas)) if m["is_inline"]}
     header = json.dumps({"trees": trees, "counts": counts, "metas": metas, "inline": inline}).encode()
     start = -(-(_LEN.size + len(header)) // _ALIGN) * _ALIGN
-    buf = torch.empty(start + payload, dtype=torch.uint8)
-    mv = memoryview(buf.numpy())
+    return header, flat, metas, start, start + payload
+
+
+def _write(plan, mv: memoryview) -> None:
+    header, flat, metas, start, total = plan
     _LEN.pack_into(mv, 0, len(header))
     mv[_LEN.size:_LEN.size + len(header)] = header
-    if payload:
-        write_tensors(mv[start:], flat, metas)
+    if total > start:
+        write_tensors(mv[start:total], flat, metas)
+
+
+def pack(samples: list) -> torch.Tensor:
+    """One contiguous ``uint8`` tensor holding ``samples`` (each a dict / list / tensor tree)."""
+    plan = _plan(samples)
+    buf = torch.empty(plan[4], dtype=torch.uint8)
+    _write(plan, memoryview(buf.numpy()))
     return buf
+
+
+def pack_many(groups: list[list]) -> tuple[torch.Tensor, list[int]]:
+    """``(buffer, sizes)``: every group of samples packed back to back in one buffer (an empty
+    group takes no bytes) — what one ``all_to_all_single`` sends, with no copy to join them."""
+    plans = [_plan(g) if g else None for g in groups]
+    sizes = [p[4] if p else 0 for p in plans]
+    buf = torch.empty(sum(sizes), dtype=torch.uint8)
+    mv, off = memoryview(buf.numpy()), 0
+    for plan, n in zip(plans, sizes):
+        if plan:
+            _write(plan, mv[off:off + n])
+        off += n
+    return buf, sizes
 
 
 def unpack(buf: torch.Tensor) -> list:
@@ -95,20 +119,22 @@ class ExchangeGroup:
         """Send ``outgoing[dst]`` (samples) to every rank ``dst``; returns ``incoming[src]``."""
         if len(outgoing) != self.world:
             raise ValueError(f"exchange: one list per rank ({self.world}), got {len(outgoing)}")
-        bufs = [pack(s) if s else torch.empty(0, dtype=torch.uint8) for s in outgoing]
-        got = self.exchange_bytes(bufs)
+        got = self.exchange_bytes(*pack_many(outgoing))
         return [unpack(b) if b.numel() else [] for b in got]
 
-    def exchange_bytes(self, outgoing: list[torch.Tensor]) -> list[torch.Tensor]:
-        """The byte buffers of :meth:`exchange`: one ``all_to_all_single`` of sizes, one of bytes."""
+    def exchange_bytes(self, send: torch.Tensor, split: list[int]) -> list[torch.Tensor]:
+        """The bytes of :meth:`exchange`: ``send[...]`` cut by ``split`` (one part per rank) goes
+        to each rank; one ``all_to_all_single`` of sizes, one of bytes. Returns each rank's part."""
         dist = self._dist
+        if len(split) != self.world or sum(split) != send.numel():
+            raise ValueError(f"exchange_bytes: {len(split)} parts of {sum(split)} bytes for {self.world} ranks "
+                             f"and a {send.numel()}-byte buffer")
         try:
-            sizes = torch.tensor([b.numel() for b in outgoing], dtype=torch.int64)
+            sizes = torch.tensor(split, dtype=torch.int64)
             theirs = torch.empty(self.world, dtype=torch.int64)
             dist.all_to_all_single(theirs, sizes)
-            send = torch.cat(outgoing) if any(b.numel() for b in outgoing) else torch.empty(0, dtype=torch.uint8)
             recv = torch.empty(int(theirs.sum()), dtype=torch.uint8)
-            dist.all_to_all_single(recv, send, output_split_sizes=theirs.tolist(), input_split_sizes=sizes.tolist())
+            dist.all_to_all_single(recv, send, output_split_sizes=theirs.tolist(), input_split_sizes=list(split))
         except RuntimeError as e:  # a peer died or timed out: the round fails, the caller falls back
             raise ClusterError(f"redistribution round failed on rank {self.rank} of {self.world}: {e}") from None
         return list(torch.split(recv, theirs.tolist()))
