@@ -126,7 +126,7 @@ def test_a_coordinator_killed_mid_epoch_and_restarted_8_s_later_never_stops_the_
                         restarted = True
             assert restarted and during > 0
             assert_same_batches(got, torch_batches(ds, 2, 0, 1))  # exactly the sampler's batches
-            assert ld.client.fallback_routes > 0
+            assert ld.client.servers.routes > 0
             tele = ld.client.telemetry()  # the new Coordinator: everyone registered again, placement resumed
         assert tele["routed"] > 0 and ld.client.client_id in tele["clients"]
         assert sum(s["alive"] for s in tele["servers"]) == 3

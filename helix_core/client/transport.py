@@ -20,6 +20,7 @@ from ..config import ClusterConfig
 from ..errors import ClusterError, SampleError
 from ..runtime.auth import call_metadata, load_token, pickle_allowed
 from ..runtime.tokenfiles import check_listener
+from .fallback import KnownServers
 from ..runtime.hostid import host_id
 from ..runtime.proto import helix_pb2 as pb
 from ..runtime.proto import helix_pb2_grpc as pbg
@@ -94,12 +95,8 @@ class ClusterClient:
         self.client_id = f"c{rank}-{uuid.uuid4().hex[:12]}"
         self.task_id_base = (secrets.randbits(23) + 1) << TASK_ID_BITS
         self._register()
-        self._known: dict[str, tuple[str, str]] = {}  # server id -> (address, kind), from routes: our host's locals, remotes
-        self._delivery: tuple[str, str] | None = None  # the last delivery server the Coordinator named
+        self.servers = KnownServers()  # learnt from routes; routes by itself while the Coordinator is away
         self._outage: float | None = None  # monotonic time the Coordinator became unreachable (None: it answers)
-        self._fallback_load: dict[str, int] = {}  # server id -> this client's requests routed there in an outage
-        self._fallback_owner: dict[int, str] = {}  # task id -> its server, for those
-        self.fallback_routes = 0
         self._watching, self._state = False, None
         self._last_rpc = time.monotonic()
         self._closing = threading.Event()
@@ -170,7 +167,7 @@ class ClusterClient:
         request = route_request(self.client_id, self.rank, part, deadline_s, scheduler, done, self.host, self.local_rank)
         self._last_rpc = time.monotonic()
         try:
-            if self._delivery is None:  # never answered yet: wait for it (coordinator_timeout_s), then fail
+            if self.servers.delivery is None:  # never answered yet: wait for it (coordinator_timeout_s), then fail
                 reply = self._call(self.coordinator.Route, request, stop=stop)
             else:
                 reply = self.coordinator.Route(request, timeout=self.config.rpc_timeout_s, metadata=self.metadata)
@@ -200,9 +197,8 @@ class ClusterClient:
             except ClusterError:
                 pass
         with self._lock:
-            self._known[reply.exec_server_id] = (reply.exec_address, reply.exec_kind)
-            self._known[reply.delivery_server_id] = (reply.delivery_address, "local")
-            self._delivery = (reply.delivery_server_id, reply.delivery_address)
+            self.servers.learn(reply.exec_server_id, reply.exec_address, reply.exec_kind, reply.delivery_server_id,
+                               reply.delivery_address)
         return Route.from_pb(reply)
 
     def _keep_lease(self) -> None:
@@ -232,36 +228,15 @@ class ClusterClient:
         self._channel.subscribe(seen, try_to_connect=True)
 
     def _fallback(self, part) -> Route:
-        """A Route without the Coordinator: among the servers this client knows — its delivery
-        server first, then its host's other local servers and the remote ones — the one with
-        the fewest of this client's requests, skipping those the part found dead."""
+        """A Route without the Coordinator (``KnownServers.route``)."""
         with self._lock:
-            if self._delivery is None:
-                raise ClusterError(f"lost the Coordinator at {self.address} before it named a server")
-            locals_ = [sid for sid, (_, kind) in self._known.items() if kind == "local"]  # all on our host
-            ordered = [self._delivery[0]] + [sid for sid in locals_ if sid != self._delivery[0]]
-            delivery = next((sid for sid in ordered if sid not in part.excluded), None)
-            if delivery is None:
-                raise ClusterError(f"the Coordinator at {self.address} is unreachable and every DataServer this "
-                                   f"client knows on host {self.host!r} failed: {sorted(part.excluded)}")
-            candidates = [delivery] + [sid for sid in self._known if sid != delivery and sid not in part.excluded]
-            chosen = min(candidates, key=lambda sid: (self._fallback_load.get(sid, 0), sid != delivery))
-            prev = self._fallback_owner.pop(part.task_id, None)
-            if prev is not None:
-                self._fallback_load[prev] -= 1
-            self._fallback_owner[part.task_id] = chosen
-            self._fallback_load[chosen] = self._fallback_load.get(chosen, 0) + 1
-            self.fallback_routes += 1
-            address, kind = self._known[chosen]
-            return Route(chosen, address, kind, delivery, self._known[delivery][0], "coordinator-unreachable", 0.0)
+            return self.servers.route(part, self.address, self.host)
 
     def completed(self, task_id: int) -> None:
         """A request's reply landed (or it failed or was given up): the next Route tells the Coordinator."""
         with self._lock:
             self._completed.append(task_id)
-            owner = self._fallback_owner.pop(task_id, None)
-            if owner is not None:
-                self._fallback_load[owner] -= 1
+            self.servers.done(task_id)
 
     def flush_completions(self) -> None:
         """Tell the Coordinator now of the completions no Route has carried yet (fire and forget)."""

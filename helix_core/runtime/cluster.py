@@ -89,8 +89,8 @@ class LocalCluster:
     ``token``: the token every RPC must carry (default, or ``True``: a fresh one; a cluster never
     runs without one). The Coordinator leaves it in the user's private Helix folder, so this user's
     loaders and ``helix`` commands given only ``address`` find it; cloudpickled datasets travel
-    unless ``config.allow_pickle`` is False. ``tls``: a ``Tls`` for every port and channel of the cluster (default: its
-    processes read ``HELIX_TLS_*``); clients pass ``cluster.tls``. ``address`` is ``"host:port"``
+    unless ``config.allow_pickle`` is False. ``tls``: a ``Tls`` for every port and channel of the
+    cluster (default: its processes read ``HELIX_TLS_*``); clients pass ``cluster.tls``. ``address`` is ``"host:port"``
     of the Coordinator; ``servers`` lists local servers first, then remote ones; ``kill_server(i)``
     SIGKILLs one (fault injection).
     """

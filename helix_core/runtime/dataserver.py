@@ -233,10 +233,12 @@ def heartbeat_intervals(config: ClusterConfig):
         wait = base if changed else min(longest, wait * 2)
 
 
-def _heartbeats(servicer: DataServerServicer, coord, coordinator: str, token, config: ClusterConfig,
+def _heartbeats(servicer: DataServerServicer, coord, channel, coordinator: str, token, config: ClusterConfig,
                 stop: threading.Event, register) -> None:
     intervals, last = heartbeat_intervals(config), None
     wait = next(intervals)
+    ready = threading.Event()  # the channel holds a connection (to the listener checked before it was made)
+    channel.subscribe(lambda s: ready.set() if s == grpc.ChannelConnectivity.READY else ready.clear())
     while not stop.wait(wait):
         servicer.slabs.reclaim()  # delivery slabs of clients that died come back; unused ones go
         st = servicer.pool.stats()
@@ -246,7 +248,8 @@ def _heartbeats(servicer: DataServerServicer, coord, coordinator: str, token, co
             completed=st["completed"], cross_ds_bytes=servicer.cross_ds_bytes, queued_cpu_s=st["queued_cpu_s"],
             link_bandwidth_bps=servicer.link_bandwidth_bps, link_latency_s=servicer.link_latency_s)
         try:
-            check_listener(coordinator)  # its Coordinator stopped and another user took the port: not to them
+            if not ready.is_set():  # about to connect: if its Coordinator stopped and another user took the
+                check_listener(coordinator)  # port, the token must not go there (/proc/net/tcp costs ~5 ms: not every beat)
             reply = coord.Heartbeat(req, timeout=config.rpc_timeout_s, metadata=call_metadata(token))
             if not reply.known:
                 register()
@@ -278,7 +281,8 @@ def serve_dataserver(coordinator: str, kind: str, local_rank: int, workers: int,
     host_id = this_host(host_id)
     server, bound = create_server(host, port, token, config, threads=config.server_threads, tls=tls, insecure=insecure)
     allow_pickle = pickle_allowed(host, token, tls, config.allow_pickle)
-    coord = pbg.CoordinatorStub(connect(coordinator, config, tls))
+    coord_channel = connect(coordinator, config, tls)
+    coord = pbg.CoordinatorStub(coord_channel)
     hello = check_hello(coord, "dataserver", token, config.rpc_timeout_s, f"the Coordinator at {coordinator}", tls)
     # bound to every interface: peers need a name that reaches this machine, not the wildcard
     address = f"{advertise or (socket.getfqdn() if host in ('0.0.0.0', '::', '') else host)}:{bound}"
@@ -306,7 +310,8 @@ def serve_dataserver(coordinator: str, kind: str, local_rank: int, workers: int,
 
     try:
         register()
-        hb = threading.Thread(target=_heartbeats, args=(servicer, coord, coordinator, token, config, stop, register),
+        hb = threading.Thread(target=_heartbeats, args=(servicer, coord, coord_channel, coordinator, token, config, stop,
+                                                        register),
                               name="helix-heartbeat", daemon=True)
         hb.start()
         if on_ready is not None:

@@ -18,7 +18,6 @@ receives it. Beyond loopback, TLS checks the peer.
 """
 from __future__ import annotations
 
-import ipaddress
 import os
 import re
 import stat
@@ -77,12 +76,9 @@ def _split(address: str) -> tuple[str, int]:
 
 def _is_local(host: str) -> bool:
     """Loopback, or a wildcard bind (which loopback clients reach)."""
-    if host in ("localhost", "0.0.0.0", "::", ""):
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+    from .auth import is_loopback
+
+    return host in ("0.0.0.0", "::", "") or is_loopback(host)
 
 
 def _host_key(host: str) -> str:
