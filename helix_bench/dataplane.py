@@ -1,10 +1,11 @@
 """`python -m helix_bench.dataplane`: the data plane's own figures, medians over repeats.
 
 - **local**: shared-memory delivery on one host (``bench.transport.bench_local_delivery``).
-- **remote**: a remote DataServer streams a batch over gRPC to a local one (loopback). Stream
-  GB/s = bytes / (wall of ``Execute(deliver_to=local)`` - wall of the same ``Execute`` delivered
-  by the remote server itself), i.e. with the produce time subtracted; also per call (each call's
-  own worker time subtracted: steadier, since producing dwarfs streaming) and end-to-end GB/s.
+- **remote**: a remote DataServer sends a batch to a local one (loopback), by the bulk path and
+  by gRPC's ``Deliver`` stream. Stream GB/s = bytes / (wall of ``Execute(deliver_to=local)`` -
+  wall of the same ``Execute`` delivered by the remote server itself), i.e. with the produce time
+  subtracted; also per call (each call's own worker time subtracted: steadier, since producing
+  dwarfs streaming), end-to-end GB/s, and the receiving server's CPU per MB.
 - **route**: Coordinator ``Route`` requests/s from N client threads and its decision time.
 - **e2e**: R rank processes over a real kinetics-mixed workload, Helix (one shared LocalCluster)
   against torch ``DataLoader`` + ``DistributedSampler`` at the same total worker processes.
@@ -90,40 +91,59 @@ def _execute(client, address: str, spec, task_id: int, batch: int, deliver_to: s
 
 def bench_remote(sizes_mb=(64, 256), sample_mb: int = 16, repeats: int = 5, console=None, progress=None) -> list[dict]:
     """Stream GB/s from a remote DataServer to a local one on loopback, per batch size (MiB;
-    samples of ``sample_mb`` MiB). One warm-up pair per size, then ``repeats`` pairs, alternating
-    streamed and local calls so that machine noise hits both alike. See ``stream_figures``."""
+    samples of ``sample_mb`` MiB) and per path: ``bulk`` (runtime/bulk.py, into the slab) and
+    ``grpc`` (the ``Deliver`` stream), each in a cluster of its own. One warm-up round per size,
+    then ``repeats`` rounds, each a streamed and a local call on both clusters, so that machine
+    noise hits all alike. See ``stream_figures``; ``recv_ms_per_mb``: the receiving DataServer's
+    own CPU (all its threads) per MB streamed, the cost a GPU host pays for a sidecar's batch."""
+    import contextlib
+
+    import psutil
+
     from helix_core.config import ClusterConfig
     from helix_core.runtime.cluster import LocalCluster
     from helix_core.runtime.specs import make_spec
     from helix_core.testing import IndexDataset
     from helix_core.client.transport import ClusterClient
 
-    config = ClusterConfig()
     rows, ids = [], itertools.count(1)
-    with LocalCluster(local_servers=1, remote_servers=1, workers_per_server=1, config=config) as cluster:
-        client = ClusterClient(cluster.address, None, config, 0, 1)
-        try:
-            local, remote = cluster.servers[0].address, cluster.servers[1].address
-            task = progress.add_task("remote stream", total=len(sizes_mb) * (repeats + 1)) if progress else None
-            for mb in sizes_mb:
-                batch = max(1, mb // sample_mb)
-                spec = make_spec(IndexDataset(batch, (sample_mb * _MIB,)), None, client.pickle_allowed)
-                calls = []  # (streamed wall, its exec_s, local wall, its exec_s, bytes moved)
-                for _ in range(repeats + 1):
+    paths = ("bulk", "grpc")
+    with contextlib.ExitStack() as stack:
+        sides = {}
+        for path in paths:
+            config = ClusterConfig(bulk_delivery=path == "bulk")
+            cluster = stack.enter_context(LocalCluster(local_servers=1, remote_servers=1, workers_per_server=1,
+                                                       config=config))
+            client = ClusterClient(cluster.address, cluster.token, config, 0, 1)
+            stack.callback(client.close)
+            sides[path] = (client, cluster.servers[0].address, cluster.servers[1].address,
+                           psutil.Process(cluster.servers[0].pid), config)
+        task = progress.add_task("remote stream", total=len(sizes_mb) * (repeats + 1)) if progress else None
+        for mb in sizes_mb:
+            batch = max(1, mb // sample_mb)
+            calls = {p: [] for p in paths}  # (streamed wall, its exec_s, local wall, its exec_s, bytes, recv CPU-s)
+            for _ in range(repeats + 1):
+                for path in paths:
+                    client, local, remote, receiver, config = sides[path]
+                    spec = make_spec(IndexDataset(batch, (sample_mb * _MIB,)), None, client.pickle_allowed)
+                    c0 = sum(receiver.cpu_times()[:2])
                     streamed = _execute(client, remote, spec, next(ids), batch, local, config.execute_timeout_s)
-                    calls.append(streamed[:2] + _execute(client, remote, spec, next(ids), batch, "",
-                                                         config.execute_timeout_s)[:2] + streamed[2:])
-                    if progress:
-                        progress.advance(task)
-                rs, re_, ls, le, moved = zip(*calls[1:])  # the first pair loads the dataset, first-touches slabs
-                rows.append(stream_figures(moved[-1], rs, ls, re_, le))
-        finally:
-            client.close()
+                    recv_cpu = sum(receiver.cpu_times()[:2]) - c0
+                    calls[path].append(streamed[:2] + _execute(client, remote, spec, next(ids), batch, "",
+                                                               config.execute_timeout_s)[:2] + streamed[2:] + (recv_cpu,))
+                if progress:
+                    progress.advance(task)
+            for path in paths:
+                rs, re_, ls, le, moved, recv = zip(*calls[path][1:])  # the first round loads, first-touches slabs
+                row = stream_figures(moved[-1], rs, ls, re_, le)
+                row.update(path=path, recv_ms_per_mb=statistics.median(recv) * 1e3 / (moved[-1] / 1e6))
+                rows.append(row)
     print_rows(console, f"Remote stream, remote → local DataServer on loopback (medians of {repeats})",
-                 ["MiB", "stream GB/s (median diff)", "stream GB/s (per call)", "end-to-end GB/s", "streamed s",
-                  "local s"],
-                 [[f"{r['size_mb']:.0f}", f"{r['stream_gb_s']:.2f}", f"{r['stream_per_call_gb_s']:.2f}",
-                   f"{r['e2e_gb_s']:.2f}", f"{r['remote_s']:.3f}", f"{r['local_s']:.3f}"] for r in rows])
+               ["path", "MiB", "stream GB/s (median diff)", "stream GB/s (per call)", "end-to-end GB/s",
+                "receiver CPU ms/MB", "streamed s", "local s"],
+               [[r["path"], f"{r['size_mb']:.0f}", f"{r['stream_gb_s']:.2f}", f"{r['stream_per_call_gb_s']:.2f}",
+                 f"{r['e2e_gb_s']:.2f}", f"{r['recv_ms_per_mb']:.2f}", f"{r['remote_s']:.3f}", f"{r['local_s']:.3f}"]
+                for r in rows])
     return rows
 
 

@@ -54,7 +54,8 @@ class CoordinatorServicer(pbg.CoordinatorServicer):
         known = self.registry.heartbeat(request.server_id, healthy=request.workers_alive > 0,
                                         queue_depth=request.queue_depth, inflight=request.inflight,
                                         latency_per_cost=request.latency_per_cost or 1.0, completed=request.completed,
-                                        cross_ds_bytes=request.cross_ds_bytes, queued_cpu_s=request.queued_cpu_s,
+                                        cross_ds_bytes=request.cross_ds_bytes, bulk_bytes=request.bulk_bytes,
+                                        queued_cpu_s=request.queued_cpu_s,
                                         link_bandwidth_bps=request.link_bandwidth_bps,
                                         link_latency_s=request.link_latency_s)
         return pb.HeartbeatReply(known=known)

@@ -1,10 +1,11 @@
 """The DataServer: a gRPC service in front of a supervised worker pool (the payload plane).
 
 A local server delivers by shared memory: the reply to ``Execute`` is a small handle naming a slab
-that a worker wrote. A remote ("sidecar") server always streams: header (structure and tensor
-metadata, small tensors inline) then raw bytes in chunks, to the rank's local DataServer, whose
-``Deliver`` writes them into one of its own slabs and returns the handle — so the client always
-maps local shared memory, and ``cross_ds_bytes`` counts what moved between servers.
+that a worker wrote. A remote ("sidecar") server always sends its batch on — header (structure and
+tensor metadata, small tensors inline), then the raw bytes — to the rank's local DataServer, which
+takes them into one of its own slabs and returns the handle (``runtime/delivery.py``: by the bulk
+path, straight into the slab, or by gRPC's ``Deliver`` stream) — so the client always maps local
+shared memory, and ``cross_ds_bytes`` counts what moved between servers.
 """
 from __future__ import annotations
 
@@ -13,7 +14,6 @@ import logging
 import os
 import socket
 import threading
-import time
 
 import grpc
 
@@ -25,8 +25,10 @@ from ..protocol import ErrorKind
 from .proto import helix_pb2 as pb
 from .proto import helix_pb2_grpc as pbg
 from .rpc import connect
-from .tensors import ChunkWriter, iter_chunks
-from .wire import add_servicer, deliver_callable
+from .bulk import NO_ROOM, BulkListener
+from .delivery import DeliveryFailed, Inbound, Outbound, Refused, metas_to_pb
+from .tensors import ChunkWriter
+from .wire import add_servicer
 from .cpuslots import HostSlots
 from .pool import WorkerPool
 from .reader import SlabReader
@@ -38,14 +40,9 @@ __all__ = ["DataServerServicer", "serve_dataserver"]
 log = logging.getLogger("helix.dataserver")
 
 
-def _metas_to_pb(metas: list[dict]) -> list[pb.TensorMeta]:
-    return [pb.TensorMeta(dtype=m["dtype"], shape=m["shape"], offset=m["offset"], nbytes=m["nbytes"],
-                          is_inline=m["is_inline"], inline_data=m.get("inline_data") or b"") for m in metas]
-
-
 def _batch_pb(result: dict) -> pb.BatchHandle:
     return pb.BatchHandle(slab=pb.SlabHandle(**result["handle"]), tree_json=result["tree_json"],
-                          tree_pickle=result["tree_pickle"], tensors=_metas_to_pb(result["metas"]))
+                          tree_pickle=result["tree_pickle"], tensors=metas_to_pb(result["metas"]))
 
 
 def _failure_pb(f: dict | None) -> pb.SampleFailure | None:
@@ -61,13 +58,11 @@ class DataServerServicer(pbg.DataServerServicer):
         self.address, self.kind, self.tls = address, kind, tls
         self.pickle_allowed = bool(token) if pickle_allowed is None else pickle_allowed
         self.server_id, self.cluster_id = "", ""
-        self.cross_ds_bytes = 0
-        self.link_bandwidth_bps = 0.0  # EWMA over delivery streams of >= 1 MiB (remote servers)
-        self.link_latency_s = 0.0  # EWMA of small delivery streams' duration
-        self._deliver: dict[str, object] = {}  # address -> Deliver callable (runtime.wire)
-        self._lock = threading.Lock()
-        # maps of the workers' slabs, kept: they are reused, so a stream never re-faults their pages
+        self.bulk_port = 0  # the bulk listener's port (0: none)
+        # maps of the workers' slabs, kept: they are reused, so a delivery never re-faults their pages
         self.reader = SlabReader()
+        self.outbound = Outbound(token, config, tls, self.reader)  # remote: batches on to delivering servers
+        self.inbound = Inbound(slabs, self.pickle_allowed, self._no_pickle_why(), lambda: self.server_id)
 
     def _no_pickle_why(self) -> str:
         return "runs with ClusterConfig(allow_pickle=False)" if not self.config.allow_pickle \
@@ -75,7 +70,7 @@ class DataServerServicer(pbg.DataServerServicer):
 
     def Hello(self, request, context):
         return pb.HelloReply(protocol_version=PROTOCOL_VERSION, cluster_id=self.cluster_id,
-                             pickle_allowed=self.pickle_allowed)
+                             pickle_allowed=self.pickle_allowed, bulk_port=self.bulk_port)
 
     def Configure(self, request, context):
         if request.format == "cloudpickle" and not self.pickle_allowed:
@@ -136,10 +131,10 @@ class DataServerServicer(pbg.DataServerServicer):
             return reply
         if remote:
             try:
-                delivered = self._stream(request.task_id, result, request.deliver_to)
-            except grpc.RpcError as e:  # it is up but has no room (final), or it is gone (run it elsewhere)
-                kind = ErrorKind.NO_ROOM if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED else ErrorKind.DELIVERY_LOST
-                reply.error_kind, reply.error = kind, f"delivery server {request.deliver_to}: {e.code().name} {e.details()}"
+                delivered = self.outbound.send(request.task_id, result, request.deliver_to)
+            except DeliveryFailed as e:  # it is up but has no room (final), or it is gone (run it elsewhere)
+                reply.error_kind = ErrorKind.NO_ROOM if e.no_room else ErrorKind.DELIVERY_LOST
+                reply.error = str(e)
                 return reply
             finally:
                 shm.release_segment(result["handle"])  # streamed (or failed): our slab is free again
@@ -155,48 +150,16 @@ class DataServerServicer(pbg.DataServerServicer):
                                 {"segment": reply.batch.slab.segment, "generation": reply.batch.slab.generation})
         return reply
 
-    def _stream(self, task_id: int, result: dict, address: str) -> pb.DeliverReply:
-        """Send a worker's batch to the delivering DataServer: header, then raw chunks."""
-        with self._lock:
-            deliver = self._deliver.get(address)
-            if deliver is None:
-                deliver = self._deliver[address] = deliver_callable(connect(address, self.config, self.tls))
-        payload = self.reader.view(result["handle"])
-        total = result["handle"]["nbytes"]
-        header = pb.StreamHeader(task_id=task_id, tree_json=result["tree_json"], tree_pickle=result["tree_pickle"],
-                                 tensors=_metas_to_pb(result["metas"]), total_bytes=total)
-
-        def chunks():
-            yield pb.StreamChunk(header=header)
-            yield from iter_chunks(payload, total, self.config.stream_chunk_bytes)  # raw: one copy each
-
-        t0 = time.perf_counter()
-        try:
-            reply = deliver(chunks(), timeout=self.config.execute_timeout_s, metadata=call_metadata(self.token))
-        finally:
-            payload.release()
-        seconds = time.perf_counter() - t0
-        with self._lock:
-            self.cross_ds_bytes += total
-            if total >= 1 << 20:  # the link's bandwidth for placement (paper Eq. 1: C_net)
-                bw = total / max(seconds, 1e-6)
-                self.link_bandwidth_bps = bw if not self.link_bandwidth_bps else 0.8 * self.link_bandwidth_bps + 0.2 * bw
-            else:
-                self.link_latency_s = seconds if not self.link_latency_s else 0.8 * self.link_latency_s + 0.2 * seconds
-        return reply
-
     def Deliver(self, request_iterator, context):
         first = next(request_iterator, None)  # chunks come as runtime.wire.decode_chunk makes them
         if not isinstance(first, pb.StreamChunk) or first.WhichOneof("part") != "header":
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a delivery stream starts with a header")
         h = first.header
-        if h.tree_pickle and not self.pickle_allowed:
-            context.abort(grpc.StatusCode.PERMISSION_DENIED, f"a pickled batch structure needs {PICKLING}; this "
-                          f"DataServer {self._no_pickle_why()}")
         try:
-            slab = self.slabs.acquire(h.total_bytes)
-        except shm.ShmCapacityError as e:
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{shm.NO_ROOM} a {h.total_bytes}-byte batch: {e}")
+            slab = self.inbound.take(h)
+        except Refused as e:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED if e.status == NO_ROOM else grpc.StatusCode.PERMISSION_DENIED,
+                          str(e))
         try:
             writer = ChunkWriter(slab.payload, h.total_bytes)
             for chunk in request_iterator:
@@ -206,9 +169,7 @@ class DataServerServicer(pbg.DataServerServicer):
         except Exception as e:
             shm.release_segment(slab.handle(h.total_bytes))
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad delivery stream: {e}")
-        return pb.DeliverReply(server_id=self.server_id, batch=pb.BatchHandle(
-            slab=pb.SlabHandle(**slab.handle(h.total_bytes)), tree_json=h.tree_json, tree_pickle=h.tree_pickle,
-            tensors=h.tensors))
+        return self.inbound.reply(slab, h)
 
     def Cancel(self, request, context):
         self.pool.cancel(list(request.task_ids), request.client_id)
@@ -241,12 +202,12 @@ def _heartbeats(servicer: DataServerServicer, coord, channel, coordinator: str, 
     channel.subscribe(lambda s: ready.set() if s == grpc.ChannelConnectivity.READY else ready.clear())
     while not stop.wait(wait):
         servicer.slabs.reclaim()  # delivery slabs of clients that died come back; unused ones go
-        st = servicer.pool.stats()
+        st, out = servicer.pool.stats(), servicer.outbound
         req = pb.HeartbeatRequest(
             server_id=servicer.server_id, queue_depth=st["queue_depth"], inflight=st["inflight"],
             workers_alive=st["workers_alive"], latency_per_cost=st["latency_per_cost"],
-            completed=st["completed"], cross_ds_bytes=servicer.cross_ds_bytes, queued_cpu_s=st["queued_cpu_s"],
-            link_bandwidth_bps=servicer.link_bandwidth_bps, link_latency_s=servicer.link_latency_s)
+            completed=st["completed"], cross_ds_bytes=out.cross_ds_bytes, bulk_bytes=out.bulk_bytes,
+            queued_cpu_s=st["queued_cpu_s"], link_bandwidth_bps=out.link_bandwidth_bps, link_latency_s=out.link_latency_s)
         try:
             if not ready.is_set():  # about to connect: if its Coordinator stopped and another user took the
                 check_listener(coordinator)  # port, the token must not go there (/proc/net/tcp costs ~5 ms: not every beat)
@@ -299,6 +260,10 @@ def serve_dataserver(coordinator: str, kind: str, local_rank: int, workers: int,
         raise
     servicer = DataServerServicer(pool, slabs, config, token, address, kind, tls, allow_pickle)
     servicer.cluster_id = hello.cluster_id
+    # a local server takes remote batches by the bulk path too, on the host it serves gRPC on
+    bulk = BulkListener(host, token, config, tls, servicer.inbound.bulk) if kind == "local" and config.bulk_delivery \
+        else None
+    servicer.bulk_port = bulk.port if bulk is not None else 0
     add_servicer(servicer, server)  # the generated registration, with zero-copy Deliver chunks
     server.start()
 
@@ -320,6 +285,9 @@ def serve_dataserver(coordinator: str, kind: str, local_rank: int, workers: int,
             pass
     finally:
         server.stop(grace=min(1.0, config.stop_timeout_s)).wait(config.stop_timeout_s)
+        if bulk is not None:
+            bulk.close()
+        servicer.outbound.close()
         pool.close()
         slabs.close()
         servicer.reader.close()

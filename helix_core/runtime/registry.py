@@ -42,6 +42,7 @@ class ServerState:
     latency_per_cost: float = 1.0
     completed: int = 0
     cross_ds_bytes: int = 0
+    bulk_bytes: int = 0  # of cross_ds_bytes, sent by the bulk path
     queued_cpu_s: float = 0.0  # its last heartbeat: predicted CPU seconds queued or running there
     pending_cpu_s: float = 0.0  # predicted CPU seconds routed to it since that heartbeat, not yet completed
     link_bandwidth_bps: float = 0.0

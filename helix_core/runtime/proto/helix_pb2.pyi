@@ -33,14 +33,16 @@ class HelloRequest(_message.Message):
     def __init__(self, protocol_version: _Optional[int] = ..., role: _Optional[str] = ...) -> None: ...
 
 class HelloReply(_message.Message):
-    __slots__ = ("protocol_version", "cluster_id", "pickle_allowed")
+    __slots__ = ("protocol_version", "cluster_id", "pickle_allowed", "bulk_port")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     CLUSTER_ID_FIELD_NUMBER: _ClassVar[int]
     PICKLE_ALLOWED_FIELD_NUMBER: _ClassVar[int]
+    BULK_PORT_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     cluster_id: str
     pickle_allowed: bool
-    def __init__(self, protocol_version: _Optional[int] = ..., cluster_id: _Optional[str] = ..., pickle_allowed: _Optional[bool] = ...) -> None: ...
+    bulk_port: int
+    def __init__(self, protocol_version: _Optional[int] = ..., cluster_id: _Optional[str] = ..., pickle_allowed: _Optional[bool] = ..., bulk_port: _Optional[int] = ...) -> None: ...
 
 class Ack(_message.Message):
     __slots__ = ("ok",)
@@ -99,7 +101,7 @@ class RegisterClientReply(_message.Message):
     def __init__(self, client_id: _Optional[str] = ..., cluster_id: _Optional[str] = ..., task_id_base: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("server_id", "queue_depth", "inflight", "workers_alive", "latency_per_cost", "completed", "cross_ds_bytes", "queued_cpu_s", "link_bandwidth_bps", "link_latency_s")
+    __slots__ = ("server_id", "queue_depth", "inflight", "workers_alive", "latency_per_cost", "completed", "cross_ds_bytes", "queued_cpu_s", "link_bandwidth_bps", "link_latency_s", "bulk_bytes")
     SERVER_ID_FIELD_NUMBER: _ClassVar[int]
     QUEUE_DEPTH_FIELD_NUMBER: _ClassVar[int]
     INFLIGHT_FIELD_NUMBER: _ClassVar[int]
@@ -110,6 +112,7 @@ class HeartbeatRequest(_message.Message):
     QUEUED_CPU_S_FIELD_NUMBER: _ClassVar[int]
     LINK_BANDWIDTH_BPS_FIELD_NUMBER: _ClassVar[int]
     LINK_LATENCY_S_FIELD_NUMBER: _ClassVar[int]
+    BULK_BYTES_FIELD_NUMBER: _ClassVar[int]
     server_id: str
     queue_depth: int
     inflight: int
@@ -120,7 +123,8 @@ class HeartbeatRequest(_message.Message):
     queued_cpu_s: float
     link_bandwidth_bps: float
     link_latency_s: float
-    def __init__(self, server_id: _Optional[str] = ..., queue_depth: _Optional[int] = ..., inflight: _Optional[int] = ..., workers_alive: _Optional[int] = ..., latency_per_cost: _Optional[float] = ..., completed: _Optional[int] = ..., cross_ds_bytes: _Optional[int] = ..., queued_cpu_s: _Optional[float] = ..., link_bandwidth_bps: _Optional[float] = ..., link_latency_s: _Optional[float] = ...) -> None: ...
+    bulk_bytes: int
+    def __init__(self, server_id: _Optional[str] = ..., queue_depth: _Optional[int] = ..., inflight: _Optional[int] = ..., workers_alive: _Optional[int] = ..., latency_per_cost: _Optional[float] = ..., completed: _Optional[int] = ..., cross_ds_bytes: _Optional[int] = ..., queued_cpu_s: _Optional[float] = ..., link_bandwidth_bps: _Optional[float] = ..., link_latency_s: _Optional[float] = ..., bulk_bytes: _Optional[int] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
     __slots__ = ("known",)

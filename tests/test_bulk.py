@@ -1,0 +1,128 @@
+"""The bulk delivery path (runtime/bulk.py): a remote server's batch goes straight into the
+delivering server's slab over a token-checked TCP connection (TLS with the cluster's
+certificates), and the cluster uses it for every remote delivery, falling back to gRPC's
+``Deliver`` where it is off; a stalled receiver fails a transfer in seconds."""
+import socket
+import time
+
+import pytest
+
+import helix_core as hx
+from helix_core.config import ClusterConfig
+from helix_core.runtime import shm
+from helix_core.runtime.bulk import NO_ROOM, OK, REFUSED, BulkError, BulkListener, BulkSender
+from helix_core.runtime.proto import helix_pb2 as pb
+from helix_core.runtime.tls import Tls
+from helix_core.testing import IndexDataset
+
+from dataplane import CFG, assert_same_batches, torch_batches
+
+TOKEN = "t" * 32
+
+
+class Receiver:
+    """A listener writing into a real slab pool, as a DataServer's does."""
+
+    def __init__(self, tls=None, refuse=None, config=CFG):
+        self.pool = shm.SlabPool(f"helix-test-bulk-{id(self):x}")
+        self.refuse, self.got = refuse, []
+        self.listener = BulkListener("127.0.0.1", TOKEN, config, tls=tls, receive=self.receive)
+
+    def receive(self, header):
+        if self.refuse is not None:
+            return self.refuse, "no room for it", None, None, None
+        slab = self.pool.acquire(header.total_bytes)
+
+        def done():
+            self.got.append(bytes(slab.payload[:header.total_bytes]))
+            slab.release()
+            return pb.DeliverReply(server_id="receiver").SerializeToString()
+
+        return OK, "", slab.payload, done, slab.release
+
+    def close(self):
+        self.listener.close()
+        self.pool.close()
+
+
+def _header(n: int) -> pb.StreamHeader:
+    return pb.StreamHeader(task_id=7, tree_json="{}", total_bytes=n)
+
+
+def test_a_batch_arrives_byte_for_byte_over_kept_connections():
+    rx = Receiver()
+    tx = BulkSender(TOKEN, CFG)
+    try:
+        payloads = [bytes(range(256)) * (k * 4099 + 1) for k in range(3)]
+        for p in payloads:
+            reply = tx.send("127.0.0.1", rx.listener.port, _header(len(p)), memoryview(p))
+            assert reply.server_id == "receiver"
+        assert rx.got == payloads and rx.listener.received_bytes == sum(map(len, payloads))
+        assert len(tx._idle[("127.0.0.1", rx.listener.port)]) == 1  # one connection carried all three
+    finally:
+        tx.close()
+        rx.close()
+
+
+def test_a_wrong_token_and_a_refusal_are_named_and_the_listener_keeps_serving():
+    rx = Receiver()
+    try:
+        with pytest.raises(BulkError, match="wrong or missing token") as e:
+            BulkSender("x" * 32, CFG).send("127.0.0.1", rx.listener.port, _header(3), memoryview(b"abc"))
+        assert e.value.status == REFUSED
+        tx = BulkSender(TOKEN, CFG)
+        rx.refuse = NO_ROOM
+        with pytest.raises(BulkError, match="no room") as e:
+            tx.send("127.0.0.1", rx.listener.port, _header(5), memoryview(b"hello"))
+        assert e.value.status == NO_ROOM
+        rx.refuse = None  # the refused payload was drained: the same connection goes on
+        tx.send("127.0.0.1", rx.listener.port, _header(5), memoryview(b"hello"))
+        assert rx.got == [b"hello"]
+        tx.close()
+    finally:
+        rx.close()
+
+
+def test_tls_both_ends_and_a_stranger_is_refused():
+    job = Tls.for_job()
+    rx = Receiver(tls=job)
+    try:
+        tx = BulkSender(TOKEN, CFG, tls=job)
+        tx.send("127.0.0.1", rx.listener.port, _header(4), memoryview(b"data"))
+        assert rx.got == [b"data"]
+        tx.close()
+        stranger = BulkSender(TOKEN, CFG, tls=Tls.for_job())  # another CA: neither side trusts the other
+        with pytest.raises(BulkError) as e:
+            stranger.send("127.0.0.1", rx.listener.port, _header(4), memoryview(b"data"))
+        assert e.value.status is None and rx.got == [b"data"]
+    finally:
+        rx.close()
+
+
+def test_a_receiver_that_stops_answering_fails_the_transfer_within_the_keepalive_deadline():
+    cfg = ClusterConfig.for_tests()
+    with socket.socket() as silent:  # accepts, then never reads nor answers (a SIGSTOPped server)
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(1)
+        tx = BulkSender(TOKEN, cfg)
+        t0 = time.monotonic()
+        with pytest.raises(BulkError) as e:
+            tx.send("127.0.0.1", silent.getsockname()[1], _header(64 << 20), memoryview(bytearray(64 << 20)))
+        assert e.value.status is None
+        assert time.monotonic() - t0 < 3 * (cfg.keepalive_s + cfg.keepalive_timeout_s)
+
+
+@pytest.mark.parametrize("bulk", [True, False])
+def test_a_cluster_delivers_remote_batches_by_the_bulk_path_or_by_grpc_identically(bulk):
+    cfg = ClusterConfig.for_tests(bulk_delivery=bulk)
+    ds = IndexDataset(24, shape=(3, 64, 64), delays={i: 0.05 for i in range(24)})
+    with hx.LocalCluster(local_servers=1, remote_servers=1, workers_per_server=1, config=cfg) as cluster:
+        with hx.DistributedDataLoader(ds, batch_size=2, coordinator=cluster.address, config=cfg,
+                                      scheduler="least-request", prefetch_depth=6) as ld:
+            got = list(ld)
+            moved = ld.stats()["cross_ds_bytes"]
+            tele = ld.client.telemetry()
+    assert_same_batches(got, torch_batches(ds, 2, 0, 1))
+    remote = next(s for s in tele["servers"] if s["kind"] == "remote")  # as of its last heartbeat
+    assert moved > 0 and remote["cross_ds_bytes"] > 0
+    assert remote["bulk_bytes"] == (remote["cross_ds_bytes"] if bulk else 0)
