@@ -64,13 +64,17 @@ class HostBenchConfig:
             raise ValueError(f"--hosts {self.hosts} x --host-cpus {self.host_cpus} + {max(self.sidecars)} sidecars x "
                              f"--sidecar-cpus {self.sidecar_cpus} = {need:g} CPUs, more than this machine's {cores}: "
                              "the quotas would not hold")
-        bad = [s for s in self.systems if s not in ("native", "helix")]
+        bad = [s for s in self.systems if s not in SYSTEMS]
         if bad:
-            raise ValueError(f"--systems {bad}: the hosts mode runs native and helix")
+            raise ValueError(f"--systems {bad}: the hosts mode runs {', '.join(SYSTEMS)}")
 
     @property
     def ranks(self) -> int:
         return self.hosts * self.ranks_per_host
+
+
+#: native; helix; helix-grpc: helix with remote batches sent by gRPC's Deliver, not the bulk path
+SYSTEMS = ("native", "helix", "helix-grpc")
 
 
 def _env(extra: dict) -> dict:
@@ -104,7 +108,8 @@ t = json.loads(stub.Telemetry(pb.TelemetryRequest(last_decisions=10000), timeout
                               metadata=call_metadata(load_token(coordinator=sys.argv[1]))).json)
 kind = {s["server_id"]: s["kind"] for s in t["servers"]}
 print(json.dumps({"routed": t["routed"], "routed_remote": sum(kind.get(d["server"]) == "remote" for d in t["decisions"]),
-                  "server_cross_ds_bytes": {s["server_id"]: s["cross_ds_bytes"] for s in t["servers"]}}))
+                  "server_cross_ds_bytes": {s["server_id"]: s["cross_ds_bytes"] for s in t["servers"]},
+                  "bulk_bytes": sum(s.get("bulk_bytes", 0) for s in t["servers"])}))
 """
 
 
@@ -131,7 +136,10 @@ def _run_point(cfg: HostBenchConfig, hosts, system: str, k: int, plan, tmp: Path
     """One system at one sidecar count: services (helix), the ranks; their records and stats."""
     services, local_pids = [], []
     try:
-        if system == "helix":
+        helix = system != "native"
+        if helix:
+            # helix-grpc: remote batches by gRPC's Deliver stream instead of the bulk path (the A/B of the receive path)
+            extra = ["--config-json", json.dumps({"bulk_delivery": False})] if system == "helix-grpc" else []
             coord, info = _start_service(hosts, "h0", ["coordinator", "--host", hosts.address("h0"), "--port",
                                                        str(7100 + k)], env)
             services.append(coord)
@@ -139,16 +147,16 @@ def _run_point(cfg: HostBenchConfig, hosts, system: str, k: int, plan, tmp: Path
             for h in range(cfg.hosts):
                 proc, sinfo = _start_service(hosts, f"h{h}", ["dataserver", "--coordinator", info["address"],
                                                               "--local-rank", "0", "--workers", str(workers),
-                                                              "--host", hosts.address(f"h{h}")], env)
+                                                              "--host", hosts.address(f"h{h}"), *extra], env)
                 services.append(proc)
                 local_pids.append(sinfo["pid"])
             for s in range(k):
                 services.append(_start_service(hosts, f"s{s}", ["dataserver", "--coordinator", info["address"],
                                                                  "--remote", "--workers",
                                                                  str(max(1, math.ceil(cfg.sidecar_cpus))),
-                                                                 "--host", hosts.address(f"s{s}")], env)[0])
+                                                                 "--host", hosts.address(f"s{s}"), *extra], env)[0])
             plan = replace(plan, coordinator=info["address"])
-        plan = replace(plan, system=system, port=29700 + 10 * k + (system == "helix"))
+        plan = replace(plan, system="helix" if helix else system, port=29700 + 10 * k + helix)
         ranks = []
         for r in range(cfg.ranks):
             out = tmp / f"{system}-{k}-rank{r}.json"
@@ -164,7 +172,7 @@ def _run_point(cfg: HostBenchConfig, hosts, system: str, k: int, plan, tmp: Path
             rank, got = next(((r, g) for r, g in failed if "closed by peer" not in str(g["payload"])), failed[0])
             raise RuntimeError(f"{system} with {k} sidecars: ranks {[r for r, _ in failed]} failed; rank {rank}: "
                                f"{got['payload']}")
-        routed = _routed(hosts, plan.coordinator, env) if system == "helix" else {}
+        routed = _routed(hosts, plan.coordinator, env) if helix else {}
         if local_pids:  # the GPU hosts' DataServer processes themselves (serving, receiving streams), not their workers
             routed["local_dataserver_cpu_s"] = sum(_cpu_s(pid) for pid in local_pids)
         reasons: dict[str, int] = {}
@@ -238,7 +246,7 @@ def run_hosts_bench(cfg: HostBenchConfig, out_dir, console=None) -> dict:
                     "HELIX_TOKEN": new_token()})  # the services and ranks get it by their environment
         plan = replace(plan, master_addr=hosts.address("h0"))
         runs = [("native", 0)] if "native" in cfg.systems else []
-        runs += [("helix", k) for k in cfg.sidecars] if "helix" in cfg.systems else []
+        runs += [(s, k) for k in cfg.sidecars for s in SYSTEMS[1:] if s in cfg.systems]  # A/B pairs per count
         decode_rounds = [decode_s]
         for rnd, (system, k) in enumerate(runs * cfg.repeats):
             if rnd and rnd % len(runs) == 0:  # the machine's speed drifts: each round's bound by its own yardstick
@@ -252,7 +260,7 @@ def run_hosts_bench(cfg: HostBenchConfig, out_dir, console=None) -> dict:
             rank0 = [r for r in got["records"] if r["rank"] == 0]
             wall = sum(r["step_s"] for r in rank0)
             samples = sum(r["samples"] for r in got["records"])
-            cpus_used = cfg.hosts * cfg.host_cpus + (k * cfg.sidecar_cpus if system == "helix" else 0.0)
+            cpus_used = cfg.hosts * cfg.host_cpus + (k * cfg.sidecar_cpus if system != "native" else 0.0)
             bound = Bound(decode_s=decode_s, gpu_s=gpu_s, cpu_slots=max(1, math.ceil(cpus_used)), samples=len(flat),
                           capacity=cpus_used)
             # the link term: the streamed bytes over the busiest link (each GPU host's receives its
@@ -270,7 +278,7 @@ def run_hosts_bench(cfg: HostBenchConfig, out_dir, console=None) -> dict:
                            # the paper's DDL miss: a rank-step that waited for its batch longer than the tolerance
                            "miss_rate": float(np.mean([r["input_wait_s"] > MISS_TOLERANCE_S for r in got["records"]])),
                            "placement_reasons": got["placement_reasons"],
-                           **{k: got[k] for k in ("routed", "routed_remote", "server_cross_ds_bytes",
+                           **{k: got[k] for k in ("routed", "routed_remote", "server_cross_ds_bytes", "bulk_bytes",
                                                   "local_dataserver_cpu_s", "deadline_p50_s", "window_s_per_unit")
                                                   if k in got}})
             say(f"    {points[-1]['throughput_sps']:.2f} samples/s, {points[-1]['bound_fraction']:.0%} of the bound")
@@ -333,10 +341,12 @@ def _write(result: dict, out: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    helix = [p for p in result["points"] if p["system"] == "helix"]
-    if helix:
-        ax.plot([p["sidecars"] for p in helix], [p["throughput_sps"] for p in helix], "o-", label="helix")
-        ax.plot([p["sidecars"] for p in helix], [p["bound_sps"] for p in helix], "k--", label="helix bound")
+    for name, style in (("helix", "o-"), ("helix-grpc", "s:")):
+        pts = [p for p in result["points"] if p["system"] == name]
+        if pts:
+            ax.plot([p["sidecars"] for p in pts], [p["throughput_sps"] for p in pts], style, label=name)
+            if name == "helix":
+                ax.plot([p["sidecars"] for p in pts], [p["bound_sps"] for p in pts], "k--", label="helix bound")
     for p in result["points"]:
         if p["system"] == "native":
             ax.axhline(p["throughput_sps"], color="tab:red", label="native (hosts' CPU only)")

@@ -19,6 +19,7 @@ def test_bad_host_bench_input_is_named_by_its_flag():
         HostBenchConfig(sidecars=())
     with pytest.raises(ValueError, match="--systems"):
         HostBenchConfig(systems=("ray",))
+    assert HostBenchConfig(systems=("helix", "helix-grpc")).systems == ("helix", "helix-grpc")  # the receive-path A/B
 
 
 @pytest.mark.slow

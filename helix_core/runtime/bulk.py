@@ -210,19 +210,31 @@ class BulkSender:
         self._lock = threading.Lock()
 
     def _connect(self, host: str, port: int) -> socket.socket:
+        """A new connection, token accepted. ``BulkError`` with ``connected`` False where the
+        caller may fall back to gRPC (nothing listens there, or the TLS certificates don't fit),
+        True where the peer took the connection and then fell silent (stopped: gRPC would wait too)."""
         deadline = self.config.keepalive_s + self.config.keepalive_timeout_s
-        sock = socket.create_connection((host, port), timeout=deadline)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         try:
+            sock = socket.create_connection((host, port), timeout=deadline)
+        except OSError as e:
+            raise BulkError(f"cannot connect to the bulk port {host}:{port}: {e}", connected=False) from None
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if self._ctx is not None:
-                name = self.tls.server_name or host
-                sock = self._ctx.wrap_socket(sock, server_hostname=name)
+                sock = self._ctx.wrap_socket(sock, server_hostname=self.tls.server_name or host)
             sock.sendall(MAGIC + _U16.pack(len(self.token)) + self.token)
             status = _recv(sock, 1)[0]
             if status != OK:
                 (n,) = _U16.unpack(_recv(sock, 2))
                 raise BulkError(f"bulk port {host}:{port} refused us: {_recv(sock, n).decode(errors='replace')}",
                                 REFUSED)
+        except ssl.SSLError as e:  # (before OSError, its base) a certificate mismatch: gRPC's own TLS decides
+            sock.close()
+            raise BulkError(f"TLS with the bulk port {host}:{port} failed: {e}", connected=False) from None
+        except (ConnectionError, TimeoutError, OSError) as e:
+            sock.close()
+            raise BulkError(f"the bulk port {host}:{port} took the connection and stopped answering: "
+                            f"{type(e).__name__}: {e}") from None
         except BaseException:
             sock.close()
             raise
@@ -248,13 +260,7 @@ class BulkSender:
             sock = self._take(key) if attempt == 0 else None
             fresh = sock is None
             if sock is None:
-                try:
-                    sock = self._connect(host, port)
-                except BulkError:
-                    raise
-                except (OSError, ssl.SSLError) as e:
-                    raise BulkError(f"cannot open a bulk connection to {host}:{port}: {type(e).__name__}: {e}",
-                                    connected=False) from None
+                sock = self._connect(host, port)
             try:
                 sock.sendall(_U32.pack(len(head)) + head)
                 sock.sendall(payload[:header.total_bytes])
@@ -262,7 +268,9 @@ class BulkSender:
                 body = _recv(sock, n)
             except (ConnectionError, TimeoutError, OSError, ssl.SSLError) as e:
                 sock.close()
-                if fresh:
+                # a kept connection the receiver closed (idle) breaks at once: once more on a new one; a
+                # silent receiver (stopped) is not asked twice — that would double the time to notice it
+                if fresh or isinstance(e, TimeoutError):
                     raise BulkError(f"bulk delivery to {host}:{port} failed: {type(e).__name__}: {e}") from None
                 continue
             if status != OK:
