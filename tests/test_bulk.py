@@ -3,6 +3,7 @@ delivering server's slab over a token-checked TCP connection (TLS with the clust
 certificates), and the cluster uses it for every remote delivery, falling back to gRPC's
 ``Deliver`` where it is off; a stalled receiver fails a transfer in seconds."""
 import socket
+import threading
 import time
 
 import pytest
@@ -126,3 +127,39 @@ def test_a_cluster_delivers_remote_batches_by_the_bulk_path_or_by_grpc_identical
     remote = next(s for s in tele["servers"] if s["kind"] == "remote")  # as of its last heartbeat
     assert moved > 0 and remote["cross_ds_bytes"] > 0
     assert remote["bulk_bytes"] == (remote["cross_ds_bytes"] if bulk else 0)
+
+
+def test_an_unauthenticated_trickle_is_cut_off_and_full_slots_send_senders_to_grpc():
+    cfg = ClusterConfig.for_tests()  # handshake deadline: keepalive 0.5 + 1.0 s
+    rx = Receiver(config=cfg)
+    rx.listener._slots = threading.BoundedSemaphore(1)  # one connection slot
+    try:
+        with socket.create_connection(("127.0.0.1", rx.listener.port)) as trickle:
+            t0 = time.monotonic()
+            with pytest.raises(BulkError) as e:  # the one slot is the trickler's: the sender is told at once
+                BulkSender(TOKEN, cfg).send("127.0.0.1", rx.listener.port, _header(3), memoryview(b"abc"))
+            assert e.value.connected is False and time.monotonic() - t0 < 1.0
+            trickle.settimeout(10)
+            closed = None
+            for _ in range(20):  # a byte every 0.4 s never completes the handshake in time
+                try:
+                    trickle.sendall(b"H")
+                    if trickle.recv(1, socket.MSG_DONTWAIT) == b"":
+                        closed = time.monotonic() - t0
+                        break
+                except BlockingIOError:
+                    pass
+                except OSError:
+                    closed = time.monotonic() - t0
+                    break
+                time.sleep(0.4)
+            assert closed is not None and closed < 3 * (cfg.keepalive_s + cfg.keepalive_timeout_s)
+        tx = BulkSender(TOKEN, cfg)  # its slot is free again
+        tx.send("127.0.0.1", rx.listener.port, _header(3), memoryview(b"abc"))
+        tx.close()
+        assert rx.got == [b"abc"]
+    finally:
+        rx.close()
+    assert not rx.listener._thread.is_alive()  # close() ends the accept thread: the port takes no one
+    with pytest.raises(OSError):
+        socket.create_connection(("127.0.0.1", rx.listener.port), timeout=2).close()

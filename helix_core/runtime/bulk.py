@@ -29,14 +29,18 @@ import tempfile
 import threading
 import time
 
+from .auth import is_loopback
 from .proto import helix_pb2 as pb
+from .tokenfiles import check_listener
 
-__all__ = ["BulkError", "BulkListener", "BulkSender", "OK", "NO_ROOM", "REFUSED", "BAD"]
+__all__ = ["BulkError", "BulkListener", "BulkSender", "OK", "NO_ROOM", "REFUSED", "BAD", "BUSY"]
 
 MAGIC = b"HXB1"
-OK, NO_ROOM, REFUSED, BAD = 0, 1, 2, 3
+OK, NO_ROOM, REFUSED, BAD, BUSY = 0, 1, 2, 3, 4  # BUSY: every connection slot taken (the sender uses gRPC)
 _U16, _U32, _ANSWER = struct.Struct("<H"), struct.Struct("<I"), struct.Struct("<BI")
 _MAX_HEADER = 64 << 20
+_MAX_TOKEN = 1024
+_CHUNK = 4 << 20  # sends go in pieces of this, each with the progress deadline
 _IDLE_S = 120.0  # a receiver closes a connection idle this long; senders drop theirs sooner
 _SENDER_IDLE_S = 60.0
 
@@ -69,13 +73,27 @@ def _contexts(tls) -> tuple[ssl.SSLContext, ssl.SSLContext]:
     return server, client
 
 
-def _recv_exact(sock, view: memoryview) -> None:
+def _recv_exact(sock, view: memoryview, until: float | None = None) -> None:
+    """Fill ``view``; each ``recv`` has the socket's timeout (progress), and the whole read ends
+    by ``until`` (``time.monotonic``), so a peer that trickles bytes cannot hold it for ever."""
     got = 0
     while got < len(view):
+        if until is not None and time.monotonic() > until:
+            raise TimeoutError(f"{got} of {len(view)} bytes within the transfer's deadline")
         n = sock.recv_into(view[got:])
         if n == 0:
             raise ConnectionError(f"peer closed the connection after {got} of {len(view)} bytes")
         got += n
+
+
+def _send_all(sock, data, until: float) -> None:
+    """``sendall`` in pieces: a socket timeout bounds a whole ``sendall``, so a large batch on a
+    slow link would fail although it progresses; here each piece has it, and all end by ``until``."""
+    view = memoryview(data)
+    for start in range(0, len(view), _CHUNK):
+        if time.monotonic() > until:
+            raise TimeoutError(f"{start} of {len(view)} bytes sent within the transfer's deadline")
+        sock.sendall(view[start:start + _CHUNK])
 
 
 def _recv(sock, n: int) -> bytes:
@@ -114,44 +132,72 @@ class BulkListener:
                 conn, _ = self._sock.accept()
             except OSError:
                 return  # closed
-            if not self._slots.acquire(blocking=False):
-                conn.close()  # too many: the sender falls back to gRPC
+            if self._closed:
+                conn.close()
+                return
+            if not self._slots.acquire(blocking=False):  # every slot taken: say so, the sender uses gRPC
+                try:
+                    conn.setblocking(False)
+                    conn.send(bytes((BUSY,))) if self._ctx is None else None  # (with TLS: the handshake fails)
+                except OSError:
+                    pass
+                conn.close()
                 continue
             threading.Thread(target=self._serve, args=(conn,), name="helix-bulk-conn", daemon=True).start()
 
-    def _serve(self, conn: socket.socket) -> None:
-        deadline = self.config.keepalive_s + self.config.keepalive_timeout_s
+    def _wrap(self, raw: socket.socket):
+        raw.settimeout(self.config.keepalive_s + self.config.keepalive_timeout_s)
+        raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        conn = self._ctx.wrap_socket(raw, server_side=True) if self._ctx is not None else raw
+        with self._lock:
+            self._conns.add(conn)
+        return conn
+
+    def _handshake(self, conn) -> bool:
+        """Magic and token within one deadline (an unauthenticated peer holds a slot at most that long)."""
+        until = time.monotonic() + self.config.keepalive_s + self.config.keepalive_timeout_s
+        head = bytearray(6)
+        _recv_exact(conn, memoryview(head), until)
+        (n,) = _U16.unpack(head[4:])
+        if head[:4] != MAGIC or n > _MAX_TOKEN:
+            return False
+        token = bytearray(n)
+        _recv_exact(conn, memoryview(token), until)
+        if not hmac.compare_digest(bytes(token), self.token):
+            reason = b"wrong or missing token"
+            conn.sendall(bytes((REFUSED,)) + _U16.pack(len(reason)) + reason)
+            return False
+        conn.sendall(bytes((OK,)))
+        return True
+
+    def _serve(self, raw: socket.socket) -> None:
+        progress = self.config.keepalive_s + self.config.keepalive_timeout_s
+        conn = raw
         try:
-            conn.settimeout(deadline)
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            if self._ctx is not None:
-                conn = self._ctx.wrap_socket(conn, server_side=True)
-            with self._lock:
-                self._conns.add(conn)
-            if _recv(conn, 4) != MAGIC:
+            conn = self._wrap(raw)  # a failed TLS handshake raises here
+            if not self._handshake(conn):
                 return
-            (n,) = _U16.unpack(_recv(conn, 2))
-            if not hmac.compare_digest(_recv(conn, n), self.token):
-                reason = b"wrong or missing token"
-                conn.sendall(bytes((REFUSED,)) + _U16.pack(len(reason)) + reason)
-                return
-            conn.sendall(bytes((OK,)))
             while not self._closed:
                 conn.settimeout(_IDLE_S)
                 try:
                     (hlen,) = _U32.unpack(_recv(conn, 4))
                 except (ConnectionError, TimeoutError, OSError):
                     return  # closed by the sender, or idle
-                conn.settimeout(deadline)
+                conn.settimeout(progress)
+                until = time.monotonic() + self.config.execute_timeout_s
                 if hlen > _MAX_HEADER:
                     return
                 header = pb.StreamHeader.FromString(_recv(conn, hlen))
-                status, body = self._transfer(conn, header)
-                conn.sendall(_ANSWER.pack(status, len(body)) + body)
+                status, body, abort = self._transfer(conn, header, until)
+                try:
+                    _send_all(conn, _ANSWER.pack(status, len(body)) + body, until)
+                except BaseException:
+                    abort()  # the sender never learns of the slab: it resubmits, nobody would release it
+                    raise
                 if status == BAD:
                     return  # the stream's position is unknown: start over on a new connection
-        except (ConnectionError, TimeoutError, OSError, ssl.SSLError, ValueError):
-            return  # a stopped or vanished sender: its transfer fails on its side
+        except Exception:  # a stopped or vanished sender, a bad header: its transfer fails on its side
+            return
         finally:
             with self._lock:
                 self._conns.discard(conn)
@@ -160,26 +206,31 @@ class BulkListener:
             finally:
                 self._slots.release()
 
-    def _transfer(self, conn, header) -> tuple[int, bytes]:
+    def _transfer(self, conn, header, until: float):
         """One transfer: ``receive(header) -> (status, reason, view, done, abort)``. Accepted
         (``OK``): the payload is read into ``view``, then ``done()`` is the reply's bytes (an error
-        on the way calls ``abort()``, which frees the slab). Refused: the payload is read and dropped."""
+        on the way calls ``abort()``, which frees the slab). Refused: the payload is read and
+        dropped. Returns ``(status, answer body, abort)``."""
         status, reason, view, done, abort = self.receive(header)
         if status != OK:  # refused before any payload: drain it, or the connection's framing is lost
-            self._drain(conn, header.total_bytes)
-            return status, reason.encode()
+            self._drain(conn, header.total_bytes, until)
+            return status, reason.encode(), lambda: None
         try:
-            _recv_exact(conn, view[:header.total_bytes])
+            _recv_exact(conn, view[:header.total_bytes], until)
+            body = done()
         except BaseException:
             abort()
             raise
-        self.received_bytes += header.total_bytes
-        return OK, done()
+        with self._lock:
+            self.received_bytes += header.total_bytes
+        return OK, body, abort
 
     @staticmethod
-    def _drain(conn, n: int) -> None:
+    def _drain(conn, n: int, until: float) -> None:
         buf = memoryview(bytearray(min(n, 1 << 20) or 1))
         while n > 0:
+            if time.monotonic() > until:
+                raise TimeoutError("a refused payload was not drained within the transfer's deadline")
             k = conn.recv_into(buf[:min(n, len(buf))])
             if k == 0:
                 raise ConnectionError("peer closed the connection")
@@ -188,9 +239,11 @@ class BulkListener:
     def close(self) -> None:
         self._closed = True
         try:
-            self._sock.close()
+            self._sock.shutdown(socket.SHUT_RDWR)  # wakes the thread in accept() (close alone does not)
         except OSError:
             pass
+        self._sock.close()
+        self._thread.join(timeout=5.0)
         with self._lock:
             conns = list(self._conns)
         for c in conns:
@@ -208,6 +261,7 @@ class BulkSender:
         self._ctx = _contexts(tls)[1] if tls is not None else None
         self._idle: dict[tuple[str, int], list[tuple[socket.socket, float]]] = {}
         self._lock = threading.Lock()
+        self._closed = False
 
     def _connect(self, host: str, port: int) -> socket.socket:
         """A new connection, token accepted. ``BulkError`` with ``connected`` False where the
@@ -215,15 +269,23 @@ class BulkSender:
         True where the peer took the connection and then fell silent (stopped: gRPC would wait too)."""
         deadline = self.config.keepalive_s + self.config.keepalive_timeout_s
         try:
+            if is_loopback(host):  # never this user's token to a port another user took meanwhile
+                check_listener(f"{host}:{port}")
             sock = socket.create_connection((host, port), timeout=deadline)
-        except OSError as e:
+        except (OSError, ValueError) as e:
             raise BulkError(f"cannot connect to the bulk port {host}:{port}: {e}", connected=False) from None
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if self._ctx is not None:
                 sock = self._ctx.wrap_socket(sock, server_hostname=self.tls.server_name or host)
             sock.sendall(MAGIC + _U16.pack(len(self.token)) + self.token)
-            status = _recv(sock, 1)[0]
+            try:
+                status = _recv(sock, 1)[0]
+            except ConnectionError:  # closed before it answered: it is closing, or its slots are full
+                status = BUSY
+            if status == BUSY:
+                sock.close()
+                raise BulkError(f"the bulk port {host}:{port} takes no more connections", connected=False)
             if status != OK:
                 (n,) = _U16.unpack(_recv(sock, 2))
                 raise BulkError(f"bulk port {host}:{port} refused us: {_recv(sock, n).decode(errors='replace')}",
@@ -261,9 +323,10 @@ class BulkSender:
             fresh = sock is None
             if sock is None:
                 sock = self._connect(host, port)
+            until = time.monotonic() + self.config.execute_timeout_s  # progress: the socket's timeout per piece
             try:
-                sock.sendall(_U32.pack(len(head)) + head)
-                sock.sendall(payload[:header.total_bytes])
+                _send_all(sock, _U32.pack(len(head)) + head, until)
+                _send_all(sock, payload[:header.total_bytes], until)
                 status, n = _ANSWER.unpack(_recv(sock, _ANSWER.size))
                 body = _recv(sock, n)
             except (ConnectionError, TimeoutError, OSError, ssl.SSLError) as e:
@@ -282,10 +345,14 @@ class BulkSender:
 
     def _keep(self, key, sock) -> None:
         with self._lock:
-            self._idle.setdefault(key, []).append((sock, time.monotonic()))
+            if not self._closed:
+                self._idle.setdefault(key, []).append((sock, time.monotonic()))
+                return
+        sock.close()  # closed meanwhile: nobody would take it again
 
     def close(self) -> None:
         with self._lock:
+            self._closed = True
             pools, self._idle = list(self._idle.values()), {}
         for pool in pools:
             for sock, _ in pool:

@@ -70,21 +70,24 @@ class Outbound:
             channel = connect(address, self.config, self.tls)
             port = 0
             if self._sender is not None:  # the peer's bulk port, once (0: it offers none)
-                try:
+                try:  # as long as keepalive gives a peer: a stopped one costs no more here than on a call
                     hello = pbg.DataServerStub(channel).Hello(
                         pb.HelloRequest(protocol_version=PROTOCOL_VERSION, role="dataserver"),
-                        timeout=self.config.rpc_timeout_s, metadata=call_metadata(self.token))
+                        timeout=self.config.keepalive_s + self.config.keepalive_timeout_s,
+                        metadata=call_metadata(self.token))
                 except grpc.RpcError as e:
                     channel.close()
                     raise DeliveryFailed(f"delivery server {address}: {e.code().name} {e.details()}") from None
                 port = hello.bulk_port
             with self._lock:
-                peer = self._peers.setdefault(address, (deliver_callable(channel), port))
+                peer = self._peers.setdefault(address, (deliver_callable(channel), port, channel))
+            if peer[2] is not channel:  # another thread connected first
+                channel.close()
         return peer
 
     def send(self, task_id: int, result: dict, address: str) -> pb.DeliverReply:
         """Deliver a worker's batch (``result``: its handle, tree and metas) to ``address``."""
-        deliver, port = self._peer(address)
+        deliver, port, _ = self._peer(address)
         total = result["handle"]["nbytes"]
         header = pb.StreamHeader(task_id=task_id, tree_json=result["tree_json"], tree_pickle=result["tree_pickle"],
                                  tensors=metas_to_pb(result["metas"]), total_bytes=total)
@@ -93,7 +96,7 @@ class Outbound:
         try:
             if port:
                 try:
-                    reply, bulk = self._sender.send(address.rsplit(":", 1)[0], port, header, payload), True
+                    reply, bulk = self._sender.send(address.rsplit(":", 1)[0].strip("[]"), port, header, payload), True
                 except BulkError as e:
                     if e.status is not None or e.connected:  # refused, or lost mid-transfer: final here
                         raise DeliveryFailed(f"delivery server {address}: {e}", no_room=e.status == NO_ROOM) from None
@@ -126,6 +129,10 @@ class Outbound:
     def close(self) -> None:
         if self._sender is not None:
             self._sender.close()
+        with self._lock:
+            peers, self._peers = list(self._peers.values()), {}
+        for _, _, channel in peers:
+            channel.close()
 
 
 class Inbound:
