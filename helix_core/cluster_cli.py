@@ -32,12 +32,13 @@ def _cmd_status(a, console) -> int:
         print(json.dumps(info, indent=2))
         return 0
     table = Table(title=f"cluster {info['cluster_id']} at {a.coordinator}: {info['routed']} requests routed")
-    for col in ("server", "kind", "host", "local rank", "address", "workers", "alive", "completed", "cross-DS MB"):
+    for col in ("server", "kind", "host", "local rank", "address", "workers", "alive", "completed", "cross-DS MB",
+                "of it bulk MB"):
         table.add_column(col, overflow="fold")
     for s in info["servers"]:
         table.add_row(s["server_id"], s["kind"], s["host"], str(s["local_rank"]) if s["kind"] == "local" else "",
                       s["address"], str(s["workers"]), "yes" if s["alive"] else "no", str(s["completed"]),
-                      f"{s['cross_ds_bytes'] / 1e6:.1f}")
+                      f"{s['cross_ds_bytes'] / 1e6:.1f}", f"{s.get('bulk_bytes', 0) / 1e6:.1f}")
     console.print(table)
     clients = sorted(info["clients"].values(), key=lambda c: c["rank"])
     console.print(f"{len(info['hosts'])} hosts with local servers; {len(clients)} clients: "

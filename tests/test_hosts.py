@@ -124,6 +124,8 @@ def test_two_hosts_and_a_sidecar_through_the_cli(hosts, tmp_path):
     servers = {s["server_id"]: s for s in status["servers"]}
     assert set(status["hosts"]) == {host_of[0], host_of[2]}
     assert [s["kind"] for s in status["servers"]].count("remote") == 1
+    sidecar = next(s for s in status["servers"] if s["kind"] == "remote")  # over TLS, by the bulk path
+    assert sidecar["bulk_bytes"] == sidecar["cross_ds_bytes"] > 0, json.dumps(status["servers"])
     assert all(len(ids) == 1 and servers[ids[0]]["local_rank"] == 0 for ids in status["hosts"].values())
     # each client registered with its own host (asked while it ran: a client that left has no lease)
     assert all(run["registered_host"] == host_of[r] for r, res in enumerate(results) for run in res["runs"].values())

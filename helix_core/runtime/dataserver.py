@@ -26,7 +26,7 @@ from .proto import helix_pb2 as pb
 from .proto import helix_pb2_grpc as pbg
 from .rpc import connect
 from .bulk import NO_ROOM, BulkListener
-from .delivery import DeliveryFailed, Inbound, Outbound, Refused, metas_to_pb
+from .delivery import DeliveryFailed, Inbound, Outbound, Refused, metas_to_pb, moved_bytes
 from .tensors import ChunkWriter
 from .wire import add_servicer
 from .cpuslots import HostSlots
@@ -140,8 +140,7 @@ class DataServerServicer(pbg.DataServerServicer):
                 shm.release_segment(result["handle"])  # streamed (or failed): our slab is free again
             reply.batch.CopyFrom(delivered.batch)
             reply.delivered_by = delivered.server_id
-            reply.cross_ds_bytes = result["handle"]["nbytes"] + sum(len(m.get("inline_data") or b"")
-                                                                    for m in result["metas"])
+            reply.cross_ds_bytes = moved_bytes(result)
         else:
             reply.batch.CopyFrom(_batch_pb(result))
             reply.delivered_by = self.server_id
@@ -202,12 +201,11 @@ def _heartbeats(servicer: DataServerServicer, coord, channel, coordinator: str, 
     channel.subscribe(lambda s: ready.set() if s == grpc.ChannelConnectivity.READY else ready.clear())
     while not stop.wait(wait):
         servicer.slabs.reclaim()  # delivery slabs of clients that died come back; unused ones go
-        st, out = servicer.pool.stats(), servicer.outbound
+        st = servicer.pool.stats()
         req = pb.HeartbeatRequest(
             server_id=servicer.server_id, queue_depth=st["queue_depth"], inflight=st["inflight"],
             workers_alive=st["workers_alive"], latency_per_cost=st["latency_per_cost"],
-            completed=st["completed"], cross_ds_bytes=out.cross_ds_bytes, bulk_bytes=out.bulk_bytes,
-            queued_cpu_s=st["queued_cpu_s"], link_bandwidth_bps=out.link_bandwidth_bps, link_latency_s=out.link_latency_s)
+            completed=st["completed"], queued_cpu_s=st["queued_cpu_s"], **servicer.outbound.counters())
         try:
             if not ready.is_set():  # about to connect: if its Coordinator stopped and another user took the
                 check_listener(coordinator)  # port, the token must not go there (/proc/net/tcp costs ~5 ms: not every beat)

@@ -26,12 +26,17 @@ from .rpc import connect
 from .tensors import iter_chunks
 from .wire import deliver_callable
 
-__all__ = ["DeliveryFailed", "Inbound", "Outbound", "Refused", "metas_to_pb"]
+__all__ = ["DeliveryFailed", "Inbound", "Outbound", "Refused", "metas_to_pb", "moved_bytes"]
 
 
 def metas_to_pb(metas: list[dict]) -> list[pb.TensorMeta]:
     return [pb.TensorMeta(dtype=m["dtype"], shape=m["shape"], offset=m["offset"], nbytes=m["nbytes"],
                           is_inline=m["is_inline"], inline_data=m.get("inline_data") or b"") for m in metas]
+
+
+def moved_bytes(result: dict) -> int:
+    """What a delivery moves between servers: the payload plus the small tensors sent inline."""
+    return result["handle"]["nbytes"] + sum(len(m.get("inline_data") or b"") for m in result["metas"])
 
 
 class DeliveryFailed(Exception):
@@ -113,7 +118,7 @@ class Outbound:
                                          no_room=e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED) from None
         finally:
             payload.release()
-        self._account(total, time.perf_counter() - t0, bulk)
+        self._account(moved_bytes(result), time.perf_counter() - t0, bulk)
         return reply
 
     def _account(self, total: int, seconds: float, bulk: bool) -> None:
@@ -125,6 +130,12 @@ class Outbound:
                 self.link_bandwidth_bps = bw if not self.link_bandwidth_bps else 0.8 * self.link_bandwidth_bps + 0.2 * bw
             else:
                 self.link_latency_s = seconds if not self.link_latency_s else 0.8 * self.link_latency_s + 0.2 * seconds
+
+    def counters(self) -> dict:
+        """What heartbeats report, read together: ``cross_ds_bytes``, ``bulk_bytes``, link terms."""
+        with self._lock:
+            return {"cross_ds_bytes": self.cross_ds_bytes, "bulk_bytes": self.bulk_bytes,
+                    "link_bandwidth_bps": self.link_bandwidth_bps, "link_latency_s": self.link_latency_s}
 
     def close(self) -> None:
         if self._sender is not None:
