@@ -76,7 +76,8 @@ def test_quick_remote_and_route_run(tmp_path):
     assert set(figures) == {"meta", "remote", "route"}
     assert [r["path"] for r in figures["remote"]] == ["bulk", "grpc"]  # both delivery paths, side by side
     for row in figures["remote"]:
-        assert row["e2e_gb_s"] > 0 and row["bytes"] > 0 and row["recv_ms_per_mb"] > 0
+        # the receiver's CPU is read in 10 ms ticks: a quick run's 16 MiB may cost less than one
+        assert row["e2e_gb_s"] > 0 and row["bytes"] > 0 and row["recv_ms_per_mb"] >= 0
     assert [(r["scheduler"], r["threads"]) for r in figures["route"]] == \
         [("least-request", 1), ("least-request", 4), ("deadline", 1), ("deadline", 4)]
     for row in figures["route"]:
