@@ -163,3 +163,52 @@ def test_an_unauthenticated_trickle_is_cut_off_and_full_slots_send_senders_to_gr
     assert not rx.listener._thread.is_alive()  # close() ends the accept thread: the port takes no one
     with pytest.raises(OSError):
         socket.create_connection(("127.0.0.1", rx.listener.port), timeout=2).close()
+
+
+def test_a_bulk_port_that_cannot_be_reached_sends_batches_by_grpc_and_is_left_alone_a_while(caplog):
+    """A firewall that passes only the gRPC port: the first batch finds the bulk port closed and
+    goes by gRPC's Deliver; the next ones go by gRPC at once (no connection tried per batch)."""
+    import torch
+
+    from helix_core.runtime.dataserver import DataServerServicer
+    from helix_core.runtime.delivery import Outbound
+    from helix_core.runtime.reader import SlabReader
+    from helix_core.runtime.rpc import create_server
+    from helix_core.runtime.tensors import flatten, layout, write_tensors
+    from helix_core.runtime.wire import add_servicer
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        closed_port = s.getsockname()[1]
+    rx_slabs, tx_slabs = (shm.SlabPool(f"helix-test-bulkfw-{k}-{id(caplog):x}") for k in "rt")
+    reader = SlabReader()
+    server, port = create_server("127.0.0.1", 0, TOKEN, CFG, threads=4)
+    servicer = DataServerServicer(None, rx_slabs, CFG, TOKEN, f"127.0.0.1:{port}", "local")
+    servicer.bulk_port = closed_port  # what its Hello offers
+    add_servicer(servicer, server)
+    server.start()
+    out = Outbound(TOKEN, CFG, None, reader)
+    try:
+        batch = {"video": torch.arange(1 << 16, dtype=torch.int64)}
+        tree_json, tree_pickle, tensors = flatten(batch)
+        metas, total = layout(tensors)
+        slab = tx_slabs.acquire(total)
+        metas = write_tensors(slab.payload, tensors, metas)
+        result = {"handle": slab.handle(total), "tree_json": tree_json, "tree_pickle": tree_pickle, "metas": metas}
+        with caplog.at_level("WARNING", logger="helix.delivery"):
+            for task_id in (1, 2, 3):
+                reply = out.send(task_id, result, f"127.0.0.1:{port}")
+                got = reader.view({"segment": reply.batch.slab.segment, "generation": reply.batch.slab.generation,
+                                   "nbytes": total})
+                assert bytes(got[:total]) == bytes(slab.payload[:total])  # every batch arrived, by gRPC
+                got.release()
+                shm.release_segment({"segment": reply.batch.slab.segment, "generation": reply.batch.slab.generation})
+        assert out.counters()["bulk_bytes"] == 0 and out.counters()["cross_ds_bytes"] >= 3 * total
+        assert sum("bulk path to" in r.message for r in caplog.records) == 1  # tried once, then left alone
+        slab.release()
+    finally:
+        out.close()
+        server.stop(0).wait(5)
+        reader.close()
+        rx_slabs.close()
+        tx_slabs.close()

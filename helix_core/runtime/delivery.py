@@ -10,6 +10,7 @@ pickles, and a full ``/dev/shm`` refused (never SIGBUS).
 """
 from __future__ import annotations
 
+import logging
 import threading
 import time
 
@@ -25,6 +26,9 @@ from .proto import helix_pb2_grpc as pbg
 from .rpc import connect
 from .tensors import iter_chunks
 from .wire import deliver_callable
+
+log = logging.getLogger("helix.delivery")
+_BULK_RETRY_S = 60.0  # a bulk port that could not be reached is tried again after this
 
 __all__ = ["DeliveryFailed", "Inbound", "Outbound", "Refused", "metas_to_pb", "moved_bytes"]
 
@@ -61,7 +65,8 @@ class Outbound:
     def __init__(self, token: str | None, config, tls, reader):
         self.token, self.config, self.tls, self.reader = token, config, tls, reader
         self._sender = BulkSender(token, config, tls) if config.bulk_delivery and token else None
-        self._peers: dict[str, tuple] = {}  # address -> (Deliver callable, bulk port or 0)
+        self._peers: dict[str, tuple] = {}  # address -> (Deliver callable, bulk port or 0, channel)
+        self._bulk_off: dict[str, float] = {}  # address -> monotonic time until which its bulk port is not tried
         self._lock = threading.Lock()
         self.cross_ds_bytes = 0  # payload bytes moved to other servers, by either path
         self.bulk_bytes = 0  # ... of them by the bulk path
@@ -99,13 +104,17 @@ class Outbound:
         payload = self.reader.view(result["handle"])
         t0, reply, bulk = time.perf_counter(), None, False
         try:
-            if port:
+            if port and time.monotonic() >= self._bulk_off.get(address, 0.0):
                 try:
                     reply, bulk = self._sender.send(address.rsplit(":", 1)[0].strip("[]"), port, header, payload), True
                 except BulkError as e:
                     if e.status is not None or e.connected:  # refused, or lost mid-transfer: final here
                         raise DeliveryFailed(f"delivery server {address}: {e}", no_room=e.status == NO_ROOM) from None
-                    # the bulk connection could not be made: gRPC's own channel decides
+                    # the bulk connection could not be made (a firewall, full slots, TLS): gRPC's own
+                    # channel decides, and for a while every batch to this peer goes that way at once
+                    self._bulk_off[address] = time.monotonic() + _BULK_RETRY_S
+                    log.warning("bulk path to %s unavailable (%s): delivering by gRPC for %.0f s", address, e,
+                                _BULK_RETRY_S)
             if reply is None:
                 def chunks():
                     yield pb.StreamChunk(header=header)
