@@ -24,10 +24,11 @@ TOKEN = "t" * 32
 class Receiver:
     """A listener writing into a real slab pool, as a DataServer's does."""
 
-    def __init__(self, tls=None, refuse=None, config=CFG):
+    def __init__(self, tls=None, refuse=None, config=CFG, max_connections=64):
         self.pool = shm.SlabPool(f"helix-test-bulk-{id(self):x}")
         self.refuse, self.got = refuse, []
-        self.listener = BulkListener("127.0.0.1", TOKEN, config, tls=tls, receive=self.receive)
+        self.listener = BulkListener("127.0.0.1", TOKEN, config, tls=tls, receive=self.receive,
+                                     max_connections=max_connections)
 
     def receive(self, header):
         if self.refuse is not None:
@@ -46,6 +47,10 @@ class Receiver:
         self.pool.close()
 
 
+def _threads(name: str) -> int:
+    return sum(t.name == name and t.is_alive() for t in threading.enumerate())
+
+
 def _header(n: int) -> pb.StreamHeader:
     return pb.StreamHeader(task_id=7, tree_json="{}", total_bytes=n)
 
@@ -59,7 +64,7 @@ def test_a_batch_arrives_byte_for_byte_over_kept_connections():
             reply = tx.send("127.0.0.1", rx.listener.port, _header(len(p)), memoryview(p))
             assert reply.server_id == "receiver"
         assert rx.got == payloads and rx.listener.received_bytes == sum(map(len, payloads))
-        assert len(tx._idle[("127.0.0.1", rx.listener.port)]) == 1  # one connection carried all three
+        assert rx.listener.connections == 1  # one kept connection carried all three
     finally:
         tx.close()
         rx.close()
@@ -131,8 +136,7 @@ def test_a_cluster_delivers_remote_batches_by_the_bulk_path_or_by_grpc_identical
 
 def test_an_unauthenticated_trickle_is_cut_off_and_full_slots_send_senders_to_grpc():
     cfg = ClusterConfig.for_tests()  # handshake deadline: keepalive 0.5 + 1.0 s
-    rx = Receiver(config=cfg)
-    rx.listener._slots = threading.BoundedSemaphore(1)  # one connection slot
+    rx = Receiver(config=cfg, max_connections=1)
     try:
         with socket.create_connection(("127.0.0.1", rx.listener.port)) as trickle:
             t0 = time.monotonic()
@@ -160,7 +164,7 @@ def test_an_unauthenticated_trickle_is_cut_off_and_full_slots_send_senders_to_gr
         assert rx.got == [b"abc"]
     finally:
         rx.close()
-    assert not rx.listener._thread.is_alive()  # close() ends the accept thread: the port takes no one
+    assert _threads("helix-bulk-accept") == 0  # close() ends the accept thread: the port takes no one
     with pytest.raises(OSError):
         socket.create_connection(("127.0.0.1", rx.listener.port), timeout=2).close()
 

@@ -123,6 +123,7 @@ class BulkListener:
         self._lock = threading.Lock()
         self._closed = False
         self.received_bytes = 0
+        self.connections = 0  # connections accepted (a sender keeps its own for many transfers)
         self._thread = threading.Thread(target=self._accept, name="helix-bulk-accept", daemon=True)
         self._thread.start()
 
@@ -143,6 +144,7 @@ class BulkListener:
                     pass
                 conn.close()
                 continue
+            self.connections += 1
             threading.Thread(target=self._serve, args=(conn,), name="helix-bulk-conn", daemon=True).start()
 
     def _wrap(self, raw: socket.socket):
