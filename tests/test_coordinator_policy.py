@@ -169,3 +169,50 @@ def test_an_unhealthy_server_leaves_placement_and_a_silent_clients_load_is_relea
     clock.t = reg.lease_s * 1.6  # cB silent for longer than its lease
     reg.sweep()
     assert "cB" not in reg.clients and sum(s.outstanding for s in reg.servers.values()) == 20
+
+
+def test_an_idle_servers_promised_beat_is_believed_until_work_is_routed_to_it():
+    reg, clock, (s0, s1, s2), remote = _registry()  # for_tests: beats every 0.1 s, dead after 0.5 s silent
+    longest = reg.longest_beat_s
+    assert longest == 2 * reg.config.heartbeat_timeout_s
+    reg.heartbeat(s0.server_id, next_beat_s=longest)  # idle: its next beat comes in `longest` seconds
+    reg.heartbeat(s1.server_id, next_beat_s=100.0)  # a promise beyond the longest is not believed
+    reg.heartbeat(s2.server_id, next_beat_s=0.1)  # busy: beats every interval
+    reg.heartbeat(remote.server_id, next_beat_s=longest)
+    clock.t = 0.6
+    assert reg.sweep() == [s2.server_id]  # the busy one fell silent past the timeout
+    clock.t = longest + 0.3
+    assert reg.sweep() == []  # the idle ones are within their promise plus the timeout's slack
+    clock.t = longest + 0.45
+    assert sorted(reg.sweep()) == sorted([s0.server_id, s1.server_id, remote.server_id])
+
+
+def test_work_routed_to_an_idle_server_makes_it_due_within_the_timeout():
+    reg, clock, (s0, s1, s2), remote = _registry()
+    for s in (s0, s1, s2, remote):
+        reg.heartbeat(s.server_id, next_beat_s=reg.longest_beat_s)
+    clock.t = 0.2
+    chosen, delivery, _, _ = reg.route(0, 1, {}, set(), host="h")  # least-request: one of them gets it
+    clock.t = 0.2 + reg.config.heartbeat_timeout_s + 0.01
+    dead = reg.sweep()
+    assert dead == [chosen.server_id]  # it was sent work and never beat: taken for dead within the timeout
+    assert reg.heartbeat(chosen.server_id, next_beat_s=0.1) and reg.servers[chosen.server_id].alive  # back
+
+
+def test_beats_slow_down_when_idle_and_work_wakes_them():
+    from helix_core.runtime.heartbeats import Beats
+
+    cfg = ClusterConfig.for_tests()
+    beats = Beats(cfg)
+    waits = [beats.next(changed=False) for _ in range(8)]
+    assert waits[0] == 2 * cfg.heartbeat_interval_s and waits[-1] == 2 * cfg.heartbeat_timeout_s
+    assert waits == sorted(waits)
+    assert beats.next(changed=True) == cfg.heartbeat_interval_s  # a change: back to the interval
+    beats.kick()  # busy: a kick costs nothing and wakes nobody
+    assert beats.next(changed=False) == 2 * cfg.heartbeat_interval_s
+    for _ in range(8):
+        beats.next(changed=False)
+    beats.kick()  # idle: the long wait ends at once and the next beat comes at the interval
+    assert beats.sleep() and beats.next(changed=False) == cfg.heartbeat_interval_s
+    beats.close()
+    assert not beats.sleep()

@@ -57,7 +57,7 @@ class CoordinatorServicer(pbg.CoordinatorServicer):
                                         cross_ds_bytes=request.cross_ds_bytes, bulk_bytes=request.bulk_bytes,
                                         queued_cpu_s=request.queued_cpu_s,
                                         link_bandwidth_bps=request.link_bandwidth_bps,
-                                        link_latency_s=request.link_latency_s)
+                                        link_latency_s=request.link_latency_s, next_beat_s=request.next_beat_s)
         return pb.HeartbeatReply(known=known)
 
     async def Route(self, request, context):
@@ -146,7 +146,7 @@ async def _serve(host, port, token, config, scheduler, stop, on_ready, cluster_i
         if on_ready is not None:
             on_ready(address, registry.cluster_id)
         while not stop.is_set():
-            # a dead server is found within heartbeat_timeout_s * 1.2 (an idle server beats every timeout / 3)
+            # a dead server is found within a fifth of the timeout of its due time (Registry.sweep)
             await asyncio.sleep(config.heartbeat_timeout_s / 5)
             registry.sweep()
     finally:

@@ -24,6 +24,7 @@ from ..errors import PICKLING, text_of
 from ..protocol import ErrorKind
 from .proto import helix_pb2 as pb
 from .proto import helix_pb2_grpc as pbg
+from .heartbeats import Beats, heartbeats
 from .rpc import connect
 from .bulk import NO_ROOM, BulkListener
 from .delivery import DeliveryFailed, Inbound, Outbound, Refused, metas_to_pb, moved_bytes
@@ -33,7 +34,6 @@ from .cpuslots import HostSlots
 from .pool import WorkerPool
 from .reader import SlabReader
 from .steal import handles
-from .tokenfiles import check_listener
 
 __all__ = ["DataServerServicer", "serve_dataserver"]
 
@@ -63,6 +63,7 @@ class DataServerServicer(pbg.DataServerServicer):
         self.reader = SlabReader()
         self.outbound = Outbound(token, config, tls, self.reader)  # remote: batches on to delivering servers
         self.inbound = Inbound(slabs, self.pickle_allowed, self._no_pickle_why(), lambda: self.server_id)
+        self.beats = Beats(config)  # work that arrives wakes an idle server's heartbeats
 
     def _no_pickle_why(self) -> str:
         return "runs with ClusterConfig(allow_pickle=False)" if not self.config.allow_pickle \
@@ -88,6 +89,7 @@ class DataServerServicer(pbg.DataServerServicer):
         return pb.Ack(ok=True)
 
     def Execute(self, request, context):
+        self.beats.kick()
         if not self.pool.knows(request.spec_id):
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"unknown dataset spec {request.spec_id}: Configure first")
         if request.on_error not in ("raise", "skip") or not request.indices:
@@ -149,7 +151,13 @@ class DataServerServicer(pbg.DataServerServicer):
                                 {"segment": reply.batch.slab.segment, "generation": reply.batch.slab.generation})
         return reply
 
+    def take_bulk(self, header: pb.StreamHeader):
+        """The bulk listener's way in (``Inbound.bulk``): a delivery, like ``Deliver``."""
+        self.beats.kick()
+        return self.inbound.bulk(header)
+
     def Deliver(self, request_iterator, context):
+        self.beats.kick()
         first = next(request_iterator, None)  # chunks come as runtime.wire.decode_chunk makes them
         if not isinstance(first, pb.StreamChunk) or first.WhichOneof("part") != "header":
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a delivery stream starts with a header")
@@ -181,45 +189,6 @@ class DataServerServicer(pbg.DataServerServicer):
                               pid=os.getpid())
 
 
-def heartbeat_intervals(config: ClusterConfig):
-    """A generator of the waits between heartbeats: ``send(changed)`` says whether the server's
-    state changed since the last one. Busy: every ``heartbeat_interval_s``; idle, the wait doubles
-    up to a third of ``heartbeat_timeout_s`` (so an idle server is never taken for dead)."""
-    base = config.heartbeat_interval_s
-    longest = max(base, config.heartbeat_timeout_s / 3)
-    wait = base
-    while True:
-        changed = yield wait
-        wait = base if changed else min(longest, wait * 2)
-
-
-def _heartbeats(servicer: DataServerServicer, coord, channel, coordinator: str, token, config: ClusterConfig,
-                stop: threading.Event, register) -> None:
-    intervals, last = heartbeat_intervals(config), None
-    wait = next(intervals)
-    ready = threading.Event()  # the channel holds a connection (to the listener checked before it was made)
-    channel.subscribe(lambda s: ready.set() if s == grpc.ChannelConnectivity.READY else ready.clear())
-    while not stop.wait(wait):
-        servicer.slabs.reclaim()  # delivery slabs of clients that died come back; unused ones go
-        st = servicer.pool.stats()
-        req = pb.HeartbeatRequest(
-            server_id=servicer.server_id, queue_depth=st["queue_depth"], inflight=st["inflight"],
-            workers_alive=st["workers_alive"], latency_per_cost=st["latency_per_cost"],
-            completed=st["completed"], queued_cpu_s=st["queued_cpu_s"], **servicer.outbound.counters())
-        try:
-            if not ready.is_set():  # about to connect: if its Coordinator stopped and another user took the
-                check_listener(coordinator)  # port, the token must not go there (/proc/net/tcp costs ~5 ms: not every beat)
-            reply = coord.Heartbeat(req, timeout=config.rpc_timeout_s, metadata=call_metadata(token))
-            if not reply.known:
-                register()
-        except grpc.RpcError as e:
-            log.debug("heartbeat failed: %s", e.code())
-        except ValueError as e:
-            log.warning("heartbeat withheld: %s", e)
-        wait = intervals.send(req != last)
-        last = req
-
-
 def serve_dataserver(coordinator: str, kind: str, local_rank: int, workers: int, token: str | None,
                      config: ClusterConfig, stop: threading.Event, host: str = "127.0.0.1", port: int = 0,
                      on_ready=None, host_id: str | None = None, tls=None, insecure: bool = False,
@@ -240,7 +209,7 @@ def serve_dataserver(coordinator: str, kind: str, local_rank: int, workers: int,
     host_id = this_host(host_id)
     server, bound = create_server(host, port, token, config, threads=config.server_threads, tls=tls, insecure=insecure)
     allow_pickle = pickle_allowed(host, token, tls, config.allow_pickle)
-    coord_channel = connect(coordinator, config, tls)
+    coord_channel = connect(coordinator, config, tls, keepalive=False)  # heartbeats: short calls with deadlines
     coord = pbg.CoordinatorStub(coord_channel)
     hello = check_hello(coord, "dataserver", token, config.rpc_timeout_s, f"the Coordinator at {coordinator}", tls)
     # bound to every interface: peers need a name that reaches this machine, not the wildcard
@@ -259,7 +228,7 @@ def serve_dataserver(coordinator: str, kind: str, local_rank: int, workers: int,
     servicer = DataServerServicer(pool, slabs, config, token, address, kind, tls, allow_pickle)
     servicer.cluster_id = hello.cluster_id
     # a local server takes remote batches by the bulk path too, on the host it serves gRPC on
-    bulk = BulkListener(host, token, config, tls, servicer.inbound.bulk) if kind == "local" and config.bulk_delivery \
+    bulk = BulkListener(host, token, config, tls, servicer.take_bulk) if kind == "local" and config.bulk_delivery \
         else None
     servicer.bulk_port = bulk.port if bulk is not None else 0
     add_servicer(servicer, server)  # the generated registration, with zero-copy Deliver chunks
@@ -273,7 +242,7 @@ def serve_dataserver(coordinator: str, kind: str, local_rank: int, workers: int,
 
     try:
         register()
-        hb = threading.Thread(target=_heartbeats, args=(servicer, coord, coord_channel, coordinator, token, config, stop,
+        hb = threading.Thread(target=heartbeats, args=(servicer, coord, coord_channel, coordinator, token, config, stop,
                                                         register),
                               name="helix-heartbeat", daemon=True)
         hb.start()
@@ -282,6 +251,7 @@ def serve_dataserver(coordinator: str, kind: str, local_rank: int, workers: int,
         while not stop.wait(30.0):  # woken by stop (a signal handler sets it); the timeout is only a backstop
             pass
     finally:
+        servicer.beats.close()
         server.stop(grace=min(1.0, config.stop_timeout_s)).wait(config.stop_timeout_s)
         if bulk is not None:
             bulk.close()

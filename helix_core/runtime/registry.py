@@ -48,6 +48,7 @@ class ServerState:
     link_bandwidth_bps: float = 0.0
     link_latency_s: float = 0.0
     load_cpu_s: float = 0.0  # queued + pending: predicted CPU seconds of work ahead of a new task here
+    due: float = float("inf")  # silent past this (a monotonic time): dead (``Registry.sweep``)
 
 
 @dataclass
@@ -86,7 +87,8 @@ class Registry:
                     s.alive = False
             remotes = sum(s.kind == "remote" for s in self.servers.values())
             sid = f"{kind[0]}{local_rank if kind == 'local' else remotes}-{uuid.uuid4().hex[:6]}"
-            st = ServerState(sid, address, kind, local_rank if kind == "local" else -1, host, max(workers, 1), now, now)
+            st = ServerState(sid, address, kind, local_rank if kind == "local" else -1, host, max(workers, 1), now, now,
+                             due=now + self.config.heartbeat_timeout_s)
             self.servers[sid] = st
             if kind == "local":
                 self._hosts.setdefault(host, len(self._hosts))
@@ -108,9 +110,12 @@ class Registry:
                                  "task_id_base": base, "last_seen": self.clock()}
         return cid, base
 
-    def heartbeat(self, server_id: str, healthy: bool = True, **stats) -> bool:
+    def heartbeat(self, server_id: str, healthy: bool = True, next_beat_s: float = 0.0, **stats) -> bool:
         """A server's heartbeat; ``healthy`` False (it has no live worker: it cannot keep them)
-        takes it out of placement like a dead one until a healthy heartbeat comes."""
+        takes it out of placement like a dead one until a healthy heartbeat comes. ``next_beat_s``:
+        an idle server's promise of its next beat (its beats slow down while nothing changes); it is
+        dead once silent that long plus the part of the timeout beyond one interval — or within the
+        timeout once work is routed to it, since work wakes its beats (``route``)."""
         with self._lock:
             st = self.servers.get(server_id)
             if st is None:
@@ -118,6 +123,9 @@ class Registry:
             if st.alive != healthy:
                 self._live = {}
             st.last_seen, st.alive = self.clock(), bool(healthy)
+            c = self.config
+            st.due = st.last_seen + c.heartbeat_timeout_s + max(0.0, min(next_beat_s, self.longest_beat_s)
+                                                                 - c.heartbeat_interval_s)
             for k, v in stats.items():
                 setattr(st, k, v)
             if "queued_cpu_s" in stats:  # the server's own count now covers what was routed before it
@@ -125,6 +133,11 @@ class Registry:
             st.load_cpu_s = st.queued_cpu_s + st.pending_cpu_s
             self._sync(st)
             return True
+
+    @property
+    def longest_beat_s(self) -> float:
+        """The longest wait between an idle server's heartbeats that the Coordinator believes."""
+        return max(self.config.heartbeat_interval_s, 2 * self.config.heartbeat_timeout_s)
 
     @property
     def lease_s(self) -> float:
@@ -153,7 +166,7 @@ class Registry:
                     self._release(self._owner.pop(task_id))
                 log.warning("clients %s stopped renewing their lease: their load is released", gone)
             for st in self.servers.values():
-                if st.alive and now - st.last_seen > self.config.heartbeat_timeout_s:
+                if st.alive and now > st.due:
                     st.alive = False
                     dead.append(st.server_id)
             if dead:
@@ -260,11 +273,14 @@ class Registry:
             chosen.outstanding += 1
             chosen.pending_cpu_s += request.cpu_s
             chosen.load_cpu_s += request.cpu_s
+            now = self.clock()  # the work wakes an idle server's beats: from now on it is due within the timeout
+            for st in (chosen, delivery) if chosen.kind == "remote" else (chosen,):
+                st.due = min(st.due, now + self.config.heartbeat_timeout_s)
             self._sync(chosen)
             self._owner[task_id] = (chosen.server_id, request.cpu_s, chosen.last_seen, client_id)
             c = self.clients.get(client_id)
             if c is not None:
-                c["last_seen"] = self.clock()
+                c["last_seen"] = now
             self.routed += 1
             us = (time.perf_counter() - t0) * 1e6
         self.decision_us.append(us)

@@ -101,7 +101,7 @@ class RegisterClientReply(_message.Message):
     def __init__(self, client_id: _Optional[str] = ..., cluster_id: _Optional[str] = ..., task_id_base: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("server_id", "queue_depth", "inflight", "workers_alive", "latency_per_cost", "completed", "cross_ds_bytes", "queued_cpu_s", "link_bandwidth_bps", "link_latency_s", "bulk_bytes")
+    __slots__ = ("server_id", "queue_depth", "inflight", "workers_alive", "latency_per_cost", "completed", "cross_ds_bytes", "queued_cpu_s", "link_bandwidth_bps", "link_latency_s", "bulk_bytes", "next_beat_s")
     SERVER_ID_FIELD_NUMBER: _ClassVar[int]
     QUEUE_DEPTH_FIELD_NUMBER: _ClassVar[int]
     INFLIGHT_FIELD_NUMBER: _ClassVar[int]
@@ -113,6 +113,7 @@ class HeartbeatRequest(_message.Message):
     LINK_BANDWIDTH_BPS_FIELD_NUMBER: _ClassVar[int]
     LINK_LATENCY_S_FIELD_NUMBER: _ClassVar[int]
     BULK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    NEXT_BEAT_S_FIELD_NUMBER: _ClassVar[int]
     server_id: str
     queue_depth: int
     inflight: int
@@ -124,7 +125,8 @@ class HeartbeatRequest(_message.Message):
     link_bandwidth_bps: float
     link_latency_s: float
     bulk_bytes: int
-    def __init__(self, server_id: _Optional[str] = ..., queue_depth: _Optional[int] = ..., inflight: _Optional[int] = ..., workers_alive: _Optional[int] = ..., latency_per_cost: _Optional[float] = ..., completed: _Optional[int] = ..., cross_ds_bytes: _Optional[int] = ..., queued_cpu_s: _Optional[float] = ..., link_bandwidth_bps: _Optional[float] = ..., link_latency_s: _Optional[float] = ..., bulk_bytes: _Optional[int] = ...) -> None: ...
+    next_beat_s: float
+    def __init__(self, server_id: _Optional[str] = ..., queue_depth: _Optional[int] = ..., inflight: _Optional[int] = ..., workers_alive: _Optional[int] = ..., latency_per_cost: _Optional[float] = ..., completed: _Optional[int] = ..., cross_ds_bytes: _Optional[int] = ..., queued_cpu_s: _Optional[float] = ..., link_bandwidth_bps: _Optional[float] = ..., link_latency_s: _Optional[float] = ..., bulk_bytes: _Optional[int] = ..., next_beat_s: _Optional[float] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
     __slots__ = ("known",)
