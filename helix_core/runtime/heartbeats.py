@@ -81,7 +81,8 @@ def heartbeats(servicer, coord, channel, coordinator: str, token, config: Cluste
             reply = coord.Heartbeat(req, timeout=config.rpc_timeout_s, metadata=call_metadata(token))
             if not reply.known:
                 register()
-        except grpc.RpcError as e:
-            log.debug("heartbeat failed: %s", e.code())
+        except grpc.RpcError as e:  # its Coordinator is away: try again at the interval, so a restarted
+            log.debug("heartbeat failed: %s", e.code())  # one learns of this server within a second or so
+            beats.wait_s = beats.base
         except ValueError as e:
             log.warning("heartbeat withheld: %s", e)
