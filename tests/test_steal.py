@@ -17,8 +17,8 @@ from dataplane import CFG, assert_same_batches, busy_segments, busy_with_prefix,
 
 
 # ---- the claim record and the pieces (pure) ------------------------------------------------------------
-def test_claim_gives_away_the_larger_half_of_what_is_not_started_and_never_the_first_sample():
-    c = Claim(mp.get_context("spawn"))
+def test_claim_gives_away_the_larger_half_of_what_is_not_started_and_never_the_first_sample(tmp_path):
+    c = Claim(mp.get_context("spawn"), str(tmp_path / "claim"))
     c.reset(4)
     assert c.steal() == (2, 4)  # nothing started yet: sample 0 stays, the thief takes 2 and 3
     assert [c.take(k) for k in range(4)] == [True, True, False, False]
@@ -29,6 +29,69 @@ def test_claim_gives_away_the_larger_half_of_what_is_not_started_and_never_the_f
     assert c.take(2) and not c.take(3)
     c.reset(1)
     assert c.steal() is None
+
+
+def _hold_claim(path, ready):
+    c = Claim.__new__(Claim)
+    c.__dict__.update(_v=None, path=path, _fd=None)
+    c._locked()
+    ready.set()
+    import time
+    time.sleep(600)
+
+
+def test_a_claim_held_by_a_process_that_dies_is_free_at_once(tmp_path):
+    import os
+    import signal
+    import time
+
+    ctx = mp.get_context("spawn")
+    c = Claim(ctx, str(tmp_path / "claim"))
+    c.reset(4)
+    ready = ctx.Event()
+    holder = ctx.Process(target=_hold_claim, args=(c.path, ready), daemon=True)
+    holder.start()
+    try:
+        assert ready.wait(60)
+        assert c.steal(wait_s=0.05) is None  # held by a live (stuck) process: the supervisor does not wait on it
+        os.kill(holder.pid, signal.SIGKILL)  # killed inside its critical section
+        holder.join(10)
+        t0 = time.monotonic()
+        assert c.steal(wait_s=0.05) == (2, 4) and time.monotonic() - t0 < 0.05  # the kernel released it
+    finally:
+        if holder.is_alive():
+            holder.kill()
+    c.unlink()
+    assert not (tmp_path / "claim").exists()
+
+
+def _semaphores() -> set[str]:
+    import os
+
+    return {n for n in os.listdir("/dev/shm") if n.startswith("sem.")}
+
+
+def test_a_dataserver_killed_with_its_whole_process_tree_leaves_no_named_semaphore():
+    import psutil
+
+    before = _semaphores()
+    ds = IndexDataset(16, shape=(8,))
+    with hx.LocalCluster(local_servers=1, workers_per_server=2, config=CFG) as cluster:
+        with hx.DistributedDataLoader(ds, batch_size=2, rank=0, world_size=1, coordinator=cluster.address,
+                                      config=CFG) as ld:
+            assert len(list(ld)) == 8
+        server = psutil.Process(cluster.servers[0].pid)
+        tree = [server] + server.children(recursive=True)  # workers and multiprocessing's resource tracker
+        assert len(tree) >= 3
+        for p in tree:  # all at once, as Ray's kill or the OOM killer of a job does: nobody cleans up after it
+            p.kill()
+        psutil.wait_procs(tree, timeout=10)
+    assert _semaphores() - before == set()
+    assert segments_of(cluster) == []
+
+
+def segments_of(cluster):
+    return shm.list_segments(f"helix-{cluster.cluster_id}-")
 
 
 def test_pieces_complete_in_order_and_an_error_frees_the_other_pieces():

@@ -12,39 +12,73 @@ collates whose merge is exact (``default_collate``, ``pad_collate``: the request
 from __future__ import annotations
 
 import ctypes
+import fcntl
+import os
+import time
 
 __all__ = ["Claim", "Pieces", "handles"]
 
 
 class Claim:
     """Which samples of its task a worker may start: ``[started, limit)``, in shared memory under a
-    process-shared lock. The worker takes sample ``k`` (``take``) before preparing it; the
-    supervisor lowers ``limit`` (``steal``), never below the first sample nor below one started."""
+    lock. The worker takes sample ``k`` (``take``) before preparing it; the supervisor lowers
+    ``limit`` (``steal``), never below the first sample nor below one started.
 
-    def __init__(self, ctx):
+    The lock is ``flock`` on a small file at ``path`` (in /dev/shm, named like the pool's
+    segments, so the cluster's sweep removes it with them; ``unlink`` when the worker is gone): the
+    kernel releases it when its holder dies, and it names nothing else — a multiprocessing lock is
+    a named POSIX semaphore (``/dev/shm/sem.mp-*``) that a process tree killed whole leaves behind."""
+
+    def __init__(self, ctx, path: str):
         self._v = ctx.RawArray(ctypes.c_int32, 2)  # started, limit
-        self._lock = ctx.Lock()
+        self.path = path
+        os.close(os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600))
+        self._fd: int | None = None
+
+    def __getstate__(self):  # to the worker (spawn): the array and the path; it opens its own descriptor
+        return {"_v": self._v, "path": self.path, "_fd": None}
+
+    def _locked(self, blocking: bool = True) -> bool:
+        if self._fd is None:
+            self._fd = os.open(self.path, os.O_RDWR | os.O_NOFOLLOW)
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX if blocking else fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            return False
+
+    def _unlock(self) -> None:
+        fcntl.flock(self._fd, fcntl.LOCK_UN)
 
     def reset(self, n: int) -> None:
         """A new task of ``n`` samples (the supervisor, before it hands the task over)."""
-        with self._lock:
+        self._locked()
+        try:
             self._v[0], self._v[1] = 0, int(n)
+        finally:
+            self._unlock()
 
     def take(self, k: int) -> bool:
         """The worker may prepare its task's sample ``k`` (False: the rest was stolen; stop)."""
-        with self._lock:
+        self._locked()
+        try:
             if k < self._v[1]:
                 self._v[0] = max(self._v[0], k + 1)
                 return True
             return False
+        finally:
+            self._unlock()
 
     def steal(self, wait_s: float = 0.05) -> tuple[int, int] | None:
         """``(start, end)``: positions of the task's samples given to another worker (the larger
         half of those not started), or None when none is left to take — or when the lock is not
-        free within ``wait_s`` (a worker killed inside ``take`` never releases it: the supervisor,
-        which calls this holding its pool's lock, must not wait on a dead process)."""
-        if not self._lock.acquire(timeout=wait_s):
-            return None
+        free within ``wait_s`` (a SIGSTOPped worker inside ``take`` holds it: the supervisor, which
+        calls this holding its pool's lock, must not wait on it; a dead one's is free at once)."""
+        deadline = time.monotonic() + wait_s
+        while not self._locked(blocking=False):  # held for microseconds by a running worker
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.001)
         try:
             started, limit = max(self._v[0], 1), self._v[1]
             left = limit - started
@@ -54,7 +88,17 @@ class Claim:
             self._v[1] = start
             return start, limit
         finally:
-            self._lock.release()
+            self._unlock()
+
+    def unlink(self) -> None:
+        """Remove the lock's file and close this side's descriptor (the worker is gone)."""
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
 
 
 class Pieces:

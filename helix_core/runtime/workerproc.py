@@ -24,7 +24,7 @@ class WorkerProcess:
         self.conn, child = ctx.Pipe(duplex=True)
         self.progress = Progress(ctx)
         self.progress.clear()
-        self.claim = Claim(ctx)
+        self.claim = Claim(ctx, os.path.join(shm.SHM_DIR, f"{prefix}claim-w{wid}i{incarnation}"))
         self.proc = ctx.Process(target=worker_main, args=(child, self.prefix, allow_pickle, os.getpid(), cpu_slots,
                                                           self.progress, self.claim, memory_fraction, slab_lease),
                                 name=f"helix-worker-{wid}", daemon=True)
@@ -47,6 +47,7 @@ class WorkerProcess:
         stays readable. A decode slot it held is given back (the kernel tells no one) and its FIFO
         removed."""
         self.proc.join(timeout=1.0)
+        self.claim.unlink()
         held = [n for n in shm.list_segments(self.prefix) if not shm.unlink_if_free(n)]
         if self.cpu_slots:
             cpuslots.forget(self.cpu_slots[0], self.proc.pid)
