@@ -31,10 +31,8 @@ def test_claim_gives_away_the_larger_half_of_what_is_not_started_and_never_the_f
     assert c.steal() is None
 
 
-def _hold_claim(path, ready):
-    c = Claim.__new__(Claim)
-    c.__dict__.update(_v=None, path=path, _fd=None)
-    c._locked()
+def _hold_claim(claim, ready):
+    claim._locked()  # inside take's critical section, for ever
     ready.set()
     import time
     time.sleep(600)
@@ -49,15 +47,15 @@ def test_a_claim_held_by_a_process_that_dies_is_free_at_once(tmp_path):
     c = Claim(ctx, str(tmp_path / "claim"))
     c.reset(4)
     ready = ctx.Event()
-    holder = ctx.Process(target=_hold_claim, args=(c.path, ready), daemon=True)
+    holder = ctx.Process(target=_hold_claim, args=(c, ready), daemon=True)
     holder.start()
     try:
         assert ready.wait(60)
-        assert c.steal(wait_s=0.05) is None  # held by a live (stuck) process: the supervisor does not wait on it
+        assert c.steal() is None  # held by a live (stuck) process: the supervisor does not wait on it
         os.kill(holder.pid, signal.SIGKILL)  # killed inside its critical section
         holder.join(10)
         t0 = time.monotonic()
-        assert c.steal(wait_s=0.05) == (2, 4) and time.monotonic() - t0 < 0.05  # the kernel released it
+        assert c.steal() == (2, 4) and time.monotonic() - t0 < 0.05  # the kernel released it
     finally:
         if holder.is_alive():
             holder.kill()

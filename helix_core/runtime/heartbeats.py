@@ -53,6 +53,11 @@ class Beats:
         self.wait_s = self.base if changed else min(self.longest, self.wait_s * 2)
         return self.wait_s
 
+    def failed(self) -> None:
+        """The beat did not arrive (its Coordinator is away): the next goes at the interval, so a
+        restarted Coordinator learns of this server within about a second."""
+        self.wait_s = self.base
+
     def sleep(self) -> bool:
         """Wait out ``wait_s`` or a kick; False once closed."""
         self._woken.wait(self.wait_s)
@@ -63,7 +68,8 @@ class Beats:
 
 
 def heartbeats(servicer, coord, channel, coordinator: str, token, config: ClusterConfig,
-                stop: threading.Event, register) -> None:
+               stop: threading.Event, register) -> None:
+    """The heartbeat thread of a DataServer (``servicer``): until ``stop`` or ``Beats.close``."""
     beats, last = servicer.beats, None
     while beats.sleep() and not stop.is_set():
         servicer.slabs.reclaim()  # delivery slabs of clients that died come back; unused ones go
@@ -81,8 +87,8 @@ def heartbeats(servicer, coord, channel, coordinator: str, token, config: Cluste
             reply = coord.Heartbeat(req, timeout=config.rpc_timeout_s, metadata=call_metadata(token))
             if not reply.known:
                 register()
-        except grpc.RpcError as e:  # its Coordinator is away: try again at the interval, so a restarted
-            log.debug("heartbeat failed: %s", e.code())  # one learns of this server within a second or so
-            beats.wait_s = beats.base
+        except grpc.RpcError as e:
+            log.debug("heartbeat failed: %s", e.code())
+            beats.failed()
         except ValueError as e:
             log.warning("heartbeat withheld: %s", e)

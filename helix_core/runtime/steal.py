@@ -14,7 +14,6 @@ from __future__ import annotations
 import ctypes
 import fcntl
 import os
-import time
 
 __all__ = ["Claim", "Pieces", "handles"]
 
@@ -69,16 +68,16 @@ class Claim:
         finally:
             self._unlock()
 
-    def steal(self, wait_s: float = 0.05) -> tuple[int, int] | None:
+    def steal(self) -> tuple[int, int] | None:
         """``(start, end)``: positions of the task's samples given to another worker (the larger
-        half of those not started), or None when none is left to take — or when the lock is not
-        free within ``wait_s`` (a SIGSTOPped worker inside ``take`` holds it: the supervisor, which
-        calls this holding its pool's lock, must not wait on it; a dead one's is free at once)."""
-        deadline = time.monotonic() + wait_s
-        while not self._locked(blocking=False):  # held for microseconds by a running worker
-            if time.monotonic() >= deadline:
+        half of those not started), or None when none is left to take — or when the lock is held
+        (a running worker holds it for microseconds, so after one yield of the CPU it is free; a
+        SIGSTOPped worker inside ``take`` keeps it, and the supervisor, which calls this holding its
+        pool's lock, must never wait on it; a dead one's the kernel frees at once). It never waits."""
+        if not self._locked(blocking=False):
+            os.sched_yield()  # let a holder on the other core finish its few instructions
+            if not self._locked(blocking=False):
                 return None
-            time.sleep(0.001)
         try:
             started, limit = max(self._v[0], 1), self._v[1]
             left = limit - started
