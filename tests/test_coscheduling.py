@@ -29,7 +29,7 @@ def cluster():
 
 
 def test_a_dataserver_runs_an_earlier_deadline_first(cluster):
-    ds = IndexDataset(3, delays={0: 0.4, 1: 0.05, 2: 0.05})
+    ds = IndexDataset(3, delays={0: 0.6, 1: 0.05, 2: 0.05})
     client = ClusterClient(cluster.address, None, CFG, 0, 1)
     try:
         spec = make_spec(ds, None, client.pickle_allowed)
@@ -48,7 +48,10 @@ def test_a_dataserver_runs_an_earlier_deadline_first(cluster):
             fut.add_done_callback(landed)
             return fut
 
-        futures = [send(1, 0, None)]  # occupies the only worker for 0.4 s
+        futures = [send(1, 0, None)]  # occupies the only worker for 0.6 s
+        stub = client.stub(address)
+        wait_for(lambda: stub.Health(pb.HealthRequest(), timeout=5, metadata=client.metadata).inflight == 1, timeout_s=30,
+                 what="the first task running")  # on a slow machine it may not have started yet
         futures.append(send(2, 1, 30.0))  # submitted first, needed in 30 s
         futures.append(send(3, 2, 0.05))  # submitted later, needed in 50 ms: runs first
         for f in futures:

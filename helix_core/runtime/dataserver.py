@@ -186,7 +186,7 @@ class DataServerServicer(pbg.DataServerServicer):
         st = self.pool.stats()
         return pb.HealthReply(server_id=self.server_id, workers_alive=st["workers_alive"],
                               queue_depth=st["queue_depth"], serving=st["workers_alive"] > 0, worker_pids=st["worker_pids"],
-                              pid=os.getpid())
+                              pid=os.getpid(), inflight=st["inflight"])
 
 
 def serve_dataserver(coordinator: str, kind: str, local_rank: int, workers: int, token: str | None,
