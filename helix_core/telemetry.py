@@ -59,6 +59,8 @@ class LoaderStats:
         self.cost_errors = CostErrors()
         self.batches = self.skipped = self.resubmits = self.cross_ds_bytes = self.fanouts = 0
         self.stolen = 0  # batch pieces idle workers took over (a server split the batch among its workers)
+        self.rebalance: collections.Counter = collections.Counter()  # Tier-2 rounds by outcome, samples moved
+        self.rebalance_errors = collections.deque(maxlen=20)  # the last rounds that failed, and why
 
     def as_dict(self) -> dict:
         waits = list(self.input_wait)
@@ -77,4 +79,5 @@ class LoaderStats:
             "route_us_p50": percentile(self.route_us, 50), "route_us_p99": percentile(self.route_us, 99),
             "deadline_p50_s": percentile(self.deadlines, 50), "fanouts": self.fanouts, "stolen": self.stolen,
             "placement_reasons": dict(self.reasons), **self.cost_errors.as_dict(),
+            "rebalance": dict(self.rebalance), "rebalance_errors": list(self.rebalance_errors),
         }

@@ -151,3 +151,22 @@ def test_a_round_closes_when_full_or_at_its_timeout_and_one_ranks_round_is_not_m
     assert late.closed_by == "timeout" and not late.movable and buf.due_in() is None
     with pytest.raises(ValueError, match="rank 2 is not in this group"):
         buf.add(RoundItem("f", 2, 11))
+
+
+def test_a_batch_joins_a_round_whole_and_a_round_closes_once_every_step_has_all_ranks():
+    from helix_core.planning.rounds import RoundBuffer, RoundItem
+
+    now = [0.0]
+    buf = RoundBuffer([0, 1, 2], buffer_size=8, timeout_s=0.05, clock=lambda: now[0])
+    assert buf.add_batch([RoundItem("a0", 0, 3), RoundItem("a1", 0, 3)]) is None
+    assert buf.add_batch([RoundItem("b0", 1, 3), RoundItem("b1", 1, 3)]) is None  # rank 2 still to come
+    assert buf.add_batch([RoundItem("x0", 0, 4), RoundItem("x1", 0, 4)]) is None  # step 4 is not complete
+    got = buf.add_batch([RoundItem("c0", 2, 3), RoundItem("c1", 2, 3), RoundItem("c2", 2, 3)])
+    assert got.closed_by == "full" and len(got.items) == 9  # past buffer_size by less than the batch: never cut
+    assert buf.add_batch([RoundItem("d0", 1, 5)]) is None
+    assert buf.add_batch([RoundItem("e0", 0, 5)]) is None
+    done = buf.add_batch([RoundItem("f0", 2, 5)])
+    assert done.closed_by == "complete" and [i.key for i in done.items] == ["d0", "e0", "f0"]
+    assert buf.add_batch([]) is None and buf.due_in() is None
+    with pytest.raises(ValueError, match="rank 7 is not in this group"):
+        buf.add_batch([RoundItem("g", 7, 6)])

@@ -155,5 +155,5 @@ def test_a_json_spec_names_only_a_dataset_class_and_a_python_collate_function(co
     with pytest.raises(TypeError, match="not a torch Dataset"):
         load_spec(json.dumps(spec).encode(), "json", allow_pickle=False)
     spec["dataset"]["target"] = "helix_core.testing:IndexDataset"
-    ds, fn = load_spec(json.dumps(spec).encode(), "json", allow_pickle=False)
+    ds, fn, _ = load_spec(json.dumps(spec).encode(), "json", allow_pickle=False)
     assert len(ds) == 2 and fn([ds[0], ds[1]])[1].tolist() == [0, 1]

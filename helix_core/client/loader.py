@@ -25,6 +25,7 @@ from ..collate import pad_collate
 from ..config import ClusterConfig
 from ..planning.batching import TokenPlanner
 from ..planning.placement import SCHEDULERS
+from ..planning.rebalance import Rebalance
 from ..runtime.specs import make_spec
 from ..telemetry import LoaderStats
 from .costing import PlanCosts, gpu_units
@@ -35,6 +36,7 @@ from .embedded import acquire_embedded, release_embedded
 from .iterator import EpochSampler, LoaderIter
 from .plan import CostTagger, PlannedBatches, ShardBatches
 from .requests import Requests
+from .tier2 import Tier2, rebalance_group
 from .transport import ClusterClient
 
 __all__ = ["DistributedDataLoader"]
@@ -68,7 +70,9 @@ class DistributedDataLoader:
     ``window`` of global steps so that every rank carries the same predicted GPU cost
     (``gpu_cost``: a model family, a ``GpuCost`` or a callable of token counts; default the
     dataset's family). Deadlines come from the time between ``next()`` calls, or from
-    ``report_step_time(seconds)``.
+    ``report_step_time(seconds)``. ``rebalance`` (an ``hx.Rebalance`` or a dict of its keys, the
+    paper's ``load_balance_config``): Tier 2 — once a batch is decoded, the ranks of its group trade
+    samples of the same global step by their measured features (each keeps its batch size).
     """
 
     def __init__(self, dataset, batch_size: int = 1, *, rank: int | None = None, world_size: int | None = None,
@@ -76,7 +80,7 @@ class DistributedDataLoader:
                  drop_last: bool = False, collate_fn=None, prefetch_depth: int = 4, scheduler: str = "deadline",
                  balance: str | None = None, window: int = 8, gpu_cost=None, microbatch_size: int | None = None,
                  on_error: str = "raise", pin_memory: bool = False, device=None, num_workers: int | None = None,
-                 config: ClusterConfig | None = None, ddl_tolerance_s: float = 0.010, tls=None):
+                 config: ClusterConfig | None = None, ddl_tolerance_s: float = 0.010, tls=None, rebalance=None):
         check_loader_options(batch_size=batch_size, rank=rank, world_size=world_size, coordinator=coordinator,
                              token=token, shuffle=shuffle, seed=seed, drop_last=drop_last, collate_fn=collate_fn,
                              prefetch_depth=prefetch_depth, microbatch_size=microbatch_size, pin_memory=pin_memory,
@@ -90,6 +94,10 @@ class DistributedDataLoader:
                              "together must be an int >= 1 (1: within each step)")
         if on_error not in ON_ERROR:
             raise ValueError(f"on_error={on_error!r}; valid: {', '.join(ON_ERROR)}")
+        rebalance = Rebalance.of(rebalance)
+        if rebalance is not None and collate_fn not in _EXACT_MERGE:
+            raise ValueError(f"rebalance= needs collate_fn=None (default_collate) or hx.pad_collate: the rows of "
+                             f"{collate_fn!r}'s batches cannot be told apart to move samples between ranks")
         r, w = _default_rank_world()
         self.rank, self.world_size = (r if rank is None else rank), (w if world_size is None else world_size)
         if not 0 <= self.rank < self.world_size:
@@ -101,6 +109,7 @@ class DistributedDataLoader:
         self.deadlines = DeadlineEstimator()
         self.pin_memory, self.device = pin_memory, (torch.device(device) if device is not None else None)
         self.config = config or ClusterConfig()
+        group = rebalance_group(rebalance, self.rank, self.world_size)
         self._stats = LoaderStats(ddl_tolerance_s)
         units, step_units = gpu_units(dataset, gpu_cost)
         shard = (self.rank, self.world_size, shuffle, seed, drop_last)
@@ -119,7 +128,11 @@ class DistributedDataLoader:
         try:
             self.client = ClusterClient(address, token, self.config, self.rank, self.world_size, tls=tls)
             try:
-                spec = make_spec(dataset, collate_fn, self.client.pickle_allowed)
+                spec = make_spec(dataset, collate_fn, self.client.pickle_allowed,
+                                 feature_fn=rebalance.feature_fn if group else None)
+                pad = microbatch_size is not None or collate_fn is pad_collate
+                tier2 = Tier2(self.client, rebalance, group, spec[0], units, self.deadlines, self._stats,
+                              pad) if group else None
             except BaseException:
                 self.client.close()
                 raise
@@ -135,7 +148,7 @@ class DistributedDataLoader:
                                   scheduler, on_error, microbatch_size is None and collate_fn in _EXACT_MERGE,
                                   dataset, pin_memory or self.device is not None,
                                   itertools.count(self.client.task_id_base + 1),
-                                  pad=microbatch_size is not None or collate_fn is pad_collate)
+                                  pad=pad, tier2=tier2)
         self._root = Dispatch(CostTagger(self._batches, dataset, seed, microbatch_size), self._requests,
                               prefetch_depth, self.config.execute_timeout_s + 2 * self.config.rpc_timeout_s)
         self._epoch, self._position, self._resume = 0, 0, 0  # position: batches of the epoch yielded

@@ -34,10 +34,11 @@ class Requests:
     or ``microbatch_size`` asked for), else parts whose tensors differ raise as ``default_collate`` would."""
 
     def __init__(self, client, spec, config, stats, deadlines, units, step_units: float, scheduler: str,
-                 on_error: str, fanout: bool, dataset, copy: bool, task_ids, pad: bool = True):
+                 on_error: str, fanout: bool, dataset, copy: bool, task_ids, pad: bool = True, tier2=None):
         self.client, self.spec, self.config, self.stats, self.deadlines = client, spec, config, stats, deadlines
         self.units, self.step_units, self.scheduler, self.on_error = units, step_units, scheduler, on_error
         self.fanout, self.copy, self.task_ids, self.pad = fanout, copy, task_ids, pad
+        self.tier2 = tier2  # client.tier2.Tier2: batches go through their round before they are read
         self.observe = dataset.observe_cost if isinstance(dataset, CostFeedback) else None
         self._unread: set = set()  # futures of cancelled requests whose replies are still on their way
         self._cond = threading.Condition()
@@ -77,7 +78,7 @@ class Requests:
             if deadline is not None:
                 self.stats.deadlines.append(deadline)
             request = execute_request(task, part, self.spec[0], self.on_error, self.client.client_id, deadline,
-                                      splittable=self.fanout)
+                                      splittable=self.fanout, features=self.tier2 is not None)
             try:
                 part.future = self.client.execute(route.exec_address, self.spec, request)
             except grpc.RpcError as e:
@@ -132,6 +133,10 @@ class Requests:
             return reply
 
     def collect(self, task: Task, stop):
+        if self.tier2 is not None:
+            batch = self._collect_round(task, stop)
+            if batch is not None:
+                return batch
         batches, error = [], None
         for k, part in enumerate(task.parts):
             while True:
@@ -156,6 +161,25 @@ class Requests:
         if len(batches) == 1:
             return batches[0]
         return merge_batches(batches, rows=[len(p.indices) for p in task.parts], pad=self.pad)
+
+    def _collect_round(self, task: Task, stop):
+        """Tier 2: the batch its round made of ``task``'s replies, or None to read them as they are
+        (a failed part, or the round kept this rank's samples)."""
+        replies = [self._wait(task, part, stop) for part in task.parts]
+        if any(r.error_kind for r in replies):
+            return None
+        batch = self.tier2.exchange(task, replies, stop)
+        if batch is None:
+            return None
+        for k, reply in enumerate(replies):
+            task.taken.add(k)
+            self._observe_costs(task, reply)
+            self.stats.skipped += len(reply.skipped)
+            self.stats.cross_ds_bytes += reply.cross_ds_bytes
+            self.stats.stolen += max(0, len(reply.pieces) - 1)
+        task.landed = max(p.landed for p in task.parts)
+        self.stats.batch_ready.append(time.perf_counter() - task.t_dispatch)
+        return batch
 
     def _observe_costs(self, task: Task, reply) -> None:
         """Measured decode CPU seconds: the prediction error (stats) and the dataset's online cost

@@ -25,7 +25,7 @@ from ..runtime.hostid import host_id
 from ..runtime.proto import helix_pb2 as pb
 from ..runtime.proto import helix_pb2_grpc as pbg
 from ..runtime.rpc import check_hello, connect
-from ..runtime.merge import merge_batches
+from ..runtime.merge import merge_batches, take_rows
 from ..runtime.reader import SlabReader
 from ..runtime.tensors import copy_tensors, read_tensors, unflatten
 from ..runtime.tls import Tls
@@ -337,6 +337,35 @@ class ClusterClient:
             tensors = read_tensors(buf, metas, on_release=release)
             del buf
         return unflatten(b.tree_json, b.tree_pickle, tensors)
+
+    def read_rows(self, b: pb.BatchHandle, rows, n: int):
+        """Tier 2: rows ``rows`` of the ``n``-row batch in ``b``'s slab, copied out (``take_rows``);
+        this reader's hold on the slab is released (a shared slab counts down)."""
+        handle = {"segment": b.slab.segment, "generation": b.slab.generation, "nbytes": b.slab.nbytes}
+        try:
+            if b.tree_pickle and not self.pickle_allowed:
+                raise ClusterError("a DataServer sent a pickled batch structure to a client that accepts none")
+            buf = self.reader.view(handle) if b.slab.segment else memoryview(b"")
+            batch = unflatten(b.tree_json, b.tree_pickle, read_tensors(buf, _meta_dicts(b.tensors)))
+            del buf
+            return take_rows(batch, list(rows), n)
+        finally:
+            if b.slab.segment:
+                self.reader.release(handle)
+
+    def round_leader(self, rank: int, stop=None) -> str:
+        """Tier 2: the address of the DataServer leading the rounds of the group whose lowest rank is ``rank``."""
+        return self._call(self.coordinator.RoundLeader, pb.RoundLeaderRequest(client_id=self.client_id, rank=rank),
+                          stop=stop).address
+
+    def rebalance(self, address: str, request: pb.RebalanceRequest, timeout_s: float):
+        """Tier 2: this rank's batch into its round at ``address``; the reply, or None if the leader
+        could not be reached (the rank keeps its batch)."""
+        try:
+            return self.stub(address).Rebalance(request, timeout=timeout_s, metadata=self.metadata)
+        except (grpc.RpcError, _Unavailable) as e:
+            log.warning("Tier-2 round at %s: %s (rank %d keeps its batch)", address, e, self.rank)
+            return None
 
     def release(self, reply: pb.ExecuteReply) -> None:
         """Give a reply's slabs back unread (its request was cancelled)."""

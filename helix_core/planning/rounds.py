@@ -6,6 +6,11 @@ so no rank ever waits on another rank's requests beyond the timeout (ranks that 
 times, or a client that steps its loaders one after the other, never deadlock). A closed round
 whose samples could not move — no global step with samples of two ranks in it — is kept as it is
 without running the policy.
+
+A rank's batch joins a round whole (``add_batch``): a round may then pass ``buffer_size`` by less
+than one batch, and each rank's batch of a step is never cut across two rounds. A round also
+closes when it is ``complete`` — every step in it has the batches of all the group's ranks — since
+samples move only within a step, waiting longer could add nothing they may move to.
 """
 from __future__ import annotations
 
@@ -66,6 +71,30 @@ class RoundBuffer:
             self._opened = self.clock()
         self._items.append(item)
         return self._close("full") if len(self._items) >= self.buffer_size else None
+
+    def add_batch(self, items) -> Round | None:
+        """One rank's batch of one step (its samples), added whole; the round it closed (full or
+        complete), if any."""
+        items = list(items)
+        for it in items:
+            if it.rank not in self.ranks:
+                raise ValueError(f"RoundBuffer: rank {it.rank} is not in this group {sorted(self.ranks)}")
+        if not items:
+            return None
+        if not self._items:
+            self._opened = self.clock()
+        self._items.extend(items)
+        if len(self._items) >= self.buffer_size:
+            return self._close("full")
+        return self._close("complete") if self.complete else None
+
+    @property
+    def complete(self) -> bool:
+        """Every step in the open round has batches of all the group's ranks."""
+        ranks_of: dict[int, set[int]] = {}
+        for it in self._items:
+            ranks_of.setdefault(it.step, set()).add(it.rank)
+        return bool(ranks_of) and all(r == self.ranks for r in ranks_of.values())
 
     def due_in(self) -> float | None:
         """Seconds until the open round times out (0: now); None when no round is open."""

@@ -90,6 +90,13 @@ class CoordinatorServicer(pbg.CoordinatorServicer):
         self.registry.complete(request.task_ids)
         return pb.Ack(ok=True)
 
+    async def RoundLeader(self, request, context):
+        try:
+            st = self.registry.round_leader(request.rank)
+        except LookupError as e:  # not registered yet (or no live server on its host): the client retries
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        return pb.RoundLeaderReply(server_id=st.server_id, address=st.address, host=st.host)
+
     async def Telemetry(self, request, context):
         return pb.TelemetryReply(json=json.dumps(self.registry.telemetry(request.last_decisions)))
 

@@ -34,6 +34,7 @@ from .cpuslots import HostSlots
 from .pool import WorkerPool
 from .reader import SlabReader
 from .steal import handles
+from .tier2 import RoundTable
 
 __all__ = ["DataServerServicer", "serve_dataserver"]
 
@@ -64,6 +65,7 @@ class DataServerServicer(pbg.DataServerServicer):
         self.outbound = Outbound(token, config, tls, self.reader)  # remote: batches on to delivering servers
         self.inbound = Inbound(slabs, self.pickle_allowed, self._no_pickle_why(), lambda: self.server_id)
         self.beats = Beats(config)  # work that arrives wakes an idle server's heartbeats
+        self.rounds = RoundTable(self.pickle_allowed)  # the Tier-2 rounds this server leads
 
     def _no_pickle_why(self) -> str:
         return "runs with ClusterConfig(allow_pickle=False)" if not self.config.allow_pickle \
@@ -101,7 +103,8 @@ class DataServerServicer(pbg.DataServerServicer):
                 "deadline_s": request.deadline_s if request.has_deadline else None,
                 "predicted_cpu_s": max(0.0, request.predicted_cpu_s),
                 # pieces are delivered here only, and substitutes (on_error="skip") belong to one worker
-                "splittable": request.splittable and not remote and not request.substitutes}
+                "splittable": request.splittable and not remote and not request.substitutes,
+                "features": request.features}
         fut = self.pool.submit(task)
         context.add_callback(lambda: self.pool.cancel([request.task_id], request.client_id) if not fut.done() else None)
         try:
@@ -120,7 +123,8 @@ class DataServerServicer(pbg.DataServerServicer):
                                 error=text_of(result.get("error", "")), failure=_failure_pb(result.get("failure")),
                                 skipped=[_failure_pb(f) for f in result.get("skipped", [])],
                                 exec_s=result.get("exec_s", 0.0), decoded=result.get("decoded", ()),
-                                decode_cpu_s=result.get("decode_cpu_s", ()), queue_s=result.get("queue_s", 0.0))
+                                decode_cpu_s=result.get("decode_cpu_s", ()), queue_s=result.get("queue_s", 0.0),
+                                features_json=json.dumps(result["features"]) if "features" in result else "")
         if "pieces" in result:  # split by stealing (never for a remote delivery)
             reply.pieces.extend(_batch_pb(p) for p in result["pieces"])
             reply.piece_rows.extend(result["rows"])
@@ -181,6 +185,9 @@ class DataServerServicer(pbg.DataServerServicer):
     def Cancel(self, request, context):
         self.pool.cancel(list(request.task_ids), request.client_id)
         return pb.Ack(ok=True)
+
+    def Rebalance(self, request, context):  # Tier 2: held until the round closes (runtime/tier2.py)
+        return self.rounds.rebalance(request)
 
     def Health(self, request, context):
         st = self.pool.stats()
@@ -256,6 +263,7 @@ def serve_dataserver(coordinator: str, kind: str, local_rank: int, workers: int,
         if bulk is not None:
             bulk.close()
         servicer.outbound.close()
+        servicer.rounds.close()
         pool.close()
         slabs.close()
         servicer.reader.close()

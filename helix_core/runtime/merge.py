@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-__all__ = ["merge_batches"]
+__all__ = ["merge_batches", "take_rows"]
 
 
 def _pad_cat(parts: list, path: str, zeros, cat, pad: bool):
@@ -107,3 +107,28 @@ def merge_batches(batches: list, rows: list[int] | None = None, pad: bool = True
     if rows is not None and len(rows) != len(batches):
         raise ValueError(f"merge_batches: {len(rows)} row counts for {len(batches)} microbatches")
     return batches[0] if len(batches) == 1 else _merge(list(batches), "batch", rows, pad)
+
+
+def take_rows(batch, rows: list[int], n: int):
+    """Rows ``rows`` (in that order) of a collated ``batch`` of ``n`` samples, as the batch that
+    collating just those samples would give (copies: nothing refers to ``batch`` afterwards),
+    up to zero padding kept from ``batch``. The inverse of :func:`merge_batches`: tensors and
+    arrays are indexed on dim 0, dicts key by key, ``default_collate``'s columns field by field,
+    per-sample lists element by element; values that are not per sample are kept."""
+    if isinstance(batch, torch.Tensor):
+        return batch[torch.as_tensor(rows, dtype=torch.long)] if batch.ndim else batch
+    if isinstance(batch, np.ndarray):
+        return batch[np.asarray(rows, dtype=np.int64)] if batch.ndim else batch
+    if isinstance(batch, dict):
+        return {k: take_rows(v, rows, n) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        if _columns_rows(batch) == n:
+            out = [take_rows(c, rows, n) for c in batch]
+        elif len(batch) == n:
+            out = [batch[i] for i in rows]
+        else:
+            return batch
+        if type(batch) is list:
+            return out
+        return type(batch)(*out) if hasattr(batch, "_fields") else type(batch)(out)
+    return batch

@@ -2,13 +2,15 @@
 releases slabs by handle (``shm`` is the owner's side and the file format)."""
 from __future__ import annotations
 
+import contextlib
 import errno
+import fcntl
 import mmap
 import os
 import threading
 
 from .lease import holder_stamp
-from .shm import _GEN_AT, _LEASE, _LEASE_AT, _STATE_AT, _U64, FREE, HEADER_BYTES, MAGIC, SHM_DIR, _close_map, _path
+from .shm import _GEN_AT, _LEASE, _LEASE_AT, _READERS_AT, _STATE_AT, _U64, FREE, HEADER_BYTES, MAGIC, SHM_DIR, _close_map, _path
 
 __all__ = ["SlabReader"]
 
@@ -52,15 +54,45 @@ class SlabReader:
 
     def release(self, handle: dict) -> bool:
         """Mark the slab FREE if it is still at `handle["generation"]`; returns whether it did.
-        A stale handle (the slab was handed out again) or a vanished segment is ignored."""
+        A stale handle (the slab was handed out again) or a vanished segment is ignored. A slab
+        shared by several readers (``share``) counts down instead: the last one frees it."""
         try:
             mm = self.attach(handle["segment"])
         except FileNotFoundError:
             return False
         if _U64.unpack_from(mm, _GEN_AT)[0] != handle["generation"]:
             return False
+        if _U64.unpack_from(mm, _READERS_AT)[0]:  # set before any of its readers got the handle
+            with self._locked(handle["segment"]):
+                if _U64.unpack_from(mm, _GEN_AT)[0] != handle["generation"]:
+                    return False
+                left = _U64.unpack_from(mm, _READERS_AT)[0]
+                if left > 1:
+                    _U64.pack_into(mm, _READERS_AT, left - 1)
+                    return False
+                _U64.pack_into(mm, _READERS_AT, 0)
         _U64.pack_into(mm, _STATE_AT, FREE)
         return True
+
+    def share(self, handle: dict, readers: int) -> bool:
+        """Tier 2: ``readers`` ranks will each release this slab once (it is FREE after the last);
+        False if the handle is stale (the round keeps the batch then)."""
+        mm = self.attach(handle["segment"])
+        with self._locked(handle["segment"]):
+            if _U64.unpack_from(mm, _GEN_AT)[0] != handle["generation"] or _U64.unpack_from(mm, _STATE_AT)[0] == FREE:
+                return False
+            _U64.pack_into(mm, _READERS_AT, readers if readers > 1 else 0)
+        return True
+
+    @staticmethod
+    @contextlib.contextmanager
+    def _locked(segment: str):
+        fd = os.open(_path(segment), os.O_RDWR)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)  # the kernel drops it if this process dies
+            yield
+        finally:
+            os.close(fd)
 
     def view(self, handle: dict) -> memoryview:
         """The used payload bytes, [HEADER_BYTES, HEADER_BYTES + nbytes) of the file."""

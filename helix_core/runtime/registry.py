@@ -238,6 +238,16 @@ class Registry:
         raise NoDeliveryServer(f"no live local DataServer on host {host!r} can deliver to rank {rank} "
                           f"({n} registered there, all dead)")
 
+    def round_leader(self, rank: int) -> ServerState:
+        """Tier 2: the server that leads the rounds of a group whose lowest rank is ``rank`` — that
+        rank's delivery server (``LookupError`` until a client of that rank registered)."""
+        with self._lock:
+            mine = [c for c in self.clients.values() if c["rank"] == rank]
+        if not mine:
+            raise LookupError(f"rank {rank} has not registered with the Coordinator yet")
+        c = max(mine, key=lambda c: c["last_seen"])
+        return self.delivery_server(rank, set(), c["host"], c["local_rank"])
+
     def hosts(self) -> dict[str, list[str]]:
         """Each host's local servers (ids, by slot), hosts in the order they first registered one."""
         with self._lock:

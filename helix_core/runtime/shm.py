@@ -13,7 +13,9 @@ from under the server. Every segment has one owner that unlinks it: the pool tha
 Header (little-endian, byte 0): magic b"HELIXSLB", generation u64, state u64 (FREE/BUSY),
 capacity u64 (payload bytes), then the lease: the holder's pid u64 and process start time u64
 (clock ticks, /proc: a reused pid is not the holder), and when the producer handed it out (f64,
-CLOCK_MONOTONIC); zero padding up to HEADER_BYTES. A client that maps a slab writes itself in as
+CLOCK_MONOTONIC); then the number of readers u64 (0: the one holder; Tier 2 sets it when a round
+hands a slab's rows to several ranks, and each release counts down under ``flock``); zero padding
+up to HEADER_BYTES. A client that maps a slab writes itself in as
 holder; a producer takes back a BUSY slab whose holder died, or that nobody mapped within
 ``orphan_s`` (``SlabPool.reclaim``), and unlinks free slabs unused for ``idle_s``.
 """
@@ -46,6 +48,7 @@ _U64 = struct.Struct("<Q")
 _GEN_AT, _STATE_AT = 8, 16
 _LEASE = struct.Struct("<QQd")  # holder pid, holder start time, handed out at
 _LEASE_AT = 32
+_READERS_AT = 56  # u64: ranks that read a shared slab (Tier 2); 0: its one holder
 
 
 class ShmCapacityError(RuntimeError):
@@ -120,6 +123,7 @@ class Slab:
         self.last_used = time.monotonic()
         _U64.pack_into(self._mm, _GEN_AT, self.generation)
         _LEASE.pack_into(self._mm, _LEASE_AT, 0, 0, self.last_used)
+        _U64.pack_into(self._mm, _READERS_AT, 0)
         _U64.pack_into(self._mm, _STATE_AT, BUSY)
 
     def _close(self) -> None:

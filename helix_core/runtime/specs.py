@@ -64,10 +64,11 @@ def resolve_function(path: str, what: str):
     return fn
 
 
-def make_spec(dataset, collate_fn, pickle_allowed: bool) -> tuple[str, bytes, str]:
+def make_spec(dataset, collate_fn, pickle_allowed: bool, feature_fn=None) -> tuple[str, bytes, str]:
     """``(spec_id, payload, format)`` for ``Configure``. JSON when the dataset's ``helix_spec()``
     and the collate function carry everything; else cloudpickle when the cluster allows it; else
-    ``ValueError`` naming what cannot travel and the fix — never a spec that silently loses state."""
+    ``ValueError`` naming what cannot travel and the fix — never a spec that silently loses state.
+    ``feature_fn`` (Tier 2) travels with the dataset: it runs where each sample is decoded."""
     from torch.utils.data import default_collate
 
     from ..dataset import Specced
@@ -76,6 +77,11 @@ def make_spec(dataset, collate_fn, pickle_allowed: bool) -> tuple[str, bytes, st
     collate_path = _DEFAULT_COLLATE if collate_fn in (None, default_collate) else function_path(collate_fn)
     lost = None if collate_path is not None else \
         f"collate_fn {collate_fn!r} (not an importable module-level Python function outside the standard library)"
+    feature_path = None
+    if feature_fn is not None:
+        feature_path = function_path(feature_fn)
+        if feature_path is None:
+            lost = lost or f"Rebalance.feature_fn {feature_fn!r} (not an importable module-level Python function)"
     ds_spec = None
     try:
         if isinstance(dataset, Specced):
@@ -85,11 +91,15 @@ def make_spec(dataset, collate_fn, pickle_allowed: bool) -> tuple[str, bytes, st
     except SpecError as e:
         lost = lost or f"{e.dataset}'s {e.argument} ({e.fix})"
     if lost is None:
-        payload, fmt = json.dumps({"dataset": ds_spec, "collate_fn": collate_path}, sort_keys=True).encode(), "json"
+        spec = {"dataset": ds_spec, "collate_fn": collate_path}
+        if feature_path is not None:
+            spec["feature_fn"] = feature_path
+        payload, fmt = json.dumps(spec, sort_keys=True).encode(), "json"
     elif pickle_allowed:
         import cloudpickle
 
-        payload, fmt = cloudpickle.dumps({"dataset": dataset, "collate_fn": collate_fn or default_collate}), "cloudpickle"
+        payload, fmt = cloudpickle.dumps({"dataset": dataset, "collate_fn": collate_fn or default_collate,
+                                          "feature_fn": feature_fn}), "cloudpickle"
     else:
         raise ValueError(f"{lost} cannot travel to the DataServers without cloudpickle, and this cluster takes none "
                          f"(reached beyond loopback without TLS, or ClusterConfig(allow_pickle=False)): use {PICKLING}")
@@ -97,7 +107,7 @@ def make_spec(dataset, collate_fn, pickle_allowed: bool) -> tuple[str, bytes, st
 
 
 def load_spec(payload: bytes, fmt: str, allow_pickle: bool):
-    """The worker side of ``make_spec``: ``(dataset, collate_fn)``."""
+    """The worker side of ``make_spec``: ``(dataset, collate_fn, feature_fn or None)``."""
     import torch
 
     if fmt == "cloudpickle":
@@ -106,7 +116,7 @@ def load_spec(payload: bytes, fmt: str, allow_pickle: bool):
         import cloudpickle
 
         spec = cloudpickle.loads(payload)
-        return spec["dataset"], spec["collate_fn"]
+        return spec["dataset"], spec["collate_fn"], spec.get("feature_fn")
     if fmt != "json":
         raise ValueError(f"dataset spec format {fmt!r}; valid: json, cloudpickle")
     spec = json.loads(payload)
@@ -114,7 +124,8 @@ def load_spec(payload: bytes, fmt: str, allow_pickle: bool):
     if not (isinstance(cls, type) and issubclass(cls, torch.utils.data.Dataset)):
         raise TypeError(f"{spec['dataset']['target']} is not a torch Dataset class")
     collate = resolve_function(spec.get("collate_fn") or _DEFAULT_COLLATE, "collate_fn")
-    return cls(**spec["dataset"].get("kwargs", {})), collate
+    feature_fn = resolve_function(spec["feature_fn"], "feature_fn") if spec.get("feature_fn") else None
+    return cls(**spec["dataset"].get("kwargs", {})), collate, feature_fn
 
 
 def sample_path(dataset, index: int) -> str:

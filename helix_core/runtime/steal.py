@@ -128,7 +128,9 @@ class Pieces:
             error = dict(failed[0])
             error.setdefault("skipped", [])
             return error, [r for r in ordered if "handle" in r]
+        features = [f for r in ordered for f in r.get("features", ())]
         return {"pieces": ordered, "rows": [int(r["rows"]) for r in ordered], "skipped": [],
+                **({"features": features} if any("features" in r for r in ordered) else {}),
                 "decoded": decoded, "decode_cpu_s": cpu, "exec_s": max(r.get("exec_s", 0.0) for r in ordered),
                 "queue_s": ordered[0].get("queue_s", 0.0)}, []
 

@@ -16,6 +16,7 @@ import struct
 import time
 
 from ..dataset import Epochs
+from ..errors import SampleError
 from ..protocol import ErrorKind
 from . import shm
 from .specs import load_spec, sample_path
@@ -154,12 +155,13 @@ def _run_task(task: dict, specs: dict, pool, progress, allow_pickle: bool, may_s
     spec = specs.get(task["spec_id"])
     if spec is None or isinstance(spec, Exception):
         return {"error_kind": ErrorKind.SPEC, "error": f"cannot load dataset spec {task['spec_id']}: {spec!r}"}
-    dataset, collate = spec
+    dataset, collate, feature_fn = spec
+    want_features = bool(task.get("features"))
     if isinstance(dataset, Epochs):
         dataset.set_epoch(task["epoch"])
     subs = list(task.get("substitutes", ()))
     bad = task.get("bad", {})
-    if not bad and supports_direct(dataset, collate):  # decode straight into the slab: no copies
+    if not bad and not want_features and supports_direct(dataset, collate):  # decode straight into the slab
         got = direct_batch(dataset, collate, list(task["indices"]), pool, allow_pickle,
                            (lambda i: progress.set(i, sample_path(dataset, i))) if progress else (lambda i: None),
                            may_start)
@@ -193,6 +195,13 @@ def _run_task(task: dict, specs: dict, pool, progress, allow_pickle: bool, may_s
                 return {"error_kind": ErrorKind.SAMPLE, "error": fail["cause"] + why, "failure": fail, "skipped": skipped}
             skipped.append(fail)
             index = subs.pop(0)
+    features = None
+    if want_features:
+        try:
+            features = sample_features(samples, decoded, feature_fn, dataset)
+        except SampleError as e:
+            fail = _failure(e.index, e.path, e.cause)
+            return {"error_kind": ErrorKind.SAMPLE, "error": fail["cause"], "failure": fail, "skipped": skipped}
     slab = None
     try:
         batch = collate(samples)
@@ -208,4 +217,25 @@ def _run_task(task: dict, specs: dict, pool, progress, allow_pickle: bool, may_s
                                              f"{type(e).__name__}: {e}", "skipped": skipped}
     return {"handle": slab.handle(total), "tree_json": tree_json, "tree_pickle": tree_pickle, "metas": metas,
             "skipped": skipped, "exec_s": time.perf_counter() - t0, "rows": len(samples), "decoded": decoded,
-            "decode_cpu_s": decode_cpu}
+            "decode_cpu_s": decode_cpu, **({"features": features} if features is not None else {})}
+
+
+def sample_features(samples: list, decoded: list, feature_fn, dataset) -> list[dict]:
+    """Tier 2: ``feature_fn`` (default ``default_features``) of each decoded sample, as JSON-able
+    dicts; one that raises, or returns anything else, is a ``SampleError`` naming the sample."""
+    import json
+
+    from ..planning.rebalance import default_features
+
+    fn = feature_fn or default_features
+    out = []
+    for index, sample in zip(decoded, samples):
+        try:
+            f = fn(sample)
+            if not isinstance(f, dict):
+                raise TypeError(f"returned {type(f).__name__}, not a dict")
+            json.dumps(f)
+        except Exception as e:
+            raise SampleError(index, sample_path(dataset, index), f"Rebalance.feature_fn: {type(e).__name__}: {e}") from None
+        out.append(f)
+    return out

@@ -90,6 +90,24 @@ class RegisterClientRequest(_message.Message):
     task_id_base: int
     def __init__(self, rank: _Optional[int] = ..., world_size: _Optional[int] = ..., host: _Optional[str] = ..., local_rank: _Optional[int] = ..., client_id: _Optional[str] = ..., task_id_base: _Optional[int] = ...) -> None: ...
 
+class RoundLeaderRequest(_message.Message):
+    __slots__ = ("client_id", "rank")
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    client_id: str
+    rank: int
+    def __init__(self, client_id: _Optional[str] = ..., rank: _Optional[int] = ...) -> None: ...
+
+class RoundLeaderReply(_message.Message):
+    __slots__ = ("server_id", "address", "host")
+    SERVER_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    server_id: str
+    address: str
+    host: str
+    def __init__(self, server_id: _Optional[str] = ..., address: _Optional[str] = ..., host: _Optional[str] = ...) -> None: ...
+
 class RegisterClientReply(_message.Message):
     __slots__ = ("client_id", "cluster_id", "task_id_base")
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
@@ -275,7 +293,7 @@ class SampleFailure(_message.Message):
     def __init__(self, index: _Optional[int] = ..., path: _Optional[str] = ..., cause: _Optional[str] = ...) -> None: ...
 
 class ExecuteRequest(_message.Message):
-    __slots__ = ("task_id", "spec_id", "indices", "epoch", "substitutes", "on_error", "deliver_to", "client_id", "deadline_s", "has_deadline", "predicted_cpu_s", "splittable")
+    __slots__ = ("task_id", "spec_id", "indices", "epoch", "substitutes", "on_error", "deliver_to", "client_id", "deadline_s", "has_deadline", "predicted_cpu_s", "splittable", "features")
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
     SPEC_ID_FIELD_NUMBER: _ClassVar[int]
     INDICES_FIELD_NUMBER: _ClassVar[int]
@@ -288,6 +306,7 @@ class ExecuteRequest(_message.Message):
     HAS_DEADLINE_FIELD_NUMBER: _ClassVar[int]
     PREDICTED_CPU_S_FIELD_NUMBER: _ClassVar[int]
     SPLITTABLE_FIELD_NUMBER: _ClassVar[int]
+    FEATURES_FIELD_NUMBER: _ClassVar[int]
     task_id: int
     spec_id: str
     indices: _containers.RepeatedScalarFieldContainer[int]
@@ -300,10 +319,11 @@ class ExecuteRequest(_message.Message):
     has_deadline: bool
     predicted_cpu_s: float
     splittable: bool
-    def __init__(self, task_id: _Optional[int] = ..., spec_id: _Optional[str] = ..., indices: _Optional[_Iterable[int]] = ..., epoch: _Optional[int] = ..., substitutes: _Optional[_Iterable[int]] = ..., on_error: _Optional[str] = ..., deliver_to: _Optional[str] = ..., client_id: _Optional[str] = ..., deadline_s: _Optional[float] = ..., has_deadline: _Optional[bool] = ..., predicted_cpu_s: _Optional[float] = ..., splittable: _Optional[bool] = ...) -> None: ...
+    features: bool
+    def __init__(self, task_id: _Optional[int] = ..., spec_id: _Optional[str] = ..., indices: _Optional[_Iterable[int]] = ..., epoch: _Optional[int] = ..., substitutes: _Optional[_Iterable[int]] = ..., on_error: _Optional[str] = ..., deliver_to: _Optional[str] = ..., client_id: _Optional[str] = ..., deadline_s: _Optional[float] = ..., has_deadline: _Optional[bool] = ..., predicted_cpu_s: _Optional[float] = ..., splittable: _Optional[bool] = ..., features: _Optional[bool] = ...) -> None: ...
 
 class ExecuteReply(_message.Message):
-    __slots__ = ("task_id", "batch", "error_kind", "error", "failure", "skipped", "delivered_by", "cross_ds_bytes", "exec_s", "decoded", "decode_cpu_s", "queue_s", "pieces", "piece_rows")
+    __slots__ = ("task_id", "batch", "error_kind", "error", "failure", "skipped", "delivered_by", "cross_ds_bytes", "exec_s", "decoded", "decode_cpu_s", "queue_s", "pieces", "piece_rows", "features_json")
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
     BATCH_FIELD_NUMBER: _ClassVar[int]
     ERROR_KIND_FIELD_NUMBER: _ClassVar[int]
@@ -318,6 +338,7 @@ class ExecuteReply(_message.Message):
     QUEUE_S_FIELD_NUMBER: _ClassVar[int]
     PIECES_FIELD_NUMBER: _ClassVar[int]
     PIECE_ROWS_FIELD_NUMBER: _ClassVar[int]
+    FEATURES_JSON_FIELD_NUMBER: _ClassVar[int]
     task_id: int
     batch: BatchHandle
     error_kind: ErrorKind
@@ -332,7 +353,8 @@ class ExecuteReply(_message.Message):
     queue_s: float
     pieces: _containers.RepeatedCompositeFieldContainer[BatchHandle]
     piece_rows: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, task_id: _Optional[int] = ..., batch: _Optional[_Union[BatchHandle, _Mapping]] = ..., error_kind: _Optional[_Union[ErrorKind, str]] = ..., error: _Optional[str] = ..., failure: _Optional[_Union[SampleFailure, _Mapping]] = ..., skipped: _Optional[_Iterable[_Union[SampleFailure, _Mapping]]] = ..., delivered_by: _Optional[str] = ..., cross_ds_bytes: _Optional[int] = ..., exec_s: _Optional[float] = ..., decoded: _Optional[_Iterable[int]] = ..., decode_cpu_s: _Optional[_Iterable[float]] = ..., queue_s: _Optional[float] = ..., pieces: _Optional[_Iterable[_Union[BatchHandle, _Mapping]]] = ..., piece_rows: _Optional[_Iterable[int]] = ...) -> None: ...
+    features_json: str
+    def __init__(self, task_id: _Optional[int] = ..., batch: _Optional[_Union[BatchHandle, _Mapping]] = ..., error_kind: _Optional[_Union[ErrorKind, str]] = ..., error: _Optional[str] = ..., failure: _Optional[_Union[SampleFailure, _Mapping]] = ..., skipped: _Optional[_Iterable[_Union[SampleFailure, _Mapping]]] = ..., delivered_by: _Optional[str] = ..., cross_ds_bytes: _Optional[int] = ..., exec_s: _Optional[float] = ..., decoded: _Optional[_Iterable[int]] = ..., decode_cpu_s: _Optional[_Iterable[float]] = ..., queue_s: _Optional[float] = ..., pieces: _Optional[_Iterable[_Union[BatchHandle, _Mapping]]] = ..., piece_rows: _Optional[_Iterable[int]] = ..., features_json: _Optional[str] = ...) -> None: ...
 
 class StreamHeader(_message.Message):
     __slots__ = ("task_id", "tree_json", "tree_pickle", "tensors", "total_bytes")
@@ -393,3 +415,69 @@ class HealthReply(_message.Message):
     pid: int
     inflight: int
     def __init__(self, server_id: _Optional[str] = ..., workers_alive: _Optional[int] = ..., queue_depth: _Optional[int] = ..., serving: _Optional[bool] = ..., worker_pids: _Optional[_Iterable[int]] = ..., pid: _Optional[int] = ..., inflight: _Optional[int] = ...) -> None: ...
+
+class RebalanceRequest(_message.Message):
+    __slots__ = ("group", "group_size", "rank", "step", "batches", "batch_rows", "features_json", "host", "buffer_size", "timeout_s", "policy_id", "policy", "policy_format", "client_id", "seconds_per_unit")
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    BATCHES_FIELD_NUMBER: _ClassVar[int]
+    BATCH_ROWS_FIELD_NUMBER: _ClassVar[int]
+    FEATURES_JSON_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    BUFFER_SIZE_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    POLICY_ID_FIELD_NUMBER: _ClassVar[int]
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    POLICY_FORMAT_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_PER_UNIT_FIELD_NUMBER: _ClassVar[int]
+    group: str
+    group_size: int
+    rank: int
+    step: int
+    batches: _containers.RepeatedCompositeFieldContainer[BatchHandle]
+    batch_rows: _containers.RepeatedScalarFieldContainer[int]
+    features_json: str
+    host: str
+    buffer_size: int
+    timeout_s: float
+    policy_id: str
+    policy: bytes
+    policy_format: str
+    client_id: str
+    seconds_per_unit: float
+    def __init__(self, group: _Optional[str] = ..., group_size: _Optional[int] = ..., rank: _Optional[int] = ..., step: _Optional[int] = ..., batches: _Optional[_Iterable[_Union[BatchHandle, _Mapping]]] = ..., batch_rows: _Optional[_Iterable[int]] = ..., features_json: _Optional[str] = ..., host: _Optional[str] = ..., buffer_size: _Optional[int] = ..., timeout_s: _Optional[float] = ..., policy_id: _Optional[str] = ..., policy: _Optional[bytes] = ..., policy_format: _Optional[str] = ..., client_id: _Optional[str] = ..., seconds_per_unit: _Optional[float] = ...) -> None: ...
+
+class RowTake(_message.Message):
+    __slots__ = ("batch", "rows", "shared", "batch_rows")
+    BATCH_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    SHARED_FIELD_NUMBER: _ClassVar[int]
+    BATCH_ROWS_FIELD_NUMBER: _ClassVar[int]
+    batch: BatchHandle
+    rows: _containers.RepeatedScalarFieldContainer[int]
+    shared: bool
+    batch_rows: int
+    def __init__(self, batch: _Optional[_Union[BatchHandle, _Mapping]] = ..., rows: _Optional[_Iterable[int]] = ..., shared: _Optional[bool] = ..., batch_rows: _Optional[int] = ...) -> None: ...
+
+class RebalanceReply(_message.Message):
+    __slots__ = ("takes", "outcome", "moved_in", "moved_out", "gain_s", "transfer_s", "round_samples", "closed_by")
+    TAKES_FIELD_NUMBER: _ClassVar[int]
+    OUTCOME_FIELD_NUMBER: _ClassVar[int]
+    MOVED_IN_FIELD_NUMBER: _ClassVar[int]
+    MOVED_OUT_FIELD_NUMBER: _ClassVar[int]
+    GAIN_S_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_S_FIELD_NUMBER: _ClassVar[int]
+    ROUND_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    CLOSED_BY_FIELD_NUMBER: _ClassVar[int]
+    takes: _containers.RepeatedCompositeFieldContainer[RowTake]
+    outcome: str
+    moved_in: int
+    moved_out: int
+    gain_s: float
+    transfer_s: float
+    round_samples: int
+    closed_by: str
+    def __init__(self, takes: _Optional[_Iterable[_Union[RowTake, _Mapping]]] = ..., outcome: _Optional[str] = ..., moved_in: _Optional[int] = ..., moved_out: _Optional[int] = ..., gain_s: _Optional[float] = ..., transfer_s: _Optional[float] = ..., round_samples: _Optional[int] = ..., closed_by: _Optional[str] = ...) -> None: ...

@@ -69,6 +69,11 @@ class CoordinatorStub:
                 request_serializer=helix__pb2.TelemetryRequest.SerializeToString,
                 response_deserializer=helix__pb2.TelemetryReply.FromString,
                 _registered_method=True)
+        self.RoundLeader = channel.unary_unary(
+                '/helix.v1.Coordinator/RoundLeader',
+                request_serializer=helix__pb2.RoundLeaderRequest.SerializeToString,
+                response_deserializer=helix__pb2.RoundLeaderReply.FromString,
+                _registered_method=True)
         self.Shutdown = channel.unary_unary(
                 '/helix.v1.Coordinator/Shutdown',
                 request_serializer=helix__pb2.ShutdownRequest.SerializeToString,
@@ -121,6 +126,12 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RoundLeader(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Shutdown(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -164,6 +175,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.Telemetry,
                     request_deserializer=helix__pb2.TelemetryRequest.FromString,
                     response_serializer=helix__pb2.TelemetryReply.SerializeToString,
+            ),
+            'RoundLeader': grpc.unary_unary_rpc_method_handler(
+                    servicer.RoundLeader,
+                    request_deserializer=helix__pb2.RoundLeaderRequest.FromString,
+                    response_serializer=helix__pb2.RoundLeaderReply.SerializeToString,
             ),
             'Shutdown': grpc.unary_unary_rpc_method_handler(
                     servicer.Shutdown,
@@ -371,6 +387,33 @@ class Coordinator:
             _registered_method=True)
 
     @staticmethod
+    def RoundLeader(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/helix.v1.Coordinator/RoundLeader',
+            helix__pb2.RoundLeaderRequest.SerializeToString,
+            helix__pb2.RoundLeaderReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
     def Shutdown(request,
             target,
             options=(),
@@ -437,6 +480,11 @@ class DataServerStub:
                 request_serializer=helix__pb2.HealthRequest.SerializeToString,
                 response_deserializer=helix__pb2.HealthReply.FromString,
                 _registered_method=True)
+        self.Rebalance = channel.unary_unary(
+                '/helix.v1.DataServer/Rebalance',
+                request_serializer=helix__pb2.RebalanceRequest.SerializeToString,
+                response_deserializer=helix__pb2.RebalanceReply.FromString,
+                _registered_method=True)
 
 
 class DataServerServicer:
@@ -478,6 +526,12 @@ class DataServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Rebalance(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DataServerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -510,6 +564,11 @@ def add_DataServerServicer_to_server(servicer, server):
                     servicer.Health,
                     request_deserializer=helix__pb2.HealthRequest.FromString,
                     response_serializer=helix__pb2.HealthReply.SerializeToString,
+            ),
+            'Rebalance': grpc.unary_unary_rpc_method_handler(
+                    servicer.Rebalance,
+                    request_deserializer=helix__pb2.RebalanceRequest.FromString,
+                    response_serializer=helix__pb2.RebalanceReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -674,6 +733,33 @@ class DataServer:
             '/helix.v1.DataServer/Health',
             helix__pb2.HealthRequest.SerializeToString,
             helix__pb2.HealthReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Rebalance(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/helix.v1.DataServer/Rebalance',
+            helix__pb2.RebalanceRequest.SerializeToString,
+            helix__pb2.RebalanceReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,117 @@
+"""A rank's side of Tier-2 rounds (``rebalance=``): once a batch has landed, its slabs and its
+samples' measured features go to the group's leader DataServer (``runtime/tier2.py``), and the
+batch this rank trains on is made from the rows the round gives it — its batch size, its global
+step, maybe other ranks' samples of that step. No gRPC here (``ClusterClient`` makes the calls).
+
+A rank never waits on another beyond the round's timeout: a round closes when every step in it
+has all the group's ranks, when it is full, or at ``round_timeout_s``; a leader that cannot be
+reached, or a round that fails, leaves the rank its own batch.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+
+import numpy as np
+
+from ..errors import ClusterError
+from ..planning.rebalance import Rebalance
+from ..runtime.merge import merge_batches
+from ..runtime.proto import helix_pb2 as pb
+from ..runtime.specs import function_path
+
+__all__ = ["STEP_STRIDE", "Tier2", "policy_spec", "rebalance_group"]
+
+STEP_STRIDE = 1 << 32  # a global step is epoch * STEP_STRIDE + the batch's position in the epoch
+
+
+def rebalance_group(rebalance: Rebalance | None, rank: int, world_size: int) -> tuple[int, ...] | None:
+    """The ranks ``rank`` trades samples with (itself included), or None (no Tier 2 for it)."""
+    if rebalance is None:
+        return None
+    group = next((g for g in rebalance.groups(world_size) if rank in g), None)
+    return tuple(group) if group is not None and len(group) > 1 else None
+
+
+def policy_spec(rebalance: Rebalance, pickle_allowed: bool) -> tuple[str, bytes, str]:
+    """``(policy_id, payload, format)`` of ``sort_fn`` and its ``args``: JSON when ``sort_fn`` is the
+    default or an importable function and ``args`` is JSON, else cloudpickle where the cluster takes
+    it, else ``ValueError`` naming what cannot travel."""
+    from dataclasses import asdict, is_dataclass
+
+    args = asdict(rebalance.args) if is_dataclass(rebalance.args) else rebalance.args
+    path = None if rebalance.sort_fn is None else function_path(rebalance.sort_fn)
+    try:
+        if rebalance.sort_fn is not None and path is None:
+            raise TypeError("sort_fn is not an importable module-level function")
+        payload, fmt = json.dumps({"sort_fn": path, "args": args}, sort_keys=True).encode(), "json"
+    except TypeError as e:
+        if not pickle_allowed:
+            raise ValueError(f"Rebalance: {e} (or its args are not JSON) and this cluster takes no cloudpickle: "
+                             "use a module-level sort_fn and JSON args, or a token") from None
+        import cloudpickle
+
+        payload, fmt = cloudpickle.dumps({"sort_fn": rebalance.sort_fn, "args": rebalance.args}), "cloudpickle"
+    return hashlib.sha256(fmt.encode() + payload).hexdigest()[:16], payload, fmt
+
+
+class Tier2:
+    """The rounds of one loader: ``group`` (its ranks), ``units`` (GPU cost units of token counts),
+    ``deadlines`` (the learned seconds per unit), ``stats`` (``LoaderStats``: its ``rebalance``)."""
+
+    def __init__(self, client, rebalance: Rebalance, group: tuple[int, ...], spec_id: str, units, deadlines,
+                 stats, pad: bool):
+        self.client, self.rebalance, self.group, self.units = client, rebalance, group, units
+        self.deadlines, self.stats, self.pad = deadlines, stats, pad
+        self.name = f"{spec_id}:{','.join(map(str, group))}"
+        self.policy = policy_spec(rebalance, client.pickle_allowed)
+        self._leader: str | None = None
+
+    def exchange(self, task, replies, stop):
+        """The batch of ``task`` after its round, from its parts' ``replies`` (all succeeded)."""
+        batches, rows, features = [], [], []
+        for reply in replies:
+            got = json.loads(reply.features_json or "[]")
+            if reply.pieces:
+                batches += list(reply.pieces)
+                rows += list(reply.piece_rows)
+            else:
+                batches.append(reply.batch)
+                rows.append(len(got))
+            features += got
+        if len(features) != sum(rows):
+            return None  # a server that computes no features (an older one): keep
+        for f in features:
+            if "cost" not in f:
+                f["cost"] = float(np.sum(self.units(np.array([f.get("tokens", 0)], dtype=np.float64))))
+        if self._leader is None:
+            self._leader = self.client.round_leader(min(self.group), stop)
+        r = self.rebalance
+        request = pb.RebalanceRequest(
+            group=self.name, group_size=len(self.group), rank=self.client.rank,
+            step=task.epoch * STEP_STRIDE + task.position, batches=batches, batch_rows=rows,
+            features_json=json.dumps(features), host=self.client.host, buffer_size=r.buffer_size,
+            timeout_s=r.round_timeout_s, policy_id=self.policy[0], policy=self.policy[1], policy_format=self.policy[2],
+            client_id=self.client.client_id, seconds_per_unit=self.deadlines.seconds_per_unit or 0.0)
+        reply = self.client.rebalance(self._leader, request, r.round_timeout_s + self.client.config.rpc_timeout_s)
+        counts = self.stats.rebalance
+        if reply is None:
+            self._leader = None  # ask again next time: the leader may have moved
+            counts["unreachable"] += 1
+            return None
+        counts[reply.outcome.split(":")[0]] += 1
+        if reply.outcome.startswith("error"):
+            self.stats.rebalance_errors.append(reply.outcome)
+        if not reply.moved_in and not reply.moved_out:
+            return None  # kept: the usual materialization
+        counts["moved_in"] += reply.moved_in
+        counts["moved_out"] += reply.moved_out
+        parts = []
+        try:
+            for t in reply.takes:
+                parts.append(self.client.read_rows(t.batch, t.rows, t.batch_rows))
+        except (OSError, ValueError) as e:  # a slab of the round vanished with its server
+            for t in reply.takes[len(parts) + 1:]:
+                self.client.reader.release({"segment": t.batch.slab.segment, "generation": t.batch.slab.generation})
+            raise ClusterError(f"batch {task.position}: its Tier-2 round's slabs could not be read: {e}") from None
+        return merge_batches(parts, rows=[len(t.rows) for t in reply.takes], pad=self.pad)

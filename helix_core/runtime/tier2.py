@@ -1,0 +1,216 @@
+"""Tier-2 rounds at a group's leader DataServer (paper Section 3.4 "Balance correction",
+Algorithm 1 lines 10-14): the runtime around the pure ``planning.rounds`` / ``planning.rebalance``.
+
+Each rank of a ``client_ranks`` group, once a batch of a global step has landed, sends its slab
+handles and its samples' features here (``Rebalance``) and is held until the round closes: full,
+complete (every step in it has all the group's ranks), or ``timeout_s`` after its first batch. The
+round runs the group's policy (``sort_fn``, which travels like a dataset: an import path, or
+cloudpickle where the server takes pickles) over the features, checks the assignment, and answers
+each rank with the rows it takes, slab by slab. Rows move only between ranks of one host: the
+slabs are handed over (no bytes move between servers), and a slab read by several ranks carries
+their count (``SlabReader.share``), so the last one frees it. Moving rows between hosts is not
+built yet: a round whose assignment would do so keeps every batch where it is.
+
+Nothing here waits on a clock it could block on instead: a held call waits on the round's
+condition until its own round closes, or until the open round's timeout is due.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import threading
+import time
+from collections import Counter
+
+from ..planning.rebalance import GateArgs, balance_cost, check_assignment, projected_gain_s, transfer_s
+from ..planning.rounds import Round, RoundBuffer, RoundItem
+from .proto import helix_pb2 as pb
+from .reader import SlabReader
+from .specs import resolve_function
+
+__all__ = ["RoundTable", "load_policy"]
+
+
+def load_policy(payload: bytes, fmt: str, allow_pickle: bool):
+    """``(sort_fn or None for the default, args)`` of a policy spec (``client.tier2.policy_spec``)."""
+    if fmt == "cloudpickle":
+        if not allow_pickle:
+            raise PermissionError("refusing a pickled Tier-2 policy: this DataServer takes no pickle")
+        import cloudpickle
+
+        spec = cloudpickle.loads(payload)
+        return spec["sort_fn"], spec["args"]
+    if fmt != "json":
+        raise ValueError(f"Tier-2 policy format {fmt!r}; valid: json, cloudpickle")
+    spec = json.loads(payload)
+    fn = resolve_function(spec["sort_fn"], "Rebalance.sort_fn") if spec.get("sort_fn") else None
+    return fn, spec.get("args")
+
+
+@dataclasses.dataclass(eq=False)
+class _Call:
+    """One held ``Rebalance`` call: its request and, once its round ran, its reply."""
+
+    request: pb.RebalanceRequest
+    closed: bool = False
+    reply: pb.RebalanceReply | None = None
+
+    def source(self, k: int) -> tuple[int, int]:
+        """(batch number, row in it) of the call's ``k``-th sample."""
+        for b, n in enumerate(self.request.batch_rows):
+            if k < n:
+                return b, k
+            k -= n
+        raise IndexError(k)
+
+
+class RoundTable:
+    """The rounds this DataServer leads, one open round per group. Thread-safe: each held call
+    runs on its own gRPC thread; the one whose batch closes a round (or finds it due) runs it."""
+
+    def __init__(self, allow_pickle: bool, clock=time.monotonic):
+        self.allow_pickle, self.clock = allow_pickle, clock
+        self.reader = SlabReader()
+        self._cond = threading.Condition()
+        self._buffers: dict[str, RoundBuffer] = {}
+        self._policies: dict[str, tuple] = {}
+        self.counts: Counter = Counter()  # rounds by outcome
+
+    def rebalance(self, request: pb.RebalanceRequest) -> pb.RebalanceReply:
+        try:
+            features = json.loads(request.features_json or "[]")
+            if not isinstance(features, list) or len(features) != sum(request.batch_rows) or \
+                    len(request.batches) != len(request.batch_rows):
+                raise ValueError(f"{len(features) if isinstance(features, list) else 'no'} feature dicts for "
+                                 f"{sum(request.batch_rows)} rows in {len(request.batches)} slabs")
+            ranks = [int(r) for r in request.group.rsplit(":", 1)[-1].split(",")]
+        except (ValueError, TypeError) as e:
+            return self._keep(_Call(request), f"error: bad Rebalance request from rank {request.rank}: {e}")
+        call = _Call(request)
+        items = [RoundItem((call, k), request.rank, request.step, f if isinstance(f, dict) else {})
+                 for k, f in enumerate(features)]
+        with self._cond:
+            buf = self._buffers.get(request.group)
+            if buf is None:
+                buf = self._buffers[request.group] = RoundBuffer(ranks, max(2, request.buffer_size),
+                                                                 request.timeout_s or 0.05, self.clock)
+            try:
+                closed = buf.add_batch(items)
+            except ValueError as e:
+                return self._keep(call, f"error: {e}")
+            while call.reply is None:
+                if closed is None and not call.closed and buf.due_in() is not None and buf.due_in() <= 0:
+                    closed = buf.expire()
+                if closed is not None:
+                    self._mark(closed)
+                    self._cond.release()
+                    try:
+                        self._run(closed)  # outside the lock: other groups' calls go on meanwhile
+                    finally:
+                        self._cond.acquire()
+                    self._cond.notify_all()
+                    closed = None
+                    continue
+                self._cond.wait(None if call.closed else buf.due_in())
+        return call.reply
+
+    @staticmethod
+    def _mark(rnd: Round) -> None:
+        for it in rnd.items:
+            it.key[0].closed = True
+
+    def _keep(self, call: _Call, outcome: str) -> pb.RebalanceReply:
+        req = call.request
+        call.reply = pb.RebalanceReply(takes=[pb.RowTake(batch=b, rows=range(n), batch_rows=n)
+                                              for b, n in zip(req.batches, req.batch_rows)], outcome=outcome)
+        return call.reply
+
+    def _run(self, rnd: Round) -> None:
+        calls = list(dict.fromkeys(it.key[0] for it in rnd.items))
+        outcome, assignment, gain, cost = self._decide(rnd, calls)
+        self.counts[outcome.split(":")[0]] += 1
+        if assignment is None:
+            for c in calls:
+                self._keep(c, outcome)
+                c.reply.round_samples, c.reply.closed_by = len(rnd.items), rnd.closed_by
+            return
+        takes: dict[int, list] = {id(c): [] for c in calls}
+        readers: dict[tuple, set] = {}
+        by_call = {(c.request.step, c.request.rank): c for c in calls}
+        for it, dst in zip(rnd.items, assignment):
+            src, k = it.key
+            b, row = src.source(k)
+            to = by_call[(it.step, dst)]
+            takes[id(to)].append((src, b, row))
+            readers.setdefault((id(src), b), set()).add(id(to))
+        for (sid, b), who in readers.items():  # before any reply: a reader's release counts down from here
+            src = next(c for c in calls if id(c) == sid)
+            bh = src.request.batches[b]
+            if len(who) > 1 and not self.reader.share({"segment": bh.slab.segment, "generation": bh.slab.generation}, len(who)):
+                for c in calls:
+                    self._keep(c, "error: a slab of the round was released before it closed")
+                return
+        for c in calls:
+            mine = sorted(takes[id(c)], key=lambda t: (t[0] is not c, t[0].request.rank, t[1], t[2]))  # own rows first
+            reply = pb.RebalanceReply(outcome=outcome, gain_s=gain, transfer_s=cost, round_samples=len(rnd.items),
+                                      closed_by=rnd.closed_by)
+            reply.moved_in = sum(1 for src, _, _ in mine if src is not c)
+            reply.moved_out = sum(1 for it, dst in zip(rnd.items, assignment) if it.key[0] is c and dst != c.request.rank)
+            last = None
+            for src, b, row in mine:  # rows of one slab in a row make one take
+                if last is not None and last[0] == (id(src), b):
+                    last[1].rows.append(row)
+                    continue
+                take = reply.takes.add(batch=src.request.batches[b], rows=[row], shared=len(readers[(id(src), b)]) > 1,
+                                       batch_rows=src.request.batch_rows[b])
+                last = ((id(src), b), take)
+            c.reply = reply
+
+    def _decide(self, rnd: Round, calls: list) -> tuple[str, list | None, float, float]:
+        """``(outcome, assignment or None to keep, gain_s, transfer_s)``."""
+        if not rnd.movable:
+            return "alone", None, 0.0, 0.0
+        req = calls[0].request
+        try:
+            sort_fn, args = self._policy(req)
+        except Exception as e:
+            return f"error: Tier-2 policy {req.policy_id}: {type(e).__name__}: {e}", None, 0.0, 0.0
+        features = rnd.features()
+        hosts = {c.request.rank: c.request.host for c in calls}
+        gate_args = None
+        if sort_fn is None:  # the default policy: cost gate with this round's hosts and learned window
+            gate_args = GateArgs.of(args)
+            spu = max(c.request.seconds_per_unit for c in calls)
+            given = args if isinstance(args, dict) else {}
+            gate_args = dataclasses.replace(gate_args, same_host=hosts, **(
+                {"seconds_per_unit": spu} if spu > 0 and "seconds_per_unit" not in given else {}))
+            for f in features:
+                f.setdefault(gate_args.key, f.get("tokens", 0))
+        try:
+            assignment = (sort_fn or balance_cost)(features, gate_args if sort_fn is None else args)
+            assignment = list(assignment) if not isinstance(assignment, (str, bytes)) else assignment
+        except Exception as e:
+            return f"error: Rebalance.sort_fn raised {type(e).__name__}: {e}", None, 0.0, 0.0
+        why = check_assignment(features, assignment)
+        if why is not None:
+            return f"error: Rebalance.sort_fn {why}", None, 0.0, 0.0
+        if any(hosts[f["rank"]] != hosts[r] for f, r in zip(features, assignment)):
+            return "error: the assignment moves samples between hosts (not built yet: kept)", None, 0.0, 0.0
+        if all(f["rank"] == r for f, r in zip(features, assignment)):
+            return "kept", None, 0.0, 0.0
+        gain = cost = 0.0
+        if gate_args is not None:
+            gain, cost = projected_gain_s(features, assignment, gate_args), transfer_s(features, assignment, gate_args)
+        return "moved", assignment, gain, cost
+
+    def _policy(self, req: pb.RebalanceRequest):
+        with self._cond:
+            got = self._policies.get(req.policy_id)
+        if got is None:
+            got = load_policy(req.policy, req.policy_format or "json", self.allow_pickle)
+            with self._cond:
+                self._policies[req.policy_id] = got
+        return got
+
+    def close(self) -> None:
+        self.reader.close()

@@ -1,0 +1,129 @@
+"""Tier 2 on real processes: ranks of one host trade decoded samples of the same global step
+through their group's leader DataServer (slabs handed over, no bytes between servers), keep their
+batch sizes and every epoch's samples exactly once; a rank alone, or a policy that fails, keeps
+its batches; nothing is left in shared memory."""
+import threading
+from collections import Counter
+
+import pytest
+import torch
+
+import helix_core as hx
+from helix_core.testing import CostedDataset, IndexDataset
+
+from dataplane import CFG, busy_segments, torch_batches, wait_for
+
+HEAVY, LIGHT = 1000, 10
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with hx.LocalCluster(local_servers=2, workers_per_server=1, config=CFG, token=True) as c:
+        yield c
+
+
+def _skewed(n=16):
+    """Rank 0's shard (even indices, no shuffle) is all heavy, rank 1's all light."""
+    return CostedDataset(n, tokens=[HEAVY if i % 2 == 0 else LIGHT for i in range(n)], shape=(8,))
+
+
+def _run_ranks(cluster, ds, world, rebalance, epochs=1, ranks=None, **kw):
+    """Each rank's loader in its own thread, stepping together; returns ({rank: [batch]}, {rank: stats})."""
+    got, stats, errors = {}, {}, []
+    ranks = list(ranks if ranks is not None else range(world))
+    step = threading.Barrier(len(ranks))  # what the gradients' all_reduce does to ranks: they step together
+    rebalance = {"round_timeout_s": 5.0, **rebalance}
+
+    def rank_main(rank):
+        try:
+            with hx.DistributedDataLoader(ds, batch_size=2, rank=rank, world_size=world, coordinator=cluster.address,
+                                          token=cluster.token, config=CFG, rebalance=rebalance,
+                                          gpu_cost=lambda t: t, **kw) as ld:
+                out = []
+                for epoch in range(epochs):
+                    ld.set_epoch(epoch)
+                    for b in ld:
+                        out.append((epoch, b))
+                        step.wait(60)
+                got[rank], stats[rank] = out, ld.stats()
+        except BaseException as e:  # reported by the main thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in ranks]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors
+    return got, stats
+
+
+def test_ranks_trade_samples_of_a_step_and_keep_batch_sizes_and_every_sample_once(cluster):
+    ds = _skewed(16)
+    reference = IndexDataset(16, shape=(8,))
+    got, stats = _run_ranks(cluster, ds, 2, {"args": {"seconds_per_unit": 1.0}}, epochs=2)
+    for epoch in range(2):
+        want = {r: torch_batches(ds, 2, r, 2, epoch=epoch) for r in range(2)}
+        mine = {r: [b for e, b in got[r] if e == epoch] for r in range(2)}
+        assert [len(mine[r]) for r in range(2)] == [len(want[r]) for r in range(2)]
+        seen = Counter()
+        for step in range(len(want[0])):
+            planned = sorted(i for r in range(2) for i in want[r][step]["index"].tolist())
+            traded = sorted(i for r in range(2) for i in mine[r][step]["index"].tolist())
+            assert traded == planned  # samples move only within their global step
+            for r in range(2):
+                b = mine[r][step]
+                assert len(b["index"]) == 2  # every rank keeps its batch size
+                for row, i in enumerate(b["index"].tolist()):  # each row came with its own tensors
+                    assert torch.equal(b["x"][row], reference[i]["x"]) and int(b["tokens"][row]) == ds.tokens[i]
+                # the default policy balanced the measured cost: one heavy and one light sample each
+                assert sorted(b["tokens"].tolist()) == [LIGHT, HEAVY]
+            seen.update(traded)
+        assert seen == Counter(range(16))  # the epoch: every sample exactly once
+    for r in range(2):
+        t2 = stats[r]["rebalance"]
+        assert t2["moved"] == 8 and t2["moved_in"] == t2["moved_out"] == 8, t2
+        assert not stats[r]["rebalance_errors"]
+    wait_for(lambda: not busy_segments(cluster), what="every slab released (shared ones counted down)")
+
+
+def test_a_rank_alone_keeps_its_batches_after_the_round_timeout(cluster):
+    ds = _skewed(8)
+    got, stats = _run_ranks(cluster, ds, 2, {"round_timeout_s": 0.05, "args": {"seconds_per_unit": 1.0}}, ranks=[0])
+    assert [b["index"].tolist() for _, b in got[0]] == [b["index"].tolist() for b in torch_batches(ds, 2, 0, 2)]
+    assert stats[0]["rebalance"].get("alone") == 2 and not stats[0]["rebalance"].get("moved_in")
+    wait_for(lambda: not busy_segments(cluster), what="every slab released")
+
+
+def test_a_policy_that_breaks_the_rules_is_named_and_the_batches_stay(cluster):
+    ds = _skewed(8)
+    got, stats = _run_ranks(cluster, ds, 2, {"sort_fn": lambda features, args: [0] * len(features)})
+    for r in range(2):
+        assert [b["index"].tolist() for _, b in got[r]] == [b["index"].tolist() for b in torch_batches(ds, 2, r, 2)]
+        errors = stats[r]["rebalance_errors"]
+        assert errors and "would get 4 samples, not its batch's 2" in errors[0], errors
+    wait_for(lambda: not busy_segments(cluster), what="every slab released")
+
+
+def test_a_user_feature_fn_and_sort_fn_decide_the_round(cluster):
+    ds = _skewed(8)
+
+    def swap_all(features, args):  # move every sample to the other rank of its step
+        assert all(set(f) >= {"heavy", "rank", "step"} for f in features)
+        return [1 - f["rank"] for f in features]
+
+    got, stats = _run_ranks(cluster, ds, 2, {"feature_fn": lambda s: {"heavy": int(s["tokens"]) > 100},
+                                             "sort_fn": swap_all})
+    for r in range(2):
+        want = torch_batches(ds, 2, 1 - r, 2)
+        assert [sorted(b["index"].tolist()) for _, b in got[r]] == [sorted(b["index"].tolist()) for b in want]
+    wait_for(lambda: not busy_segments(cluster), what="every slab released")
+
+
+def test_rebalance_with_a_collate_whose_rows_cannot_be_told_apart_is_refused_up_front(cluster):
+    with pytest.raises(ValueError, match="rebalance= needs collate_fn=None"):
+        hx.DistributedDataLoader(_skewed(8), batch_size=2, rank=0, world_size=2, coordinator=cluster.address,
+                                 token=cluster.token, config=CFG, rebalance={}, collate_fn=lambda s: s)
+    with pytest.raises(ValueError, match="unknown key"):
+        hx.DistributedDataLoader(_skewed(8), batch_size=2, rank=0, world_size=2, coordinator=cluster.address,
+                                 token=cluster.token, config=CFG, rebalance={"buffer": 3})
