@@ -54,6 +54,7 @@ class BenchConfig:
     device: str = "cpu"
     gpu_cost: str = "family"  # the emulated GPU cost: the model family's (superlinear) or "linear" (tokens only)
     profiles: bool = True  # False: no profile table (costs from probing each clip, as a new user's data)
+    estimate_noise: float = 0.0  # > 0: the costs the loaders plan with are off by a seeded log-normal factor
     data_dir: str = str(Path.home() / ".cache" / "helix" / "bench-data")
 
     def __post_init__(self):
@@ -64,6 +65,8 @@ class BenchConfig:
             raise ValueError(f"regime={self.regime!r}; valid: {', '.join(REGIMES)}")
         if self.compute not in ("emulate", "model"):
             raise ValueError(f"compute={self.compute!r}; valid: emulate, model")
+        if not (0.0 <= self.estimate_noise < 10.0):
+            raise ValueError(f"estimate_noise={self.estimate_noise!r}: a log-normal sigma in [0, 10)")
         if self.gpu_cost not in ("family", "linear"):
             raise ValueError(f"gpu_cost={self.gpu_cost!r}; valid: family, linear")
         if self.model not in GPU_COSTS:
@@ -262,12 +265,14 @@ def run_one(cfg: BenchConfig, console=None, live=None) -> dict:
                     systems[system] = {"skipped": why}
                     continue
             spec = TimedClipDataset(ds.manifest_path, model=cfg.model, decode_log=Path(logs) / system,
-                                    profiles=None if cfg.profiles else False).helix_spec()
+                                    profiles=None if cfg.profiles else False, estimate_noise=cfg.estimate_noise,
+                                    noise_seed=cfg.seed).helix_spec()
             got, m = _run_system(system, cfg, replace(plan, system=system, port=_free_port(), dataset=spec), live)
             systems[system] = system_result(system, cfg, got, m, expected, spans, bound, decode, units,
                                              Path(logs) / system)
     return {"workload": cfg.workload, "model": cfg.model, "regime": cfg.regime, "window_scale": scale,
             "gpu_cost": cfg.gpu_cost, "profiles": cfg.profiles, "prefetch": cfg.prefetch,
+            "estimate_noise": cfg.estimate_noise,
             "ranks": cfg.ranks, "budget": cfg.budget, "batch_size": cfg.batch_size, "steps": steps,
             "warmup": warmup, "window": cfg.window, "steps_per_epoch": spe, "ddl_tolerance_s": cfg.ddl_tolerance_s,
             "remote_servers": cfg.remote_servers, "compute": cfg.compute,

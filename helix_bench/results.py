@@ -70,6 +70,13 @@ def system_result(system, cfg, got, m, expected, spans, bound, decode, units, lo
         for k, v in (st.get("placement_reasons") or {}).items():
             reasons[k] = reasons.get(k, 0) + v
     out["placement_reasons"] = reasons
+    rounds: dict = {}
+    for st in stats_by_rank:  # Tier 2: rounds by outcome and samples moved, over the ranks
+        for k, v in (st.get("rebalance") or {}).items():
+            rounds[k] = rounds.get(k, 0) + v
+    if rounds:
+        out["rebalance"] = rounds
+        out["rebalance_errors"] = sorted({e for st in stats_by_rank for e in st.get("rebalance_errors") or ()})[:5]
     return out
 
 

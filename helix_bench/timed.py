@@ -26,10 +26,34 @@ class TimedClipDataset(VideoClipDataset):
     ``"<wall_end> <index> <cpu_s> <wall_start>"`` — ``time.time()`` when the fetch ended and began
     (seconds since the epoch) and the thread CPU-seconds it took (decode, resize, transforms)."""
 
-    def __init__(self, *args, decode_log: str | os.PathLike, **kwargs):
+    def __init__(self, *args, decode_log: str | os.PathLike, estimate_noise: float = 0.0, noise_seed: int = 0,
+                 **kwargs):
         super().__init__(*args, **kwargs)
         self.decode_log = str(decode_log)
         self._log = None  # (pid, file): opened once per process, reopened after a fork
+        # estimates that disagree with the clips: each sample's predicted tokens and CPU seconds are
+        # off by a seeded log-normal factor (sigma ``estimate_noise``); the decoded sample keeps its
+        # real tokens, so Tier 1 plans on wrong costs and Tier 2 has something to correct
+        self.estimate_noise, self.noise_seed = float(estimate_noise), int(noise_seed)
+        self._noise = None
+        if self.estimate_noise > 0:
+            import numpy as np
+
+            self._noise = np.exp(np.random.default_rng(self.noise_seed).normal(0.0, self.estimate_noise, len(self)))
+            if self._costs is not None:
+                c = dict(self._costs)
+                c["tokens"] = np.maximum(1, np.rint(c["tokens"] * self._noise)).astype(np.int64)
+                c["cpu_s"] = c["cpu_s"] * self._noise
+                self._costs = c
+
+    def estimate_cost(self, index: int):
+        cost = super().estimate_cost(index)
+        if self._noise is None or self._costs is not None:  # a table's costs carry the noise already
+            return cost
+        from dataclasses import replace
+
+        f = float(self._noise[int(index)])
+        return replace(cost, tokens=max(1, round(cost.tokens * f)), cpu_s=cost.cpu_s * f)
 
     def fetch(self, index: int, out=None):
         w0, c0 = time.time(), time.thread_time()
@@ -60,7 +84,7 @@ class TimedClipDataset(VideoClipDataset):
 
     def helix_spec(self) -> dict:
         spec = super().helix_spec()
-        spec["kwargs"]["decode_log"] = self.decode_log
+        spec["kwargs"].update(decode_log=self.decode_log, estimate_noise=self.estimate_noise, noise_seed=self.noise_seed)
         return spec
 
 

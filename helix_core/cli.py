@@ -123,6 +123,7 @@ def _cmd_bench(a, console) -> int:
                            window_scale=a.window_scale, remote_servers=rd, prefetch=a.prefetch, clips=a.clips,
                            scale=a.scale, seed=a.seed, ddl_tolerance_s=a.ddl_tolerance_ms / 1e3, window=a.window,
                            compute=a.compute, device=a.device, gpu_cost=a.gpu_cost, profiles=not a.no_profiles,
+                           estimate_noise=a.estimate_noise,
                            data_dir=a.data or str(cache_dir() / "bench-data"))
                for w in _split(a.workload) for r in _split(a.regime) for b in _split(a.batch_size, int)
                for rd in _split(a.remote_servers, int)]
@@ -215,6 +216,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--gpu-cost", choices=("family", "linear"), default="family",
                    help="emulated GPU cost: the model family's (attention: superlinear in tokens) or linear in tokens")
     s.add_argument("--no-profiles", action="store_true", help="no profile table: costs from probing each clip")
+    s.add_argument("--estimate-noise", type=float, default=0.0, metavar="SIGMA",
+                   help="the loaders plan with costs off by a seeded log-normal factor (Tier 2 has something to correct)")
     s.add_argument("--clips", type=int, default=48)
     s.add_argument("--scale", type=float, default=1.0, help="shrink the synthetic clips (resolution, duration)")
     s.add_argument("--seed", type=int, default=0)

@@ -268,3 +268,21 @@ def test_a_dead_producers_slab_is_unlinked_once_free_or_never_mapped_within_orph
         reader.close()
     finally:
         shm.sweep(prefix)
+
+
+def test_a_slab_shared_by_three_readers_is_free_only_after_the_last_release(prefix):
+    """Tier 2 hands one slab's rows to several ranks: each releases once, the last one frees it,
+    and the next hand-out starts with one holder again."""
+    with SlabPool(prefix) as pool:
+        a = pool.acquire(100)
+        held = a.handle(100)
+        leader, r1, r2 = SlabReader(), SlabReader(), SlabReader()
+        assert leader.share(held, 3)
+        assert not r1.release(held) and not a.free
+        assert not r2.release(held) and not a.free
+        assert leader.release(held) and a.free  # the third
+        again = pool.acquire(100)
+        assert again.name == a.name and not leader.share(held, 2)  # a stale handle is not shared
+        assert r1.release(again.handle(100)) and again.free  # one holder again: the first release frees it
+        for r in (leader, r1, r2):
+            r.close()

@@ -289,3 +289,25 @@ def test_transport_benchmark_runs_and_cleans_up():
     rows = bench_local_delivery(sizes_mb=(1,), repeats=1, console=Console(file=io.StringIO()))
     assert rows[0]["size_mb"] == 1 and rows[0]["reused_gb_s"] > 0 and rows[0]["read_us"] > 0
     assert shm.list_segments(f"helix-bench{os.getpid()}") == []
+
+
+def test_take_rows_gives_the_batch_collating_those_samples_would_give():
+    from torch.utils.data import default_collate
+
+    from helix_core.collate import pad_collate
+    from helix_core.runtime.merge import take_rows
+
+    samples = [{"x": torch.full((3,), i), "index": i, "caption": f"c{i}", "pair": (torch.tensor(i), i * 2),
+                "video": torch.ones(i + 1, 3, 2, 2, dtype=torch.uint8)} for i in range(4)]
+    plain = [{k: v for k, v in s.items() if k != "video"} for s in samples]
+    got = take_rows(default_collate(plain), [2, 0], 4)
+    want = default_collate([plain[2], plain[0]])
+    assert got.keys() == want.keys() and got["caption"] == want["caption"]
+    for k in ("x", "index"):
+        assert torch.equal(got[k], want[k])
+    assert all(torch.equal(a, b) for a, b in zip(got["pair"], want["pair"]))
+    padded = take_rows(pad_collate(samples), [1], 4)  # the padding of the whole batch stays
+    assert padded["video"].shape == (1, 4, 3, 2, 2) and padded["video_lengths"].tolist() == [2]
+    assert padded["video"][0, :2].min() == 1 and padded["video"][0, 2:].max() == 0
+    back = merge_batches([take_rows(default_collate(plain), [0, 1], 4), take_rows(default_collate(plain), [2, 3], 4)])
+    assert torch.equal(back["x"], default_collate(plain)["x"]) and back["caption"] == ["c0", "c1", "c2", "c3"]

@@ -27,7 +27,7 @@ def _skewed(n=16):
     return CostedDataset(n, tokens=[HEAVY if i % 2 == 0 else LIGHT for i in range(n)], shape=(8,))
 
 
-def _run_ranks(cluster, ds, world, rebalance, epochs=1, ranks=None, **kw):
+def _run_ranks(cluster, ds, world, rebalance, epochs=1, ranks=None, after=None, **kw):
     """Each rank's loader in its own thread, stepping together; returns ({rank: [batch]}, {rank: stats})."""
     got, stats, errors = {}, {}, []
     ranks = list(ranks if ranks is not None else range(world))
@@ -44,6 +44,8 @@ def _run_ranks(cluster, ds, world, rebalance, epochs=1, ranks=None, **kw):
                     ld.set_epoch(epoch)
                     for b in ld:
                         out.append((epoch, b))
+                        if after is not None and rank == ranks[0]:
+                            after(len(out))  # fault injection, between two steps
                         step.wait(60)
                 got[rank], stats[rank] = out, ld.stats()
         except BaseException as e:  # reported by the main thread
@@ -127,3 +129,29 @@ def test_rebalance_with_a_collate_whose_rows_cannot_be_told_apart_is_refused_up_
     with pytest.raises(ValueError, match="unknown key"):
         hx.DistributedDataLoader(_skewed(8), batch_size=2, rank=0, world_size=2, coordinator=cluster.address,
                                  token=cluster.token, config=CFG, rebalance={"buffer": 3})
+
+
+def test_the_leader_sigkilled_mid_epoch_costs_no_sample_and_repeats_none():
+    ds = CostedDataset(24, tokens=[HEAVY if i % 2 == 0 else LIGHT for i in range(24)], shape=(8,),
+                       delays={i: 0.03 for i in range(24)})
+    with hx.LocalCluster(local_servers=2, workers_per_server=1, config=CFG, token=True) as c:
+        got, stats = _run_ranks(c, ds, 2, {"args": {"seconds_per_unit": 1.0}},
+                                after=lambda n: c.kill_server(0) if n == 2 else None)  # rank 0's server: the leader
+        steps = [sorted(i for r in range(2) for i in got[r][k][1]["index"].tolist()) for k in range(6)]
+        want = [sorted(i for r in range(2) for i in torch_batches(ds, 2, r, 2)[k]["index"].tolist()) for k in range(6)]
+        assert steps == want  # every step's samples, each once, after the leader died
+        assert all(len(b["index"]) == 2 for r in range(2) for _, b in got[r])
+        assert stats[0]["resubmits"] + stats[1]["resubmits"] > 0  # the kill did cost something
+        assert sum(stats[r]["rebalance"].get("moved", 0) for r in range(2)) > 0  # rounds went on after it
+        wait_for(lambda: not busy_segments(c), what="every slab released")
+
+
+def test_a_policy_that_cannot_travel_without_pickles_is_refused_naming_it():
+    from helix_core.client.tier2 import policy_spec
+
+    local = lambda features, args: [f["rank"] for f in features]  # noqa: E731 - not importable by name
+    with pytest.raises(ValueError, match="sort_fn is not an importable module-level function"):
+        policy_spec(hx.Rebalance(sort_fn=local), pickle_allowed=False)
+    pid, payload, fmt = policy_spec(hx.Rebalance(args={"margin": 0.3}), pickle_allowed=False)
+    assert fmt == "json" and b"margin" in payload
+    assert policy_spec(hx.Rebalance(sort_fn=local), pickle_allowed=True)[2] == "cloudpickle"

@@ -21,6 +21,7 @@ from ..errors import ClusterError
 from ..planning.fanout import fan_out, sum_costs
 from ..protocol import ErrorKind, Part, Task, execute_request
 from ..runtime.merge import merge_batches
+from .tier2 import RoundLost
 from .transport import TRANSIENT
 
 __all__ = ["Requests"]
@@ -168,7 +169,18 @@ class Requests:
         replies = [self._wait(task, part, stop) for part in task.parts]
         if any(r.error_kind for r in replies):
             return None
-        batch = self.tier2.exchange(task, replies, stop)
+        try:
+            batch = self.tier2.exchange(task, replies, stop)
+        except RoundLost as lost:  # its slabs went with a server: decode the samples the round gave it again
+            part = Part(next(self.task_ids), lost.indices, None)
+            task.parts.append(part)
+            self._start(task, part, stop)
+            reply = self._wait(task, part, stop)
+            error = self.client.error_of(reply)
+            if error is not None:
+                raise error
+            batch = self.client.materialize(reply, copy=self.copy, pad=self.pad)
+            replies.append(reply)
         if batch is None:
             return None
         for k, reply in enumerate(replies):

@@ -20,9 +20,18 @@ from ..runtime.merge import merge_batches
 from ..runtime.proto import helix_pb2 as pb
 from ..runtime.specs import function_path
 
-__all__ = ["STEP_STRIDE", "Tier2", "policy_spec", "rebalance_group"]
+__all__ = ["STEP_STRIDE", "RoundLost", "Tier2", "policy_spec", "rebalance_group"]
 
 STEP_STRIDE = 1 << 32  # a global step is epoch * STEP_STRIDE + the batch's position in the epoch
+
+
+class RoundLost(Exception):
+    """A round's slab vanished (its server died) before this rank read it: ``indices`` are the
+    samples of the batch the round gave the rank, in order, to decode again."""
+
+    def __init__(self, indices: list[int], why: str):
+        super().__init__(why)
+        self.indices = indices
 
 
 def rebalance_group(rebalance: Rebalance | None, rank: int, world_size: int) -> tuple[int, ...] | None:
@@ -69,8 +78,9 @@ class Tier2:
 
     def exchange(self, task, replies, stop):
         """The batch of ``task`` after its round, from its parts' ``replies`` (all succeeded)."""
-        batches, rows, features = [], [], []
+        batches, rows, features, indices = [], [], [], []
         for reply in replies:
+            indices += list(reply.decoded)
             got = json.loads(reply.features_json or "[]")
             if reply.pieces:
                 batches += list(reply.pieces)
@@ -91,21 +101,25 @@ class Tier2:
             group=self.name, group_size=len(self.group), rank=self.client.rank,
             step=task.epoch * STEP_STRIDE + task.position, batches=batches, batch_rows=rows,
             features_json=json.dumps(features), host=self.client.host, buffer_size=r.buffer_size,
-            timeout_s=r.round_timeout_s, policy_id=self.policy[0], policy=self.policy[1], policy_format=self.policy[2],
-            client_id=self.client.client_id, seconds_per_unit=self.deadlines.seconds_per_unit or 0.0)
-        reply = self.client.rebalance(self._leader, request, r.round_timeout_s + self.client.config.rpc_timeout_s)
+            timeout_s=r.wait_s(self.deadlines.deadline(task.seq)), policy_id=self.policy[0], policy=self.policy[1], policy_format=self.policy[2],
+            client_id=self.client.client_id, seconds_per_unit=self.deadlines.seconds_per_unit or 0.0,
+            indices=indices if len(indices) == sum(rows) else ())
+        reply = self.client.rebalance(self._leader, request, request.timeout_s + self.client.config.rpc_timeout_s)
         counts = self.stats.rebalance
         if reply is None:
             self._leader = None  # ask again next time: the leader may have moved
             counts["unreachable"] += 1
             return None
         counts[reply.outcome.split(":")[0]] += 1
+        counts["gain_s" if reply.outcome == "moved" else "gain_kept_s"] += reply.gain_s  # projected by the gate
+        counts["transfer_s"] += reply.transfer_s if reply.outcome == "moved" else 0.0
         if reply.outcome.startswith("error"):
             self.stats.rebalance_errors.append(reply.outcome)
         if not reply.moved_in and not reply.moved_out:
             return None  # kept: the usual materialization
         counts["moved_in"] += reply.moved_in
         counts["moved_out"] += reply.moved_out
+        counts["moved_bytes"] += reply.moved_bytes
         parts = []
         try:
             for t in reply.takes:
@@ -113,5 +127,9 @@ class Tier2:
         except (OSError, ValueError) as e:  # a slab of the round vanished with its server
             for t in reply.takes[len(parts) + 1:]:
                 self.client.reader.release({"segment": t.batch.slab.segment, "generation": t.batch.slab.generation})
-            raise ClusterError(f"batch {task.position}: its Tier-2 round's slabs could not be read: {e}") from None
+            wanted = [int(i) for t in reply.takes for i in t.indices]
+            if len(wanted) != sum(len(t.rows) for t in reply.takes) or min(wanted, default=0) < 0:
+                raise ClusterError(f"batch {task.position}: its Tier-2 round's slabs could not be read: {e}") from None
+            counts["lost"] += 1
+            raise RoundLost(wanted, f"batch {task.position}: a slab of its Tier-2 round vanished ({e})") from None
         return merge_batches(parts, rows=[len(t.rows) for t in reply.takes], pad=self.pad)

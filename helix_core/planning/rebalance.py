@@ -40,7 +40,10 @@ class Rebalance:
     themselves (default: all ranks, one group; a rank in no group keeps its samples);
     ``buffer_size``: samples per round and group; ``args``: passed to ``sort_fn`` as it is (for the
     default, a :class:`GateArgs` or a dict of its fields); ``round_timeout_s``: a round closes when
-    full or this long after its first sample, so no rank waits on another's requests beyond it.
+    full, when complete (every step in it has all the group's ranks), or when its earliest batch
+    has waited its limit: ``round_timeout_s``, or — for a batch its rank will not need for a while
+    (its deadline) — until ``round_timeout_s`` before it is needed, at most ``max_wait_s``. So no
+    rank waits on another's requests beyond that, and a batch waits only while it is not needed.
     """
 
     feature_fn: Callable[[dict], dict] | None = None
@@ -49,6 +52,7 @@ class Rebalance:
     buffer_size: int = 64
     args: Any = None
     round_timeout_s: float = 0.05
+    max_wait_s: float = 30.0
 
     def __post_init__(self):
         for name in ("feature_fn", "sort_fn"):
@@ -57,11 +61,18 @@ class Rebalance:
                 raise TypeError(f"Rebalance.{name} must be a function, got {type(v).__name__} {v!r}")
         if isinstance(self.buffer_size, bool) or not isinstance(self.buffer_size, int) or self.buffer_size < 2:
             raise ValueError(f"Rebalance.buffer_size must be an int >= 2 (samples per round), got {self.buffer_size!r}")
-        t = self.round_timeout_s
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not (math.isfinite(t) and t > 0):
-            raise ValueError(f"Rebalance.round_timeout_s must be a finite positive number of seconds, got {t!r}")
+        for name in ("round_timeout_s", "max_wait_s"):
+            t = getattr(self, name)
+            if isinstance(t, bool) or not isinstance(t, (int, float)) or not (math.isfinite(t) and t > 0):
+                raise ValueError(f"Rebalance.{name} must be a finite positive number of seconds, got {t!r}")
         if self.client_ranks is not None:
             object.__setattr__(self, "client_ranks", _groups(self.client_ranks))
+
+    def wait_s(self, deadline_s: float | None) -> float:
+        """How long a batch may wait for its round, its rank needing it in ``deadline_s`` (None: unknown)."""
+        if deadline_s is None:
+            return self.round_timeout_s
+        return min(max(self.round_timeout_s, deadline_s - self.round_timeout_s), max(self.max_wait_s, self.round_timeout_s))
 
     @classmethod
     def of(cls, value) -> "Rebalance | None":

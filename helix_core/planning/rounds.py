@@ -63,26 +63,32 @@ class RoundBuffer:
         self.buffer_size, self.timeout_s, self.clock = buffer_size, timeout_s, clock
         self._items: list[RoundItem] = []
         self._opened: float | None = None
+        self._due = 0.0  # when the open round times out
 
     def add(self, item: RoundItem) -> Round | None:
         if item.rank not in self.ranks:
             raise ValueError(f"RoundBuffer: rank {item.rank} is not in this group {sorted(self.ranks)}")
         if not self._items:
             self._opened = self.clock()
+            self._due = self._opened + self.timeout_s
         self._items.append(item)
         return self._close("full") if len(self._items) >= self.buffer_size else None
 
-    def add_batch(self, items) -> Round | None:
+    def add_batch(self, items, timeout_s: float | None = None) -> Round | None:
         """One rank's batch of one step (its samples), added whole; the round it closed (full or
-        complete), if any."""
+        complete), if any. ``timeout_s``: how long this batch may wait (default the buffer's); the
+        round times out at the earliest of its batches' limits."""
         items = list(items)
         for it in items:
             if it.rank not in self.ranks:
                 raise ValueError(f"RoundBuffer: rank {it.rank} is not in this group {sorted(self.ranks)}")
         if not items:
             return None
+        now = self.clock()
+        limit = now + (self.timeout_s if timeout_s is None else timeout_s)
         if not self._items:
-            self._opened = self.clock()
+            self._opened, self._due = now, limit
+        self._due = min(self._due, limit)
         self._items.extend(items)
         if len(self._items) >= self.buffer_size:
             return self._close("full")
@@ -100,7 +106,7 @@ class RoundBuffer:
         """Seconds until the open round times out (0: now); None when no round is open."""
         if self._opened is None:
             return None
-        return max(0.0, self._opened + self.timeout_s - self.clock())
+        return max(0.0, self._due - self.clock())
 
     def expire(self) -> Round | None:
         """The open round, if its timeout has passed."""

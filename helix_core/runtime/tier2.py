@@ -2,8 +2,10 @@
 Algorithm 1 lines 10-14): the runtime around the pure ``planning.rounds`` / ``planning.rebalance``.
 
 Each rank of a ``client_ranks`` group, once a batch of a global step has landed, sends its slab
-handles and its samples' features here (``Rebalance``) and is held until the round closes: full,
-complete (every step in it has all the group's ranks), or ``timeout_s`` after its first batch. The
+handles and its samples' features here (``Rebalance``) and is held until that step's round closes
+(samples move only within a step, so each step has a round of its own): complete (all the group's
+ranks sent it), full, or when its earliest batch's limit (``timeout_s``, from the rank's deadline)
+has passed. The
 round runs the group's policy (``sort_fn``, which travels like a dataset: an import path, or
 cloudpickle where the server takes pickles) over the features, checks the assignment, and answers
 each rank with the rows it takes, slab by slab. Rows move only between ranks of one host: the
@@ -22,7 +24,7 @@ import threading
 import time
 from collections import Counter
 
-from ..planning.rebalance import GateArgs, balance_cost, check_assignment, projected_gain_s, transfer_s
+from ..planning.rebalance import GateArgs, check_assignment, gate, lpt_within_steps
 from ..planning.rounds import Round, RoundBuffer, RoundItem
 from .proto import helix_pb2 as pb
 from .reader import SlabReader
@@ -63,10 +65,15 @@ class _Call:
             k -= n
         raise IndexError(k)
 
+    def index(self, b: int, row: int) -> int:
+        """The sample index of ``row`` of batch ``b`` (-1 if the rank did not say)."""
+        k = sum(self.request.batch_rows[:b]) + row
+        return int(self.request.indices[k]) if k < len(self.request.indices) else -1
+
 
 class RoundTable:
-    """The rounds this DataServer leads, one open round per group. Thread-safe: each held call
-    runs on its own gRPC thread; the one whose batch closes a round (or finds it due) runs it."""
+    """The rounds this DataServer leads, one open round per group and step. Thread-safe: each held
+    call runs on its own gRPC thread; the one whose batch closes a round (or finds it due) runs it."""
 
     def __init__(self, allow_pickle: bool, clock=time.monotonic):
         self.allow_pickle, self.clock = allow_pickle, clock
@@ -89,13 +96,14 @@ class RoundTable:
         call = _Call(request)
         items = [RoundItem((call, k), request.rank, request.step, f if isinstance(f, dict) else {})
                  for k, f in enumerate(features)]
+        key = (request.group, request.step)  # samples move only within a step: one round per step
         with self._cond:
-            buf = self._buffers.get(request.group)
+            buf = self._buffers.get(key)
             if buf is None:
-                buf = self._buffers[request.group] = RoundBuffer(ranks, max(2, request.buffer_size),
-                                                                 request.timeout_s or 0.05, self.clock)
+                buf = self._buffers[key] = RoundBuffer(ranks, max(2, request.buffer_size),
+                                                       request.timeout_s or 0.05, self.clock)
             try:
-                closed = buf.add_batch(items)
+                closed = buf.add_batch(items, request.timeout_s or None)
             except ValueError as e:
                 return self._keep(call, f"error: {e}")
             while call.reply is None:
@@ -110,6 +118,8 @@ class RoundTable:
                         self._cond.acquire()
                     self._cond.notify_all()
                     closed = None
+                    if not len(buf) and self._buffers.get(key) is buf:
+                        del self._buffers[key]  # the step's round is over (a late batch opens a new one)
                     continue
                 self._cond.wait(None if call.closed else buf.due_in())
         return call.reply
@@ -121,8 +131,10 @@ class RoundTable:
 
     def _keep(self, call: _Call, outcome: str) -> pb.RebalanceReply:
         req = call.request
-        call.reply = pb.RebalanceReply(takes=[pb.RowTake(batch=b, rows=range(n), batch_rows=n)
-                                              for b, n in zip(req.batches, req.batch_rows)], outcome=outcome)
+        call.reply = pb.RebalanceReply(takes=[pb.RowTake(batch=b, rows=range(n), batch_rows=n,
+                                                         indices=[call.index(k, r) for r in range(n)])
+                                              for k, (b, n) in enumerate(zip(req.batches, req.batch_rows))],
+                                       outcome=outcome)
         return call.reply
 
     def _run(self, rnd: Round) -> None:
@@ -133,6 +145,7 @@ class RoundTable:
             for c in calls:
                 self._keep(c, outcome)
                 c.reply.round_samples, c.reply.closed_by = len(rnd.items), rnd.closed_by
+                c.reply.gain_s, c.reply.transfer_s = gain, cost  # what the gate saw (the default policy)
             return
         takes: dict[int, list] = {id(c): [] for c in calls}
         readers: dict[tuple, set] = {}
@@ -155,14 +168,18 @@ class RoundTable:
             reply = pb.RebalanceReply(outcome=outcome, gain_s=gain, transfer_s=cost, round_samples=len(rnd.items),
                                       closed_by=rnd.closed_by)
             reply.moved_in = sum(1 for src, _, _ in mine if src is not c)
+            reply.moved_bytes = sum(int(it.features.get("bytes", 0) or 0) for it, dst in zip(rnd.items, assignment)
+                                    if dst == c.request.rank and it.step == c.request.step and it.key[0] is not c)
             reply.moved_out = sum(1 for it, dst in zip(rnd.items, assignment) if it.key[0] is c and dst != c.request.rank)
             last = None
             for src, b, row in mine:  # rows of one slab in a row make one take
+                index = src.index(b, row)
                 if last is not None and last[0] == (id(src), b):
                     last[1].rows.append(row)
+                    last[1].indices.append(index)
                     continue
                 take = reply.takes.add(batch=src.request.batches[b], rows=[row], shared=len(readers[(id(src), b)]) > 1,
-                                       batch_rows=src.request.batch_rows[b])
+                                       batch_rows=src.request.batch_rows[b], indices=[index])
                 last = ((id(src), b), take)
             c.reply = reply
 
@@ -186,9 +203,15 @@ class RoundTable:
                 {"seconds_per_unit": spu} if spu > 0 and "seconds_per_unit" not in given else {}))
             for f in features:
                 f.setdefault(gate_args.key, f.get("tokens", 0))
+        gain = cost = 0.0
         try:
-            assignment = (sort_fn or balance_cost)(features, gate_args if sort_fn is None else args)
-            assignment = list(assignment) if not isinstance(assignment, (str, bytes)) else assignment
+            if sort_fn is None:  # the default: equal-count LPT behind the cost gate, whose figures are reported
+                proposal = lpt_within_steps(features, gate_args.key)
+                move, gain, cost = gate(features, proposal, gate_args)
+                assignment = proposal if move else [f["rank"] for f in features]
+            else:
+                assignment = sort_fn(features, args)
+                assignment = list(assignment) if not isinstance(assignment, (str, bytes)) else assignment
         except Exception as e:
             return f"error: Rebalance.sort_fn raised {type(e).__name__}: {e}", None, 0.0, 0.0
         why = check_assignment(features, assignment)
@@ -197,10 +220,7 @@ class RoundTable:
         if any(hosts[f["rank"]] != hosts[r] for f, r in zip(features, assignment)):
             return "error: the assignment moves samples between hosts (not built yet: kept)", None, 0.0, 0.0
         if all(f["rank"] == r for f, r in zip(features, assignment)):
-            return "kept", None, 0.0, 0.0
-        gain = cost = 0.0
-        if gate_args is not None:
-            gain, cost = projected_gain_s(features, assignment, gate_args), transfer_s(features, assignment, gate_args)
+            return "kept", None, gain, cost
         return "moved", assignment, gain, cost
 
     def _policy(self, req: pb.RebalanceRequest):

@@ -417,7 +417,7 @@ class HealthReply(_message.Message):
     def __init__(self, server_id: _Optional[str] = ..., workers_alive: _Optional[int] = ..., queue_depth: _Optional[int] = ..., serving: _Optional[bool] = ..., worker_pids: _Optional[_Iterable[int]] = ..., pid: _Optional[int] = ..., inflight: _Optional[int] = ...) -> None: ...
 
 class RebalanceRequest(_message.Message):
-    __slots__ = ("group", "group_size", "rank", "step", "batches", "batch_rows", "features_json", "host", "buffer_size", "timeout_s", "policy_id", "policy", "policy_format", "client_id", "seconds_per_unit")
+    __slots__ = ("group", "group_size", "rank", "step", "batches", "batch_rows", "features_json", "host", "buffer_size", "timeout_s", "policy_id", "policy", "policy_format", "client_id", "seconds_per_unit", "indices")
     GROUP_FIELD_NUMBER: _ClassVar[int]
     GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
@@ -433,6 +433,7 @@ class RebalanceRequest(_message.Message):
     POLICY_FORMAT_FIELD_NUMBER: _ClassVar[int]
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     SECONDS_PER_UNIT_FIELD_NUMBER: _ClassVar[int]
+    INDICES_FIELD_NUMBER: _ClassVar[int]
     group: str
     group_size: int
     rank: int
@@ -448,22 +449,25 @@ class RebalanceRequest(_message.Message):
     policy_format: str
     client_id: str
     seconds_per_unit: float
-    def __init__(self, group: _Optional[str] = ..., group_size: _Optional[int] = ..., rank: _Optional[int] = ..., step: _Optional[int] = ..., batches: _Optional[_Iterable[_Union[BatchHandle, _Mapping]]] = ..., batch_rows: _Optional[_Iterable[int]] = ..., features_json: _Optional[str] = ..., host: _Optional[str] = ..., buffer_size: _Optional[int] = ..., timeout_s: _Optional[float] = ..., policy_id: _Optional[str] = ..., policy: _Optional[bytes] = ..., policy_format: _Optional[str] = ..., client_id: _Optional[str] = ..., seconds_per_unit: _Optional[float] = ...) -> None: ...
+    indices: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, group: _Optional[str] = ..., group_size: _Optional[int] = ..., rank: _Optional[int] = ..., step: _Optional[int] = ..., batches: _Optional[_Iterable[_Union[BatchHandle, _Mapping]]] = ..., batch_rows: _Optional[_Iterable[int]] = ..., features_json: _Optional[str] = ..., host: _Optional[str] = ..., buffer_size: _Optional[int] = ..., timeout_s: _Optional[float] = ..., policy_id: _Optional[str] = ..., policy: _Optional[bytes] = ..., policy_format: _Optional[str] = ..., client_id: _Optional[str] = ..., seconds_per_unit: _Optional[float] = ..., indices: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class RowTake(_message.Message):
-    __slots__ = ("batch", "rows", "shared", "batch_rows")
+    __slots__ = ("batch", "rows", "shared", "batch_rows", "indices")
     BATCH_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
     SHARED_FIELD_NUMBER: _ClassVar[int]
     BATCH_ROWS_FIELD_NUMBER: _ClassVar[int]
+    INDICES_FIELD_NUMBER: _ClassVar[int]
     batch: BatchHandle
     rows: _containers.RepeatedScalarFieldContainer[int]
     shared: bool
     batch_rows: int
-    def __init__(self, batch: _Optional[_Union[BatchHandle, _Mapping]] = ..., rows: _Optional[_Iterable[int]] = ..., shared: _Optional[bool] = ..., batch_rows: _Optional[int] = ...) -> None: ...
+    indices: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, batch: _Optional[_Union[BatchHandle, _Mapping]] = ..., rows: _Optional[_Iterable[int]] = ..., shared: _Optional[bool] = ..., batch_rows: _Optional[int] = ..., indices: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class RebalanceReply(_message.Message):
-    __slots__ = ("takes", "outcome", "moved_in", "moved_out", "gain_s", "transfer_s", "round_samples", "closed_by")
+    __slots__ = ("takes", "outcome", "moved_in", "moved_out", "gain_s", "transfer_s", "round_samples", "closed_by", "moved_bytes")
     TAKES_FIELD_NUMBER: _ClassVar[int]
     OUTCOME_FIELD_NUMBER: _ClassVar[int]
     MOVED_IN_FIELD_NUMBER: _ClassVar[int]
@@ -472,6 +476,7 @@ class RebalanceReply(_message.Message):
     TRANSFER_S_FIELD_NUMBER: _ClassVar[int]
     ROUND_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     CLOSED_BY_FIELD_NUMBER: _ClassVar[int]
+    MOVED_BYTES_FIELD_NUMBER: _ClassVar[int]
     takes: _containers.RepeatedCompositeFieldContainer[RowTake]
     outcome: str
     moved_in: int
@@ -480,4 +485,5 @@ class RebalanceReply(_message.Message):
     transfer_s: float
     round_samples: int
     closed_by: str
-    def __init__(self, takes: _Optional[_Iterable[_Union[RowTake, _Mapping]]] = ..., outcome: _Optional[str] = ..., moved_in: _Optional[int] = ..., moved_out: _Optional[int] = ..., gain_s: _Optional[float] = ..., transfer_s: _Optional[float] = ..., round_samples: _Optional[int] = ..., closed_by: _Optional[str] = ...) -> None: ...
+    moved_bytes: int
+    def __init__(self, takes: _Optional[_Iterable[_Union[RowTake, _Mapping]]] = ..., outcome: _Optional[str] = ..., moved_in: _Optional[int] = ..., moved_out: _Optional[int] = ..., gain_s: _Optional[float] = ..., transfer_s: _Optional[float] = ..., round_samples: _Optional[int] = ..., closed_by: _Optional[str] = ..., moved_bytes: _Optional[int] = ...) -> None: ...
