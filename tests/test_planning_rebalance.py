@@ -170,3 +170,14 @@ def test_a_batch_joins_a_round_whole_and_a_round_closes_once_every_step_has_all_
     assert buf.add_batch([]) is None and buf.due_in() is None
     with pytest.raises(ValueError, match="rank 7 is not in this group"):
         buf.add_batch([RoundItem("g", 7, 6)])
+
+
+def test_a_step_sent_again_by_a_rank_replaces_its_earlier_batch():
+    from helix_core.planning.rounds import RoundBuffer, RoundItem
+
+    buf = RoundBuffer([0, 1], buffer_size=8, timeout_s=1.0, clock=lambda: 0.0)
+    buf.add_batch([RoundItem("old0", 0, 3), RoundItem("old1", 0, 3)])
+    assert [i.key for i in buf.drop(0, 3)] == ["old0", "old1"] and buf.due_in() is None and buf.drop(1, 3) == []
+    buf.add_batch([RoundItem("new0", 0, 3)])
+    done = buf.add_batch([RoundItem("b0", 1, 3)])
+    assert done.closed_by == "complete" and [i.key for i in done.items] == ["new0", "b0"]

@@ -155,3 +155,42 @@ def test_a_policy_that_cannot_travel_without_pickles_is_refused_naming_it():
     pid, payload, fmt = policy_spec(hx.Rebalance(args={"margin": 0.3}), pickle_allowed=False)
     assert fmt == "json" and b"margin" in payload
     assert policy_spec(hx.Rebalance(sort_fn=local), pickle_allowed=True)[2] == "cloudpickle"
+
+
+def test_a_run_resumed_mid_epoch_loses_and_repeats_nothing(cluster):
+    """Both ranks stop after 2 steps, save, and new loaders resume: the rounds of the steps left are
+    planned again, and the epoch's steps still hold exactly the planned samples."""
+    ds = _skewed(16)
+    opts = dict(batch_size=2, world_size=2, coordinator=cluster.address, token=cluster.token, config=CFG,
+                rebalance={"round_timeout_s": 5.0, "args": {"seconds_per_unit": 1.0}}, gpu_cost=lambda t: t)
+    states, first, rest, errors = {}, {}, {}, []
+    step = threading.Barrier(2)
+
+    def rank_main(rank):
+        try:
+            with hx.DistributedDataLoader(ds, rank=rank, **opts) as ld:
+                it = iter(ld)
+                first[rank] = [next(it) for _ in range(2) if step.wait(60) is not None]
+                states[rank] = ld.state_dict()
+            with hx.DistributedDataLoader(ds, rank=rank, **opts) as ld:
+                ld.load_state_dict(states[rank])
+                rest[rank] = []
+                for b in ld:
+                    rest[rank].append(b)
+                    step.wait(60)
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors
+    got = {r: first[r] + rest[r] for r in range(2)}
+    want = {r: torch_batches(ds, 2, r, 2) for r in range(2)}
+    assert [len(got[r]) for r in range(2)] == [4, 4]
+    for k in range(4):
+        assert sorted(i for r in range(2) for i in got[r][k]["index"].tolist()) == \
+            sorted(i for r in range(2) for i in want[r][k]["index"].tolist())
+    wait_for(lambda: not busy_segments(cluster), what="every slab released")

@@ -94,6 +94,16 @@ class RoundBuffer:
             return self._close("full")
         return self._close("complete") if self.complete else None
 
+    def drop(self, rank: int, step: int) -> list[RoundItem]:
+        """Take ``rank``'s batch of ``step`` out of the open round (a resumed run sends that step
+        again: the newer batch replaces it); the items dropped."""
+        gone = [it for it in self._items if it.rank == rank and it.step == step]
+        if gone:
+            self._items = [it for it in self._items if not (it.rank == rank and it.step == step)]
+            if not self._items:
+                self._opened = None
+        return gone
+
     @property
     def complete(self) -> bool:
         """Every step in the open round has batches of all the group's ranks."""

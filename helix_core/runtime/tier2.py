@@ -102,6 +102,9 @@ class RoundTable:
             if buf is None:
                 buf = self._buffers[key] = RoundBuffer(ranks, max(2, request.buffer_size),
                                                        request.timeout_s or 0.05, self.clock)
+            for old in {it.key[0] for it in buf.drop(request.rank, request.step)}:  # a resumed run's step again
+                self._keep(old, "superseded")
+                self._cond.notify_all()
             try:
                 closed = buf.add_batch(items, request.timeout_s or None)
             except ValueError as e:
