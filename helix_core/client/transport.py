@@ -348,7 +348,10 @@ class ClusterClient:
             buf = self.reader.view(handle) if b.slab.segment else memoryview(b"")
             batch = unflatten(b.tree_json, b.tree_pickle, read_tensors(buf, _meta_dicts(b.tensors)))
             del buf
-            return take_rows(batch, list(rows), n)
+            out = take_rows(batch, list(rows), n)
+            if b.slab.segment and not self.reader.held(handle):  # released and maybe reused while copied
+                raise ValueError(f"slab {b.slab.segment} was handed out again while its rows were read")
+            return out
         finally:
             if b.slab.segment:
                 self.reader.release(handle)

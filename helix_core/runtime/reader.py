@@ -84,6 +84,14 @@ class SlabReader:
             _U64.pack_into(mm, _READERS_AT, readers if readers > 1 else 0)
         return True
 
+    def held(self, handle: dict) -> bool:
+        """Whether the slab is still handed out at ``handle``'s generation (nobody released it)."""
+        try:
+            mm = self.attach(handle["segment"])
+        except FileNotFoundError:
+            return False
+        return _U64.unpack_from(mm, _GEN_AT)[0] == handle["generation"] and _U64.unpack_from(mm, _STATE_AT)[0] != FREE
+
     @staticmethod
     @contextlib.contextmanager
     def _locked(segment: str):

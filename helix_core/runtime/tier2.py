@@ -162,7 +162,8 @@ class RoundTable:
         for (sid, b), who in readers.items():  # before any reply: a reader's release counts down from here
             src = next(c for c in calls if id(c) == sid)
             bh = src.request.batches[b]
-            if len(who) > 1 and not self.reader.share({"segment": bh.slab.segment, "generation": bh.slab.generation}, len(who)):
+            h = {"segment": bh.slab.segment, "generation": bh.slab.generation}
+            if not self.reader.held(h) or (len(who) > 1 and not self.reader.share(h, len(who))):
                 for c in calls:
                     self._keep(c, "error: a slab of the round was released before it closed")
                 return
