@@ -7,7 +7,7 @@ import time
 
 import torch
 
-__all__ = ["CostedDataset", "IndexDataset", "flip_video"]
+__all__ = ["CostedDataset", "IndexDataset", "flip_video", "shift_ranks"]
 
 
 def flip_video(sample: dict, generator: torch.Generator) -> dict:
@@ -107,3 +107,9 @@ class CostedDataset(IndexDataset):
         spec = super().helix_spec()
         spec["kwargs"].update(tokens=self.tokens, cpu_s=self.cpu_s, broken=self.broken)
         return spec
+
+
+def shift_ranks(features: list[dict], args: dict) -> list[int]:
+    """A Tier-2 ``sort_fn`` for tests: every sample goes to rank ``(rank + shift) % world``
+    (a valid assignment: each rank of a step gets one other rank's batch)."""
+    return [(f["rank"] + args["shift"]) % args["world"] for f in features]

@@ -10,6 +10,7 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
 import helix_core as hx
+import helix_core.testing
 from helix_core.config import ClusterConfig
 from helix_core.runtime.hostid import host_id
 from helix_core.testing import IndexDataset
@@ -20,12 +21,18 @@ def main(a: dict) -> dict:
     sampler = DistributedSampler(ds, num_replicas=a["world"], rank=a["rank"], shuffle=False)
     want = list(DataLoader(ds, batch_size=a["batch"], sampler=sampler))
     out = {"host": host_id(), "runs": {}}
+    rebalance = a.get("rebalance")
+    if rebalance:  # Tier 2: a policy by import path (the test's own shift of ranks)
+        rebalance = dict(rebalance, sort_fn=hx.testing.shift_ranks)
+        shifted = DistributedSampler(ds, num_replicas=a["world"], shuffle=False,
+                                     rank=(a["rank"] - rebalance["args"]["shift"]) % a["world"])
+        want = list(DataLoader(ds, batch_size=a["batch"], sampler=shifted))  # the batches the policy gives it
     for scheduler in a["schedulers"]:
         run = out["runs"][scheduler] = {}
         try:
             with hx.DistributedDataLoader(ds, batch_size=a["batch"], rank=a["rank"], world_size=a["world"],
                                           coordinator=a["coordinator"], token=a["token"], scheduler=scheduler,
-                                          config=ClusterConfig.for_tests()) as loader:
+                                          config=ClusterConfig.for_tests(), rebalance=rebalance) as loader:
                 got = []
                 for batch in loader:
                     got.append(batch)
@@ -36,6 +43,7 @@ def main(a: dict) -> dict:
                     torch.equal(g["x"], w["x"]) and torch.equal(g["index"], w["index"]) for g, w in zip(got, want))
                 stats = loader.stats()
                 run["cross_ds_bytes"], run["resubmits"] = stats["cross_ds_bytes"], stats["resubmits"]
+                run["rebalance"], run["rebalance_errors"] = dict(stats["rebalance"]), list(stats["rebalance_errors"])
                 # how the Coordinator sees this client, while it still holds its lease
                 run["registered_host"] = loader.client.telemetry()["clients"][loader.client.client_id]["host"]
         except Exception as e:  # noqa: BLE001 - the test reads the error

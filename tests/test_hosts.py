@@ -2,6 +2,7 @@
 address, /dev/shm and hostname (helix_core.emulated_hosts). Services start through the CLI as a
 user starts them on each machine; ranks are processes on their own host."""
 import json
+import re
 import os
 import signal
 import subprocess
@@ -152,6 +153,37 @@ def test_a_hosts_last_local_server_killed_its_ranks_get_an_error_naming_it_other
     assert "ClusterError" in b.get("error", "") and repr(results[1]["host"]) in b["error"], b
     local_b = [s for s in status["servers"] if s["host"] == results[1]["host"]]
     assert local_b and not any(s["alive"] for s in local_b)
+
+
+@pytest.mark.parametrize("exchange", ["collective", "grpc"])
+def test_tier2_moves_rows_between_hosts_bit_identical_and_leaves_no_slab(hosts, tmp_path, exchange):
+    """Ranks 0, 1 on host a and 2, 3 on host b; the policy sends every sample to rank + 2: each
+    step's rows all cross hosts — through one gloo all_to_all of the hosts' DataServers, or by
+    one gRPC stream per slab — into slabs on the taker's host."""
+    cluster = Cluster(hosts, tmp_path)
+    rebalance = {"args": {"shift": 2, "world": 4}, "round_timeout_s": 5.0, "exchange": exchange}
+    try:
+        placement = [("a", 0), ("a", 1), ("b", 0), ("b", 1)]
+        results = _results(cluster.ranks(placement, ["least-request"], n=32, rebalance=rebalance))
+    finally:
+        cluster.close()
+    for rank, res in enumerate(results):
+        run = res["runs"]["least-request"]
+        assert "error" not in run, run.get("trace")
+        assert not run["rebalance_errors"], run["rebalance_errors"]
+        assert run["indices"] == _sampler(32, (rank - 2) % 4, 4, 2)  # the batches of the rank 2 away ...
+        assert run["equal"], rank  # ... tensors and all, bit-identical
+        t2 = run["rebalance"]
+        assert t2["moved"] == 4 and t2["moved_in"] == t2["moved_out"] == 8, t2
+        assert t2[f"crossed_{exchange}"] == 4 and t2["crossed_bytes"] > 0, t2
+    for name in hosts.names:  # every slab released on every host (its rows read or dropped)
+        assert not [s for s in _busy_slabs(hosts, name)], name
+
+
+def _busy_slabs(hosts, name: str) -> list[str]:
+    """Helix slab segments left on host ``name`` (its servers stopped: their pools unlinked them all)."""
+    done = hosts.run(name, ["sh", "-c", "ls /dev/shm"])
+    return [f for f in done.stdout.split() if re.match(r"helix-\w+-[lr]\d*p\d+-d-", f)]
 
 
 _PICKLED = """

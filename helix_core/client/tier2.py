@@ -19,6 +19,7 @@ from ..planning.rebalance import Rebalance
 from ..runtime.merge import merge_batches
 from ..runtime.proto import helix_pb2 as pb
 from ..runtime.specs import function_path
+from ..runtime.tier2 import EXCHANGE_TIMEOUT_S
 
 __all__ = ["STEP_STRIDE", "RoundLost", "Tier2", "policy_spec", "rebalance_group"]
 
@@ -103,8 +104,11 @@ class Tier2:
             features_json=json.dumps(features), host=self.client.host, buffer_size=r.buffer_size,
             timeout_s=r.wait_s(self.deadlines.deadline(task.seq)), policy_id=self.policy[0], policy=self.policy[1], policy_format=self.policy[2],
             client_id=self.client.client_id, seconds_per_unit=self.deadlines.seconds_per_unit or 0.0,
-            indices=indices if len(indices) == sum(rows) else ())
-        reply = self.client.rebalance(self._leader, request, request.timeout_s + self.client.config.rpc_timeout_s)
+            indices=indices if len(indices) == sum(rows) else (), exchange=r.exchange,
+            delivery=self.client.servers.delivery[1] if self.client.servers.delivery else "")
+        # the round's wait, then its exchange (the collective, then maybe gRPC), then the reply
+        reply = self.client.rebalance(self._leader, request, request.timeout_s + 2 * EXCHANGE_TIMEOUT_S
+                                      + self.client.config.rpc_timeout_s)
         counts = self.stats.rebalance
         if reply is None:
             self._leader = None  # ask again next time: the leader may have moved
@@ -120,6 +124,11 @@ class Tier2:
         counts["moved_in"] += reply.moved_in
         counts["moved_out"] += reply.moved_out
         counts["moved_bytes"] += reply.moved_bytes
+        if reply.transport:
+            counts[f"crossed_{reply.transport}"] += 1  # takes whose rows crossed hosts, by how
+            counts["crossed_bytes"] += reply.crossed_bytes
+        for h in reply.release:  # this rank's slabs whose rows all went to other hosts
+            self.client.reader.release({"segment": h.segment, "generation": h.generation})
         parts = []
         try:
             for t in reply.takes:

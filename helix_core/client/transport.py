@@ -25,7 +25,8 @@ from ..runtime.hostid import host_id
 from ..runtime.proto import helix_pb2 as pb
 from ..runtime.proto import helix_pb2_grpc as pbg
 from ..runtime.rpc import check_hello, connect
-from ..runtime.merge import merge_batches, take_rows
+from ..runtime.crosshost import meta_dicts, read_rows as rows_of
+from ..runtime.merge import merge_batches
 from ..runtime.reader import SlabReader
 from ..runtime.tensors import copy_tensors, read_tensors, unflatten
 from ..runtime.tls import Tls
@@ -55,11 +56,6 @@ class _Unavailable(grpc.RpcError):
 
     def details(self):
         return f"DataServer {self._address} failed the protocol check"
-
-
-def _meta_dicts(metas) -> list[dict]:
-    return [{"dtype": m.dtype, "shape": list(m.shape), "offset": m.offset, "nbytes": m.nbytes,
-             "is_inline": m.is_inline, "inline_data": m.inline_data} for m in metas]
 
 
 class ClusterClient:
@@ -326,7 +322,7 @@ class ClusterClient:
             self.reader.release(handle)
             raise ClusterError("a DataServer sent a pickled batch structure to a client that accepts none (a cluster "
                                "reached without TLS beyond loopback, or ClusterConfig(allow_pickle=False))")
-        metas = _meta_dicts(b.tensors)
+        metas = meta_dicts(b.tensors)
         buf = self.reader.view(handle) if b.slab.segment else memoryview(b"")
         if copy:
             tensors = copy_tensors(buf, metas)
@@ -341,20 +337,11 @@ class ClusterClient:
     def read_rows(self, b: pb.BatchHandle, rows, n: int):
         """Tier 2: rows ``rows`` of the ``n``-row batch in ``b``'s slab, copied out (``take_rows``);
         this reader's hold on the slab is released (a shared slab counts down)."""
-        handle = {"segment": b.slab.segment, "generation": b.slab.generation, "nbytes": b.slab.nbytes}
         try:
-            if b.tree_pickle and not self.pickle_allowed:
-                raise ClusterError("a DataServer sent a pickled batch structure to a client that accepts none")
-            buf = self.reader.view(handle) if b.slab.segment else memoryview(b"")
-            batch = unflatten(b.tree_json, b.tree_pickle, read_tensors(buf, _meta_dicts(b.tensors)))
-            del buf
-            out = take_rows(batch, list(rows), n)
-            if b.slab.segment and not self.reader.held(handle):  # released and maybe reused while copied
-                raise ValueError(f"slab {b.slab.segment} was handed out again while its rows were read")
-            return out
+            return rows_of(self.reader, b, rows, n, self.pickle_allowed)
         finally:
             if b.slab.segment:
-                self.reader.release(handle)
+                self.reader.release({"segment": b.slab.segment, "generation": b.slab.generation})
 
     def round_leader(self, rank: int, stop=None) -> str:
         """Tier 2: the address of the DataServer leading the rounds of the group whose lowest rank is ``rank``."""

@@ -44,6 +44,8 @@ class Rebalance:
     has waited its limit: ``round_timeout_s``, or — for a batch its rank will not need for a while
     (its deadline) — until ``round_timeout_s`` before it is needed, at most ``max_wait_s``. So no
     rank waits on another's requests beyond that, and a batch waits only while it is not needed.
+    ``exchange``: how rows move between hosts — ``"collective"`` (one gloo ``all_to_all`` among
+    the hosts' DataServers; gRPC if it fails) or ``"grpc"`` (one stream per slab's rows).
     """
 
     feature_fn: Callable[[dict], dict] | None = None
@@ -53,6 +55,7 @@ class Rebalance:
     args: Any = None
     round_timeout_s: float = 0.05
     max_wait_s: float = 30.0
+    exchange: str = "collective"
 
     def __post_init__(self):
         for name in ("feature_fn", "sort_fn"):
@@ -65,6 +68,8 @@ class Rebalance:
             t = getattr(self, name)
             if isinstance(t, bool) or not isinstance(t, (int, float)) or not (math.isfinite(t) and t > 0):
                 raise ValueError(f"Rebalance.{name} must be a finite positive number of seconds, got {t!r}")
+        if self.exchange not in ("collective", "grpc"):
+            raise ValueError(f"Rebalance.exchange must be 'collective' or 'grpc', got {self.exchange!r}")
         if self.client_ranks is not None:
             object.__setattr__(self, "client_ranks", _groups(self.client_ranks))
 

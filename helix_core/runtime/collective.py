@@ -6,7 +6,7 @@ Samples travel as Helix's own wire form — a JSON tree plus tensor descriptors
 (``tensors.flatten``), never pickle — packed per destination into one contiguous ``uint8``
 buffer (:func:`pack`): ``[u64 header length][header JSON][pad to 64][tensor payload]``. A round is
 two collectives: an ``all_to_all_single`` of the per-destination sizes (int64), then one of the
-bytes with those splits (gloo on CPU; NCCL where each server is bound to a GPU). Every collective
+bytes with those splits (gloo on CPU; NCCL, where each server is bound to a GPU, is not built). Every collective
 has a timeout (``timeout_s``): a peer that dies mid-round fails the round with ``ClusterError``
 (the caller falls back to resubmitting), never a hang.
 """
@@ -21,7 +21,7 @@ import torch
 from ..errors import ClusterError
 from .tensors import flatten, layout, read_tensors, unflatten, write_tensors
 
-__all__ = ["ExchangeGroup", "pack", "pack_many", "unpack"]
+__all__ = ["ExchangeGroup", "open_store", "pack", "pack_many", "unpack"]
 
 _LEN = struct.Struct("<Q")
 _ALIGN = 64
@@ -95,25 +95,44 @@ def unpack(buf: torch.Tensor) -> list:
     return out
 
 
+def open_store(host: str, world: int, timeout_s: float = 30.0):
+    """A group's rendezvous, hosted in this process on a free port of ``host`` (its ``.port``)."""
+    import torch.distributed as dist
+
+    try:
+        return dist.TCPStore(host, 0, world, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s))
+    except (RuntimeError, OSError) as e:
+        raise ClusterError(f"redistribution rendezvous on {host}: {e}") from None
+
+
 class ExchangeGroup:
     """This process's member of a redistribution group: ``rank`` of ``world`` on the store at
-    ``host:port`` (rank 0 hosts it). One group per process (torch.distributed's default group)."""
+    ``host:port`` (rank 0 hosts it unless ``store`` — from :func:`open_store` — is given). A gloo
+    group of its own (not torch.distributed's default one, so a process may hold several), its
+    connections on ``bind`` (this member's address: gloo would otherwise pick the address its
+    hostname resolves to); ``prefix`` keeps groups on one store apart."""
 
-    def __init__(self, rank: int, world: int, host: str, port: int, backend: str = "gloo", timeout_s: float = 30.0):
+    def __init__(self, rank: int, world: int, host: str, port: int, backend: str = "gloo", timeout_s: float = 30.0,
+                 store=None, bind: str | None = None, prefix: str = "helix"):
         import torch.distributed as dist
 
-        if dist.is_initialized():
-            raise ClusterError("this process is already in a torch.distributed group; a DataServer joins one "
-                               "redistribution group at a time")
+        if backend != "gloo":
+            raise ValueError(f"ExchangeGroup backend {backend!r}: only gloo is built (NCCL needs a GPU per server)")
         self.rank, self.world, self.timeout_s = rank, world, timeout_s
         try:
-            store = dist.TCPStore(host, port, world, is_master=rank == 0, timeout=timedelta(seconds=timeout_s))
-            dist.init_process_group(backend, store=store, rank=rank, world_size=world,
-                                    timeout=timedelta(seconds=timeout_s))
+            if store is None:
+                store = dist.TCPStore(host, port, world, is_master=rank == 0, timeout=timedelta(seconds=timeout_s))
+            opts = dist.ProcessGroupGloo._Options()
+            opts._timeout = timedelta(seconds=timeout_s)
+            gloo = dist.ProcessGroupGloo
+            opts._devices = [gloo.create_device(hostname=bind) if bind else gloo.create_default_device()]
+            self._pg = dist.ProcessGroupGloo(dist.PrefixStore(f"{prefix}/", store), rank, world, opts)
         except (RuntimeError, OSError) as e:  # DistStoreError, DistNetworkError, timeouts
             raise ClusterError(f"redistribution group {host}:{port} (rank {rank} of {world}): {e}") from None
         self._store = store
-        self._dist = dist
+
+    def _failed(self, e: Exception) -> ClusterError:
+        return ClusterError(f"redistribution round failed on rank {self.rank} of {self.world}: {e}")
 
     def exchange(self, outgoing: list[list]) -> list[list]:
         """Send ``outgoing[dst]`` (samples) to every rank ``dst``; returns ``incoming[src]``."""
@@ -124,35 +143,37 @@ class ExchangeGroup:
 
     def exchange_bytes(self, send: torch.Tensor, split: list[int]) -> list[torch.Tensor]:
         """The bytes of :meth:`exchange`: ``send[...]`` cut by ``split`` (one part per rank) goes
-        to each rank; one ``all_to_all_single`` of sizes, one of bytes. Returns each rank's part."""
-        dist = self._dist
+        to each rank; one ``all_to_all`` of sizes, one of bytes. Returns each rank's part."""
         if len(split) != self.world or sum(split) != send.numel():
             raise ValueError(f"exchange_bytes: {len(split)} parts of {sum(split)} bytes for {self.world} ranks "
                              f"and a {send.numel()}-byte buffer")
         try:
             sizes = torch.tensor(split, dtype=torch.int64)
             theirs = torch.empty(self.world, dtype=torch.int64)
-            dist.all_to_all_single(theirs, sizes)
+            self._pg.alltoall_base(theirs, sizes, [], []).wait()
             recv = torch.empty(int(theirs.sum()), dtype=torch.uint8)
-            dist.all_to_all_single(recv, send, output_split_sizes=theirs.tolist(), input_split_sizes=list(split))
+            self._pg.alltoall_base(recv, send, theirs.tolist(), list(split)).wait()
         except RuntimeError as e:  # a peer died or timed out: the round fails, the caller falls back
-            raise ClusterError(f"redistribution round failed on rank {self.rank} of {self.world}: {e}") from None
+            raise self._failed(e) from None
         return list(torch.split(recv, theirs.tolist()))
 
     def all_gather_json(self, value) -> list:
         """Every rank's ``value`` (small, JSON-able: features, handles), in rank order."""
-        dist = self._dist
         mine = torch.frombuffer(bytearray(json.dumps(value).encode()), dtype=torch.uint8)
         try:  # bytes, not all_gather_object: nothing is unpickled from a peer
             sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world)]
-            dist.all_gather(sizes, torch.tensor([mine.numel()], dtype=torch.int64))
+            self._pg.allgather([sizes], [torch.tensor([mine.numel()], dtype=torch.int64)]).wait()
             most = max(int(n) for n in sizes)
             bufs = [torch.empty(most, dtype=torch.uint8) for _ in range(self.world)]
-            dist.all_gather(bufs, torch.cat([mine, torch.zeros(most - mine.numel(), dtype=torch.uint8)]))
+            self._pg.allgather([bufs], [torch.cat([mine, torch.zeros(most - mine.numel(), dtype=torch.uint8)])]).wait()
         except RuntimeError as e:
-            raise ClusterError(f"redistribution round failed on rank {self.rank} of {self.world}: {e}") from None
+            raise self._failed(e) from None
         return [json.loads(bytes(b[:int(n)].numpy())) for b, n in zip(bufs, sizes)]
 
     def close(self) -> None:
-        if self._dist.is_initialized():
-            self._dist.destroy_process_group()
+        pg, self._pg = getattr(self, "_pg", None), None
+        if pg is not None:
+            try:
+                pg.shutdown()
+            except (RuntimeError, AttributeError):  # already broken by a failed round
+                pass

@@ -20,7 +20,7 @@ import grpc
 from ..config import PROTOCOL_VERSION, ClusterConfig
 from . import shm
 from .auth import call_metadata
-from ..errors import PICKLING, text_of
+from ..errors import PICKLING, ClusterError, text_of
 from ..protocol import ErrorKind
 from .proto import helix_pb2 as pb
 from .proto import helix_pb2_grpc as pbg
@@ -34,6 +34,7 @@ from .cpuslots import HostSlots
 from .pool import WorkerPool
 from .reader import SlabReader
 from .steal import handles
+from .crosshost import ExchangeMember, HostExchange
 from .tier2 import RoundTable
 
 __all__ = ["DataServerServicer", "serve_dataserver"]
@@ -54,7 +55,7 @@ class DataServerServicer(pbg.DataServerServicer):
     """Thin: converts messages, submits to the ``WorkerPool``, streams remote results."""
 
     def __init__(self, pool: WorkerPool, slabs: shm.SlabPool, config: ClusterConfig, token: str | None,
-                 address: str, kind: str, tls=None, pickle_allowed: bool | None = None):
+                 address: str, kind: str, tls=None, pickle_allowed: bool | None = None, host_id: str = ""):
         self.pool, self.slabs, self.config, self.token = pool, slabs, config, token
         self.address, self.kind, self.tls = address, kind, tls
         self.pickle_allowed = bool(token) if pickle_allowed is None else pickle_allowed
@@ -65,7 +66,11 @@ class DataServerServicer(pbg.DataServerServicer):
         self.outbound = Outbound(token, config, tls, self.reader)  # remote: batches on to delivering servers
         self.inbound = Inbound(slabs, self.pickle_allowed, self._no_pickle_why(), lambda: self.server_id)
         self.beats = Beats(config)  # work that arrives wakes an idle server's heartbeats
-        self.rounds = RoundTable(self.pickle_allowed)  # the Tier-2 rounds this server leads
+        # Tier 2: its part in moving rows between hosts, and the rounds it leads
+        self.member = ExchangeMember(self.reader, self.inbound, self.outbound, self.pickle_allowed,
+                                     address.rsplit(":", 1)[0].strip("[]"))
+        self.rounds = RoundTable(self.pickle_allowed, exchange=HostExchange(self.member, token, config, tls),
+                                 address=address, host=host_id)
 
     def _no_pickle_why(self) -> str:
         return "runs with ClusterConfig(allow_pickle=False)" if not self.config.allow_pickle \
@@ -189,6 +194,12 @@ class DataServerServicer(pbg.DataServerServicer):
     def Rebalance(self, request, context):  # Tier 2: held until the round closes (runtime/tier2.py)
         return self.rounds.rebalance(request)
 
+    def Exchange(self, request, context):  # Tier 2 across hosts: this host's part of a round (runtime/crosshost.py)
+        try:
+            return self.member.serve(request)
+        except (ClusterError, ValueError, OSError) as e:  # a peer gone, a slab reused or gone, bad input
+            context.abort(grpc.StatusCode.ABORTED, str(e))
+
     def Health(self, request, context):
         st = self.pool.stats()
         return pb.HealthReply(server_id=self.server_id, workers_alive=st["workers_alive"],
@@ -232,7 +243,7 @@ def serve_dataserver(coordinator: str, kind: str, local_rank: int, workers: int,
     except BaseException:
         host_slots.close()
         raise
-    servicer = DataServerServicer(pool, slabs, config, token, address, kind, tls, allow_pickle)
+    servicer = DataServerServicer(pool, slabs, config, token, address, kind, tls, allow_pickle, host_id)
     servicer.cluster_id = hello.cluster_id
     # a local server takes remote batches by the bulk path too, on the host it serves gRPC on
     bulk = BulkListener(host, token, config, tls, servicer.take_bulk) if kind == "local" and config.bulk_delivery \

@@ -95,39 +95,47 @@ class Outbound:
                 channel.close()
         return peer
 
+    def channel(self, address: str) -> grpc.Channel:
+        """The channel to the server at ``address`` (made once)."""
+        return self._peer(address)[2]
+
     def send(self, task_id: int, result: dict, address: str) -> pb.DeliverReply:
         """Deliver a worker's batch (``result``: its handle, tree and metas) to ``address``."""
-        deliver, port, _ = self._peer(address)
-        total = result["handle"]["nbytes"]
         header = pb.StreamHeader(task_id=task_id, tree_json=result["tree_json"], tree_pickle=result["tree_pickle"],
-                                 tensors=metas_to_pb(result["metas"]), total_bytes=total)
+                                 tensors=metas_to_pb(result["metas"]), total_bytes=result["handle"]["nbytes"])
         payload = self.reader.view(result["handle"])
-        t0, reply, bulk = time.perf_counter(), None, False
         try:
-            if port and time.monotonic() >= self._bulk_off.get(address, 0.0):
-                try:
-                    reply, bulk = self._sender.send(address.rsplit(":", 1)[0].strip("[]"), port, header, payload), True
-                except BulkError as e:
-                    if e.status is not None or e.connected:  # refused, or lost mid-transfer: final here
-                        raise DeliveryFailed(f"delivery server {address}: {e}", no_room=e.status == NO_ROOM) from None
-                    # the bulk connection could not be made (a firewall, full slots, TLS): gRPC's own
-                    # channel decides, and for a while every batch to this peer goes that way at once
-                    self._bulk_off[address] = time.monotonic() + _BULK_RETRY_S
-                    log.warning("bulk path to %s unavailable (%s): delivering by gRPC for %.0f s", address, e,
-                                _BULK_RETRY_S)
-            if reply is None:
-                def chunks():
-                    yield pb.StreamChunk(header=header)
-                    yield from iter_chunks(payload, total, self.config.stream_chunk_bytes)  # raw: one copy each
-
-                try:
-                    reply = deliver(chunks(), timeout=self.config.execute_timeout_s, metadata=call_metadata(self.token))
-                except grpc.RpcError as e:
-                    raise DeliveryFailed(f"delivery server {address}: {e.code().name} {e.details()}",
-                                         no_room=e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED) from None
+            return self.push(header, payload, address)
         finally:
             payload.release()
-        self._account(moved_bytes(result), time.perf_counter() - t0, bulk)
+
+    def push(self, header: pb.StreamHeader, payload: memoryview, address: str) -> pb.DeliverReply:
+        """A batch given as its header and raw payload into a slab of the server at ``address``."""
+        deliver, port, _ = self._peer(address)
+        total = header.total_bytes
+        t0, reply, bulk = time.perf_counter(), None, False
+        if port and time.monotonic() >= self._bulk_off.get(address, 0.0):
+            try:
+                reply, bulk = self._sender.send(address.rsplit(":", 1)[0].strip("[]"), port, header, payload), True
+            except BulkError as e:
+                if e.status is not None or e.connected:  # refused, or lost mid-transfer: final here
+                    raise DeliveryFailed(f"delivery server {address}: {e}", no_room=e.status == NO_ROOM) from None
+                # the bulk connection could not be made (a firewall, full slots, TLS): gRPC's own
+                # channel decides, and for a while every batch to this peer goes that way at once
+                self._bulk_off[address] = time.monotonic() + _BULK_RETRY_S
+                log.warning("bulk path to %s unavailable (%s): delivering by gRPC for %.0f s", address, e,
+                            _BULK_RETRY_S)
+        if reply is None:
+            def chunks():
+                yield pb.StreamChunk(header=header)
+                yield from iter_chunks(payload, total, self.config.stream_chunk_bytes)  # raw: one copy each
+
+            try:
+                reply = deliver(chunks(), timeout=self.config.execute_timeout_s, metadata=call_metadata(self.token))
+            except grpc.RpcError as e:
+                raise DeliveryFailed(f"delivery server {address}: {e.code().name} {e.details()}",
+                                     no_room=e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED) from None
+        self._account(total + sum(len(m.inline_data) for m in header.tensors), time.perf_counter() - t0, bulk)
         return reply
 
     def _account(self, total: int, seconds: float, bulk: bool) -> None:

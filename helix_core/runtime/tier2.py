@@ -24,13 +24,25 @@ import threading
 import time
 from collections import Counter
 
+from ..errors import ClusterError
 from ..planning.rebalance import GateArgs, check_assignment, gate, lpt_within_steps
 from ..planning.rounds import Round, RoundBuffer, RoundItem
 from .proto import helix_pb2 as pb
 from .reader import SlabReader
 from .specs import resolve_function
 
-__all__ = ["RoundTable", "load_policy"]
+__all__ = ["EXCHANGE_TIMEOUT_S", "RoundTable", "load_policy"]
+
+EXCHANGE_TIMEOUT_S = 10.0  # a cross-host exchange's collective (and each gRPC stream) gives up after this
+
+
+def _slab(call, b: int) -> dict:
+    s = call.request.batches[b].slab
+    return {"segment": s.segment, "generation": s.generation}
+
+
+def _slab_pb(call, b: int) -> pb.SlabHandle:
+    return call.request.batches[b].slab
 
 
 def load_policy(payload: bytes, fmt: str, allow_pickle: bool):
@@ -75,8 +87,9 @@ class RoundTable:
     """The rounds this DataServer leads, one open round per group and step. Thread-safe: each held
     call runs on its own gRPC thread; the one whose batch closes a round (or finds it due) runs it."""
 
-    def __init__(self, allow_pickle: bool, clock=time.monotonic):
+    def __init__(self, allow_pickle: bool, clock=time.monotonic, exchange=None, address: str = "", host: str = ""):
         self.allow_pickle, self.clock = allow_pickle, clock
+        self.exchange, self.address, self.host = exchange, address, host  # HostExchange: rows across hosts
         self.reader = SlabReader()
         self._cond = threading.Condition()
         self._buffers: dict[str, RoundBuffer] = {}
@@ -143,49 +156,116 @@ class RoundTable:
     def _run(self, rnd: Round) -> None:
         calls = list(dict.fromkeys(it.key[0] for it in rnd.items))
         outcome, assignment, gain, cost = self._decide(rnd, calls)
-        self.counts[outcome.split(":")[0]] += 1
         if assignment is None:
+            self.counts[outcome.split(":")[0]] += 1
             for c in calls:
                 self._keep(c, outcome)
                 c.reply.round_samples, c.reply.closed_by = len(rnd.items), rnd.closed_by
                 c.reply.gain_s, c.reply.transfer_s = gain, cost  # what the gate saw (the default policy)
             return
-        takes: dict[int, list] = {id(c): [] for c in calls}
-        readers: dict[tuple, set] = {}
         by_call = {(c.request.step, c.request.rank): c for c in calls}
+        rows: dict[tuple, list] = {}  # (source call, its slab, taker): rows, in order
         for it, dst in zip(rnd.items, assignment):
             src, k = it.key
             b, row = src.source(k)
-            to = by_call[(it.step, dst)]
-            takes[id(to)].append((src, b, row))
-            readers.setdefault((id(src), b), set()).add(id(to))
-        for (sid, b), who in readers.items():  # before any reply: a reader's release counts down from here
-            src = next(c for c in calls if id(c) == sid)
-            bh = src.request.batches[b]
-            h = {"segment": bh.slab.segment, "generation": bh.slab.generation}
-            if not self.reader.held(h) or (len(who) > 1 and not self.reader.share(h, len(who))):
-                for c in calls:
-                    self._keep(c, "error: a slab of the round was released before it closed")
-                return
+            rows.setdefault((src, b, by_call[(it.step, dst)]), []).append((row, it))
+        readers: dict[tuple, set] = {}  # (source call, slab): its takers on the source's host
+        for src, b, to in rows:
+            readers.setdefault((src, b), set())
+            if to.request.host == src.request.host:
+                readers[(src, b)].add(to)
+        if any(not self.reader.held(_slab(src, b)) for src, b in readers if src.request.host == self.host):
+            return self._keep_all(calls, rnd, "error: a slab of the round was released before it closed")
+        try:
+            members, at = self._members(calls)
+            crossed, transport = self._cross(calls, rows, members, at)
+        except (ClusterError, ValueError) as e:  # a member gone or failed: the round keeps every batch
+            return self._keep_all(calls, rnd, f"error: the cross-host exchange failed (kept): {e}")
+        shares: dict[int, list] = {}  # before any reply: a reader's release counts down from here
+        for (src, b), who in readers.items():
+            if len(who) > 1:
+                shares.setdefault(at.get(src.request.host, -1), []).append((_slab_pb(src, b), len(who)))
+        try:
+            if -1 in shares:
+                raise ValueError("a shared slab's host has no member")
+            for s, n in shares.pop(0, []):
+                if not self.reader.share({"segment": s.segment, "generation": s.generation}, n):
+                    raise ValueError(f"slab {s.segment} was released before the round closed")
+            if shares:
+                self.exchange.share(f"{calls[0].request.group}@{calls[0].request.step}", members, shares)
+        except (ClusterError, ValueError) as e:
+            if crossed:
+                held: dict[int, list] = {}
+                for to, new in crossed.items():
+                    held.setdefault(at[to.request.host], []).extend(h.slab for h in new.values())
+                self.exchange.drop(members, held)
+            return self._keep_all(calls, rnd, f"error: a slab of the round was released before it closed ({e})")
+        self.counts[outcome] += 1
         for c in calls:
-            mine = sorted(takes[id(c)], key=lambda t: (t[0] is not c, t[0].request.rank, t[1], t[2]))  # own rows first
             reply = pb.RebalanceReply(outcome=outcome, gain_s=gain, transfer_s=cost, round_samples=len(rnd.items),
-                                      closed_by=rnd.closed_by)
-            reply.moved_in = sum(1 for src, _, _ in mine if src is not c)
-            reply.moved_bytes = sum(int(it.features.get("bytes", 0) or 0) for it, dst in zip(rnd.items, assignment)
-                                    if dst == c.request.rank and it.step == c.request.step and it.key[0] is not c)
-            reply.moved_out = sum(1 for it, dst in zip(rnd.items, assignment) if it.key[0] is c and dst != c.request.rank)
-            last = None
-            for src, b, row in mine:  # rows of one slab in a row make one take
-                index = src.index(b, row)
-                if last is not None and last[0] == (id(src), b):
-                    last[1].rows.append(row)
-                    last[1].indices.append(index)
+                                      closed_by=rnd.closed_by, transport=transport if crossed.get(c) else "")
+            units = []  # (order: own rows first, then by source rank, slab and row; the take)
+            for (src, b, to), got in rows.items():
+                if to is not c:
+                    if src is c and to.request.host != c.request.host and not readers[(src, b)]:
+                        reply.release.append(_slab_pb(src, b))  # every row of it left this host
                     continue
-                take = reply.takes.add(batch=src.request.batches[b], rows=[row], shared=len(readers[(id(src), b)]) > 1,
-                                       batch_rows=src.request.batch_rows[b], indices=[index])
-                last = ((id(src), b), take)
+                take_rows = [r for r, _ in got]
+                order = (src is not c, src.request.rank, b, take_rows[0])
+                if src is not c:
+                    reply.moved_in += len(got)
+                    reply.moved_bytes += sum(int(it.features.get("bytes", 0) or 0) for _, it in got)
+                indices = [src.index(b, r) for r in take_rows]
+                if to.request.host != src.request.host:  # its rows' new slab on this host
+                    reply.crossed_bytes += sum(int(it.features.get("bytes", 0) or 0) for _, it in got)
+                    take = pb.RowTake(batch=crossed[c][(src, b)], rows=range(len(got)), batch_rows=len(got),
+                                      indices=indices)
+                else:
+                    take = pb.RowTake(batch=src.request.batches[b], rows=take_rows, shared=len(readers[(src, b)]) > 1,
+                                      batch_rows=src.request.batch_rows[b], indices=indices)
+                units.append((order, take))
+            reply.moved_out = sum(len(got) for (src, _, to), got in rows.items() if src is c and to is not c)
+            reply.takes.extend(t for _, t in sorted(units, key=lambda u: u[0]))
             c.reply = reply
+
+    def _keep_all(self, calls: list, rnd: Round, outcome: str) -> None:
+        self.counts["error"] += 1
+        for c in calls:
+            self._keep(c, outcome)
+            c.reply.round_samples, c.reply.closed_by = len(rnd.items), rnd.closed_by
+
+    def _members(self, calls: list) -> tuple[list[str], dict[str, int]]:
+        """One DataServer per host of the round, the leader first (``at``: host -> its index)."""
+        members, at = [self.address], {self.host: 0}  # the leader is its host's member
+        for c in sorted(calls, key=lambda c: c.request.rank):
+            if c.request.host not in at and c.request.delivery:
+                at[c.request.host] = len(members)
+                members.append(c.request.delivery)
+        return members, at
+
+    def _cross(self, calls: list, rows: dict, members: list[str], at: dict) -> tuple[dict, str]:
+        """The rows that change host, moved by each host's member: ``({taker: {(source, slab): new
+        slab}}, transport)``; ``({}, "")`` when none does."""
+        crossing = [(key, got) for key, got in rows.items() if key[2].request.host != key[0].request.host]
+        if not crossing:
+            return {}, ""
+        if self.exchange is None:
+            raise ValueError("this DataServer cannot move rows between hosts")
+        missing = sorted({c.request.rank for c in calls if c.request.host not in at})
+        if missing:
+            raise ValueError(f"rank(s) {missing} named no delivery server")
+        sends: dict[int, list] = {}
+        for n, ((src, b, to), got) in enumerate(crossing):
+            sends.setdefault(at[src.request.host], []).append(pb.ExchangeSend(
+                batch=src.request.batches[b], rows=[r for r, _ in got], batch_rows=src.request.batch_rows[b],
+                to=at[to.request.host], key=n))
+        name = f"{calls[0].request.group}@{calls[0].request.step}"
+        new, transport = self.exchange.run(name, members, sends, calls[0].request.exchange or "collective",
+                                           EXCHANGE_TIMEOUT_S)
+        crossed: dict = {}
+        for n, ((src, b, to), _) in enumerate(crossing):
+            crossed.setdefault(to, {})[(src, b)] = new[n]
+        return crossed, transport
 
     def _decide(self, rnd: Round, calls: list) -> tuple[str, list | None, float, float]:
         """``(outcome, assignment or None to keep, gain_s, transfer_s)``."""
@@ -221,8 +301,6 @@ class RoundTable:
         why = check_assignment(features, assignment)
         if why is not None:
             return f"error: Rebalance.sort_fn {why}", None, 0.0, 0.0
-        if any(hosts[f["rank"]] != hosts[r] for f, r in zip(features, assignment)):
-            return "error: the assignment moves samples between hosts (not built yet: kept)", None, 0.0, 0.0
         if all(f["rank"] == r for f, r in zip(features, assignment)):
             return "kept", None, gain, cost
         return "moved", assignment, gain, cost
@@ -237,4 +315,6 @@ class RoundTable:
         return got
 
     def close(self) -> None:
+        if self.exchange is not None:
+            self.exchange.close()
         self.reader.close()

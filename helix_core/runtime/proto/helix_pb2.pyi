@@ -417,7 +417,7 @@ class HealthReply(_message.Message):
     def __init__(self, server_id: _Optional[str] = ..., workers_alive: _Optional[int] = ..., queue_depth: _Optional[int] = ..., serving: _Optional[bool] = ..., worker_pids: _Optional[_Iterable[int]] = ..., pid: _Optional[int] = ..., inflight: _Optional[int] = ...) -> None: ...
 
 class RebalanceRequest(_message.Message):
-    __slots__ = ("group", "group_size", "rank", "step", "batches", "batch_rows", "features_json", "host", "buffer_size", "timeout_s", "policy_id", "policy", "policy_format", "client_id", "seconds_per_unit", "indices")
+    __slots__ = ("group", "group_size", "rank", "step", "batches", "batch_rows", "features_json", "host", "buffer_size", "timeout_s", "policy_id", "policy", "policy_format", "client_id", "seconds_per_unit", "indices", "delivery", "exchange")
     GROUP_FIELD_NUMBER: _ClassVar[int]
     GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
@@ -434,6 +434,8 @@ class RebalanceRequest(_message.Message):
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     SECONDS_PER_UNIT_FIELD_NUMBER: _ClassVar[int]
     INDICES_FIELD_NUMBER: _ClassVar[int]
+    DELIVERY_FIELD_NUMBER: _ClassVar[int]
+    EXCHANGE_FIELD_NUMBER: _ClassVar[int]
     group: str
     group_size: int
     rank: int
@@ -450,7 +452,9 @@ class RebalanceRequest(_message.Message):
     client_id: str
     seconds_per_unit: float
     indices: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, group: _Optional[str] = ..., group_size: _Optional[int] = ..., rank: _Optional[int] = ..., step: _Optional[int] = ..., batches: _Optional[_Iterable[_Union[BatchHandle, _Mapping]]] = ..., batch_rows: _Optional[_Iterable[int]] = ..., features_json: _Optional[str] = ..., host: _Optional[str] = ..., buffer_size: _Optional[int] = ..., timeout_s: _Optional[float] = ..., policy_id: _Optional[str] = ..., policy: _Optional[bytes] = ..., policy_format: _Optional[str] = ..., client_id: _Optional[str] = ..., seconds_per_unit: _Optional[float] = ..., indices: _Optional[_Iterable[int]] = ...) -> None: ...
+    delivery: str
+    exchange: str
+    def __init__(self, group: _Optional[str] = ..., group_size: _Optional[int] = ..., rank: _Optional[int] = ..., step: _Optional[int] = ..., batches: _Optional[_Iterable[_Union[BatchHandle, _Mapping]]] = ..., batch_rows: _Optional[_Iterable[int]] = ..., features_json: _Optional[str] = ..., host: _Optional[str] = ..., buffer_size: _Optional[int] = ..., timeout_s: _Optional[float] = ..., policy_id: _Optional[str] = ..., policy: _Optional[bytes] = ..., policy_format: _Optional[str] = ..., client_id: _Optional[str] = ..., seconds_per_unit: _Optional[float] = ..., indices: _Optional[_Iterable[int]] = ..., delivery: _Optional[str] = ..., exchange: _Optional[str] = ...) -> None: ...
 
 class RowTake(_message.Message):
     __slots__ = ("batch", "rows", "shared", "batch_rows", "indices")
@@ -467,7 +471,7 @@ class RowTake(_message.Message):
     def __init__(self, batch: _Optional[_Union[BatchHandle, _Mapping]] = ..., rows: _Optional[_Iterable[int]] = ..., shared: _Optional[bool] = ..., batch_rows: _Optional[int] = ..., indices: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class RebalanceReply(_message.Message):
-    __slots__ = ("takes", "outcome", "moved_in", "moved_out", "gain_s", "transfer_s", "round_samples", "closed_by", "moved_bytes")
+    __slots__ = ("takes", "outcome", "moved_in", "moved_out", "gain_s", "transfer_s", "round_samples", "closed_by", "moved_bytes", "crossed_bytes", "transport", "release")
     TAKES_FIELD_NUMBER: _ClassVar[int]
     OUTCOME_FIELD_NUMBER: _ClassVar[int]
     MOVED_IN_FIELD_NUMBER: _ClassVar[int]
@@ -477,6 +481,9 @@ class RebalanceReply(_message.Message):
     ROUND_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     CLOSED_BY_FIELD_NUMBER: _ClassVar[int]
     MOVED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CROSSED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_FIELD_NUMBER: _ClassVar[int]
     takes: _containers.RepeatedCompositeFieldContainer[RowTake]
     outcome: str
     moved_in: int
@@ -486,4 +493,67 @@ class RebalanceReply(_message.Message):
     round_samples: int
     closed_by: str
     moved_bytes: int
-    def __init__(self, takes: _Optional[_Iterable[_Union[RowTake, _Mapping]]] = ..., outcome: _Optional[str] = ..., moved_in: _Optional[int] = ..., moved_out: _Optional[int] = ..., gain_s: _Optional[float] = ..., transfer_s: _Optional[float] = ..., round_samples: _Optional[int] = ..., closed_by: _Optional[str] = ..., moved_bytes: _Optional[int] = ...) -> None: ...
+    crossed_bytes: int
+    transport: str
+    release: _containers.RepeatedCompositeFieldContainer[SlabHandle]
+    def __init__(self, takes: _Optional[_Iterable[_Union[RowTake, _Mapping]]] = ..., outcome: _Optional[str] = ..., moved_in: _Optional[int] = ..., moved_out: _Optional[int] = ..., gain_s: _Optional[float] = ..., transfer_s: _Optional[float] = ..., round_samples: _Optional[int] = ..., closed_by: _Optional[str] = ..., moved_bytes: _Optional[int] = ..., crossed_bytes: _Optional[int] = ..., transport: _Optional[str] = ..., release: _Optional[_Iterable[_Union[SlabHandle, _Mapping]]] = ...) -> None: ...
+
+class ExchangeSend(_message.Message):
+    __slots__ = ("batch", "rows", "batch_rows", "to", "key", "last_reader")
+    BATCH_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    BATCH_ROWS_FIELD_NUMBER: _ClassVar[int]
+    TO_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    LAST_READER_FIELD_NUMBER: _ClassVar[int]
+    batch: BatchHandle
+    rows: _containers.RepeatedScalarFieldContainer[int]
+    batch_rows: int
+    to: int
+    key: int
+    last_reader: bool
+    def __init__(self, batch: _Optional[_Union[BatchHandle, _Mapping]] = ..., rows: _Optional[_Iterable[int]] = ..., batch_rows: _Optional[int] = ..., to: _Optional[int] = ..., key: _Optional[int] = ..., last_reader: _Optional[bool] = ...) -> None: ...
+
+class ExchangeRequest(_message.Message):
+    __slots__ = ("round", "members", "member", "transport", "sends", "store", "generation", "timeout_s", "drop", "share", "readers")
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    MEMBER_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    SENDS_FIELD_NUMBER: _ClassVar[int]
+    STORE_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    DROP_FIELD_NUMBER: _ClassVar[int]
+    SHARE_FIELD_NUMBER: _ClassVar[int]
+    READERS_FIELD_NUMBER: _ClassVar[int]
+    round: str
+    members: _containers.RepeatedScalarFieldContainer[str]
+    member: int
+    transport: str
+    sends: _containers.RepeatedCompositeFieldContainer[ExchangeSend]
+    store: str
+    generation: int
+    timeout_s: float
+    drop: _containers.RepeatedCompositeFieldContainer[SlabHandle]
+    share: _containers.RepeatedCompositeFieldContainer[SlabHandle]
+    readers: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, round: _Optional[str] = ..., members: _Optional[_Iterable[str]] = ..., member: _Optional[int] = ..., transport: _Optional[str] = ..., sends: _Optional[_Iterable[_Union[ExchangeSend, _Mapping]]] = ..., store: _Optional[str] = ..., generation: _Optional[int] = ..., timeout_s: _Optional[float] = ..., drop: _Optional[_Iterable[_Union[SlabHandle, _Mapping]]] = ..., share: _Optional[_Iterable[_Union[SlabHandle, _Mapping]]] = ..., readers: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ExchangeGot(_message.Message):
+    __slots__ = ("key", "batch")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    BATCH_FIELD_NUMBER: _ClassVar[int]
+    key: int
+    batch: BatchHandle
+    def __init__(self, key: _Optional[int] = ..., batch: _Optional[_Union[BatchHandle, _Mapping]] = ...) -> None: ...
+
+class ExchangeReply(_message.Message):
+    __slots__ = ("got", "bytes", "seconds")
+    GOT_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    got: _containers.RepeatedCompositeFieldContainer[ExchangeGot]
+    bytes: int
+    seconds: float
+    def __init__(self, got: _Optional[_Iterable[_Union[ExchangeGot, _Mapping]]] = ..., bytes: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
