@@ -2,6 +2,7 @@
 address, /dev/shm and hostname (helix_core.emulated_hosts). Services start through the CLI as a
 user starts them on each machine; ranks are processes on their own host."""
 import json
+from collections import Counter
 import re
 import os
 import signal
@@ -36,7 +37,7 @@ class Cluster:
     remote sidecar on c: each started with the ``helix`` command on its own host, with a token and
     TLS (``helix certs``-style certificates for the hosts' addresses; ``tls=False``: --insecure)."""
 
-    def __init__(self, hosts: EmulatedHosts, tmp: Path, tls: bool = True):
+    def __init__(self, hosts: EmulatedHosts, tmp: Path, tls: bool = True, more_locals: tuple = ()):
         self.hosts, self.tmp = hosts, tmp
         self.token_file = tmp / "token"
         self.token_file.write_text(TOKEN + "\n")
@@ -51,6 +52,9 @@ class Cluster:
         for name in ("a", "b"):
             self._start(f"local-{name}", name, ["dataserver", "--coordinator", self.coordinator, "--local-rank", "0",
                                                 "--workers", "1", "--host", hosts.address(name)])
+        for name, local_rank in more_locals:  # more local servers: (host, local rank)
+            self._start(f"local-{name}{local_rank}", name, ["dataserver", "--coordinator", self.coordinator, "--local-rank",
+                                                           str(local_rank), "--workers", "1", "--host", hosts.address(name)])
         self._start("sidecar", "c", ["dataserver", "--coordinator", self.coordinator, "--remote", "--workers", "1",
                                      "--host", hosts.address("c")])
 
@@ -178,6 +182,40 @@ def test_tier2_moves_rows_between_hosts_bit_identical_and_leaves_no_slab(hosts, 
         assert t2[f"crossed_{exchange}"] == 4 and t2["crossed_bytes"] > 0, t2
     for name in hosts.names:  # every slab released on every host (its rows read or dropped)
         assert not [s for s in _busy_slabs(hosts, name)], name
+
+
+def test_a_hosts_member_killed_mid_epoch_its_rounds_keep_and_every_sample_comes_once(hosts, tmp_path):
+    """Host b has two local servers; rank 2 delivers through local-b (local rank 0), which is also
+    host b's member of the cross-host exchange. SIGKILLed mid-epoch: rank 2 goes on through its
+    host's other server, a round in flight falls back (kept), later rounds cross again."""
+    cluster = Cluster(hosts, tmp_path, more_locals=(("b", 1),))
+    rebalance = {"args": {"shift": 2, "world": 4}, "round_timeout_s": 5.0}
+    try:
+        placement = [("a", 0), ("a", 1), ("b", 0), ("b", 1)]
+        started = cluster.ranks(placement, ["least-request"], n=64, delay_s=0.1, mark_first=True, rebalance=rebalance)
+        deadline = time.monotonic() + 120
+        while not all(Path(str(out) + ".first").exists() for _, out in started):
+            assert time.monotonic() < deadline, "the ranks never received a batch"
+            assert all(proc.poll() is None for proc, _ in started), "a rank ended before its first batch"
+            time.sleep(0.05)
+        cluster.procs["local-b"].send_signal(signal.SIGKILL)
+        results = _results(started)
+    finally:
+        cluster.close()
+    runs = [res["runs"]["least-request"] for res in results]
+    for run in runs:
+        assert "error" not in run, run.get("trace")
+    own = [_sampler(64, r, 4, 2) for r in range(4)]
+    seen = Counter()
+    for step in range(len(own[0])):
+        planned = sorted(i for r in range(4) for i in own[r][step])
+        got = [runs[r]["indices"][step] for r in range(4)]
+        assert sorted(i for b in got for i in b) == planned, step  # every step: its samples, once
+        for r in range(4):  # a batch shifted by its round, or kept by one that failed
+            assert got[r] in (own[(r - 2) % 4][step], own[r][step]), (step, r)
+        seen.update(i for b in got for i in b)
+    assert seen == Counter(range(64))
+    assert sum(run["rebalance"].get("moved", 0) for run in runs) > 0  # rounds crossed hosts
 
 
 def _busy_slabs(hosts, name: str) -> list[str]:
