@@ -102,6 +102,15 @@ def _results(started, timeout=240) -> list[dict]:
     return out
 
 
+def _wait_first_batches(started) -> None:
+    """Until every rank started with ``mark_first`` has its first batch (then it is mid-epoch)."""
+    deadline = time.monotonic() + 120
+    while not all(Path(str(out) + ".first").exists() for _, out in started):
+        assert time.monotonic() < deadline, "the ranks never received a batch"
+        assert all(proc.poll() is None for proc, _ in started), "a rank ended before its first batch"
+        time.sleep(0.05)
+
+
 def _sampler(n, rank, world, batch):
     order = list(DistributedSampler(IndexDataset(n), num_replicas=world, rank=rank, shuffle=False))
     return [order[i:i + batch] for i in range(0, len(order), batch)]
@@ -141,11 +150,7 @@ def test_a_hosts_last_local_server_killed_its_ranks_get_an_error_naming_it_other
     try:
         # samples decode slowly (12 per rank, 0.25 s each): b loses its server once each rank has its first batch
         started = cluster.ranks([("a", 0), ("b", 0)], ["least-request"], n=24, delay_s=0.25, mark_first=True)
-        deadline = time.monotonic() + 120
-        while not all(Path(str(out) + ".first").exists() for _, out in started):
-            assert time.monotonic() < deadline, "the ranks never received a batch"
-            assert all(proc.poll() is None for proc, _ in started), "a rank ended before its first batch"
-            time.sleep(0.05)
+        _wait_first_batches(started)
         cluster.procs["local-b"].send_signal(signal.SIGKILL)
         results = _results(started)
         status = cluster.status("a")
@@ -194,11 +199,7 @@ def test_a_hosts_member_killed_mid_epoch_its_rounds_keep_and_every_sample_comes_
     try:
         placement = [("a", 0), ("a", 1), ("b", 0), ("b", 1)]
         started = cluster.ranks(placement, ["least-request"], n=64, delay_s=0.1, mark_first=True, rebalance=rebalance)
-        deadline = time.monotonic() + 120
-        while not all(Path(str(out) + ".first").exists() for _, out in started):
-            assert time.monotonic() < deadline, "the ranks never received a batch"
-            assert all(proc.poll() is None for proc, _ in started), "a rank ended before its first batch"
-            time.sleep(0.05)
+        _wait_first_batches(started)
         cluster.procs["local-b"].send_signal(signal.SIGKILL)
         results = _results(started)
     finally:
