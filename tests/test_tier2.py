@@ -3,6 +3,7 @@ through their group's leader DataServer (slabs handed over, no bytes between ser
 batch sizes and every epoch's samples exactly once; a rank alone, or a policy that fails, keeps
 its batches; nothing is left in shared memory."""
 import threading
+import time
 from collections import Counter
 
 import pytest
@@ -194,3 +195,81 @@ def test_a_run_resumed_mid_epoch_loses_and_repeats_nothing(cluster):
         assert sorted(i for r in range(2) for i in got[r][k]["index"].tolist()) == \
             sorted(i for r in range(2) for i in want[r][k]["index"].tolist())
     wait_for(lambda: not busy_segments(cluster), what="every slab released")
+
+
+def test_a_resumed_rank_never_trades_with_a_rank_still_on_the_run_before(cluster):
+    """Rank 1 stops and resumes while rank 0's old loader still holds its next step in a round:
+    the resumed rank waits for rank 0's resumed loader (rounds never mix runs), the old loader's
+    batch leaves the round when it closes, and the steps still hold exactly the planned samples."""
+    ds = _skewed(16)
+    opts = dict(batch_size=2, world_size=2, coordinator=cluster.address, token=cluster.token, config=CFG,
+                rebalance={"round_timeout_s": 5.0, "args": {"seconds_per_unit": 1.0}}, gpu_cost=lambda t: t,
+                prefetch_depth=1)
+    states, first, rest, errors = {}, {}, {}, []
+    step, resumed = threading.Barrier(2), threading.Event()
+
+    def rank_main(rank):
+        try:
+            old = hx.DistributedDataLoader(ds, rank=rank, **opts)
+            it = iter(old)
+            first[rank] = [next(it) for _ in range(2) if step.wait(60) is not None]
+            states[rank] = old.state_dict()
+            if rank == 1:
+                old.close()  # at once: its next step never reaches a round
+            else:
+                resumed.wait(60)
+                time.sleep(0.5)  # the hazard's window: rank 1's resumed loader sends its step meanwhile
+                old.close()  # its next step has waited in a round all this time
+            with hx.DistributedDataLoader(ds, rank=rank, **opts) as ld:
+                ld.load_state_dict(states[rank])
+                rest[rank] = []
+                batches = iter(ld)
+                resumed.set()
+                for b in batches:
+                    rest[rank].append(b)
+                    step.wait(60)
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors
+    got = {r: first[r] + rest[r] for r in range(2)}
+    want = {r: torch_batches(ds, 2, r, 2) for r in range(2)}
+    assert [len(got[r]) for r in range(2)] == [4, 4]
+    for k in range(4):
+        assert sorted(i for r in range(2) for i in got[r][k]["index"].tolist()) == \
+            sorted(i for r in range(2) for i in want[r][k]["index"].tolist())
+    wait_for(lambda: not busy_segments(cluster), what="every slab released")
+
+
+def test_a_loader_closed_while_its_batch_waits_in_a_round_leaves_the_round(cluster):
+    """Rank 0's batch waits in its round (rank 1 has not come); rank 0's loader closes: its batch
+    leaves the round, so rank 1, coming later, trades with no one and keeps its own samples."""
+    ds = _skewed(8)
+    opts = dict(batch_size=2, world_size=2, coordinator=cluster.address, token=cluster.token, config=CFG,
+                gpu_cost=lambda t: t, prefetch_depth=1)
+    gone = hx.DistributedDataLoader(ds, rank=0, rebalance={"round_timeout_s": 60.0,
+                                                           "args": {"seconds_per_unit": 1.0}}, **opts)
+    waiting = threading.Thread(target=_next_until_closed, args=(gone,), daemon=True)
+    waiting.start()
+    wait_for(lambda: gone.stats()["rebalance"].get("asked"), what="rank 0's batch sent to its round")
+    time.sleep(0.3)  # its call reaches the leader (had it not, the assertion below holds all the same)
+    gone.close()
+    waiting.join(30)
+    assert not waiting.is_alive()
+    got, stats = _run_ranks(cluster, ds, 2, {"round_timeout_s": 1.0, "args": {"seconds_per_unit": 1.0}}, ranks=[1],
+                            prefetch_depth=1)
+    assert [b["index"].tolist() for _, b in got[1]] == [b["index"].tolist() for b in torch_batches(ds, 2, 1, 2)]
+    assert not stats[1]["rebalance"].get("moved_in")
+    wait_for(lambda: not busy_segments(cluster), what="every slab released")
+
+
+def _next_until_closed(loader):
+    try:
+        next(iter(loader))
+    except hx.ClusterError:
+        pass  # "loader stopped": it was closed while waiting

@@ -149,6 +149,7 @@ class DistributedDataLoader:
                                   dataset, pin_memory or self.device is not None,
                                   itertools.count(self.client.task_id_base + 1),
                                   pad=pad, tier2=tier2)
+        self._tier2 = tier2
         self._root = Dispatch(CostTagger(self._batches, dataset, seed, microbatch_size), self._requests,
                               prefetch_depth, self.config.execute_timeout_s + 2 * self.config.rpc_timeout_s)
         self._epoch, self._position, self._resume = 0, 0, 0  # position: batches of the epoch yielded
@@ -216,6 +217,8 @@ class DistributedDataLoader:
         self._epoch, self._position = int(state["epoch"]), int(state["batches_yielded"])
         # a state saved after the epoch finished resumes to a fresh pass, never an empty one
         self._resume = self._position if self._position < len(self) else 0
+        if self._tier2 is not None:  # a round of the run before (a rank not yet resumed) is not ours
+            self._tier2.run = f"{self._epoch}:{self._position}"
 
     def report_step_time(self, seconds: float) -> None:
         """The trainer's measured GPU window of the batch being computed (seconds; e.g. CUDA-event

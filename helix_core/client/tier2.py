@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 
 import numpy as np
 
@@ -20,8 +21,11 @@ from ..runtime.merge import merge_batches
 from ..runtime.proto import helix_pb2 as pb
 from ..runtime.specs import function_path
 from ..runtime.tier2 import EXCHANGE_TIMEOUT_S
+from .transport import RoundStopped
 
 __all__ = ["STEP_STRIDE", "RoundLost", "Tier2", "policy_spec", "rebalance_group"]
+
+log = logging.getLogger("helix.tier2")
 
 STEP_STRIDE = 1 << 32  # a global step is epoch * STEP_STRIDE + the batch's position in the epoch
 
@@ -76,6 +80,7 @@ class Tier2:
         self.name = f"{spec_id}:{','.join(map(str, group))}"
         self.policy = policy_spec(rebalance, client.pickle_allowed)
         self._leader: str | None = None
+        self.run = ""  # the resume point every rank of a run shares ("" fresh): rounds never mix runs
 
     def exchange(self, task, replies, stop):
         """The batch of ``task`` after its round, from its parts' ``replies`` (all succeeded)."""
@@ -95,11 +100,20 @@ class Tier2:
         for f in features:
             if "cost" not in f:
                 f["cost"] = float(np.sum(self.units(np.array([f.get("tokens", 0)], dtype=np.float64))))
+        counts = self.stats.rebalance
         if self._leader is None:
-            self._leader = self.client.round_leader(min(self.group), stop)
+            try:
+                self._leader = self.client.round_leader(min(self.group), stop)
+            except ClusterError as e:  # the group's lowest rank is not (or no longer) registered
+                if stop.is_set():
+                    raise
+                log.warning("Tier-2 group %s: no round leader (%s): rank %d keeps its batch", self.name, e,
+                            self.client.rank)
+                counts["unreachable"] += 1
+                return None
         r = self.rebalance
         request = pb.RebalanceRequest(
-            group=self.name, group_size=len(self.group), rank=self.client.rank,
+            group=self.name, run=self.run, group_size=len(self.group), rank=self.client.rank,
             step=task.epoch * STEP_STRIDE + task.position, batches=batches, batch_rows=rows,
             features_json=json.dumps(features), host=self.client.host, buffer_size=r.buffer_size,
             timeout_s=r.wait_s(self.deadlines.deadline(task.seq)), policy_id=self.policy[0], policy=self.policy[1], policy_format=self.policy[2],
@@ -107,9 +121,16 @@ class Tier2:
             indices=indices if len(indices) == sum(rows) else (), exchange=r.exchange,
             delivery=self.client.servers.delivery[1] if self.client.servers.delivery else "")
         # the round's wait, then its exchange (the collective, then maybe gRPC), then the reply
-        reply = self.client.rebalance(self._leader, request, request.timeout_s + 2 * EXCHANGE_TIMEOUT_S
-                                      + self.client.config.rpc_timeout_s)
-        counts = self.stats.rebalance
+        self.stats.rebalance["asked"] += 1  # batches sent to a round
+        try:
+            reply = self.client.rebalance(self._leader, request, request.timeout_s + 2 * EXCHANGE_TIMEOUT_S
+                                          + self.client.config.rpc_timeout_s, stop)
+        except RoundStopped as e:  # the round answered as the loader stopped: give back what it gave
+            if e.reply is not None and (e.reply.moved_in or e.reply.moved_out):
+                for h in [*(t.batch.slab for t in e.reply.takes), *e.reply.release]:
+                    self.client.reader.release({"segment": h.segment, "generation": h.generation})
+                task.taken.update(range(len(task.parts)))  # its own slabs went with the round
+            raise
         if reply is None:
             self._leader = None  # ask again next time: the leader may have moved
             counts["unreachable"] += 1

@@ -44,6 +44,15 @@ TRANSIENT = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.Status
 log = logging.getLogger("helix.client")
 
 
+class RoundStopped(ClusterError):
+    """The loader stopped while its batch was in a Tier-2 round: ``reply`` is the round's answer
+    if it came all the same (its rows are this rank's to give back), else None."""
+
+    def __init__(self, reply):
+        super().__init__("loader stopped")
+        self.reply = reply
+
+
 class _Unavailable(grpc.RpcError):
     """A DataServer that fails its Hello: handled like any lost server (resubmit elsewhere)."""
 
@@ -348,14 +357,30 @@ class ClusterClient:
         return self._call(self.coordinator.RoundLeader, pb.RoundLeaderRequest(client_id=self.client_id, rank=rank),
                           stop=stop).address
 
-    def rebalance(self, address: str, request: pb.RebalanceRequest, timeout_s: float):
+    def rebalance(self, address: str, request: pb.RebalanceRequest, timeout_s: float, stop):
         """Tier 2: this rank's batch into its round at ``address``; the reply, or None if the leader
-        could not be reached (the rank keeps its batch)."""
+        could not be reached (the rank keeps its batch). A stop cancels the call, so the leader
+        drops the batch from its open round (no rank trades with a loader that is gone), and raises
+        ``RoundStopped`` with the reply if one had come all the same."""
         try:
-            return self.stub(address).Rebalance(request, timeout=timeout_s, metadata=self.metadata)
-        except (grpc.RpcError, _Unavailable) as e:
+            fut = self.stub(address).Rebalance.future(request, timeout=timeout_s, metadata=self.metadata)
+        except _Unavailable as e:
             log.warning("Tier-2 round at %s: %s (rank %d keeps its batch)", address, e, self.rank)
             return None
+        stop.wait(fut, timeout_s + self.config.rpc_timeout_s)
+        if stop.is_set() and fut.cancel():
+            raise RoundStopped(None)
+        try:
+            reply = fut.result(timeout=0)
+        except (grpc.RpcError, grpc.FutureCancelledError, grpc.FutureTimeoutError) as e:
+            fut.cancel()
+            if stop.is_set():
+                raise RoundStopped(None) from None
+            log.warning("Tier-2 round at %s: %s (rank %d keeps its batch)", address, e, self.rank)
+            return None
+        if stop.is_set():
+            raise RoundStopped(reply)
+        return reply
 
     def release(self, reply: pb.ExecuteReply) -> None:
         """Give a reply's slabs back unread (its request was cancelled)."""

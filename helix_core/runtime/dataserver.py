@@ -192,7 +192,7 @@ class DataServerServicer(pbg.DataServerServicer):
         return pb.Ack(ok=True)
 
     def Rebalance(self, request, context):  # Tier 2: held until the round closes (runtime/tier2.py)
-        return self.rounds.rebalance(request)
+        return self.rounds.rebalance(request, context)
 
     def Exchange(self, request, context):  # Tier 2 across hosts: this host's part of a round (runtime/crosshost.py)
         try:

@@ -67,6 +67,8 @@ class _Call:
 
     request: pb.RebalanceRequest
     closed: bool = False
+    added: bool = False  # its batch is in its open round
+    ended: bool = False  # its RPC is over (cancelled, or its client gone): it is left out of its round
     reply: pb.RebalanceReply | None = None
 
     def source(self, k: int) -> tuple[int, int]:
@@ -96,7 +98,10 @@ class RoundTable:
         self._policies: dict[str, tuple] = {}
         self.counts: Counter = Counter()  # rounds by outcome
 
-    def rebalance(self, request: pb.RebalanceRequest) -> pb.RebalanceReply:
+    def rebalance(self, request: pb.RebalanceRequest, context=None) -> pb.RebalanceReply:
+        """``request``'s batch into its step's round; blocks until the round ran. ``context`` (the
+        call's gRPC context): a call that ends first (its loader stopped, its process died) leaves
+        its open round at once, and a round that closes after it leaves it out."""
         try:
             features = json.loads(request.features_json or "[]")
             if not isinstance(features, list) or len(features) != sum(request.batch_rows) or \
@@ -109,8 +114,14 @@ class RoundTable:
         call = _Call(request)
         items = [RoundItem((call, k), request.rank, request.step, f if isinstance(f, dict) else {})
                  for k, f in enumerate(features)]
-        key = (request.group, request.step)  # samples move only within a step: one round per step
+        # samples move only within a step: one round per step, and per run (a rank that resumed
+        # never trades with one still on the run before)
+        key = (request.group, request.run, request.step)
+        if context is not None and not context.add_callback(lambda: self._ended(call, key)):
+            return self._keep(call, "cancelled")  # it ended already
         with self._cond:
+            if call.ended:
+                return self._keep(call, "cancelled")
             buf = self._buffers.get(key)
             if buf is None:
                 buf = self._buffers[key] = RoundBuffer(ranks, max(2, request.buffer_size),
@@ -122,6 +133,7 @@ class RoundTable:
                 closed = buf.add_batch(items, request.timeout_s or None)
             except ValueError as e:
                 return self._keep(call, f"error: {e}")
+            call.added = True
             while call.reply is None:
                 if closed is None and not call.closed and buf.due_in() is not None and buf.due_in() <= 0:
                     closed = buf.expire()
@@ -140,6 +152,18 @@ class RoundTable:
                 self._cond.wait(None if call.closed else buf.due_in())
         return call.reply
 
+    def _ended(self, call: _Call, key: tuple) -> None:
+        """``call``'s RPC is over: if it still waits in its open round, it leaves it."""
+        with self._cond:
+            call.ended = True
+            buf = self._buffers.get(key)
+            if call.added and call.reply is None and not call.closed and buf is not None:
+                buf.drop(call.request.rank, call.request.step)
+                self._keep(call, "cancelled")
+                if not len(buf):
+                    del self._buffers[key]
+                self._cond.notify_all()
+
     @staticmethod
     def _mark(rnd: Round) -> None:
         for it in rnd.items:
@@ -154,7 +178,15 @@ class RoundTable:
         return call.reply
 
     def _run(self, rnd: Round) -> None:
+        with self._cond:  # a call that ended while its round closed is left out of it
+            gone = [it for it in rnd.items if it.key[0].ended]
+            if gone:
+                for c in {it.key[0] for it in gone}:
+                    self._keep(c, "cancelled")
+                rnd = Round(tuple(it for it in rnd.items if not it.key[0].ended), rnd.closed_by)
         calls = list(dict.fromkeys(it.key[0] for it in rnd.items))
+        if not calls:
+            return
         outcome, assignment, gain, cost = self._decide(rnd, calls)
         if assignment is None:
             self.counts[outcome.split(":")[0]] += 1
