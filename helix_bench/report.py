@@ -20,7 +20,7 @@ from .figures import CAPTIONS, FIGURES, draw_figures
 from .metrics import SYSTEM_METRIC_KEYS
 
 __all__ = [
-    "BOUND_KEYS", "FIGURES", "RUN_KEYS", "cpu_rows", "print_table", "run_label", "table_rows", "validate_run",
+    "BOUND_KEYS", "FIGURES", "RUN_KEYS", "cpu_rows", "print_table", "tier2_rows", "run_label", "table_rows", "validate_run",
     "write_report", "write_results",
 ]
 
@@ -166,6 +166,25 @@ def cpu_rows(run: Mapping) -> tuple[list[str], list[list[str]]]:
     return headers, rows
 
 
+def tier2_rows(run: Mapping) -> tuple[list[str], list[list[str]]]:
+    """Tier 2's rounds per system that ran them (``tier2_rounds``): by outcome, the gain the gate
+    projected against the gain realised (slowest rank's GPU seconds before minus after each moved
+    round), the predicted transfer, what moved, the rounds' median wait, and the imbalance floor
+    that moves within a step could reach on the steps consumed."""
+    headers = ["System", "Rounds", "Moved / kept / alone / error", "Projected gain (s)", "Realised gain (s)",
+               "Transfer est. (s)", "Samples moved", "MB moved", "Round wait p50 (s)", "Imbalance → floor"]
+    rows = []
+    for name, m in _ran(run).items():
+        t = m.get("tier2_rounds")
+        if not t:
+            continue
+        rows.append([name, str(t["rounds"]), f"{t['moved']} / {t['kept']} / {t['alone']} / {t['error']}",
+                     _fmt(t["projected_gain_s"], ".2f"), _fmt(t["realised_gain_s"], ".2f"), _fmt(t["transfer_s"], ".3f"),
+                     str(t["moved_samples"]), _fmt(t["moved_bytes"], ".0f", 1e-6), _fmt_s(t["wait_s_p50"]),
+                     f"{_fmt(m.get('imbalance_ratio'), '.3f')} → {_fmt(m.get('imbalance_within_step_floor'), '.3f')}"])
+    return headers, rows
+
+
 def run_label(run: Mapping, runs: Sequence[Mapping] = ()) -> str:
     """A short name: ``run["label"]`` if given, else the workload plus every other scalar key
     whose value differs between ``runs`` (a sweep's axis: batch size, remote servers, ...)."""
@@ -233,6 +252,12 @@ def _markdown(runs: list[dict], figures: Mapping[str, Path], figure_error: str |
         if rows:
             lines += ["Where the CPU went over the measured steps (decode = thread CPU of the decode calls; "
                       "the decoding processes' role keeps the rest):", ""]
+            lines += ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+            lines += ["| " + " | ".join(_md_cell(c) for c in row) + " |" for row in rows]
+            lines.append("")
+        headers, rows = tier2_rows(run)
+        if rows:
+            lines += ["Tier-2 rounds (one per global step, joined over the ranks; warm-up steps included):", ""]
             lines += ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
             lines += ["| " + " | ".join(_md_cell(c) for c in row) + " |" for row in rows]
             lines.append("")

@@ -10,7 +10,7 @@ import numpy as np
 
 from .ranks import BALANCED
 
-__all__ = ["RAY_MODES", "system_result"]
+__all__ = ["RAY_MODES", "system_result", "tier2_rounds"]
 
 RAY_MODES = {"ray": "idle", "ray-rr": "rr"}  # Ray pool: idle-actor dispatch (as its users tune it), round robin
 WORKER_ROLE = {"native": "loader-workers", "ray": "ray-decoders", "helix": "workers"}
@@ -77,6 +77,51 @@ def system_result(system, cfg, got, m, expected, spans, bound, decode, units, lo
     if rounds:
         out["rebalance"] = rounds
         out["rebalance_errors"] = sorted({e for st in stats_by_rank for e in st.get("rebalance_errors") or ()})[:5]
+        work = sum(units[i] for rank in consumed for b in rank for i in b)  # the emulated window's seconds per unit
+        spu = sum(r.compute_s for r in records) / work if work > 0 else 0.0
+        out["tier2_rounds"] = tier2_rounds(stats_by_rank, units.__getitem__, spu)
+    if system in BALANCED:  # the best any within-step move keeps-batch-size policy could do with these steps
+        from helix_core.planning.rebalance import lpt_within_steps
+
+        best = []
+        for step in steps:
+            feats = [{"cost": float(units[i]), "rank": r, "step": 0, "i": i} for r, b in enumerate(step) for i in b]
+            to = lpt_within_steps(feats)
+            best.append([[f["i"] for f, t in zip(feats, to) if t == r] for r in range(len(step))])
+        out["imbalance_within_step_floor"] = imbalance_ratio(best, units.__getitem__)
+    return out
+
+
+def tier2_rounds(stats_by_rank: list[dict], cost, seconds_per_unit: float) -> dict:
+    """The ranks' views of each Tier-2 round (``stats()["rebalance_rounds"]``, one round a global
+    step) joined: rounds seen by every rank, by outcome; the gain the leader projected for the rounds
+    it moved against the gain realised — the slowest rank's GPU cost (``cost(index)``) before the
+    round minus after it, in seconds at ``seconds_per_unit`` — and the rounds' wait at the ranks."""
+    by_step: dict = {}
+    for st in stats_by_rank:
+        for rec in st.get("rebalance_rounds") or ():
+            by_step.setdefault((rec["epoch"], rec["position"]), []).append(rec)
+    out = {"rounds": 0, "moved": 0, "kept": 0, "alone": 0, "error": 0, "partial": 0, "projected_gain_s": 0.0,
+           "realised_gain_s": 0.0, "transfer_s": 0.0, "moved_samples": 0, "moved_bytes": 0, "wait_s_p50": None}
+    waits = []
+    for recs in by_step.values():
+        waits += [r["wait_s"] for r in recs]
+        if len(recs) < len(stats_by_rank):
+            out["partial"] += 1  # a round whose other ranks' views fell outside the records kept
+            continue
+        out["rounds"] += 1
+        kind = recs[0]["outcome"].split(":")[0]
+        out[kind if kind in out else "error"] += 1
+        if kind != "moved":
+            continue
+        slowest = [max(sum(cost(i) for i in r[side]) for r in recs) for side in ("before", "after")]
+        out["projected_gain_s"] += recs[0]["gain_s"]
+        out["realised_gain_s"] += (slowest[0] - slowest[1]) * seconds_per_unit
+        out["transfer_s"] += recs[0]["transfer_s"]
+        out["moved_samples"] += sum(r["moved_in"] for r in recs)
+        out["moved_bytes"] += sum(r["moved_bytes"] for r in recs)
+    if waits:
+        out["wait_s_p50"] = float(np.median(waits))
     return out
 
 

@@ -61,6 +61,7 @@ class LoaderStats:
         self.stolen = 0  # batch pieces idle workers took over (a server split the batch among its workers)
         self.rebalance: collections.Counter = collections.Counter()  # Tier-2 rounds by outcome, samples moved
         self.rebalance_errors = collections.deque(maxlen=20)  # the last rounds that failed, and why
+        self.rebalance_rounds = collections.deque(maxlen=1024)  # the last rounds, one dict each (client.tier2)
 
     def as_dict(self) -> dict:
         waits = list(self.input_wait)
@@ -80,4 +81,5 @@ class LoaderStats:
             "deadline_p50_s": percentile(self.deadlines, 50), "fanouts": self.fanouts, "stolen": self.stolen,
             "placement_reasons": dict(self.reasons), **self.cost_errors.as_dict(),
             "rebalance": dict(self.rebalance), "rebalance_errors": list(self.rebalance_errors),
+            "rebalance_rounds": list(self.rebalance_rounds),
         }

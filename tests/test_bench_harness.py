@@ -12,7 +12,7 @@ def test_tiny_run_writes_results_for_each_system(tmp_path, monkeypatch):
     monkeypatch.setattr("helix_bench.raypool.ray_available", lambda: "Ray is not installed (test)")
     # prefetch 1: a system that runs ahead must still decode most measured batches inside the measured window
     cfg = BenchConfig(ranks=2, budget=2, batch_size=2, warmup=1, steps=3, clips=6, scale=0.25, prefetch=1,
-                      systems=("native", "ray", "helix-pool", "helix"), data_dir=str(tmp_path / "data"))
+                      systems=("native", "ray", "helix-pool", "helix", "helix-tier2"), data_dir=str(tmp_path / "data"))
     runs = run_bench([cfg], tmp_path / "out")
     results = json.loads((tmp_path / "out" / "results.json").read_text())
     assert results["systems"]["ray"] == {"skipped": "Ray is not installed (test)"}
@@ -33,6 +33,10 @@ def test_tiny_run_writes_results_for_each_system(tmp_path, monkeypatch):
     helix = results["systems"]["helix"]
     assert 0 < helix["decode_slots_busy"] <= 1 and helix["decode_slots"] == 2 and helix["decode_timeline"]
     assert (tmp_path / "out" / "fig_decode_slots.png").stat().st_size > 0
+    t2 = results["systems"]["helix-tier2"]  # every step's round, seen by both ranks, in the report
+    assert t2["steps"] == 4 and t2["tier2_rounds"]["rounds"] >= 6 and not t2["rebalance_errors"]
+    assert t2["imbalance_within_step_floor"] <= t2["imbalance_ratio"]
+    assert "Tier-2 rounds" in (tmp_path / "out" / "report.md").read_text()
 
 
 def test_a_system_that_consumes_other_samples_is_caught(tmp_path, monkeypatch):

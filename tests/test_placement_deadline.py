@@ -150,3 +150,18 @@ def test_windows_that_waited_for_a_starved_rank_do_not_stretch_the_deadlines():
     assert est.deadline(43) == pytest.approx(3 * 0.2)
     with pytest.raises(ValueError, match="quantile"):
         DeadlineEstimator(quantile=1.5)
+
+
+def test_a_batch_whose_cost_was_measured_is_learned_against_the_measurement():
+    """Tier 2 tells the estimator what the rank's batch really costs: its window is learned per
+    measured unit, so a wrong estimate does not skew the seconds per unit."""
+    clock = Clock()
+    est = DeadlineEstimator(quantile=1.0, clock=clock)
+    est.expect(0, 100)  # the estimate: 100 units ...
+    est.measured(0, 400)  # ... decoding measured 400
+    est.measured(7, 0)  # nonsense is ignored
+    est.asked()
+    est.yielded(0)
+    clock.t += 2.0
+    est.asked()
+    assert est.seconds_per_unit == pytest.approx(2.0 / 400)

@@ -62,6 +62,15 @@ class DeadlineEstimator:
             self._units[position] = units
             self._mean_units += 0.1 * (units - self._mean_units)
 
+    def measured(self, position: int, units: float) -> None:
+        """Batch ``position``'s GPU cost as decoding measured it (Tier 2: the batch its round gave
+        the rank): its window is learned against this, not the estimate."""
+        units = float(units)
+        if math.isfinite(units) and units > 0:
+            with self._lock:
+                if position in self._units or position >= self._next:  # not computed yet
+                    self._units[position] = units
+
     def yielded(self, position: int) -> None:
         with self._lock:
             self._current, self._t_yield, self._reported = position, self.clock(), None

@@ -132,7 +132,7 @@ class DistributedDataLoader:
                                  feature_fn=rebalance.feature_fn if group else None)
                 pad = microbatch_size is not None or collate_fn is pad_collate
                 tier2 = Tier2(self.client, rebalance, group, spec[0], units, self.deadlines, self._stats,
-                              pad) if group else None
+                              pad, step_units) if group else None
             except BaseException:
                 self.client.close()
                 raise

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import time
 
 import numpy as np
 
@@ -74,8 +75,9 @@ class Tier2:
     ``deadlines`` (the learned seconds per unit), ``stats`` (``LoaderStats``: its ``rebalance``)."""
 
     def __init__(self, client, rebalance: Rebalance, group: tuple[int, ...], spec_id: str, units, deadlines,
-                 stats, pad: bool):
+                 stats, pad: bool, step_units: float = 0.0):
         self.client, self.rebalance, self.group, self.units = client, rebalance, group, units
+        self.step_units = step_units  # a batch's fixed GPU cost units, beside its samples'
         self.deadlines, self.stats, self.pad = deadlines, stats, pad
         self.name = f"{spec_id}:{','.join(map(str, group))}"
         self.policy = policy_spec(rebalance, client.pickle_allowed)
@@ -122,6 +124,7 @@ class Tier2:
             delivery=self.client.servers.delivery[1] if self.client.servers.delivery else "")
         # the round's wait, then its exchange (the collective, then maybe gRPC), then the reply
         self.stats.rebalance["asked"] += 1  # batches sent to a round
+        t0 = time.perf_counter()
         try:
             reply = self.client.rebalance(self._leader, request, request.timeout_s + 2 * EXCHANGE_TIMEOUT_S
                                           + self.client.config.rpc_timeout_s, stop)
@@ -136,10 +139,19 @@ class Tier2:
             counts["unreachable"] += 1
             return None
         counts[reply.outcome.split(":")[0]] += 1
+        self.stats.rebalance_rounds.append({  # this rank's view of the round (the bench joins the ranks')
+            "epoch": task.epoch, "position": task.position, "outcome": reply.outcome, "closed_by": reply.closed_by,
+            "round_samples": reply.round_samples, "gain_s": reply.gain_s, "transfer_s": reply.transfer_s,
+            "moved_in": reply.moved_in, "moved_out": reply.moved_out, "moved_bytes": reply.moved_bytes,
+            "crossed_bytes": reply.crossed_bytes, "wait_s": time.perf_counter() - t0,
+            "before": [int(i) for i in request.indices], "after": [int(i) for t in reply.takes for i in t.indices]})
         counts["gain_s" if reply.outcome == "moved" else "gain_kept_s"] += reply.gain_s  # projected by the gate
         counts["transfer_s"] += reply.transfer_s if reply.outcome == "moved" else 0.0
         if reply.outcome.startswith("error"):
             self.stats.rebalance_errors.append(reply.outcome)
+        taken = [c for t in reply.takes for c in t.costs]
+        got = taken if len(taken) == sum(len(t.rows) for t in reply.takes) else [f["cost"] for f in features]
+        self.deadlines.measured(task.seq, sum(got) + self.step_units)  # its window is learned against this
         if not reply.moved_in and not reply.moved_out:
             return None  # kept: the usual materialization
         counts["moved_in"] += reply.moved_in

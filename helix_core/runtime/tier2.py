@@ -248,13 +248,14 @@ class RoundTable:
                     reply.moved_in += len(got)
                     reply.moved_bytes += sum(int(it.features.get("bytes", 0) or 0) for _, it in got)
                 indices = [src.index(b, r) for r in take_rows]
+                costs = [float(it.features.get("cost", 0.0) or 0.0) for _, it in got]
                 if to.request.host != src.request.host:  # its rows' new slab on this host
                     reply.crossed_bytes += sum(int(it.features.get("bytes", 0) or 0) for _, it in got)
                     take = pb.RowTake(batch=crossed[c][(src, b)], rows=range(len(got)), batch_rows=len(got),
-                                      indices=indices)
+                                      indices=indices, costs=costs)
                 else:
                     take = pb.RowTake(batch=src.request.batches[b], rows=take_rows, shared=len(readers[(src, b)]) > 1,
-                                      batch_rows=src.request.batch_rows[b], indices=indices)
+                                      batch_rows=src.request.batch_rows[b], indices=indices, costs=costs)
                 units.append((order, take))
             reply.moved_out = sum(len(got) for (src, _, to), got in rows.items() if src is c and to is not c)
             reply.takes.extend(t for _, t in sorted(units, key=lambda u: u[0]))

@@ -459,18 +459,20 @@ class RebalanceRequest(_message.Message):
     def __init__(self, group: _Optional[str] = ..., group_size: _Optional[int] = ..., rank: _Optional[int] = ..., step: _Optional[int] = ..., batches: _Optional[_Iterable[_Union[BatchHandle, _Mapping]]] = ..., batch_rows: _Optional[_Iterable[int]] = ..., features_json: _Optional[str] = ..., host: _Optional[str] = ..., buffer_size: _Optional[int] = ..., timeout_s: _Optional[float] = ..., policy_id: _Optional[str] = ..., policy: _Optional[bytes] = ..., policy_format: _Optional[str] = ..., client_id: _Optional[str] = ..., seconds_per_unit: _Optional[float] = ..., indices: _Optional[_Iterable[int]] = ..., delivery: _Optional[str] = ..., exchange: _Optional[str] = ..., run: _Optional[str] = ...) -> None: ...
 
 class RowTake(_message.Message):
-    __slots__ = ("batch", "rows", "shared", "batch_rows", "indices")
+    __slots__ = ("batch", "rows", "shared", "batch_rows", "indices", "costs")
     BATCH_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
     SHARED_FIELD_NUMBER: _ClassVar[int]
     BATCH_ROWS_FIELD_NUMBER: _ClassVar[int]
     INDICES_FIELD_NUMBER: _ClassVar[int]
+    COSTS_FIELD_NUMBER: _ClassVar[int]
     batch: BatchHandle
     rows: _containers.RepeatedScalarFieldContainer[int]
     shared: bool
     batch_rows: int
     indices: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, batch: _Optional[_Union[BatchHandle, _Mapping]] = ..., rows: _Optional[_Iterable[int]] = ..., shared: _Optional[bool] = ..., batch_rows: _Optional[int] = ..., indices: _Optional[_Iterable[int]] = ...) -> None: ...
+    costs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, batch: _Optional[_Union[BatchHandle, _Mapping]] = ..., rows: _Optional[_Iterable[int]] = ..., shared: _Optional[bool] = ..., batch_rows: _Optional[int] = ..., indices: _Optional[_Iterable[int]] = ..., costs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class RebalanceReply(_message.Message):
     __slots__ = ("takes", "outcome", "moved_in", "moved_out", "gain_s", "transfer_s", "round_samples", "closed_by", "moved_bytes", "crossed_bytes", "transport", "release")
