@@ -100,20 +100,22 @@ def tier2_rounds(stats_by_rank: list[dict], cost, seconds_per_unit: float) -> di
     by_step: dict = {}
     for st in stats_by_rank:
         for rec in st.get("rebalance_rounds") or ():
-            by_step.setdefault((rec["epoch"], rec["position"]), []).append(rec)
+            key = (rec.get("group"), rec.get("run"), rec["epoch"], rec["position"])
+            by_step.setdefault(key, {})[rec.get("rank", len(by_step.get(key, {})))] = rec  # a rank's latest view
     out = {"rounds": 0, "moved": 0, "kept": 0, "alone": 0, "error": 0, "partial": 0, "projected_gain_s": 0.0,
            "realised_gain_s": 0.0, "transfer_s": 0.0, "moved_samples": 0, "moved_bytes": 0, "wait_s_p50": None}
     waits = []
-    for recs in by_step.values():
+    for views in by_step.values():
+        recs = list(views.values())
         waits += [r["wait_s"] for r in recs]
-        if len(recs) < len(stats_by_rank):
+        if len(recs) < recs[0].get("group_size", len(stats_by_rank)):
             out["partial"] += 1  # a round whose other ranks' views fell outside the records kept
             continue
         out["rounds"] += 1
         kind = recs[0]["outcome"].split(":")[0]
         out[kind if kind in out else "error"] += 1
-        if kind != "moved":
-            continue
+        if kind != "moved" or any(not r["before"] or min(r["before"] + r["after"]) < 0 for r in recs):
+            continue  # (a round whose samples a rank did not name cannot be costed)
         slowest = [max(sum(cost(i) for i in r[side]) for r in recs) for side in ("before", "after")]
         out["projected_gain_s"] += recs[0]["gain_s"]
         out["realised_gain_s"] += (slowest[0] - slowest[1]) * seconds_per_unit

@@ -140,6 +140,7 @@ class Tier2:
             return None
         counts[reply.outcome.split(":")[0]] += 1
         self.stats.rebalance_rounds.append({  # this rank's view of the round (the bench joins the ranks')
+            "group": self.name, "run": self.run, "rank": self.client.rank, "group_size": len(self.group),
             "epoch": task.epoch, "position": task.position, "outcome": reply.outcome, "closed_by": reply.closed_by,
             "round_samples": reply.round_samples, "gain_s": reply.gain_s, "transfer_s": reply.transfer_s,
             "moved_in": reply.moved_in, "moved_out": reply.moved_out, "moved_bytes": reply.moved_bytes,

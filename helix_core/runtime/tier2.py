@@ -169,12 +169,13 @@ class RoundTable:
         for it in rnd.items:
             it.key[0].closed = True
 
-    def _keep(self, call: _Call, outcome: str) -> pb.RebalanceReply:
+    def _keep(self, call: _Call, outcome: str, **fields) -> pb.RebalanceReply:
+        """``call`` keeps its batch; its reply (with ``fields``) is whole before a waiter can see it."""
         req = call.request
         call.reply = pb.RebalanceReply(takes=[pb.RowTake(batch=b, rows=range(n), batch_rows=n,
                                                          indices=[call.index(k, r) for r in range(n)])
                                               for k, (b, n) in enumerate(zip(req.batches, req.batch_rows))],
-                                       outcome=outcome)
+                                       outcome=outcome, **fields)
         return call.reply
 
     def _run(self, rnd: Round) -> None:
@@ -191,9 +192,8 @@ class RoundTable:
         if assignment is None:
             self.counts[outcome.split(":")[0]] += 1
             for c in calls:
-                self._keep(c, outcome)
-                c.reply.round_samples, c.reply.closed_by = len(rnd.items), rnd.closed_by
-                c.reply.gain_s, c.reply.transfer_s = gain, cost  # what the gate saw (the default policy)
+                self._keep(c, outcome, round_samples=len(rnd.items), closed_by=rnd.closed_by,
+                           gain_s=gain, transfer_s=cost)  # what the gate saw (the default policy)
             return
         by_call = {(c.request.step, c.request.rank): c for c in calls}
         rows: dict[tuple, list] = {}  # (source call, its slab, taker): rows, in order
@@ -264,8 +264,7 @@ class RoundTable:
     def _keep_all(self, calls: list, rnd: Round, outcome: str) -> None:
         self.counts["error"] += 1
         for c in calls:
-            self._keep(c, outcome)
-            c.reply.round_samples, c.reply.closed_by = len(rnd.items), rnd.closed_by
+            self._keep(c, outcome, round_samples=len(rnd.items), closed_by=rnd.closed_by)
 
     def _members(self, calls: list) -> tuple[list[str], dict[str, int]]:
         """One DataServer per host of the round, the leader first (``at``: host -> its index)."""
