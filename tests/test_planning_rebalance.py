@@ -181,3 +181,18 @@ def test_a_step_sent_again_by_a_rank_replaces_its_earlier_batch():
     buf.add_batch([RoundItem("new0", 0, 3)])
     done = buf.add_batch([RoundItem("b0", 1, 3)])
     assert done.closed_by == "complete" and [i.key for i in done.items] == ["new0", "b0"]
+
+
+def test_a_batch_that_leaves_a_round_takes_its_timeout_with_it():
+    from helix_core.planning.rounds import RoundBuffer, RoundItem
+
+    now = [0.0]
+    buf = RoundBuffer([0, 1, 2], buffer_size=8, timeout_s=1.0, clock=lambda: now[0])
+    buf.add_batch([RoundItem("hurried", 0, 3)], timeout_s=0.2)
+    buf.add_batch([RoundItem("patient", 1, 3)], timeout_s=5.0)
+    assert buf.due_in() == pytest.approx(0.2)
+    buf.drop(0, 3)  # the hurried rank left: the rest may wait for their own limit
+    now[0] = 1.0
+    assert buf.due_in() == pytest.approx(4.0) and buf.expire() is None
+    now[0] = 5.0
+    assert [i.key for i in buf.expire().items] == ["patient"]

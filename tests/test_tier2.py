@@ -273,3 +273,53 @@ def _next_until_closed(loader):
         next(iter(loader))
     except (hx.ClusterError, RuntimeError):
         pass  # "loader stopped" / "this iteration was stopped": it was closed while waiting
+
+
+def test_a_loader_stopped_while_its_round_runs_gives_back_what_the_round_gave_it(cluster):
+    """Rank 0's first round has closed and runs (its policy takes 2 s) when rank 0's loader
+    closes. The leader settles who owns what (``LeaveRound``): the round's answer stands, so rank 1
+    trains on the row rank 0 gave it, read from rank 0's slab (which rank 0 does not release under
+    it: no error, no decode again), and rank 0 gives back its hold on rank 1's shared slab —
+    nothing is left in shared memory. (Before, the stopped rank released its slab under the round:
+    the round failed, or, once its answer was out, a taker read a freed slab.)"""
+    ds = _skewed(8)
+
+    def slow_swap_second(features, args):  # after 2 s, each rank's second sample goes to the other rank
+        time.sleep(2.0)
+        seen, out = Counter(), []
+        for f in features:
+            out.append(1 - f["rank"] if seen[(f["step"], f["rank"])] == 1 else f["rank"])
+            seen[(f["step"], f["rank"])] += 1
+        return out
+
+    opts = dict(batch_size=2, world_size=2, coordinator=cluster.address, token=cluster.token, config=CFG,
+                gpu_cost=lambda t: t, prefetch_depth=1)
+    gone = hx.DistributedDataLoader(ds, rank=0, rebalance={"round_timeout_s": 30.0, "sort_fn": slow_swap_second},
+                                    **opts)
+    waiting = threading.Thread(target=_next_until_closed, args=(gone,), daemon=True)
+    waiting.start()
+    wait_for(lambda: gone.stats()["rebalance"].get("asked"), what="rank 0's batch sent to its round")
+    staying = hx.DistributedDataLoader(ds, rank=1, rebalance={"round_timeout_s": 0.5, "sort_fn": slow_swap_second},
+                                       **opts)
+    got, errors = [], []
+
+    def rank1():
+        try:
+            got.extend(staying)
+        except BaseException as e:
+            errors.append(e)
+
+    with staying:
+        stepping = threading.Thread(target=rank1)
+        stepping.start()
+        wait_for(lambda: staying.stats()["rebalance"].get("asked"), what="rank 1's batch sent to its round")
+        time.sleep(0.5)  # its batch closed the round; the policy runs
+        gone.close()
+        waiting.join(30)
+        stepping.join(60)
+        assert not waiting.is_alive() and not stepping.is_alive() and not errors, errors
+        batches, stats = got, staying.stats()
+    assert sorted(batches[0]["index"].tolist()) == [1, 2]  # its own first sample, and rank 0's second
+    assert [b["index"].tolist() for b in batches[1:]] == [[5, 7]]  # alone
+    assert not stats["rebalance"].get("lost") and not stats["rebalance_errors"], stats["rebalance"]
+    wait_for(lambda: not busy_segments(cluster), what="every slab released")

@@ -5,7 +5,9 @@ step, maybe other ranks' samples of that step. No gRPC here (``ClusterClient`` m
 
 A rank never waits on another beyond the round's timeout: a round closes when every step in it
 has all the group's ranks, when it is full, or at ``round_timeout_s``; a leader that cannot be
-reached, or a round that fails, leaves the rank its own batch.
+reached, or a round that fails, leaves the rank its own batch. A call that is not answered (the
+loader stopped, the call failed) is settled by the leader (``LeaveRound``): the batch left its
+round, or here is the round's answer — to take, or to give back if the loader stopped.
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ from ..runtime.merge import merge_batches
 from ..runtime.proto import helix_pb2 as pb
 from ..runtime.specs import function_path
 from ..runtime.tier2 import EXCHANGE_TIMEOUT_S
-from .transport import RoundStopped
+from .transport import RoundStopped, RoundUnknown
 
 __all__ = ["STEP_STRIDE", "RoundLost", "Tier2", "policy_spec", "rebalance_group"]
 
@@ -127,7 +129,15 @@ class Tier2:
         t0 = time.perf_counter()
         try:
             reply = self.client.rebalance(self._leader, request, request.timeout_s + 2 * EXCHANGE_TIMEOUT_S
-                                          + self.client.config.rpc_timeout_s, stop)
+                                          + self.client.config.rpc_timeout_s, stop, leave_s=2 * EXCHANGE_TIMEOUT_S)
+        except RoundUnknown as e:  # other ranks may read its slabs: not this rank's to read or release
+            task.taken.update(range(len(task.parts)))
+            counts["unknown"] += 1
+            if stop.is_set():
+                raise RoundStopped(None) from None
+            if len(request.indices) != sum(rows):
+                raise ClusterError(f"batch {task.position}: {e}") from None
+            raise RoundLost([int(i) for i in request.indices], f"batch {task.position}: {e}") from None
         except RoundStopped as e:  # the round answered as the loader stopped: give back what it gave
             if e.reply is not None and (e.reply.moved_in or e.reply.moved_out):
                 for h in [*(t.batch.slab for t in e.reply.takes), *e.reply.release]:

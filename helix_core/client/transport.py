@@ -53,6 +53,12 @@ class RoundStopped(ClusterError):
         self.reply = reply
 
 
+class RoundUnknown(ClusterError):
+    """Not even a Tier-2 round's leader can say yet what became of a rank's batch (its round runs
+    past every exchange's limit): other ranks may read its slabs, so the rank neither reads nor
+    releases them."""
+
+
 class _Unavailable(grpc.RpcError):
     """A DataServer that fails its Hello: handled like any lost server (resubmit elsewhere)."""
 
@@ -357,29 +363,46 @@ class ClusterClient:
         return self._call(self.coordinator.RoundLeader, pb.RoundLeaderRequest(client_id=self.client_id, rank=rank),
                           stop=stop).address
 
-    def rebalance(self, address: str, request: pb.RebalanceRequest, timeout_s: float, stop):
-        """Tier 2: this rank's batch into its round at ``address``; the reply, or None if the leader
-        could not be reached (the rank keeps its batch). A stop cancels the call, so the leader
-        drops the batch from its open round (no rank trades with a loader that is gone), and raises
-        ``RoundStopped`` with the reply if one had come all the same."""
+    def rebalance(self, address: str, request: pb.RebalanceRequest, timeout_s: float, stop, leave_s: float):
+        """Tier 2: this rank's batch into its round at ``address``; the reply, or None when the rank
+        keeps its batch as it is (the leader could not be reached, or the batch left its round).
+        A call that does not answer — the loader stopped, or the call failed — is cancelled and the
+        leader says who owns the batch (``LeaveRound``, within ``leave_s``): still the rank's, or the
+        round's answer, which a running loader takes and a stopped one gives back
+        (``RoundStopped(reply)``). ``RoundUnknown`` when not even the leader can say."""
         try:
             fut = self.stub(address).Rebalance.future(request, timeout=timeout_s, metadata=self.metadata)
         except _Unavailable as e:
             log.warning("Tier-2 round at %s: %s (rank %d keeps its batch)", address, e, self.rank)
             return None
         stop.wait(fut, timeout_s + self.config.rpc_timeout_s)
-        if stop.is_set() and fut.cancel():
-            raise RoundStopped(None)
+        why = "the loader stopped" if stop.is_set() else f"no answer in {timeout_s:.0f} s"
+        if fut.done() and not fut.cancelled():
+            try:
+                reply = fut.result(timeout=0)
+            except grpc.RpcError as e:
+                why = f"{e.code().name}: {e.details()}"
+            else:
+                if stop.is_set():
+                    raise RoundStopped(reply)
+                return reply
+        fut.cancel()
+        leave = pb.LeaveRoundRequest(group=request.group, run=request.run, step=request.step, rank=request.rank,
+                                     client_id=request.client_id, timeout_s=leave_s)
         try:
-            reply = fut.result(timeout=0)
-        except (grpc.RpcError, grpc.FutureCancelledError, grpc.FutureTimeoutError) as e:
-            fut.cancel()
-            if stop.is_set():
-                raise RoundStopped(None) from None
-            log.warning("Tier-2 round at %s: %s (rank %d keeps its batch)", address, e, self.rank)
-            return None
+            answer = self.stub(address).LeaveRound(leave, timeout=leave_s + self.config.rpc_timeout_s,
+                                                   metadata=self.metadata)
+        except (grpc.RpcError, _Unavailable) as e:  # the leader is gone: so is any round it led
+            log.warning("Tier-2 round at %s: %s, and no LeaveRound (%s): rank %d keeps its batch", address, why,
+                        e.code().name if isinstance(e, grpc.RpcError) else e, self.rank)
+            answer = pb.LeaveRoundReply(left=True)
+        if not answer.left and not answer.HasField("reply"):
+            raise RoundUnknown(f"its Tier-2 round at {address} has not answered in {leave_s:.0f} s")
+        reply = None if answer.left else answer.reply
         if stop.is_set():
             raise RoundStopped(reply)
+        if reply is None:
+            log.warning("Tier-2 round at %s: %s (rank %d keeps its batch)", address, why, self.rank)
         return reply
 
     def release(self, reply: pb.ExecuteReply) -> None:

@@ -63,7 +63,8 @@ class RoundBuffer:
         self.buffer_size, self.timeout_s, self.clock = buffer_size, timeout_s, clock
         self._items: list[RoundItem] = []
         self._opened: float | None = None
-        self._due = 0.0  # when the open round times out
+        self._due = 0.0  # when the open round times out: the earliest of its batches' limits
+        self._limits: dict[tuple[int, int], float] = {}  # (rank, step): that batch's limit
 
     def add(self, item: RoundItem) -> Round | None:
         if item.rank not in self.ranks:
@@ -71,6 +72,7 @@ class RoundBuffer:
         if not self._items:
             self._opened = self.clock()
             self._due = self._opened + self.timeout_s
+        self._limits.setdefault((item.rank, item.step), self._opened + self.timeout_s)
         self._items.append(item)
         return self._close("full") if len(self._items) >= self.buffer_size else None
 
@@ -89,6 +91,8 @@ class RoundBuffer:
         if not self._items:
             self._opened, self._due = now, limit
         self._due = min(self._due, limit)
+        for it in items:
+            self._limits[(it.rank, it.step)] = min(limit, self._limits.get((it.rank, it.step), limit))
         self._items.extend(items)
         if len(self._items) >= self.buffer_size:
             return self._close("full")
@@ -96,12 +100,16 @@ class RoundBuffer:
 
     def drop(self, rank: int, step: int) -> list[RoundItem]:
         """Take ``rank``'s batch of ``step`` out of the open round (a resumed run sends that step
-        again: the newer batch replaces it); the items dropped."""
+        again: the newer batch replaces it, or its rank left); the items dropped. The round then
+        times out at the earliest limit of the batches left in it."""
         gone = [it for it in self._items if it.rank == rank and it.step == step]
         if gone:
             self._items = [it for it in self._items if not (it.rank == rank and it.step == step)]
+            self._limits.pop((rank, step), None)
             if not self._items:
-                self._opened = None
+                self._opened, self._limits = None, {}
+            elif self._limits:
+                self._due = min(self._limits.values())
         return gone
 
     @property
@@ -132,5 +140,5 @@ class RoundBuffer:
 
     def _close(self, why: str) -> Round:
         out = Round(tuple(self._items), why)
-        self._items, self._opened = [], None
+        self._items, self._opened, self._limits = [], None, {}
         return out

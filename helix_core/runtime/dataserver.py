@@ -194,6 +194,9 @@ class DataServerServicer(pbg.DataServerServicer):
     def Rebalance(self, request, context):  # Tier 2: held until the round closes (runtime/tier2.py)
         return self.rounds.rebalance(request, context)
 
+    def LeaveRound(self, request, context):  # Tier 2: who owns a batch whose call will not be answered
+        return self.rounds.leave(request)
+
     def Exchange(self, request, context):  # Tier 2 across hosts: this host's part of a round (runtime/crosshost.py)
         try:
             return self.member.serve(request)

@@ -13,6 +13,12 @@ slabs are handed over (no bytes move between servers), and a slab read by severa
 their count (``SlabReader.share``), so the last one frees it. Moving rows between hosts is not
 built yet: a round whose assignment would do so keeps every batch where it is.
 
+Who owns a batch is decided here, under one lock: a rank that will not take its call's reply (its
+loader stopped, or the call failed on the way) asks ``LeaveRound``. A batch still in its open
+round leaves it (the rank's slabs are its own again); one whose round has closed gets that round's
+answer, so the rank gives back exactly what the round gave it and no rank reads a slab its owner
+released.
+
 Nothing here waits on a clock it could block on instead: a held call waits on the round's
 condition until its own round closes, or until the open round's timeout is due.
 """
@@ -20,9 +26,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import threading
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 
 from ..errors import ClusterError
 from ..planning.rebalance import GateArgs, check_assignment, gate, lpt_within_steps
@@ -33,7 +40,10 @@ from .specs import resolve_function
 
 __all__ = ["EXCHANGE_TIMEOUT_S", "RoundTable", "load_policy"]
 
+log = logging.getLogger("helix.tier2")
+
 EXCHANGE_TIMEOUT_S = 10.0  # a cross-host exchange's collective (and each gRPC stream) gives up after this
+KEPT_CALLS = 1024  # answered calls a LeaveRound may still ask about (and calls left before they came)
 
 
 def _slab(call, b: int) -> dict:
@@ -96,6 +106,8 @@ class RoundTable:
         self._cond = threading.Condition()
         self._buffers: dict[str, RoundBuffer] = {}
         self._policies: dict[str, tuple] = {}
+        self._calls: OrderedDict[tuple, _Call] = OrderedDict()  # (group, run, step, rank, client): its call
+        self._left: OrderedDict[tuple, None] = OrderedDict()  # calls that left before they came
         self.counts: Counter = Counter()  # rounds by outcome
 
     def rebalance(self, request: pb.RebalanceRequest, context=None) -> pb.RebalanceReply:
@@ -120,8 +132,13 @@ class RoundTable:
         if context is not None and not context.add_callback(lambda: self._ended(call, key)):
             return self._keep(call, "cancelled")  # it ended already
         with self._cond:
+            name = (*key, request.rank, request.client_id)
+            if name in self._left:  # its rank left the round before the call came
+                del self._left[name]
+                return self._keep(call, "cancelled")
             if call.ended:
                 return self._keep(call, "cancelled")
+            self._remember(self._calls, name, call)
             buf = self._buffers.get(key)
             if buf is None:
                 buf = self._buffers[key] = RoundBuffer(ranks, max(2, request.buffer_size),
@@ -142,6 +159,10 @@ class RoundTable:
                     self._cond.release()
                     try:
                         self._run(closed)  # outside the lock: other groups' calls go on meanwhile
+                    except Exception as e:  # no call of the round may wait for a reply that never comes
+                        log.exception("Tier-2 round of %s failed", request.group)
+                        for c in {it.key[0] for it in closed.items if it.key[0].reply is None}:
+                            self._keep(c, f"error: the round failed: {type(e).__name__}: {e}")
                     finally:
                         self._cond.acquire()
                     self._cond.notify_all()
@@ -152,17 +173,50 @@ class RoundTable:
                 self._cond.wait(None if call.closed else buf.due_in())
         return call.reply
 
+    def leave(self, request: pb.LeaveRoundRequest) -> pb.LeaveRoundReply:
+        """A rank will not take its call's reply: its batch leaves its open round (``left``: its
+        slabs are its own), or, if the round has closed, the round's answer for it once there is
+        one (within ``request.timeout_s``). A call that has not come yet will not join a round."""
+        key = (request.group, request.run, request.step)
+        with self._cond:
+            call = self._calls.get((*key, request.rank, request.client_id))
+            if call is None:
+                self._remember(self._left, (*key, request.rank, request.client_id), None)
+                return pb.LeaveRoundReply(left=True)
+            self._leave_open(call, key)  # a round that closed but has not begun leaves it out too
+            self._cond.wait_for(lambda: call.reply is not None, request.timeout_s or 2 * EXCHANGE_TIMEOUT_S)
+            reply = call.reply
+        if reply is None:  # its round has run past any exchange's limit: nobody can say yet
+            return pb.LeaveRoundReply()
+        return pb.LeaveRoundReply(left=not (reply.moved_in or reply.moved_out), reply=reply)
+
     def _ended(self, call: _Call, key: tuple) -> None:
         """``call``'s RPC is over: if it still waits in its open round, it leaves it."""
         with self._cond:
-            call.ended = True
-            buf = self._buffers.get(key)
-            if call.added and call.reply is None and not call.closed and buf is not None:
-                buf.drop(call.request.rank, call.request.step)
-                self._keep(call, "cancelled")
-                if not len(buf):
-                    del self._buffers[key]
-                self._cond.notify_all()
+            self._leave_open(call, key)
+
+    def _leave_open(self, call: _Call, key: tuple) -> None:
+        """(Under the lock.) ``call`` ends: its batch leaves its open round, or the round that has
+        closed with it and not begun."""
+        call.ended = True
+        buf = self._buffers.get(key)
+        if call.added and call.reply is None and not call.closed and buf is not None:
+            buf.drop(call.request.rank, call.request.step)
+            self._keep(call, "cancelled")
+            if not len(buf):
+                del self._buffers[key]
+            self._cond.notify_all()
+
+    @staticmethod
+    def _remember(table: OrderedDict, name: tuple, value) -> None:
+        """(Under the lock.) ``table[name] = value``, forgetting the oldest answered entries past ``KEPT_CALLS``."""
+        table[name] = value
+        table.move_to_end(name)
+        while len(table) > KEPT_CALLS:
+            oldest = next(iter(table.values()))
+            if oldest is not None and oldest.reply is None:
+                break  # a call still in a round is never forgotten
+            table.popitem(last=False)
 
     @staticmethod
     def _mark(rnd: Round) -> None:

@@ -502,6 +502,30 @@ class RebalanceReply(_message.Message):
     release: _containers.RepeatedCompositeFieldContainer[SlabHandle]
     def __init__(self, takes: _Optional[_Iterable[_Union[RowTake, _Mapping]]] = ..., outcome: _Optional[str] = ..., moved_in: _Optional[int] = ..., moved_out: _Optional[int] = ..., gain_s: _Optional[float] = ..., transfer_s: _Optional[float] = ..., round_samples: _Optional[int] = ..., closed_by: _Optional[str] = ..., moved_bytes: _Optional[int] = ..., crossed_bytes: _Optional[int] = ..., transport: _Optional[str] = ..., release: _Optional[_Iterable[_Union[SlabHandle, _Mapping]]] = ...) -> None: ...
 
+class LeaveRoundRequest(_message.Message):
+    __slots__ = ("group", "run", "step", "rank", "timeout_s", "client_id")
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    RUN_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    group: str
+    run: str
+    step: int
+    rank: int
+    timeout_s: float
+    client_id: str
+    def __init__(self, group: _Optional[str] = ..., run: _Optional[str] = ..., step: _Optional[int] = ..., rank: _Optional[int] = ..., timeout_s: _Optional[float] = ..., client_id: _Optional[str] = ...) -> None: ...
+
+class LeaveRoundReply(_message.Message):
+    __slots__ = ("left", "reply")
+    LEFT_FIELD_NUMBER: _ClassVar[int]
+    REPLY_FIELD_NUMBER: _ClassVar[int]
+    left: bool
+    reply: RebalanceReply
+    def __init__(self, left: _Optional[bool] = ..., reply: _Optional[_Union[RebalanceReply, _Mapping]] = ...) -> None: ...
+
 class ExchangeSend(_message.Message):
     __slots__ = ("batch", "rows", "batch_rows", "to", "key", "last_reader")
     BATCH_FIELD_NUMBER: _ClassVar[int]

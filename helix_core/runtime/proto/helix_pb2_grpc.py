@@ -485,6 +485,11 @@ class DataServerStub:
                 request_serializer=helix__pb2.RebalanceRequest.SerializeToString,
                 response_deserializer=helix__pb2.RebalanceReply.FromString,
                 _registered_method=True)
+        self.LeaveRound = channel.unary_unary(
+                '/helix.v1.DataServer/LeaveRound',
+                request_serializer=helix__pb2.LeaveRoundRequest.SerializeToString,
+                response_deserializer=helix__pb2.LeaveRoundReply.FromString,
+                _registered_method=True)
         self.Exchange = channel.unary_unary(
                 '/helix.v1.DataServer/Exchange',
                 request_serializer=helix__pb2.ExchangeRequest.SerializeToString,
@@ -537,6 +542,12 @@ class DataServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LeaveRound(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Exchange(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -580,6 +591,11 @@ def add_DataServerServicer_to_server(servicer, server):
                     servicer.Rebalance,
                     request_deserializer=helix__pb2.RebalanceRequest.FromString,
                     response_serializer=helix__pb2.RebalanceReply.SerializeToString,
+            ),
+            'LeaveRound': grpc.unary_unary_rpc_method_handler(
+                    servicer.LeaveRound,
+                    request_deserializer=helix__pb2.LeaveRoundRequest.FromString,
+                    response_serializer=helix__pb2.LeaveRoundReply.SerializeToString,
             ),
             'Exchange': grpc.unary_unary_rpc_method_handler(
                     servicer.Exchange,
@@ -776,6 +792,33 @@ class DataServer:
             '/helix.v1.DataServer/Rebalance',
             helix__pb2.RebalanceRequest.SerializeToString,
             helix__pb2.RebalanceReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LeaveRound(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/helix.v1.DataServer/LeaveRound',
+            helix__pb2.LeaveRoundRequest.SerializeToString,
+            helix__pb2.LeaveRoundReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,102 @@
+"""Who owns a batch whose Rebalance call will not be answered (the leader's ``RoundTable``, in
+process: its calls on threads, as gRPC runs them): a batch in its open round leaves it, one whose
+round has closed gets that round's answer, and a call that comes after its rank left joins no
+round. (The rounds here move rows by a user policy, so no slab needs to exist.)"""
+import threading
+import time
+
+import cloudpickle
+
+from helix_core.runtime.proto import helix_pb2 as pb
+from helix_core.runtime.tier2 import RoundTable
+
+GROUP = "p:0,1"
+RELEASE = threading.Event()
+
+
+def _swap_when_released(features, args):
+    RELEASE.wait(30)  # the round stays closed and running until the test lets it go
+    return [1 - f["rank"] for f in features]
+
+
+def _request(rank: int, step: int = 0, policy=None, timeout_s: float = 30.0) -> pb.RebalanceRequest:
+    payload = cloudpickle.dumps({"sort_fn": policy, "args": None})
+    return pb.RebalanceRequest(
+        group=GROUP, group_size=2, rank=rank, step=step, client_id=f"c{rank}", host="h", buffer_size=8,
+        timeout_s=timeout_s, features_json='[{"tokens": 1}, {"tokens": 2}]', batch_rows=[2],
+        batches=[pb.BatchHandle(slab=pb.SlabHandle(segment=f"s{rank}", generation=1))], indices=[2 * rank, 2 * rank + 1],
+        policy_id="swap" if policy else "default", policy=payload, policy_format="cloudpickle")
+
+
+def _leave(rank: int, step: int = 0, timeout_s: float = 10.0) -> pb.LeaveRoundRequest:
+    return pb.LeaveRoundRequest(group=GROUP, step=step, rank=rank, client_id=f"c{rank}", timeout_s=timeout_s)
+
+
+def _call(table, request):
+    """The call on its own thread; ``(thread, box)`` where ``box`` gets its reply."""
+    box = []
+    t = threading.Thread(target=lambda: box.append(table.rebalance(request)), daemon=True)
+    t.start()
+    return t, box
+
+
+def _until(what, cond, timeout_s=10.0):
+    end = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < end, what
+        time.sleep(0.01)
+
+
+def test_a_batch_that_leaves_its_open_round_is_the_ranks_own_and_the_round_goes_on_without_it():
+    table = RoundTable(allow_pickle=True)
+    t0, box0 = _call(table, _request(0, timeout_s=1.0))
+    _until("rank 0's batch in its round", lambda: table._calls)
+    answer = table.leave(_leave(0))
+    t0.join(5)
+    assert answer.left and box0[0].outcome == "cancelled" and not box0[0].moved_out
+    t1, box1 = _call(table, _request(1, timeout_s=0.3))  # rank 1 comes: nobody to trade with
+    t1.join(5)
+    assert box1[0].outcome == "alone" and not box1[0].moved_in
+
+
+def test_a_rank_leaving_a_round_that_has_closed_gets_the_rounds_answer_to_give_back():
+    RELEASE.clear()
+    table = RoundTable(allow_pickle=True)
+    calls = [_call(table, _request(r, policy=_swap_when_released)) for r in range(2)]
+    _until("the round closed", lambda: all(c.closed for c in table._calls.values()) and len(table._calls) == 2)
+    got = []
+    leaving = threading.Thread(target=lambda: got.append(table.leave(_leave(0))), daemon=True)
+    leaving.start()
+    time.sleep(0.2)
+    assert not got, "a leave must wait for a round that closed with its batch"
+    RELEASE.set()
+    leaving.join(5)
+    for t, _ in calls:
+        t.join(5)
+    answer, reply1 = got[0], calls[1][1][0]
+    assert not answer.left and answer.reply.outcome == "moved"
+    assert [list(t.indices) for t in answer.reply.takes] == [[2, 3]]  # what rank 0 must give back
+    assert reply1.outcome == "moved" and [list(t.indices) for t in reply1.takes] == [[0, 1]]
+
+
+def test_a_call_that_comes_after_its_rank_left_joins_no_round():
+    table = RoundTable(allow_pickle=True)
+    assert table.leave(_leave(0, step=5)).left
+    t0, box0 = _call(table, _request(0, step=5))
+    t0.join(5)
+    assert box0 and box0[0].outcome == "cancelled"
+    t1, box1 = _call(table, _request(1, step=5, timeout_s=0.3))
+    t1.join(5)
+    assert box1[0].outcome == "alone"
+
+
+def test_a_leave_that_waits_past_its_limit_says_nobody_knows_yet():
+    RELEASE.clear()
+    table = RoundTable(allow_pickle=True)
+    calls = [_call(table, _request(r, step=7, policy=_swap_when_released)) for r in range(2)]
+    _until("the round closed", lambda: len(table._calls) == 2 and all(c.closed for c in table._calls.values()))
+    answer = table.leave(_leave(1, step=7, timeout_s=0.2))
+    assert not answer.left and not answer.HasField("reply")
+    RELEASE.set()
+    for t, _ in calls:
+        t.join(5)
