@@ -100,3 +100,12 @@ def test_a_leave_that_waits_past_its_limit_says_nobody_knows_yet():
     RELEASE.set()
     for t, _ in calls:
         t.join(5)
+
+
+def test_a_run_is_named_by_its_resume_point_and_under_torchrun_by_the_jobs_attempt():
+    from helix_core.client.tier2 import run_name
+
+    assert run_name(env={}) == "" and run_name("2:7", env={}) == "2:7"
+    first = run_name("2:7", env={"TORCHELASTIC_RUN_ID": "j", "TORCHELASTIC_RESTART_COUNT": "0"})
+    again = run_name("2:7", env={"TORCHELASTIC_RUN_ID": "j", "TORCHELASTIC_RESTART_COUNT": "1"})
+    assert first == "2:7@j/0" and again == "2:7@j/1"  # two attempts resumed from one checkpoint never meet

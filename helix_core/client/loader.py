@@ -218,7 +218,7 @@ class DistributedDataLoader:
         # a state saved after the epoch finished resumes to a fresh pass, never an empty one
         self._resume = self._position if self._position < len(self) else 0
         if self._tier2 is not None:  # a round of the run before (a rank not yet resumed) is not ours
-            self._tier2.run = f"{self._epoch}:{self._position}"
+            self._tier2.resume(self._epoch, self._position)
 
     def report_step_time(self, seconds: float) -> None:
         """The trainer's measured GPU window of the batch being computed (seconds; e.g. CUDA-event

@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import time
 
 import numpy as np
@@ -26,7 +27,7 @@ from ..runtime.specs import function_path
 from ..runtime.tier2 import EXCHANGE_TIMEOUT_S
 from .transport import RoundStopped, RoundUnknown
 
-__all__ = ["STEP_STRIDE", "RoundLost", "Tier2", "policy_spec", "rebalance_group"]
+__all__ = ["STEP_STRIDE", "RoundLost", "Tier2", "policy_spec", "rebalance_group", "run_name"]
 
 log = logging.getLogger("helix.tier2")
 
@@ -40,6 +41,14 @@ class RoundLost(Exception):
     def __init__(self, indices: list[int], why: str):
         super().__init__(why)
         self.indices = indices
+
+
+def run_name(resume: str = "", env=os.environ) -> str:
+    """What every rank of one run shares, and no other run: ``resume`` (the resume point, "" for a
+    fresh run) and, under torchrun, the job's run id and restart count — so two attempts of an
+    elastic job that resumed from the same checkpoint never meet in a round."""
+    job, attempt = env.get("TORCHELASTIC_RUN_ID"), env.get("TORCHELASTIC_RESTART_COUNT")
+    return resume if job is None or attempt is None else f"{resume}@{job}/{attempt}"
 
 
 def rebalance_group(rebalance: Rebalance | None, rank: int, world_size: int) -> tuple[int, ...] | None:
@@ -84,7 +93,11 @@ class Tier2:
         self.name = f"{spec_id}:{','.join(map(str, group))}"
         self.policy = policy_spec(rebalance, client.pickle_allowed)
         self._leader: str | None = None
-        self.run = ""  # the resume point every rank of a run shares ("" fresh): rounds never mix runs
+        self.run = run_name()  # what every rank of a run shares (``resume``): rounds never mix runs
+
+    def resume(self, epoch: int, position: int) -> None:
+        """The run continues from ``epoch`` / ``position`` (every rank loads the same point)."""
+        self.run = run_name(f"{epoch}:{position}")
 
     def exchange(self, task, replies, stop):
         """The batch of ``task`` after its round, from its parts' ``replies`` (all succeeded)."""
