@@ -311,3 +311,19 @@ def test_take_rows_gives_the_batch_collating_those_samples_would_give():
     assert padded["video"][0, :2].min() == 1 and padded["video"][0, 2:].max() == 0
     back = merge_batches([take_rows(default_collate(plain), [0, 1], 4), take_rows(default_collate(plain), [2, 3], 4)])
     assert torch.equal(back["x"], default_collate(plain)["x"]) and back["caption"] == ["c0", "c1", "c2", "c3"]
+
+
+def test_rows_that_follow_each_other_are_read_in_place_and_copied_once_by_the_merge():
+    from torch.utils.data import default_collate
+
+    from helix_core.client.transport import _runs
+    from helix_core.runtime.merge import take_rows
+
+    batch = default_collate([{"x": torch.full((3,), i), "caption": f"c{i}"} for i in range(4)])
+    assert _runs([2, 3, 0, 1, 3]) == [[2, 3], [0, 1], [3]] and _runs([]) == []
+    view = take_rows(batch, [1, 2], 4, view=True)
+    assert view["x"].data_ptr() == batch["x"][1].data_ptr() and view["caption"] == ["c1", "c2"]  # no copy
+    assert take_rows(batch, [2, 0], 4, view=True)["x"].data_ptr() != batch["x"][2].data_ptr()  # a copy
+    merged = merge_batches([take_rows(batch, [3], 4, view=True), take_rows(batch, [0, 1], 4, view=True)], rows=[1, 2])
+    batch["x"].zero_()  # the slab is handed out again: the merged batch is its own memory
+    assert merged["x"][:, 0].tolist() == [3, 0, 1] and merged["caption"] == ["c3", "c0", "c1"]

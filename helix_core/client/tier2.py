@@ -21,7 +21,6 @@ import numpy as np
 
 from ..errors import ClusterError
 from ..planning.rebalance import Rebalance
-from ..runtime.merge import merge_batches
 from ..runtime.proto import helix_pb2 as pb
 from ..runtime.specs import function_path
 from ..runtime.tier2 import EXCHANGE_TIMEOUT_S
@@ -186,16 +185,11 @@ class Tier2:
             counts["crossed_bytes"] += reply.crossed_bytes
         for h in reply.release:  # this rank's slabs whose rows all went to other hosts
             self.client.reader.release({"segment": h.segment, "generation": h.generation})
-        parts = []
         try:
-            for t in reply.takes:
-                parts.append(self.client.read_rows(t.batch, t.rows, t.batch_rows))
+            return self.client.read_round(reply.takes, self.pad)
         except (OSError, ValueError) as e:  # a slab of the round vanished with its server
-            for t in reply.takes[len(parts) + 1:]:
-                self.client.reader.release({"segment": t.batch.slab.segment, "generation": t.batch.slab.generation})
             wanted = [int(i) for t in reply.takes for i in t.indices]
             if len(wanted) != sum(len(t.rows) for t in reply.takes) or min(wanted, default=0) < 0:
                 raise ClusterError(f"batch {task.position}: its Tier-2 round's slabs could not be read: {e}") from None
             counts["lost"] += 1
             raise RoundLost(wanted, f"batch {task.position}: a slab of its Tier-2 round vanished ({e})") from None
-        return merge_batches(parts, rows=[len(t.rows) for t in reply.takes], pad=self.pad)

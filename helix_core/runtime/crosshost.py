@@ -52,16 +52,18 @@ def _handle(b: pb.BatchHandle) -> dict:
     return {"segment": b.slab.segment, "generation": b.slab.generation, "nbytes": b.slab.nbytes}
 
 
-def read_rows(reader, b: pb.BatchHandle, rows, n: int, pickle_allowed: bool):
+def read_rows(reader, b: pb.BatchHandle, rows, n: int, pickle_allowed: bool, view: bool = False):
     """Rows ``rows`` of the ``n``-row batch in ``b``'s slab, copied out (``take_rows``); ValueError
-    if the slab was handed out again while they were read. The slab stays held."""
+    if the slab was handed out again while they were read. The slab stays held. ``view``: rows
+    that follow each other are a view of the slab instead (the caller copies them, and checks
+    ``held`` after, before it releases the slab)."""
     if b.tree_pickle and not pickle_allowed:
         raise ClusterError("a DataServer sent a pickled batch structure to a peer that accepts none")
     handle = _handle(b)
     buf = reader.view(handle) if b.slab.segment else memoryview(b"")
     batch = unflatten(b.tree_json, b.tree_pickle, read_tensors(buf, meta_dicts(b.tensors)))
     del buf
-    out = take_rows(batch, list(rows), n)
+    out = take_rows(batch, list(rows), n, view)
     if b.slab.segment and not reader.held(handle):  # released and maybe reused while copied
         raise ValueError(f"slab {b.slab.segment} was handed out again while its rows were read")
     return out

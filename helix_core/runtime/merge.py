@@ -109,21 +109,26 @@ def merge_batches(batches: list, rows: list[int] | None = None, pad: bool = True
     return batches[0] if len(batches) == 1 else _merge(list(batches), "batch", rows, pad)
 
 
-def take_rows(batch, rows: list[int], n: int):
+def take_rows(batch, rows: list[int], n: int, view: bool = False):
     """Rows ``rows`` (in that order) of a collated ``batch`` of ``n`` samples, as the batch that
-    collating just those samples would give (copies: nothing refers to ``batch`` afterwards),
+    collating just those samples would give (copies: nothing refers to ``batch`` afterwards;
+    ``view``: rows that follow each other, ``a, a+1, ...``, are a view of ``batch`` instead),
     up to zero padding kept from ``batch``. The inverse of :func:`merge_batches`: tensors and
     arrays are indexed on dim 0, dicts key by key, ``default_collate``'s columns field by field,
     per-sample lists element by element; values that are not per sample are kept."""
-    if isinstance(batch, torch.Tensor):
-        return batch[torch.as_tensor(rows, dtype=torch.long)] if batch.ndim else batch
-    if isinstance(batch, np.ndarray):
-        return batch[np.asarray(rows, dtype=np.int64)] if batch.ndim else batch
+    if isinstance(batch, (torch.Tensor, np.ndarray)) and batch.ndim:
+        if view and rows and list(rows) == list(range(rows[0], rows[0] + len(rows))):
+            return batch[rows[0]:rows[0] + len(rows)]
+        if isinstance(batch, torch.Tensor):
+            return batch[torch.as_tensor(rows, dtype=torch.long)]
+        return batch[np.asarray(rows, dtype=np.int64)]
+    if isinstance(batch, (torch.Tensor, np.ndarray)):
+        return batch
     if isinstance(batch, dict):
-        return {k: take_rows(v, rows, n) for k, v in batch.items()}
+        return {k: take_rows(v, rows, n, view) for k, v in batch.items()}
     if isinstance(batch, (list, tuple)):
         if _columns_rows(batch) == n:
-            out = [take_rows(c, rows, n) for c in batch]
+            out = [take_rows(c, rows, n, view) for c in batch]
         elif len(batch) == n:
             out = [batch[i] for i in rows]
         else:
