@@ -316,7 +316,7 @@ def test_take_rows_gives_the_batch_collating_those_samples_would_give():
 def test_rows_that_follow_each_other_are_read_in_place_and_copied_once_by_the_merge():
     from torch.utils.data import default_collate
 
-    from helix_core.client.transport import _runs
+    from helix_core.client.tier2 import _runs
     from helix_core.runtime.merge import take_rows
 
     batch = default_collate([{"x": torch.full((3,), i), "caption": f"c{i}"} for i in range(4)])

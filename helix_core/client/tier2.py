@@ -21,6 +21,8 @@ import numpy as np
 
 from ..errors import ClusterError
 from ..planning.rebalance import Rebalance
+from ..runtime.crosshost import read_rows
+from ..runtime.merge import merge_batches
 from ..runtime.proto import helix_pb2 as pb
 from ..runtime.specs import function_path
 from ..runtime.tier2 import EXCHANGE_TIMEOUT_S
@@ -186,10 +188,49 @@ class Tier2:
         for h in reply.release:  # this rank's slabs whose rows all went to other hosts
             self.client.reader.release({"segment": h.segment, "generation": h.generation})
         try:
-            return self.client.read_round(reply.takes, self.pad)
+            return self._read(reply.takes)
         except (OSError, ValueError) as e:  # a slab of the round vanished with its server
             wanted = [int(i) for t in reply.takes for i in t.indices]
             if len(wanted) != sum(len(t.rows) for t in reply.takes) or min(wanted, default=0) < 0:
                 raise ClusterError(f"batch {task.position}: its Tier-2 round's slabs could not be read: {e}") from None
             counts["lost"] += 1
             raise RoundLost(wanted, f"batch {task.position}: a slab of its Tier-2 round vanished ({e})") from None
+
+    def _read(self, takes):
+        """Tier 2: the batch a round gave this rank, from its ``takes`` (``RowTake``): each run of
+        rows that follow each other in a slab is read in place and the runs are merged
+        (``merge_batches``), so each row is copied once. Every slab's hold is released after (a
+        shared slab counts down). ``OSError`` / ``ValueError`` if a slab vanished, or was handed
+        out again before its rows were copied."""
+        parts, rows = [], []
+        try:
+            for t in takes:
+                for run in _runs(list(t.rows)):
+                    parts.append(read_rows(self.client.reader, t.batch, run, t.batch_rows, self.client.pickle_allowed,
+                                           view=len(takes) > 1 or len(run) < len(t.rows)))
+                    rows.append(len(run))
+            try:
+                merged = merge_batches(parts, rows=rows, pad=self.pad)  # the one copy (a single part is one already)
+            except ValueError as e:  # rows that do not collate together: not a lost slab
+                raise ClusterError(f"the rows of a Tier-2 round do not merge: {e}") from None
+            for t in takes:
+                handle = {"segment": t.batch.slab.segment, "generation": t.batch.slab.generation}
+                if t.batch.slab.segment and not self.client.reader.held(handle):
+                    raise ValueError(f"slab {t.batch.slab.segment} was handed out again while its rows were read")
+            return merged
+        finally:
+            parts.clear()  # no view of a slab outlives its hold
+            for t in takes:
+                if t.batch.slab.segment:
+                    self.client.reader.release({"segment": t.batch.slab.segment, "generation": t.batch.slab.generation})
+
+
+def _runs(rows: list[int]) -> list[list[int]]:
+    """``rows`` cut where one does not follow the one before (``[4, 5, 1, 2]`` -> ``[[4, 5], [1, 2]]``)."""
+    out: list[list[int]] = []
+    for r in rows:
+        if out and r == out[-1][-1] + 1:
+            out[-1].append(r)
+        else:
+            out.append([r])
+    return out

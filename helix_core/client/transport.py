@@ -25,7 +25,7 @@ from ..runtime.hostid import host_id
 from ..runtime.proto import helix_pb2 as pb
 from ..runtime.proto import helix_pb2_grpc as pbg
 from ..runtime.rpc import check_hello, connect
-from ..runtime.crosshost import meta_dicts, read_rows as rows_of
+from ..runtime.crosshost import meta_dicts
 from ..runtime.merge import merge_batches
 from ..runtime.reader import SlabReader
 from ..runtime.tensors import copy_tensors, read_tensors, unflatten
@@ -51,17 +51,6 @@ class RoundStopped(ClusterError):
     def __init__(self, reply):
         super().__init__("loader stopped")
         self.reply = reply
-
-
-def _runs(rows: list[int]) -> list[list[int]]:
-    """``rows`` cut where one does not follow the one before (``[4, 5, 1, 2]`` -> ``[[4, 5], [1, 2]]``)."""
-    out: list[list[int]] = []
-    for r in rows:
-        if out and r == out[-1][-1] + 1:
-            out[-1].append(r)
-        else:
-            out.append([r])
-    return out
 
 
 class RoundUnknown(ClusterError):
@@ -359,35 +348,6 @@ class ClusterClient:
             tensors = read_tensors(buf, metas, on_release=release)
             del buf
         return unflatten(b.tree_json, b.tree_pickle, tensors)
-
-    def read_round(self, takes, pad: bool):
-        """Tier 2: the batch a round gave this rank, from its ``takes`` (``RowTake``): each run of
-        rows that follow each other in a slab is read in place and the runs are merged
-        (``merge_batches``), so each row is copied once. Every slab's hold is released after (a
-        shared slab counts down). ``OSError`` / ``ValueError`` if a slab vanished, or was handed
-        out again before its rows were copied."""
-        parts, rows = [], []
-        try:
-            for t in takes:
-                for run in _runs(list(t.rows)):
-                    parts.append(rows_of(self.reader, t.batch, run, t.batch_rows, self.pickle_allowed,
-                                         view=len(takes) > 1 or len(run) < len(t.rows)))
-                    rows.append(len(run))
-            try:
-                merged = merge_batches(parts, rows=rows, pad=pad)  # the one copy (a single part is one already)
-            except ValueError as e:  # rows that do not collate together: not a lost slab
-                raise ClusterError(f"the rows of a Tier-2 round do not merge: {e}") from None
-            parts.clear()  # no view of a slab outlives its hold
-            for t in takes:
-                handle = {"segment": t.batch.slab.segment, "generation": t.batch.slab.generation}
-                if t.batch.slab.segment and not self.reader.held(handle):
-                    raise ValueError(f"slab {t.batch.slab.segment} was handed out again while its rows were read")
-            return merged
-        finally:
-            parts.clear()
-            for t in takes:
-                if t.batch.slab.segment:
-                    self.reader.release({"segment": t.batch.slab.segment, "generation": t.batch.slab.generation})
 
     def round_leader(self, rank: int, stop=None) -> str:
         """Tier 2: the address of the DataServer leading the rounds of the group whose lowest rank is ``rank``."""
