@@ -31,12 +31,12 @@ def test_decoded_in_place_equals_collating_decoded_samples(kmix, tmp_path):
         for ds, collate, idx in ((mixed, hx.pad_collate, [0, 1, 2]), (flipped, default_collate, [3, 4]),
                                  (flipped, hx.pad_collate, [5, 0])):
             assert supports_direct(ds, collate)
-            slab, total, tree_json, _, metas, cpu = direct_batch(ds, collate, idx, pool, allow_pickle=False)
+            slab, total, tree_json, _, metas, cpu, _ = direct_batch(ds, collate, idx, pool, allow_pickle=False)
             _same(_read(slab, total, tree_json, metas), collate([ds[i] for i in idx]))
             assert len(cpu) == len(idx) and all(c > 0 for c in cpu)
             slab.release()
         # slabs are reused: stale bytes of a bigger batch must not leak into the padding
-        slab, total, tree_json, _, metas, _ = direct_batch(mixed, hx.pad_collate, [0, 3], pool, allow_pickle=False)
+        slab, total, tree_json, _, metas, _, _ = direct_batch(mixed, hx.pad_collate, [0, 3], pool, allow_pickle=False)
         _same(_read(slab, total, tree_json, metas), hx.pad_collate([mixed[0], mixed[3]]))
         slab.release()
         # what the direct path can't do goes back to the generic path, holding nothing
@@ -67,3 +67,35 @@ def test_a_cluster_delivers_variable_shapes_exactly_as_torch(kmix):
     assert len(got) == len(want) == 2
     for a, b in zip(got, want):
         _same(a, b)
+
+
+def test_tier2_features_are_taken_from_the_samples_decoded_in_place(kmix, tmp_path):
+    """A batch that carries Tier-2 features decodes into its slab too (no copy out of worker
+    memory): the features are what ``feature_fn`` gives on the generic path, the batch is the same,
+    and a ``feature_fn`` that raises sends the batch to the generic path holding nothing."""
+    from helix_core.planning.rebalance import default_features
+    from helix_core.runtime.worker import sample_features
+
+    ds = hx.VideoClipDataset(kmix / "manifest.jsonl")
+
+    def frames(sample):
+        return {"frames": int(sample["video"].shape[0]), "sum": int(sample["video"][:, 0, 0, 0].sum())}
+
+    def featurize(fn):
+        return lambda samples, decoded: sample_features(samples, decoded, fn, ds)
+
+    idx = [2, 0, 1]
+    with shm.SlabPool(f"helix-test-direct-feat-{tmp_path.name[-8:]}-") as pool:
+        for fn in (None, frames):
+            slab, total, tree_json, _, metas, _, features = direct_batch(ds, hx.pad_collate, idx, pool,
+                                                                         allow_pickle=False, featurize=featurize(fn))
+            samples = [ds[i] for i in idx]
+            assert features == [(fn or default_features)(s) for s in samples]
+            _same(_read(slab, total, tree_json, metas), hx.pad_collate(samples))
+            slab.release()
+
+        def broken(sample):
+            raise RuntimeError("no features today")
+
+        assert direct_batch(ds, hx.pad_collate, idx, pool, allow_pickle=False, featurize=featurize(broken)) is None
+        assert pool.stats()["busy"] == 0

@@ -40,11 +40,14 @@ def supports_direct(dataset, collate) -> bool:
 
 
 def direct_batch(dataset, collate, indices: list[int], pool, allow_pickle: bool, progress=lambda index: None,
-                 may_start=lambda k: True):
-    """``(slab, total, tree_json, tree_pickle, metas, decode_cpu_s)`` with the batch written in
-    ``slab``, or None when this batch needs the generic path (nothing is held then).
+                 may_start=lambda k: True, featurize=None):
+    """``(slab, total, tree_json, tree_pickle, metas, decode_cpu_s, features)`` with the batch
+    written in ``slab``, or None when this batch needs the generic path (nothing is held then).
     ``progress(index)`` is called before each sample is decoded; ``may_start(k)`` says whether
-    sample ``k`` is still this worker's (when not, the batch is the samples before it)."""
+    sample ``k`` is still this worker's (when not, the batch is the samples before it).
+    ``featurize(samples, indices)`` (Tier 2's features) sees the samples decoded in place, before
+    the collate; ``features`` is its list, or None without it. One that raises sends the batch to
+    the generic path, which names the sample."""
     try:
         shapes = [tuple(int(x) for x in dataset.video_shape(i)) for i in indices]
     except Exception:
@@ -59,7 +62,8 @@ def direct_batch(dataset, collate, indices: list[int], pool, allow_pickle: bool,
     except Exception:
         return None  # the generic path reports it
     try:
-        got = _fill(dataset, collate, indices, shapes, slab, (b, t, c, h, w), allow_pickle, progress, may_start)
+        got = _fill(dataset, collate, indices, shapes, slab, (b, t, c, h, w), allow_pickle, progress, may_start,
+                    featurize)
     except Exception:
         got = None
     if got is None:
@@ -68,7 +72,7 @@ def direct_batch(dataset, collate, indices: list[int], pool, allow_pickle: bool,
     return (slab, *got)
 
 
-def _fill(dataset, collate, indices, shapes, slab, dims, allow_pickle, progress, may_start):
+def _fill(dataset, collate, indices, shapes, slab, dims, allow_pickle, progress, may_start, featurize):
     b, t, c, h, w = dims
     video_bytes = b * t * c * h * w
     payload = torch.frombuffer(slab.payload, dtype=torch.uint8)
@@ -89,6 +93,7 @@ def _fill(dataset, collate, indices, shapes, slab, dims, allow_pickle, progress,
             slot.copy_(v)
         sample["video"] = slot
         samples.append(sample)
+    features = featurize(samples, [int(i) for i in indices[:len(samples)]]) if featurize is not None else None
     # a batch stopped short keeps the whole batch's padded size (the merge pads the other pieces to it)
     video = video[:len(samples)]
     video_bytes = video.numel()
@@ -107,5 +112,5 @@ def _fill(dataset, collate, indices, shapes, slab, dims, allow_pickle, progress,
         return None
     metas = write_tensors(slab.payload, tensors, metas)
     del batch, tensors, video, payload
-    return total, tree_json, tree_pickle, metas, cpu
+    return total, tree_json, tree_pickle, metas, cpu, features
 

@@ -161,15 +161,18 @@ def _run_task(task: dict, specs: dict, pool, progress, allow_pickle: bool, may_s
         dataset.set_epoch(task["epoch"])
     subs = list(task.get("substitutes", ()))
     bad = task.get("bad", {})
-    if not bad and not want_features and supports_direct(dataset, collate):  # decode straight into the slab
+    if not bad and supports_direct(dataset, collate):  # decode straight into the slab
+        featurize = (lambda samples, decoded: sample_features(samples, decoded, feature_fn, dataset)) \
+            if want_features else None
         got = direct_batch(dataset, collate, list(task["indices"]), pool, allow_pickle,
                            (lambda i: progress.set(i, sample_path(dataset, i))) if progress else (lambda i: None),
-                           may_start)
+                           may_start, featurize)
         if got is not None:
-            slab, total, tree_json, tree_pickle, metas, cpu = got
+            slab, total, tree_json, tree_pickle, metas, cpu, features = got
             return {"handle": slab.handle(total), "tree_json": tree_json, "tree_pickle": tree_pickle, "metas": metas,
                     "skipped": [], "exec_s": time.perf_counter() - t0, "rows": len(cpu),
-                    "decoded": [int(i) for i in task["indices"][:len(cpu)]], "decode_cpu_s": cpu}
+                    "decoded": [int(i) for i in task["indices"][:len(cpu)]], "decode_cpu_s": cpu,
+                    **({"features": features} if features is not None else {})}
     samples, skipped, decoded, decode_cpu = [], [], [], []
     for k, index in enumerate(task["indices"]):
         if not may_start(k):
