@@ -25,7 +25,7 @@ from ..runtime.crosshost import read_rows
 from ..runtime.merge import merge_batches
 from ..runtime.proto import helix_pb2 as pb
 from ..runtime.specs import function_path
-from ..runtime.tier2 import EXCHANGE_TIMEOUT_S
+from ..runtime.tier2_outcome import EXCHANGE_TIMEOUT_S
 from .transport import RoundStopped, RoundUnknown
 
 __all__ = ["STEP_STRIDE", "RoundLost", "Tier2", "policy_spec", "rebalance_group", "run_name"]

@@ -1,12 +1,11 @@
 """The client's wires: the Coordinator (routes) and DataServers (execute, shared-memory handles).
 
-Turns replies into batches: a handle names a slab on this host, which is mapped once and read
-zero-copy; the slab goes back to its server when the batch is garbage-collected, or right after a
-copy into pinned / device memory.
+``ClusterClient`` opens the channels and makes the DataServer calls (Execute, Cancel, a Tier-2
+round's Rebalance / LeaveRound); its Coordinator calls are in ``transport_coordinator.py``, and
+turning replies into batches in ``replies.py``.
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
 import secrets
@@ -17,20 +16,18 @@ import uuid
 import grpc
 
 from ..config import ClusterConfig
-from ..errors import ClusterError, SampleError
+from ..errors import ClusterError
 from ..runtime.auth import call_metadata, load_token, pickle_allowed
 from ..runtime.tokenfiles import check_listener
 from .fallback import KnownServers
+from .replies import ReplyBatches
+from .transport_coordinator import CoordinatorCalls
 from ..runtime.hostid import host_id
 from ..runtime.proto import helix_pb2 as pb
 from ..runtime.proto import helix_pb2_grpc as pbg
 from ..runtime.rpc import check_hello, connect
-from ..runtime.crosshost import meta_dicts
-from ..runtime.merge import merge_batches
 from ..runtime.reader import SlabReader
-from ..runtime.tensors import copy_tensors, read_tensors, unflatten
 from ..runtime.tls import Tls
-from ..protocol import ErrorKind, Route, route_request
 from ..runtime.registry import TASK_ID_BITS
 
 __all__ = ["ClusterClient", "TRANSIENT"]
@@ -73,7 +70,7 @@ class _Unavailable(grpc.RpcError):
         return f"DataServer {self._address} failed the protocol check"
 
 
-class ClusterClient:
+class ClusterClient(CoordinatorCalls, ReplyBatches):
     """One rank's connection to a Helix cluster. Thread-safe."""
 
     def __init__(self, address: str, token: str | None, config: ClusterConfig, rank: int, world_size: int,
@@ -121,141 +118,6 @@ class ClusterClient:
         self._completed: list[int] = []  # task ids whose replies landed, for the next Route to carry
         self.reader = SlabReader()
 
-    def _call(self, method, request, timeout: float | None = None, stop=None):
-        """A Coordinator RPC, retried while it is unavailable, up to ``coordinator_timeout_s``;
-        ``stop`` (anything with ``sleep(seconds) -> stopped``) cuts the waits between tries short."""
-        deadline = time.monotonic() + self.config.coordinator_timeout_s
-        delay = 0.05
-        while True:
-            try:
-                return method(request, timeout=timeout or self.config.rpc_timeout_s, metadata=self.metadata)
-            except grpc.RpcError as e:
-                if e.code() == grpc.StatusCode.UNAUTHENTICATED:
-                    raise ClusterError(f"the Coordinator at {self.address} refused this client: {e.details()}") from None
-                retry = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.FAILED_PRECONDITION)
-                if e.code() not in retry or time.monotonic() + delay > deadline:
-                    if e.code() == grpc.StatusCode.FAILED_PRECONDITION:  # it answered: no delivery server on our host
-                        raise ClusterError(f"the Coordinator at {self.address} cannot serve rank {self.rank} "
-                                           f"on host {self.host!r}: {e.details()}") from None
-                    raise ClusterError(f"lost the Coordinator at {self.address}: {e.code().name} {e.details()}") from None
-            if stop.sleep(delay) if stop is not None else time.sleep(delay):
-                raise ClusterError("loader stopped")
-            delay = min(delay * 2, 0.5)
-
-    @staticmethod
-    def _ours(address: str) -> bool:
-        """Whether ``address`` may get this client's token: not a loopback port another user took
-        (a Coordinator "back" after an outage may be someone else's listener)."""
-        try:
-            check_listener(address)
-        except ValueError as e:
-            log.warning("%s", e)
-            return False
-        return True
-
-    def _register(self) -> None:
-        reply = self._call(self.coordinator.RegisterClient,
-                           pb.RegisterClientRequest(rank=self.rank, world_size=self.world_size, host=self.host,
-                                                    local_rank=self.local_rank, client_id=self.client_id,
-                                                    task_id_base=self.task_id_base))
-        if reply.client_id != self.client_id:  # an older Coordinator: take what it made
-            self.client_id, self.task_id_base = reply.client_id, reply.task_id_base
-
-    def route(self, part, deadline_s: float | None = None, scheduler: str = "", stop=None) -> Route:
-        """Where to run one ``Part``: its cost, ``deadline_s`` (seconds from now; None: unknown)
-        and the placement policy by name (empty: the Coordinator's). The tasks completed since
-        the last Route ride along (no RPC of their own).
-
-        While the Coordinator is unreachable (after it answered once), the data keeps flowing:
-        the client routes by itself among the servers it knows (``_fallback``) and tries the
-        Coordinator again whenever its channel is ready; when one answers (restarted on the same
-        address, or back from a stall), the client registers again and placement resumes."""
-        if self._outage is not None and (self._channel_state() != grpc.ChannelConnectivity.READY
-                                         or not self._ours(self.address)):
-            return self._fallback(part)
-        with self._lock:
-            done, self._completed = self._completed, []
-        request = route_request(self.client_id, self.rank, part, deadline_s, scheduler, done, self.host, self.local_rank)
-        self._last_rpc = time.monotonic()
-        try:
-            if self.servers.delivery is None:  # never answered yet: wait for it (coordinator_timeout_s), then fail
-                reply = self._call(self.coordinator.Route, request, stop=stop)
-            else:
-                reply = self.coordinator.Route(request, timeout=self.config.rpc_timeout_s, metadata=self.metadata)
-        except grpc.RpcError as e:
-            with self._lock:
-                self._completed[:0] = done[-100_000:]  # for the Coordinator, if this one comes back
-            if e.code() == grpc.StatusCode.UNAUTHENTICATED:
-                raise ClusterError(f"the Coordinator at {self.address} refused this client: {e.details()}") from None
-            if e.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
-                                grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.CANCELLED):
-                raise ClusterError(f"the Coordinator at {self.address}: {e.code().name} {e.details()}") from None
-            if self._outage is None:
-                self._outage = time.monotonic()
-                self._watch_channel()
-            return self._fallback(part)
-        except BaseException:
-            with self._lock:
-                self._completed[:0] = done
-            raise
-        if reply.delivery_host != self.host:  # never map another host's shared memory
-            raise ClusterError(f"the Coordinator at {self.address} routed rank {self.rank} of host {self.host!r} "
-                               f"through {reply.delivery_server_id} of host {reply.delivery_host!r}")
-        if self._outage is not None:  # it is back (maybe a new one that knows nothing): be known again
-            self._outage = None
-            try:
-                self._register()
-            except ClusterError:
-                pass
-        with self._lock:
-            self.servers.learn(reply.exec_server_id, reply.exec_address, reply.exec_kind, reply.delivery_server_id,
-                               reply.delivery_address)
-        return Route.from_pb(reply)
-
-    def _keep_lease(self) -> None:
-        """Renew this client's lease with the Coordinator while it routes nothing (validation, a
-        checkpoint, a slow step): a client that dies stops renewing, and its load is released."""
-        every = self.config.heartbeat_interval_s
-        while not self._closing.wait(every):
-            if time.monotonic() - self._last_rpc >= every:
-                with self._lock:
-                    done, self._completed = self._completed, []
-                self._last_rpc = time.monotonic()
-                self._fire(self.coordinator.ReportCompletion, pb.Completions(client_id=self.client_id, task_ids=done))
-
-    def _channel_state(self):
-        return self._state
-
-    def _watch_channel(self) -> None:
-        """Follow the Coordinator channel's connectivity from the first outage on (gRPC keeps
-        reconnecting, ``max_reconnect_backoff_ms`` apart), so an outage costs no RPC per request."""
-        if self._watching:
-            return
-        self._watching, self._state = True, None
-
-        def seen(state):
-            self._state = state
-
-        self._channel.subscribe(seen, try_to_connect=True)
-
-    def _fallback(self, part) -> Route:
-        """A Route without the Coordinator (``KnownServers.route``)."""
-        with self._lock:
-            return self.servers.route(part, self.address, self.host)
-
-    def completed(self, task_id: int) -> None:
-        """A request's reply landed (or it failed or was given up): the next Route tells the Coordinator."""
-        with self._lock:
-            self._completed.append(task_id)
-            self.servers.done(task_id)
-
-    def flush_completions(self) -> None:
-        """Tell the Coordinator now of the completions no Route has carried yet (fire and forget)."""
-        with self._lock:
-            done, self._completed = self._completed, []
-        if done:
-            self._fire(self.coordinator.ReportCompletion, pb.Completions(client_id=self.client_id, task_ids=done))
-
     def _fire(self, method, request) -> None:
         """Fire and forget (``close`` lets these land before it closes the channels)."""
         try:
@@ -270,10 +132,6 @@ class ClusterClient:
         with self._lock:
             self._fired.discard(fut)
             self._landed_cond.notify_all()
-
-    def telemetry(self, last_decisions: int = 0) -> dict:
-        reply = self._call(self.coordinator.Telemetry, pb.TelemetryRequest(last_decisions=last_decisions))
-        return json.loads(reply.json)
 
     def stub(self, address: str) -> pbg.DataServerStub:
         with self._lock:
@@ -315,39 +173,6 @@ class ClusterClient:
         except grpc.RpcError:
             return
         self._fire(stub.Cancel, pb.CancelRequest(task_ids=task_ids, client_id=self.client_id))
-
-    # ---- replies to batches ----------------------------------------------------------------------
-    def materialize(self, reply: pb.ExecuteReply, copy: bool, pad: bool = True):
-        """The batch of a successful reply: zero-copy tensors on the slab (released when the last
-        one is garbage-collected), or owned copies (slab released at once) when ``copy``. A batch
-        that came in pieces (split among a server's workers) is merged, as collating it whole
-        (``pad=False``: pieces whose tensors differ in shape raise, as ``default_collate`` would)."""
-        if reply.pieces:
-            try:
-                parts = [self._materialize(b, copy=False) for b in reply.pieces]
-            except BaseException:
-                self.release(reply)  # the pieces not read yet would be stranded
-                raise
-            return merge_batches(parts, rows=list(reply.piece_rows), pad=pad)
-        return self._materialize(reply.batch, copy)
-
-    def _materialize(self, b: pb.BatchHandle, copy: bool):
-        handle = {"segment": b.slab.segment, "generation": b.slab.generation, "nbytes": b.slab.nbytes}
-        if b.tree_pickle and not self.pickle_allowed:
-            self.reader.release(handle)
-            raise ClusterError("a DataServer sent a pickled batch structure to a client that accepts none (a cluster "
-                               "reached without TLS beyond loopback, or ClusterConfig(allow_pickle=False))")
-        metas = meta_dicts(b.tensors)
-        buf = self.reader.view(handle) if b.slab.segment else memoryview(b"")
-        if copy:
-            tensors = copy_tensors(buf, metas)
-            del buf
-            self.reader.release(handle)
-        else:
-            release = (lambda h=handle, r=self.reader: r.release(h))
-            tensors = read_tensors(buf, metas, on_release=release)
-            del buf
-        return unflatten(b.tree_json, b.tree_pickle, tensors)
 
     def round_leader(self, rank: int, stop=None) -> str:
         """Tier 2: the address of the DataServer leading the rounds of the group whose lowest rank is ``rank``."""
@@ -395,26 +220,6 @@ class ClusterClient:
         if reply is None:
             log.warning("Tier-2 round at %s: %s (rank %d keeps its batch)", address, why, self.rank)
         return reply
-
-    def release(self, reply: pb.ExecuteReply) -> None:
-        """Give a reply's slabs back unread (its request was cancelled)."""
-        for b in (reply.batch, *reply.pieces):
-            if b.slab.segment:
-                self.reader.release({"segment": b.slab.segment, "generation": b.slab.generation})
-
-    @staticmethod
-    def error_of(reply: pb.ExecuteReply) -> Exception | None:
-        kind = ErrorKind(reply.error_kind)
-        if kind is ErrorKind.NONE:
-            return None
-        if kind is ErrorKind.SAMPLE:
-            f = reply.failure
-            return SampleError(f.index, f.path, f.cause)
-        if kind is ErrorKind.SPEC:
-            return ClusterError(f"DataServer could not load the dataset: {reply.error}")
-        if kind is ErrorKind.NO_ROOM:
-            return ClusterError(f"batch of task {reply.task_id}: {reply.error}")
-        return RuntimeError(f"DataServer task {reply.task_id} failed ({kind.name}): {reply.error}")
 
     def close(self) -> None:
         self._closing.set()

@@ -21,6 +21,9 @@ released.
 
 Nothing here waits on a clock it could block on instead: a held call waits on the round's
 condition until its own round closes, or until the open round's timeout is due.
+
+The round itself runs in ``tier2_policy.py`` (the assignment) and ``tier2_outcome.py`` (the
+takes, the cross-host exchange, the replies); this module holds the calls until it does.
 """
 from __future__ import annotations
 
@@ -31,44 +34,17 @@ import threading
 import time
 from collections import Counter, OrderedDict
 
-from ..errors import ClusterError
-from ..planning.rebalance import GateArgs, check_assignment, gate, lpt_within_steps
 from ..planning.rounds import Round, RoundBuffer, RoundItem
 from .proto import helix_pb2 as pb
 from .reader import SlabReader
-from .specs import resolve_function
+from .tier2_outcome import EXCHANGE_TIMEOUT_S, RoundOutcome
+from .tier2_policy import RoundPolicy
 
-__all__ = ["EXCHANGE_TIMEOUT_S", "RoundTable", "load_policy"]
+__all__ = ["RoundTable"]
 
 log = logging.getLogger("helix.tier2")
 
-EXCHANGE_TIMEOUT_S = 10.0  # a cross-host exchange's collective (and each gRPC stream) gives up after this
 KEPT_CALLS = 1024  # answered calls a LeaveRound may still ask about (and calls left before they came)
-
-
-def _slab(call, b: int) -> dict:
-    s = call.request.batches[b].slab
-    return {"segment": s.segment, "generation": s.generation}
-
-
-def _slab_pb(call, b: int) -> pb.SlabHandle:
-    return call.request.batches[b].slab
-
-
-def load_policy(payload: bytes, fmt: str, allow_pickle: bool):
-    """``(sort_fn or None for the default, args)`` of a policy spec (``client.tier2.policy_spec``)."""
-    if fmt == "cloudpickle":
-        if not allow_pickle:
-            raise PermissionError("refusing a pickled Tier-2 policy: this DataServer takes no pickle")
-        import cloudpickle
-
-        spec = cloudpickle.loads(payload)
-        return spec["sort_fn"], spec["args"]
-    if fmt != "json":
-        raise ValueError(f"Tier-2 policy format {fmt!r}; valid: json, cloudpickle")
-    spec = json.loads(payload)
-    fn = resolve_function(spec["sort_fn"], "Rebalance.sort_fn") if spec.get("sort_fn") else None
-    return fn, spec.get("args")
 
 
 @dataclasses.dataclass(eq=False)
@@ -95,7 +71,7 @@ class _Call:
         return int(self.request.indices[k]) if k < len(self.request.indices) else -1
 
 
-class RoundTable:
+class RoundTable(RoundOutcome, RoundPolicy):
     """The rounds this DataServer leads, one open round per group and step. Thread-safe: each held
     call runs on its own gRPC thread; the one whose batch closes a round (or finds it due) runs it."""
 
@@ -231,174 +207,6 @@ class RoundTable:
                                               for k, (b, n) in enumerate(zip(req.batches, req.batch_rows))],
                                        outcome=outcome, **fields)
         return call.reply
-
-    def _run(self, rnd: Round) -> None:
-        with self._cond:  # a call that ended while its round closed is left out of it
-            gone = [it for it in rnd.items if it.key[0].ended]
-            if gone:
-                for c in {it.key[0] for it in gone}:
-                    self._keep(c, "cancelled")
-                rnd = Round(tuple(it for it in rnd.items if not it.key[0].ended), rnd.closed_by)
-        calls = list(dict.fromkeys(it.key[0] for it in rnd.items))
-        if not calls:
-            return
-        outcome, assignment, gain, cost = self._decide(rnd, calls)
-        if assignment is None:
-            self.counts[outcome.split(":")[0]] += 1
-            for c in calls:
-                self._keep(c, outcome, round_samples=len(rnd.items), closed_by=rnd.closed_by,
-                           gain_s=gain, transfer_s=cost)  # what the gate saw (the default policy)
-            return
-        by_call = {(c.request.step, c.request.rank): c for c in calls}
-        rows: dict[tuple, list] = {}  # (source call, its slab, taker): rows, in order
-        for it, dst in zip(rnd.items, assignment):
-            src, k = it.key
-            b, row = src.source(k)
-            rows.setdefault((src, b, by_call[(it.step, dst)]), []).append((row, it))
-        readers: dict[tuple, set] = {}  # (source call, slab): its takers on the source's host
-        for src, b, to in rows:
-            readers.setdefault((src, b), set())
-            if to.request.host == src.request.host:
-                readers[(src, b)].add(to)
-        if any(not self.reader.held(_slab(src, b)) for src, b in readers if src.request.host == self.host):
-            return self._keep_all(calls, rnd, "error: a slab of the round was released before it closed")
-        try:
-            members, at = self._members(calls)
-            crossed, transport = self._cross(calls, rows, members, at)
-        except (ClusterError, ValueError) as e:  # a member gone or failed: the round keeps every batch
-            return self._keep_all(calls, rnd, f"error: the cross-host exchange failed (kept): {e}")
-        shares: dict[int, list] = {}  # before any reply: a reader's release counts down from here
-        for (src, b), who in readers.items():
-            if len(who) > 1:
-                shares.setdefault(at.get(src.request.host, -1), []).append((_slab_pb(src, b), len(who)))
-        try:
-            if -1 in shares:
-                raise ValueError("a shared slab's host has no member")
-            for s, n in shares.pop(0, []):
-                if not self.reader.share({"segment": s.segment, "generation": s.generation}, n):
-                    raise ValueError(f"slab {s.segment} was released before the round closed")
-            if shares:
-                self.exchange.share(f"{calls[0].request.group}@{calls[0].request.step}", members, shares)
-        except (ClusterError, ValueError) as e:
-            if crossed:
-                held: dict[int, list] = {}
-                for to, new in crossed.items():
-                    held.setdefault(at[to.request.host], []).extend(h.slab for h in new.values())
-                self.exchange.drop(members, held)
-            return self._keep_all(calls, rnd, f"error: a slab of the round was released before it closed ({e})")
-        self.counts[outcome] += 1
-        for c in calls:
-            reply = pb.RebalanceReply(outcome=outcome, gain_s=gain, transfer_s=cost, round_samples=len(rnd.items),
-                                      closed_by=rnd.closed_by, transport=transport if crossed.get(c) else "")
-            units = []  # (order: own rows first, then by source rank, slab and row; the take)
-            for (src, b, to), got in rows.items():
-                if to is not c:
-                    if src is c and to.request.host != c.request.host and not readers[(src, b)]:
-                        reply.release.append(_slab_pb(src, b))  # every row of it left this host
-                    continue
-                take_rows = [r for r, _ in got]
-                order = (src is not c, src.request.rank, b, take_rows[0])
-                if src is not c:
-                    reply.moved_in += len(got)
-                    reply.moved_bytes += sum(int(it.features.get("bytes", 0) or 0) for _, it in got)
-                indices = [src.index(b, r) for r in take_rows]
-                costs = [float(it.features.get("cost", 0.0) or 0.0) for _, it in got]
-                if to.request.host != src.request.host:  # its rows' new slab on this host
-                    reply.crossed_bytes += sum(int(it.features.get("bytes", 0) or 0) for _, it in got)
-                    take = pb.RowTake(batch=crossed[c][(src, b)], rows=range(len(got)), batch_rows=len(got),
-                                      indices=indices, costs=costs)
-                else:
-                    take = pb.RowTake(batch=src.request.batches[b], rows=take_rows, shared=len(readers[(src, b)]) > 1,
-                                      batch_rows=src.request.batch_rows[b], indices=indices, costs=costs)
-                units.append((order, take))
-            reply.moved_out = sum(len(got) for (src, _, to), got in rows.items() if src is c and to is not c)
-            reply.takes.extend(t for _, t in sorted(units, key=lambda u: u[0]))
-            c.reply = reply
-
-    def _keep_all(self, calls: list, rnd: Round, outcome: str) -> None:
-        self.counts["error"] += 1
-        for c in calls:
-            self._keep(c, outcome, round_samples=len(rnd.items), closed_by=rnd.closed_by)
-
-    def _members(self, calls: list) -> tuple[list[str], dict[str, int]]:
-        """One DataServer per host of the round, the leader first (``at``: host -> its index)."""
-        members, at = [self.address], {self.host: 0}  # the leader is its host's member
-        for c in sorted(calls, key=lambda c: c.request.rank):
-            if c.request.host not in at and c.request.delivery:
-                at[c.request.host] = len(members)
-                members.append(c.request.delivery)
-        return members, at
-
-    def _cross(self, calls: list, rows: dict, members: list[str], at: dict) -> tuple[dict, str]:
-        """The rows that change host, moved by each host's member: ``({taker: {(source, slab): new
-        slab}}, transport)``; ``({}, "")`` when none does."""
-        crossing = [(key, got) for key, got in rows.items() if key[2].request.host != key[0].request.host]
-        if not crossing:
-            return {}, ""
-        if self.exchange is None:
-            raise ValueError("this DataServer cannot move rows between hosts")
-        missing = sorted({c.request.rank for c in calls if c.request.host not in at})
-        if missing:
-            raise ValueError(f"rank(s) {missing} named no delivery server")
-        sends: dict[int, list] = {}
-        for n, ((src, b, to), got) in enumerate(crossing):
-            sends.setdefault(at[src.request.host], []).append(pb.ExchangeSend(
-                batch=src.request.batches[b], rows=[r for r, _ in got], batch_rows=src.request.batch_rows[b],
-                to=at[to.request.host], key=n))
-        name = f"{calls[0].request.group}@{calls[0].request.step}"
-        new, transport = self.exchange.run(name, members, sends, calls[0].request.exchange or "collective",
-                                           EXCHANGE_TIMEOUT_S)
-        crossed: dict = {}
-        for n, ((src, b, to), _) in enumerate(crossing):
-            crossed.setdefault(to, {})[(src, b)] = new[n]
-        return crossed, transport
-
-    def _decide(self, rnd: Round, calls: list) -> tuple[str, list | None, float, float]:
-        """``(outcome, assignment or None to keep, gain_s, transfer_s)``."""
-        if not rnd.movable:
-            return "alone", None, 0.0, 0.0
-        req = calls[0].request
-        try:
-            sort_fn, args = self._policy(req)
-        except Exception as e:
-            return f"error: Tier-2 policy {req.policy_id}: {type(e).__name__}: {e}", None, 0.0, 0.0
-        features = rnd.features()
-        hosts = {c.request.rank: c.request.host for c in calls}
-        gate_args = None
-        if sort_fn is None:  # the default policy: cost gate with this round's hosts and learned window
-            gate_args = GateArgs.of(args)
-            spu = max(c.request.seconds_per_unit for c in calls)
-            given = args if isinstance(args, dict) else {}
-            gate_args = dataclasses.replace(gate_args, same_host=hosts, **(
-                {"seconds_per_unit": spu} if spu > 0 and "seconds_per_unit" not in given else {}))
-            for f in features:
-                f.setdefault(gate_args.key, f.get("tokens", 0))
-        gain = cost = 0.0
-        try:
-            if sort_fn is None:  # the default: equal-count LPT behind the cost gate, whose figures are reported
-                proposal = lpt_within_steps(features, gate_args.key)
-                move, gain, cost = gate(features, proposal, gate_args)
-                assignment = proposal if move else [f["rank"] for f in features]
-            else:
-                assignment = sort_fn(features, args)
-                assignment = list(assignment) if not isinstance(assignment, (str, bytes)) else assignment
-        except Exception as e:
-            return f"error: Rebalance.sort_fn raised {type(e).__name__}: {e}", None, 0.0, 0.0
-        why = check_assignment(features, assignment)
-        if why is not None:
-            return f"error: Rebalance.sort_fn {why}", None, 0.0, 0.0
-        if all(f["rank"] == r for f, r in zip(features, assignment)):
-            return "kept", None, gain, cost
-        return "moved", assignment, gain, cost
-
-    def _policy(self, req: pb.RebalanceRequest):
-        with self._cond:
-            got = self._policies.get(req.policy_id)
-        if got is None:
-            got = load_policy(req.policy, req.policy_format or "json", self.allow_pickle)
-            with self._cond:
-                self._policies[req.policy_id] = got
-        return got
 
     def close(self) -> None:
         if self.exchange is not None:

@@ -1,0 +1,84 @@
+"""A Tier-2 round's policy at its leader DataServer: the policy spec (``load_policy``), and the
+assignment a closed round's features get from it — the default (equal-count LPT behind the cost
+gate) or the group's ``sort_fn`` — checked before any row moves.
+
+A base class of ``RoundTable`` (``runtime/tier2.py``), which holds the policies it loaded.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+from ..planning.rebalance import GateArgs, check_assignment, gate, lpt_within_steps
+from ..planning.rounds import Round
+from .proto import helix_pb2 as pb
+from .specs import resolve_function
+
+__all__ = ["RoundPolicy", "load_policy"]
+
+
+def load_policy(payload: bytes, fmt: str, allow_pickle: bool):
+    """``(sort_fn or None for the default, args)`` of a policy spec (``client.tier2.policy_spec``)."""
+    if fmt == "cloudpickle":
+        if not allow_pickle:
+            raise PermissionError("refusing a pickled Tier-2 policy: this DataServer takes no pickle")
+        import cloudpickle
+
+        spec = cloudpickle.loads(payload)
+        return spec["sort_fn"], spec["args"]
+    if fmt != "json":
+        raise ValueError(f"Tier-2 policy format {fmt!r}; valid: json, cloudpickle")
+    spec = json.loads(payload)
+    fn = resolve_function(spec["sort_fn"], "Rebalance.sort_fn") if spec.get("sort_fn") else None
+    return fn, spec.get("args")
+
+
+class RoundPolicy:
+    """Which rank takes each row of a closed round (``RoundTable``'s ``_policies``, under its ``_cond``)."""
+
+    def _decide(self, rnd: Round, calls: list) -> tuple[str, list | None, float, float]:
+        """``(outcome, assignment or None to keep, gain_s, transfer_s)``."""
+        if not rnd.movable:
+            return "alone", None, 0.0, 0.0
+        req = calls[0].request
+        try:
+            sort_fn, args = self._policy(req)
+        except Exception as e:
+            return f"error: Tier-2 policy {req.policy_id}: {type(e).__name__}: {e}", None, 0.0, 0.0
+        features = rnd.features()
+        hosts = {c.request.rank: c.request.host for c in calls}
+        gate_args = None
+        if sort_fn is None:  # the default policy: cost gate with this round's hosts and learned window
+            gate_args = GateArgs.of(args)
+            spu = max(c.request.seconds_per_unit for c in calls)
+            given = args if isinstance(args, dict) else {}
+            gate_args = dataclasses.replace(gate_args, same_host=hosts, **(
+                {"seconds_per_unit": spu} if spu > 0 and "seconds_per_unit" not in given else {}))
+            for f in features:
+                f.setdefault(gate_args.key, f.get("tokens", 0))
+        gain = cost = 0.0
+        try:
+            if sort_fn is None:  # the default: equal-count LPT behind the cost gate, whose figures are reported
+                proposal = lpt_within_steps(features, gate_args.key)
+                move, gain, cost = gate(features, proposal, gate_args)
+                assignment = proposal if move else [f["rank"] for f in features]
+            else:
+                assignment = sort_fn(features, args)
+                assignment = list(assignment) if not isinstance(assignment, (str, bytes)) else assignment
+        except Exception as e:
+            return f"error: Rebalance.sort_fn raised {type(e).__name__}: {e}", None, 0.0, 0.0
+        why = check_assignment(features, assignment)
+        if why is not None:
+            return f"error: Rebalance.sort_fn {why}", None, 0.0, 0.0
+        if all(f["rank"] == r for f, r in zip(features, assignment)):
+            return "kept", None, gain, cost
+        return "moved", assignment, gain, cost
+
+    def _policy(self, req: pb.RebalanceRequest):
+        with self._cond:
+            got = self._policies.get(req.policy_id)
+        if got is None:
+            got = load_policy(req.policy, req.policy_format or "json", self.allow_pickle)
+            with self._cond:
+                self._policies[req.policy_id] = got
+        return got
