@@ -11,7 +11,9 @@ import pytest
 import helix_core as hx
 from helix_core.config import ClusterConfig
 from helix_core.runtime import shm
-from helix_core.runtime.bulk import NO_ROOM, OK, REFUSED, BulkError, BulkListener, BulkSender
+from helix_core.runtime.bulk import NO_ROOM, OK, REFUSED, BulkError
+from helix_core.runtime.bulkrecv import BulkListener
+from helix_core.runtime.bulksend import BulkSender
 from helix_core.runtime.proto import helix_pb2 as pb
 from helix_core.runtime.slabpool import SlabPool
 from helix_core.runtime.tls import Tls

@@ -26,7 +26,8 @@ from .proto import helix_pb2 as pb
 from .proto import helix_pb2_grpc as pbg
 from .heartbeats import Beats, heartbeats
 from .rpc import connect
-from .bulk import NO_ROOM, BulkListener
+from .bulk import NO_ROOM
+from .bulkrecv import BulkListener
 from .delivery import DeliveryFailed, Inbound, Outbound, Refused, metas_to_pb, moved_bytes
 from .tensors import ChunkWriter
 from .wire import add_servicer

@@ -20,7 +20,8 @@ from ..config import PROTOCOL_VERSION
 from ..errors import PICKLING
 from . import shm
 from .auth import call_metadata
-from .bulk import NO_ROOM, OK, REFUSED, BulkError, BulkSender
+from .bulk import NO_ROOM, OK, REFUSED, BulkError
+from .bulksend import BulkSender
 from .proto import helix_pb2 as pb
 from .proto import helix_pb2_grpc as pbg
 from .rpc import connect
