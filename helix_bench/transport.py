@@ -15,6 +15,7 @@ import torch
 
 from helix_core.runtime import shm
 from helix_core.runtime.reader import SlabReader
+from helix_core.runtime.slabpool import SlabPool
 from helix_core.runtime.tensors import layout, read_tensors, write_tensors
 
 __all__ = ["bench_local_delivery", "main"]
@@ -28,7 +29,7 @@ def _one_size(prefix: str, size_mb: int, repeats: int) -> dict:
     nbytes = size_mb << 20
     tensors = [torch.full((nbytes,), 7, dtype=torch.uint8)]  # filled: its pages are resident
     metas, total = layout(tensors)
-    with shm.SlabPool(prefix) as pool:
+    with SlabPool(prefix) as pool:
         slab = pool.acquire(total)
         write_tensors(slab.payload, tensors, metas)  # warm: the pages exist from now on
         reused = []
@@ -59,7 +60,7 @@ def _one_size(prefix: str, size_mb: int, repeats: int) -> dict:
 
     fresh = []
     for _ in range(repeats):
-        with shm.SlabPool(prefix) as pool:  # a new segment each time, unlinked right after
+        with SlabPool(prefix) as pool:  # a new segment each time, unlinked right after
             t = time.perf_counter()
             slab = pool.acquire(total)
             write_tensors(slab.payload, tensors, metas)

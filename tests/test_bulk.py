@@ -11,8 +11,11 @@ import pytest
 import helix_core as hx
 from helix_core.config import ClusterConfig
 from helix_core.runtime import shm
-from helix_core.runtime.bulk import NO_ROOM, OK, REFUSED, BulkError, BulkListener, BulkSender
+from helix_core.runtime.bulk import NO_ROOM, OK, REFUSED, BulkError
+from helix_core.runtime.bulkrecv import BulkListener
+from helix_core.runtime.bulksend import BulkSender
 from helix_core.runtime.proto import helix_pb2 as pb
+from helix_core.runtime.slabpool import SlabPool
 from helix_core.runtime.tls import Tls
 from helix_core.testing import IndexDataset
 
@@ -25,7 +28,7 @@ class Receiver:
     """A listener writing into a real slab pool, as a DataServer's does."""
 
     def __init__(self, tls=None, refuse=None, config=CFG, max_connections=64):
-        self.pool = shm.SlabPool(f"helix-test-bulk-{id(self):x}")
+        self.pool = SlabPool(f"helix-test-bulk-{id(self):x}")
         self.refuse, self.got = refuse, []
         self.listener = BulkListener("127.0.0.1", TOKEN, config, tls=tls, receive=self.receive,
                                      max_connections=max_connections)
@@ -184,7 +187,7 @@ def test_a_bulk_port_that_cannot_be_reached_sends_batches_by_grpc_and_is_left_al
     with socket.socket() as s:  # a port nothing listens on
         s.bind(("127.0.0.1", 0))
         closed_port = s.getsockname()[1]
-    rx_slabs, tx_slabs = (shm.SlabPool(f"helix-test-bulkfw-{k}-{id(caplog):x}") for k in "rt")
+    rx_slabs, tx_slabs = (SlabPool(f"helix-test-bulkfw-{k}-{id(caplog):x}") for k in "rt")
     reader = SlabReader()
     server, port = create_server("127.0.0.1", 0, TOKEN, CFG, threads=4)
     servicer = DataServerServicer(None, rx_slabs, CFG, TOKEN, f"127.0.0.1:{port}", "local")

@@ -5,8 +5,8 @@ import torch
 from torch.utils.data import default_collate
 
 import helix_core as hx
-from helix_core.runtime import shm
 from helix_core.runtime.direct import direct_batch, supports_direct
+from helix_core.runtime.slabpool import SlabPool
 from helix_core.runtime.tensors import read_tensors, unflatten
 
 from conftest import write_manifest
@@ -27,7 +27,7 @@ def _same(a, b):
 def test_decoded_in_place_equals_collating_decoded_samples(kmix, tmp_path):
     mixed = hx.VideoClipDataset(kmix / "manifest.jsonl")  # S / M / L clips: videos of three shapes
     flipped = hx.VideoClipDataset(kmix / "manifest.jsonl", num_frames=4, size=32, random_flip=1.0)
-    with shm.SlabPool(f"helix-test-direct-{tmp_path.name[-8:]}-") as pool:
+    with SlabPool(f"helix-test-direct-{tmp_path.name[-8:]}-") as pool:
         for ds, collate, idx in ((mixed, hx.pad_collate, [0, 1, 2]), (flipped, default_collate, [3, 4]),
                                  (flipped, hx.pad_collate, [5, 0])):
             assert supports_direct(ds, collate)
@@ -52,7 +52,7 @@ def test_a_bad_clip_falls_back_and_holds_no_slab(kmix, tmp_path):
     for r in records:
         r["path"] = str(kmix / r["path"]) if not r["path"].startswith("/") else r["path"]
     ds = hx.VideoClipDataset(write_manifest(tmp_path, records), profiles=False)
-    with shm.SlabPool(f"helix-test-direct-bad-{tmp_path.name[-8:]}-") as pool:
+    with SlabPool(f"helix-test-direct-bad-{tmp_path.name[-8:]}-") as pool:
         assert direct_batch(ds, hx.pad_collate, [0, 1], pool, allow_pickle=False) is None
         assert pool.stats()["busy"] == 0
 

@@ -11,7 +11,9 @@ import pytest
 
 from helix_core.runtime import shm
 from helix_core.runtime.reader import SlabReader
-from helix_core.runtime.shm import ShmCapacityError, SlabPool
+from helix_core.runtime import slabpool
+from helix_core.runtime.shm import ShmCapacityError
+from helix_core.runtime.slabpool import SlabPool
 
 MIB = 1 << 20
 
@@ -122,7 +124,7 @@ def test_more_than_dev_shm_holds_raises_quickly_and_leaves_no_file(prefix):
 
 
 def test_slabs_past_max_segments_leave_a_reserve_of_dev_shm(prefix, monkeypatch):
-    monkeypatch.setattr(shm, "OVERFLOW_RESERVE", 1.0)  # as if /dev/shm were full past the reserve
+    monkeypatch.setattr(slabpool, "OVERFLOW_RESERVE", 1.0)  # as if /dev/shm were full past the reserve
     with SlabPool(prefix, max_segments=1) as pool:
         held = pool.acquire(10)  # within max_segments: only the plain capacity check
         with pytest.raises(ShmCapacityError, match="every slab this pool keeps for reuse is held"):
@@ -225,7 +227,7 @@ def test_a_slab_whose_holder_died_is_taken_back_and_idle_slabs_are_unlinked():
         time.sleep(60)
 
     prefix = f"helix-test{os.getpid()}-lease-"
-    with shm.SlabPool(prefix, orphan_s=3600.0, idle_s=3600.0) as pool:
+    with SlabPool(prefix, orphan_s=3600.0, idle_s=3600.0) as pool:
         slab = pool.acquire(1000)
         handle = slab.handle(1000)
         ctx = mp.get_context("fork")
@@ -253,7 +255,7 @@ def test_a_dead_producers_slab_is_unlinked_once_free_or_never_mapped_within_orph
     from helix_core.runtime.reader import SlabReader
 
     prefix = f"helix-test{os.getpid()}-grave-"
-    pool = shm.SlabPool(prefix)
+    pool = SlabPool(prefix)
     try:
         held, unmapped, free = pool.acquire(100), pool.acquire(100), pool.acquire(100)
         free.release()

@@ -13,12 +13,13 @@ from helix_core.runtime import shm
 from helix_core.runtime import tensors as T
 from helix_core.runtime.merge import merge_batches
 from helix_core.runtime.reader import SlabReader
+from helix_core.runtime.slabpool import SlabPool
 
 
 @pytest.fixture
 def pool():
     prefix = f"helix-test{os.getpid()}{secrets.token_hex(3)}-"
-    with shm.SlabPool(prefix) as p:
+    with SlabPool(prefix) as p:
         yield p
     assert shm.sweep(prefix) == 0, f"/dev/shm segments leaked under {prefix}"
 

@@ -26,13 +26,15 @@ from .proto import helix_pb2 as pb
 from .proto import helix_pb2_grpc as pbg
 from .heartbeats import Beats, heartbeats
 from .rpc import connect
-from .bulk import NO_ROOM, BulkListener
+from .bulk import NO_ROOM
+from .bulkrecv import BulkListener
 from .delivery import DeliveryFailed, Inbound, Outbound, Refused, metas_to_pb, moved_bytes
 from .tensors import ChunkWriter
 from .wire import add_servicer
 from .cpuslots import HostSlots
 from .pool import WorkerPool
 from .reader import SlabReader
+from .slabpool import SlabPool
 from .steal import handles
 from .crosshost import ExchangeMember, HostExchange
 from .tier2 import RoundTable
@@ -54,7 +56,7 @@ def _failure_pb(f: dict | None) -> pb.SampleFailure | None:
 class DataServerServicer(pbg.DataServerServicer):
     """Thin: converts messages, submits to the ``WorkerPool``, streams remote results."""
 
-    def __init__(self, pool: WorkerPool, slabs: shm.SlabPool, config: ClusterConfig, token: str | None,
+    def __init__(self, pool: WorkerPool, slabs: SlabPool, config: ClusterConfig, token: str | None,
                  address: str, kind: str, tls=None, pickle_allowed: bool | None = None, host_id: str = ""):
         self.pool, self.slabs, self.config, self.token = pool, slabs, config, token
         self.address, self.kind, self.tls = address, kind, tls
@@ -236,7 +238,7 @@ def serve_dataserver(coordinator: str, kind: str, local_rank: int, workers: int,
     # bound to every interface: peers need a name that reaches this machine, not the wildcard
     address = f"{advertise or (socket.getfqdn() if host in ('0.0.0.0', '::', '') else host)}:{bound}"
     tag = f"{kind[0]}{local_rank if kind == 'local' else ''}p{os.getpid()}-"
-    slabs = shm.SlabPool(f"helix-{hello.cluster_id}-{tag}d-", orphan_s=config.execute_timeout_s + config.rpc_timeout_s,
+    slabs = SlabPool(f"helix-{hello.cluster_id}-{tag}d-", orphan_s=config.execute_timeout_s + config.rpc_timeout_s,
                          idle_s=config.slab_idle_s)
     slots = config.decode_slots or os.cpu_count() or 1  # one decode per core, across the host's servers
     host_slots = HostSlots(f"helix-{hello.cluster_id}-cpu")  # the last server of the host unlinks them

@@ -20,10 +20,12 @@ from ..config import PROTOCOL_VERSION
 from ..errors import PICKLING
 from . import shm
 from .auth import call_metadata
-from .bulk import NO_ROOM, OK, REFUSED, BulkError, BulkSender
+from .bulk import NO_ROOM, OK, REFUSED, BulkError
+from .bulksend import BulkSender
 from .proto import helix_pb2 as pb
 from .proto import helix_pb2_grpc as pbg
 from .rpc import connect
+from .slabpool import SlabPool
 from .tensors import iter_chunks
 from .wire import deliver_callable
 
@@ -167,7 +169,7 @@ class Inbound:
     """The delivering side: ``take(header)`` a slab for a batch (``Refused``), ``reply`` its handle;
     ``bulk(header)`` is ``BulkListener``'s ``receive``."""
 
-    def __init__(self, slabs: shm.SlabPool, pickle_allowed: bool, no_pickle_why: str, server_id):
+    def __init__(self, slabs: SlabPool, pickle_allowed: bool, no_pickle_why: str, server_id):
         self.slabs, self.pickle_allowed, self.no_pickle_why = slabs, pickle_allowed, no_pickle_why
         self.server_id = server_id  # a callable: the id the Coordinator gave (it changes on re-registration)
 

@@ -1,5 +1,6 @@
 """A DataServer's supervised pool of worker processes (``worker.py`` is the child's program,
-``workerproc.py`` the supervisor's handle of one).
+``workerproc.py`` the supervisor's handle of one, ``deaths.py`` the pool's watchdog and what a
+worker's death does to its task).
 
 Queued tasks run earliest-deadline-first: a task's key is its arrival time plus its deadline
 (seconds from now, as the client sent it), or its arrival time when it has none — so without
@@ -23,9 +24,9 @@ from multiprocessing.connection import wait as mp_wait
 from ..config import ClusterConfig
 from ..protocol import ErrorKind
 from . import shm
+from .deaths import WorkerDeaths
 from .edf import EdfQueue
 from .steal import Pieces, handles
-from .worker import _failure
 from .workerproc import WorkerProcess
 
 __all__ = ["WorkerPool"]
@@ -37,7 +38,7 @@ def _key(task: dict) -> tuple[str, int]:
     return task.get("client_id", ""), task["task_id"]
 
 
-class WorkerPool:
+class WorkerPool(WorkerDeaths):
     """``n`` supervised worker processes. ``submit(task) -> Future`` of the worker's result dict.
 
     A task may carry ``deadline_s`` (seconds from now: earliest deadline runs first) and
@@ -46,7 +47,6 @@ class WorkerPool:
     seconds, and reports the predicted CPU seconds queued or running, ``queued_cpu_s``)."""
 
     LPC_ALPHA = 0.2  # weight of the newest measurement in latency_per_cost
-    TIMEOUT_COST_MULTIPLE = 20.0  # a sample's watchdog: at least this many times its predicted wall time
 
     def __init__(self, n: int, shm_prefix: str, allow_pickle: bool, config: ClusterConfig, clock=time.monotonic,
                  cpu_slots: tuple[str, int] | None = None):
@@ -165,34 +165,6 @@ class WorkerPool:
                 self._drain(w)
                 self._on_death(w)
 
-    def _sample_limit_s(self, task: dict) -> float:
-        """How long one sample of ``task`` may take: ``sample_timeout_s``, or a multiple of its
-        predicted wall time if that is longer."""
-        n = max(1, len(task.get("indices", ())))
-        predicted = task.get("predicted_cpu_s", 0.0) / n * self.latency_per_cost
-        return max(self.config.sample_timeout_s, self.TIMEOUT_COST_MULTIPLE * predicted)
-
-    def _watchdog(self) -> float | None:
-        """Kill every worker whose sample ran past its limit (the sample fails: ``_on_death``);
-        seconds until the next limit runs out (None: no sample in progress)."""
-        now, nxt = time.monotonic(), None  # Progress stamps samples with the host's monotonic clock
-        for w in self._workers:
-            task = w.task
-            got = w.progress.get_started() if task is not None and w.timed_out is None else None
-            if got is None:
-                continue
-            index, path, started = got
-            limit = self._sample_limit_s(task)
-            left = started + limit - now
-            if left > 0:
-                nxt = left if nxt is None else min(nxt, left)
-                continue
-            w.timed_out = (index, path, f"timed out: still decoding after {limit:.0f} s (sample_timeout_s); "
-                                        "its worker was killed")
-            log.warning("worker %d: sample %s (%s) ran past %.0f s; killing the worker", w.wid, index, path, limit)
-            w.kill()
-        return nxt
-
     def _assign(self) -> None:
         with self._lock:
             for w in self._workers:
@@ -297,55 +269,6 @@ class WorkerPool:
             for handle in handles(r):
                 shm.release_segment(handle)
         self._deliver(self._take_future(task), combined)
-
-    def _on_death(self, w: WorkerProcess) -> None:
-        if self._stop.is_set():
-            return
-        code, held = w.bury()
-        self._graveyard += held
-        i = self._workers.index(w)
-        self._workers[i] = self._spawn(w.wid, w.incarnation + 1)
-        self.respawns += 1
-        task, current = w.task, w.progress.get()
-        log.warning("worker %d died (exit %s) during task %s at sample %s; respawned", w.wid, code,
-                    task and task["task_id"], current and current[0])
-        if task is None:
-            return
-        with self._lock:
-            if not self._current(task):  # cancelled (or resubmitted) meanwhile
-                self._piece_done(task, {"error_kind": ErrorKind.NOT_COMPLETED, "error": "cancelled"})
-                return
-            if w.timed_out is not None:  # a hung sample fails at once: it is never run again, here or elsewhere
-                current = w.timed_out[:2]
-                self._kills[current[0]] = self.config.max_task_retries
-            if current is None:  # it died before its first sample (loading the spec, waiting for a slot)
-                task["_early_deaths"] = task.get("_early_deaths", 0) + 1
-                if task["_early_deaths"] > self.config.max_task_retries:
-                    failed = {"error_kind": ErrorKind.INTERNAL, "skipped": [],
-                              "error": f"worker processes died {task['_early_deaths']} times (last exit code {code}) "
-                                       "before preparing any sample of this task"}
-                    if task["_serial"] in self._split:
-                        self._piece_done(task, failed)
-                    else:
-                        self._take_future(task).set_result(failed)
-                    return
-            if current is not None:
-                self._kills[current[0]] += 1
-                if self._kills[current[0]] > self.config.max_task_retries:
-                    cause = w.timed_out[2] if w.timed_out is not None else (
-                        f"worker process died (exit code {code}) while preparing this sample "
-                        f"{self._kills[current[0]]} times")
-                    failed = {"error_kind": ErrorKind.SAMPLE, "error": cause,
-                              "failure": _failure(current[0], current[1], cause), "skipped": []}
-                    if task.get("on_error") == "skip":
-                        task["bad"][current[0]] = cause
-                    elif task["_serial"] in self._split:
-                        self._piece_done(task, failed)
-                        return
-                    else:
-                        self._take_future(task).set_result(failed)
-                        return
-            self._pending.push(task)  # its key is kept: it goes back near the front
 
     def close(self) -> None:
         if self._stop.is_set():

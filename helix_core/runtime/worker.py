@@ -19,6 +19,7 @@ from ..dataset import Epochs
 from ..errors import SampleError
 from ..protocol import ErrorKind
 from . import shm
+from .slabpool import SlabPool
 from .specs import load_spec, sample_path
 
 __all__ = ["Progress", "worker_main"]
@@ -83,7 +84,7 @@ def worker_main(conn, shm_prefix: str, allow_pickle: bool, parent_pid: int, cpu_
     ``progress``: where it records the sample it is working on; ``claim``: the ``steal.Claim``
     it checks before each sample (the supervisor may give the tail of its batch to another worker);
     ``memory_fraction``: its address-space cap, a share of the host's RAM (``limit_memory``);
-    ``slab_lease``: its slabs' ``(orphan_s, idle_s)`` (``shm.SlabPool``), reclaimed whenever it is idle."""
+    ``slab_lease``: its slabs' ``(orphan_s, idle_s)`` (``SlabPool``), reclaimed whenever it is idle."""
     os.environ["OMP_NUM_THREADS"] = "1"
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the owner's to handle
     if memory_fraction < 1.0:
@@ -95,7 +96,7 @@ def worker_main(conn, shm_prefix: str, allow_pickle: bool, parent_pid: int, cpu_
     torch.set_num_threads(1)
     slots = CpuSlots(*cpu_slots) if cpu_slots else None
     orphaned = (lambda: os.getppid() != parent_pid)
-    pool = shm.SlabPool(shm_prefix, orphan_s=slab_lease[0], idle_s=slab_lease[1])
+    pool = SlabPool(shm_prefix, orphan_s=slab_lease[0], idle_s=slab_lease[1])
     specs: dict[str, tuple] = {}
     try:
         while True:
