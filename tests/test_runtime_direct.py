@@ -85,7 +85,7 @@ def test_tier2_features_are_taken_from_the_samples_decoded_in_place(kmix, tmp_pa
         return lambda samples, decoded: sample_features(samples, decoded, fn, ds)
 
     idx = [2, 0, 1]
-    with shm.SlabPool(f"helix-test-direct-feat-{tmp_path.name[-8:]}-") as pool:
+    with SlabPool(f"helix-test-direct-feat-{tmp_path.name[-8:]}-") as pool:
         for fn in (None, frames):
             slab, total, tree_json, _, metas, _, features = direct_batch(ds, hx.pad_collate, idx, pool,
                                                                          allow_pickle=False, featurize=featurize(fn))

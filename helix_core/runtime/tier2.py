@@ -8,10 +8,10 @@ ranks sent it), full, or when its earliest batch's limit (``timeout_s``, from th
 has passed. The
 round runs the group's policy (``sort_fn``, which travels like a dataset: an import path, or
 cloudpickle where the server takes pickles) over the features, checks the assignment, and answers
-each rank with the rows it takes, slab by slab. Rows move only between ranks of one host: the
-slabs are handed over (no bytes move between servers), and a slab read by several ranks carries
-their count (``SlabReader.share``), so the last one frees it. Moving rows between hosts is not
-built yet: a round whose assignment would do so keeps every batch where it is.
+each rank with the rows it takes, slab by slab. Between ranks of one host the slabs are handed
+over (no bytes move between servers), and a slab read by several ranks carries their count
+(``SlabReader.share``), so the last one frees it. Rows bound for another host go through that
+host's member (``crosshost``: one packed ``all_to_all``, or gRPC forwarding as the fallback).
 
 Who owns a batch is decided here, under one lock: a rank that will not take its call's reply (its
 loader stopped, or the call failed on the way) asks ``LeaveRound``. A batch still in its open
