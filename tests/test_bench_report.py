@@ -7,7 +7,8 @@ import math
 import pytest
 
 from helix_bench.metrics import SYSTEM_METRIC_KEYS, Bound, StepRecord, system_metrics
-from helix_bench.report import FIGURES, RUN_KEYS, print_table, write_report, write_results
+from helix_bench.report import FIGURES, print_table, write_report
+from helix_bench.runs import RUN_KEYS, write_results
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
