@@ -9,74 +9,21 @@ measures where each system's CPU went (``cpu_s_by_role``).
 """
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
-import queue
 import socket
-import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 
 from helix_core.planning.gpu import GPU_COSTS, GpuCost
-from .emulate import REGIMES, measure_decode, regime_window_scale
-from .ranks import CLUSTER_VARIANTS, HELIX_VARIANTS, RankPlan, rank_main
+from .benchconfig import BenchConfig
+from .emulate import measure_decode, regime_window_scale
+from .ranks import RankPlan
 from .results import RAY_MODES, system_result
+from .systemrun import _run_system
 
-__all__ = ["BenchConfig", "SYSTEMS", "run_bench", "run_one"]
-
-SYSTEMS = ("native", "ray", "ray-rr", *HELIX_VARIANTS)
-
-
-@dataclass(frozen=True)
-class BenchConfig:
-    """One benchmark configuration. Seconds; ``budget`` = worker processes in all."""
-
-    workload: str = "kinetics-mixed"
-    model: str = "videomae"
-    ranks: int = 4
-    batch_size: int = 2
-    budget: int = 4
-    systems: tuple[str, ...] = ("native", "ray", "helix")
-    warmup: int = 20
-    steps: int = 100
-    regime: str = "gpu-bound"
-    window_scale: float | None = None  # seconds per cost unit; None: from the regime
-    remote_servers: int = 0
-    prefetch: int = 4
-    clips: int = 48
-    scale: float = 1.0
-    seed: int = 0
-    ddl_tolerance_s: float = 0.010
-    window: int = 8  # Tier-1 planning window (global steps) of the balanced systems
-    compute: str = "emulate"  # or "model": a real tiny model's forward and backward (GPU machines)
-    device: str = "cpu"
-    gpu_cost: str = "family"  # the emulated GPU cost: the model family's (superlinear) or "linear" (tokens only)
-    profiles: bool = True  # False: no profile table (costs from probing each clip, as a new user's data)
-    estimate_noise: float = 0.0  # > 0: the costs the loaders plan with are off by a seeded log-normal factor
-    data_dir: str = str(Path.home() / ".cache" / "helix" / "bench-data")
-
-    def __post_init__(self):
-        bad = [s for s in self.systems if s not in SYSTEMS]
-        if bad:
-            raise ValueError(f"systems {bad}; valid: {', '.join(SYSTEMS)}")
-        if self.regime not in REGIMES:
-            raise ValueError(f"regime={self.regime!r}; valid: {', '.join(REGIMES)}")
-        if self.compute not in ("emulate", "model"):
-            raise ValueError(f"compute={self.compute!r}; valid: emulate, model")
-        if not (0.0 <= self.estimate_noise < 10.0):
-            raise ValueError(f"estimate_noise={self.estimate_noise!r}: a log-normal sigma in [0, 10)")
-        if self.gpu_cost not in ("family", "linear"):
-            raise ValueError(f"gpu_cost={self.gpu_cost!r}; valid: family, linear")
-        if self.model not in GPU_COSTS:
-            raise ValueError(f"model={self.model!r}; valid: {', '.join(GPU_COSTS)}")
-        if min(self.ranks, self.batch_size, self.budget, self.steps, self.prefetch, self.clips, self.window) < 1 \
-                or self.warmup < 0:
-            raise ValueError("ranks, batch_size, budget, steps, prefetch, clips and window must be >= 1, warmup >= 0")
-        if self.budget < self.ranks + self.remote_servers and "helix" in "".join(self.systems):
-            raise ValueError(f"budget {self.budget} is too small for {self.ranks} local + {self.remote_servers} "
-                             "remote DataServers (each needs at least one worker)")
+__all__ = ["run_bench", "run_one"]
 
 
 def _free_port() -> int:
@@ -117,91 +64,6 @@ def expected_indices(n: int, cfg: BenchConfig, total_steps: int | None = None) -
             epoch += 1
         out.append(steps[:total])
     return out
-
-
-def _roles(procs, cluster, pool) -> dict[str, list[int]]:
-    roles = {"ranks": [p.pid for p in procs if p.pid]}
-    if cluster is not None:
-        roles["coordinator"] = [cluster.coordinator_pid]
-        roles["dataservers"] = [s.pid for s in cluster.servers]
-    if pool is not None:
-        roles.update(pool.pids())
-    return roles
-
-
-#: the role of the processes that decode, per kind of system (their CPU minus the decode is overhead)
-_CHILD_ROLES = {"ranks": "loader-workers", "dataservers": "workers"}
-
-
-def _run_system(system: str, cfg: BenchConfig, plan: RankPlan, live) -> tuple[list, dict]:
-    """Start the system's shared parts, run the rank processes; return (results, measurement):
-    CPU snapshots by role and wall times (``time.time()``) at the start and end of the measured steps."""
-    import psutil
-
-    from helix_core.config import ClusterConfig
-    from helix_core.runtime.cluster import LocalCluster, host_layout
-    from .cpuroles import snapshot
-
-    ctx = mp.get_context("spawn")
-    results, progress = ctx.Queue(), ctx.Queue()
-    cluster = pool = None
-    procs = []
-    try:
-        if system.startswith("helix"):
-            if cfg.remote_servers:  # the rd sweep: one server per rank plus the sidecars, the budget spread over all
-                local, per = cfg.ranks, max(1, cfg.budget // (cfg.ranks + cfg.remote_servers))
-            else:  # the budget's workers laid out as an embedded cluster lays them out
-                local, per = host_layout(cfg.ranks, cfg.budget)
-            cluster = LocalCluster(local_servers=local, remote_servers=cfg.remote_servers, workers_per_server=per,
-                                   config=ClusterConfig(**CLUSTER_VARIANTS.get(system, {})))
-            plan = replace(plan, coordinator=cluster.address)
-        elif system in RAY_MODES:
-            from .raypool import RayPool
-
-            pool = RayPool(cfg.budget, plan.dataset, mode=RAY_MODES[system])
-            plan = replace(plan, ray=pool.info())
-        procs = [ctx.Process(target=rank_main, args=(r, plan, results, progress), daemon=False)
-                 for r in range(cfg.ranks)]
-        for p in procs:
-            p.start()
-        got, m = [], {}
-        me = os.getpid()
-
-        def measure(key: str) -> None:
-            m[key] = (time.time(), snapshot(_roles(procs, cluster, pool), me, _CHILD_ROLES), psutil.cpu_times())
-
-        deadline = time.monotonic() + 3600
-        while len(got) < cfg.ranks and time.monotonic() < deadline:
-            try:
-                while True:
-                    _, rank, step = progress.get_nowait()
-                    live(system, rank, step)
-                    if rank == 0 and step == cfg.warmup:
-                        measure("start")
-            except queue.Empty:
-                pass
-            try:
-                got.append(results.get(timeout=0.05))
-                if len(got) == 1:
-                    measure("end")
-            except queue.Empty:
-                if not any(p.is_alive() for p in procs) and results.empty():
-                    break
-        errors = [g for g in got if g[0] == "error"]
-        if errors or len(got) < cfg.ranks:
-            detail = errors[0][2] if errors else "a rank process exited without a result"
-            raise RuntimeError(f"{system}: {detail}")
-        return got, m
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=10)
-        if cluster is not None:
-            cluster.close()
-        if pool is not None:
-            pool.close()
 
 
 def measured_gpu_s(expected: list, tokens: dict, cost: GpuCost, scale: float) -> float:

@@ -63,7 +63,8 @@ def _need_bench() -> None:
 def _cmd_demo(a, console) -> int:
     """The embedded default job: a small kinetics-mixed run, native DataLoader against Helix."""
     _need_bench()
-    from helix_bench.harness import BenchConfig, run_bench
+    from helix_bench.benchconfig import BenchConfig
+    from helix_bench.harness import run_bench
 
     out = Path(a.out) if a.out else cache_dir() / "demo-report"
     console.print(f"[bold]Helix demo[/]: {a.ranks} emulated ranks (gloo) on kinetics-mixed, {a.budget} decode workers "
@@ -116,7 +117,8 @@ def _cmd_bench(a, console) -> int:
                               data_dir=a.data or str(cache_dir() / "bench-data"))
         run_hosts_bench(cfg, a.out, console=console)
         return 0
-    from helix_bench.harness import BenchConfig, run_bench
+    from helix_bench.benchconfig import BenchConfig
+    from helix_bench.harness import run_bench
 
     configs = [BenchConfig(workload=w, model=a.model, ranks=a.ranks, batch_size=b, budget=a.budget,
                            systems=tuple(_split(a.systems)), warmup=a.warmup, steps=a.steps, regime=r,

@@ -1,8 +1,9 @@
 """The emulated GPU window and the regime calibration, on hand-made numbers."""
 import pytest
 
+from helix_bench.benchconfig import BenchConfig
 from helix_bench.emulate import GPU_COSTS, GpuCost, regime_window_scale
-from helix_bench.harness import BenchConfig, expected_indices
+from helix_bench.harness import expected_indices
 
 
 def test_model_cost_is_linear_plus_quadratic():

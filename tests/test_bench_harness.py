@@ -4,7 +4,8 @@ import json
 import pytest
 
 from helix_bench import harness
-from helix_bench.harness import BenchConfig, run_bench
+from helix_bench.benchconfig import BenchConfig
+from helix_bench.harness import run_bench
 
 
 @pytest.mark.timeout(400)
