@@ -39,6 +39,32 @@ def _cpu(procs) -> float:
     return total
 
 
+def _run_ns(procs) -> dict[tuple[int, int], int]:
+    """Nanoseconds each thread of ``procs`` has run (the scheduler's own count,
+    ``/proc/PID/task/TID/schedstat``), by (pid, tid): an idle process uses a few clock ticks in
+    30 s, so the 10 ms ticks ``cpu_times`` counts in would round it by as much as it measures."""
+    import os
+
+    out = {}
+    for p in procs:
+        try:
+            for tid in os.listdir(f"/proc/{p.pid}/task"):
+                with open(f"/proc/{p.pid}/task/{tid}/schedstat") as f:
+                    out[(p.pid, int(tid))] = int(f.read().split()[0])
+        except (OSError, ValueError, IndexError):
+            pass
+    return out
+
+
+def _idle_cpu_s(procs, before: dict, before_ticks: float) -> float:
+    """CPU-seconds since ``before``: by the scheduler's nanoseconds where every thread of then is
+    still there (an idle window starts and ends none), else by ``cpu_times`` (exited threads too)."""
+    after = _run_ns(procs)
+    if before and set(before) <= set(after):
+        return sum(after[k] - before.get(k, 0) for k in after) / 1e9
+    return _cpu(procs) - before_ticks
+
+
 def measure_idle(seconds: float = 30.0, settle_s: float = 3.0) -> dict:
     """(a): % of one core used by an idle cluster with 2 local servers (by role), over ``seconds``."""
     from helix_core.runtime.cluster import LocalCluster
@@ -46,11 +72,11 @@ def measure_idle(seconds: float = 30.0, settle_s: float = 3.0) -> dict:
     with LocalCluster(local_servers=2, workers_per_server=1, token=True) as cluster:
         time.sleep(settle_s)  # start-up work (imports, registration) is not idle time
         roles = _cluster_processes(cluster)
-        before = {r: _cpu(ps) for r, ps in roles.items()}
+        before = {r: (_run_ns(ps), _cpu(ps)) for r, ps in roles.items()}
         t0 = time.monotonic()
         time.sleep(seconds)
         elapsed = time.monotonic() - t0
-        by_role = {r: 100.0 * (_cpu(ps) - before[r]) / elapsed for r, ps in roles.items()}
+        by_role = {r: 100.0 * _idle_cpu_s(ps, *before[r]) / elapsed for r, ps in roles.items()}
     return {"idle_pct_of_core": sum(by_role.values()), "idle_pct_by_role": by_role, "seconds": elapsed,
             "processes": sum(len(ps) for ps in roles.values())}
 
