@@ -29,7 +29,7 @@ def cluster():
 
 
 def test_a_dataserver_runs_an_earlier_deadline_first(cluster):
-    ds = IndexDataset(3, delays={0: 0.6, 1: 0.05, 2: 0.05})
+    ds = IndexDataset(3, delays={0: 2.0, 1: 0.05, 2: 0.05})
     client = ClusterClient(cluster.address, None, CFG, 0, 1)
     try:
         spec = make_spec(ds, None, client.pickle_allowed)
@@ -48,7 +48,7 @@ def test_a_dataserver_runs_an_earlier_deadline_first(cluster):
             fut.add_done_callback(landed)
             return fut
 
-        futures = [send(1, 0, None)]  # occupies the only worker for 0.6 s
+        futures = [send(1, 0, None)]  # occupies the only worker for 2 s (seen running by a poll on a loaded machine)
         stub = client.stub(address)
         wait_for(lambda: stub.Health(pb.HealthRequest(), timeout=5, metadata=client.metadata).inflight == 1, timeout_s=30,
                  what="the first task running")  # on a slow machine it may not have started yet
@@ -192,7 +192,8 @@ def test_requests_run_ahead_into_the_next_epoch_and_are_adopted_or_cancelled(clu
         assert ld.state_dict()["epoch"] == 7
     for epoch, got in ((1, first), (2, second), (7, seventh)):
         assert got == [b["index"].tolist() for b in torch_batches(ds, 2, 0, 1, shuffle=True, seed=1, epoch=epoch)]
-    wait_for(lambda: not busy_segments(cluster), 10, "every slab released after close")
+    # within a second on a quiet machine; a loaded one (the whole suite beside other work) takes longer
+    wait_for(lambda: not busy_segments(cluster), 30, "every slab released after close")
 
 
 def test_a_batch_that_would_miss_its_deadline_fans_out_and_merges_exactly(cluster):
