@@ -87,7 +87,7 @@ def _run_point(cfg: HostBenchConfig, hosts, system: str, k: int, plan, tmp: Path
                                                                  str(max(1, math.ceil(cfg.sidecar_cpus))),
                                                                  "--host", hosts.address(f"s{s}"), *extra], env)[0])
             plan = replace(plan, coordinator=info["address"])
-        plan = replace(plan, system="helix" if helix else system, port=29700 + 10 * k + helix)
+        plan = replace(plan, system="helix" if system == "helix-grpc" else system, port=29700 + 10 * k + helix)
         ranks = []
         for r in range(cfg.ranks):
             out = tmp / f"{system}-{k}-rank{r}.json"
@@ -114,6 +114,13 @@ def _run_point(cfg: HostBenchConfig, hosts, system: str, k: int, plan, tmp: Path
         for key in ("deadline_p50_s", "window_s_per_unit"):  # medians over the ranks: what placement aimed at
             values = sorted(float(s[key]) for s in stats if s.get(key) is not None)
             routed[key] = values[len(values) // 2] if values else None
+        tier2: dict[str, float] = {}  # helix-tier2: the ranks' round counters, summed
+        for st in stats:
+            for key, n in (st.get("rebalance") or {}).items():
+                if isinstance(n, (int, float)):
+                    tier2[key] = tier2.get(key, 0) + n
+        if tier2:
+            routed["tier2"] = tier2
         return {"records": [rec for g in results for rec in g["payload"]], "placement_reasons": reasons, **routed,
                 "cross_ds_bytes": sum(int(g["extra"].get("stats", {}).get("cross_ds_bytes", 0) or 0) for g in results)}
     finally:

@@ -13,7 +13,9 @@ def _write(result: dict, out: Path) -> None:
     lines = ["# Helix on emulated hosts: the sidecar sweep", "",
              f"- {c['hosts']} hosts x {c['ranks_per_host']} ranks, {c['host_cpus']} CPU each; sidecars at "
              f"{c['sidecar_cpus']} CPU; link {c['link_mbps'] or 'unlimited'} Mbit/s; {c['workload']}, batch "
-             f"{c['batch_size']}, {result['steps']} measured steps after {result['warmup']}",
+             f"{c['batch_size']}, {result['steps']} measured steps after {result['warmup']}"
+             + (f"; planner's estimates off by a log-normal factor (sigma {c['estimate_noise']:g})"
+                if c.get("estimate_noise") else ""),
              f"- decode {', '.join(f'{d:.2f}' for d in result.get('decode_s_rounds', [result['decode_s']]))} CPU-s of the "
              f"measured samples (the yardstick, measured again before each round); token-balanced GPU "
              f"{result['gpu_s']:.2f} s",
@@ -32,6 +34,15 @@ def _write(result: dict, out: Path) -> None:
                      f"{p['limited_by']} | {vs} | {100 * p.get('miss_rate', float('nan')):.1f} | "
                      f"{p['cross_ds_bytes'] / 1e6:.1f} | {util} | "
                      f"{p['input_wait_mean_s']:.4f} | {remote} |")
+    tier2 = [p for p in result["points"] if p.get("tier2")]
+    if tier2:  # helix-tier2: what its rounds moved, and what crossed hosts (each host's member, all_to_all)
+        lines += ["", "| Tier-2 at sidecars | Rounds asked | Rows moved | Moved (MB) | Rows' takes across hosts "
+                  "| Across hosts (MB) |", "|---|---|---|---|---|---|"]
+        for p in tier2:
+            t = p["tier2"]
+            across = sum(v for k, v in t.items() if k.startswith("crossed_") and k != "crossed_bytes")
+            lines.append(f"| {p['sidecars']} | {t.get('asked', 0):.0f} | {t.get('moved_in', 0):.0f} | "
+                         f"{t.get('moved_bytes', 0) / 1e6:.1f} | {across:.0f} | {t.get('crossed_bytes', 0) / 1e6:.1f} |")
     lines += ["", "![Throughput and bound against sidecars](fig_sidecars.png)", ""]
     (out / "report.md").write_text("\n".join(lines))
     import matplotlib
@@ -40,7 +51,7 @@ def _write(result: dict, out: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    for name, style in (("helix", "o-"), ("helix-grpc", "s:")):
+    for name, style in (("helix", "o-"), ("helix-grpc", "s:"), ("helix-tier2", "^-.")):
         pts = [p for p in result["points"] if p["system"] == name]
         if pts:
             ax.plot([p["sidecars"] for p in pts], [p["throughput_sps"] for p in pts], style, label=name)

@@ -47,6 +47,7 @@ class HostBenchConfig:
     clips: int = 24
     scale: float = 0.5
     seed: int = 0
+    estimate_noise: float = 0.0  # > 0: the costs the loaders plan with are off by a seeded log-normal factor
     data_dir: str = str(Path.home() / ".cache" / "helix" / "bench-data")
 
     def __post_init__(self):
@@ -63,6 +64,8 @@ class HostBenchConfig:
             raise ValueError(f"--hosts {self.hosts} x --host-cpus {self.host_cpus} + {max(self.sidecars)} sidecars x "
                              f"--sidecar-cpus {self.sidecar_cpus} = {need:g} CPUs, more than this machine's {cores}: "
                              "the quotas would not hold")
+        if not 0.0 <= self.estimate_noise < 10.0:
+            raise ValueError(f"--estimate-noise {self.estimate_noise!r}: a log-normal sigma in [0, 10)")
         bad = [s for s in self.systems if s not in SYSTEMS]
         if bad:
             raise ValueError(f"--systems {bad}: the hosts mode runs {', '.join(SYSTEMS)}")
@@ -72,8 +75,10 @@ class HostBenchConfig:
         return self.hosts * self.ranks_per_host
 
 
-#: native; helix; helix-grpc: helix with remote batches sent by gRPC's Deliver, not the bulk path
-SYSTEMS = ("native", "helix", "helix-grpc")
+#: native; helix; helix-grpc: helix with remote batches sent by gRPC's Deliver, not the bulk path;
+#: helix-tier2: helix with Tier-2 rounds over all the ranks (rows that change host go through each
+#: host's member: one packed all_to_all)
+SYSTEMS = ("native", "helix", "helix-grpc", "helix-tier2")
 
 
 def _env(extra: dict) -> dict:
@@ -98,6 +103,7 @@ def run_hosts_bench(cfg: HostBenchConfig, out_dir, console=None) -> dict:
     from .metrics import Bound
     from .ranks import RankPlan
     from .samples import round_to_windows
+    from .timed import TimedClipDataset
 
     why = EmulatedHosts.unavailable()
     if why:
@@ -144,7 +150,12 @@ def run_hosts_bench(cfg: HostBenchConfig, out_dir, console=None) -> dict:
                 decode_rounds.append(decode_s)
             say(f"  {system} with {k} sidecar(s)" + (f" (round {rnd // len(runs) + 1} of {cfg.repeats})"
                                                      if cfg.repeats > 1 else "") + " ...")
-            got = _run_point(cfg, hosts, system, k, plan, Path(tmp), env)
+            point_plan = plan
+            if cfg.estimate_noise > 0:  # estimates the planner sees are off; the decoded samples keep their tokens
+                point_plan = replace(plan, dataset=TimedClipDataset(
+                    ds.manifest_path, model=cfg.model, decode_log=Path(tmp) / f"decode-{system}-{k}-{rnd}",
+                    estimate_noise=cfg.estimate_noise, noise_seed=cfg.seed).helix_spec())
+            got = _run_point(cfg, hosts, system, k, point_plan, Path(tmp), env)
             rank0 = [r for r in got["records"] if r["rank"] == 0]
             wall = sum(r["step_s"] for r in rank0)
             samples = sum(r["samples"] for r in got["records"])
@@ -167,7 +178,8 @@ def run_hosts_bench(cfg: HostBenchConfig, out_dir, console=None) -> dict:
                            "miss_rate": float(np.mean([r["input_wait_s"] > MISS_TOLERANCE_S for r in got["records"]])),
                            "placement_reasons": got["placement_reasons"],
                            **{k: got[k] for k in ("routed", "routed_remote", "server_cross_ds_bytes", "bulk_bytes",
-                                                  "local_dataserver_cpu_s", "deadline_p50_s", "window_s_per_unit")
+                                                  "local_dataserver_cpu_s", "deadline_p50_s", "window_s_per_unit",
+                                                  "tier2")
                                                   if k in got}})
             say(f"    {points[-1]['throughput_sps']:.2f} samples/s, {points[-1]['bound_fraction']:.0%} of the bound")
     result = {"config": {**asdict(cfg), "sidecars": list(cfg.sidecars), "systems": list(cfg.systems)},

@@ -114,7 +114,7 @@ def _cmd_bench(a, console) -> int:
                               ("native", "helix"), workload=_split(a.workload)[0], model=a.model,
                               batch_size=_split(a.batch_size, int)[0], warmup=a.warmup, steps=a.steps,
                               prefetch=a.prefetch, clips=a.clips, scale=a.scale, seed=a.seed,
-                              data_dir=a.data or str(cache_dir() / "bench-data"))
+                              estimate_noise=a.estimate_noise, data_dir=a.data or str(cache_dir() / "bench-data"))
         run_hosts_bench(cfg, a.out, console=console)
         return 0
     from helix_bench.benchconfig import BenchConfig

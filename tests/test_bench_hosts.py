@@ -20,6 +20,28 @@ def test_bad_host_bench_input_is_named_by_its_flag():
     with pytest.raises(ValueError, match="--systems"):
         HostBenchConfig(systems=("ray",))
     assert HostBenchConfig(systems=("helix", "helix-grpc")).systems == ("helix", "helix-grpc")  # the receive-path A/B
+    with pytest.raises(ValueError, match="--estimate-noise"):
+        HostBenchConfig(estimate_noise=-1.0)
+    assert HostBenchConfig(systems=("native", "helix-tier2"), estimate_noise=1.5).estimate_noise == 1.5
+
+
+def test_a_tier2_point_reports_what_its_rounds_moved_and_what_crossed_hosts(tmp_path):
+    """The host sweep's helix-tier2 row: its ranks' round counters, summed, in a table of their own."""
+    from helix_bench.hostreport import _write
+
+    cfg = {"hosts": 2, "ranks_per_host": 2, "host_cpus": 0.5, "sidecar_cpus": 0.5, "link_mbps": None,
+           "workload": "kinetics-mixed", "batch_size": 2, "repeats": 1, "estimate_noise": 1.5}
+    point = {"sidecars": 2, "cpus": 2.0, "throughput_sps": 4.0, "bound_sps": 5.0, "bound_fraction": 0.8,
+             "limited_by": "gpu", "vs_native": 2.0, "miss_rate": 0.1, "cross_ds_bytes": 0, "link_utilisation": None,
+             "input_wait_mean_s": 0.01}
+    tier2 = {"asked": 64, "kept": 40, "moved": 24, "moved_in": 30, "moved_bytes": 12e6, "crossed_collective": 9,
+             "crossed_bytes": 5e6}
+    _write({"config": cfg, "steps": 32, "warmup": 8, "decode_s": 10.0, "gpu_s": 9.0,
+            "points": [{**point, "system": "helix"}, {**point, "system": "helix-tier2", "tier2": tier2}]}, tmp_path)
+    report = (tmp_path / "report.md").read_text()
+    assert "sigma 1.5" in report
+    assert "| 2 | 64 | 30 | 12.0 | 9 | 5.0 |" in report  # rounds, rows moved, MB, takes across hosts, MB across
+    assert (tmp_path / "fig_sidecars.png").stat().st_size > 0
 
 
 @pytest.mark.slow
