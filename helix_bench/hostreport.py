@@ -36,7 +36,7 @@ def _write(result: dict, out: Path) -> None:
                      f"{p['input_wait_mean_s']:.4f} | {remote} |")
     tier2 = [p for p in result["points"] if p.get("tier2")]
     if tier2:  # helix-tier2: what its rounds moved, and what crossed hosts (each host's member, all_to_all)
-        lines += ["", "| Tier-2 at sidecars | Rounds asked | Rows moved | Moved (MB) | Rows' takes across hosts "
+        lines += ["", "| Tier-2 at sidecars | Batches sent to rounds | Rows moved | Moved (MB) | Rows' takes across hosts "
                   "| Across hosts (MB) |", "|---|---|---|---|---|---|"]
         for p in tier2:
             t = p["tier2"]

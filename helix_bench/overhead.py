@@ -48,20 +48,25 @@ def _run_ns(procs) -> dict[tuple[int, int], int]:
     out = {}
     for p in procs:
         try:
-            for tid in os.listdir(f"/proc/{p.pid}/task"):
+            tids = os.listdir(f"/proc/{p.pid}/task")
+        except OSError:
+            return None
+        for tid in tids:
+            try:
                 with open(f"/proc/{p.pid}/task/{tid}/schedstat") as f:
                     out[(p.pid, int(tid))] = int(f.read().split()[0])
-        except (OSError, ValueError, IndexError):
-            pass
+            except (OSError, ValueError, IndexError):
+                return None  # a thread ended while it was read: this count is incomplete
     return out
 
 
-def _idle_cpu_s(procs, before: dict, before_ticks: float) -> float:
-    """CPU-seconds since ``before``: by the scheduler's nanoseconds where every thread of then is
-    still there (an idle window starts and ends none), else by ``cpu_times`` (exited threads too)."""
+def _idle_cpu_s(procs, before: dict | None, before_ticks: float) -> float:
+    """CPU-seconds since ``before``: by the scheduler's nanoseconds where both counts are complete
+    and no thread came or went (an idle window starts and ends none), else by ``cpu_times``
+    (exited threads too)."""
     after = _run_ns(procs)
-    if before and set(before) <= set(after):
-        return sum(after[k] - before.get(k, 0) for k in after) / 1e9
+    if before and after is not None and set(before) == set(after):
+        return sum(after[k] - before[k] for k in after) / 1e9
     return _cpu(procs) - before_ticks
 
 

@@ -204,7 +204,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--budget", type=int, default=4, help="worker processes in all, for every system")
     s.add_argument("--systems", default=_ALL,
                    help="native, ray (idle-actor dispatch), ray-rr (round robin), helix, and the ablation variants "
-                        "helix-pool, helix-transport, helix-prefetch, helix-tier1, helix-nosteal")
+                        "helix-pool, helix-transport, helix-prefetch, helix-tier1, helix-nosteal, helix-tier2; with "
+                        "--hosts: native, helix, helix-grpc, helix-tier2")
     s.add_argument("--window", type=int, default=8, help="Tier-1 planning window (global steps) of balanced systems")
     s.add_argument("--warmup", type=int, default=20)
     s.add_argument("--steps", type=int, default=100)
@@ -232,7 +233,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="instead: move CLIPS (64) decoded clips among --ranks processes: gloo all_to_all vs one gRPC "
                         "call a clip vs a handle exchange (Tier 2's paths; --repeats rounds, default 5)")
     s.add_argument("--hosts", type=int, default=0,
-                   help="instead: the sidecar sweep on this many emulated GPU hosts (root; native and helix)")
+                   help="instead: the sidecar sweep on this many emulated GPU hosts (root; native and helix by default)")
     s.add_argument("--ranks-per-host", type=int, default=2)
     s.add_argument("--host-cpus", type=float, default=0.5, help="each emulated host's CPU quota (cores)")
     s.add_argument("--sidecars", default="0,1,2", help="comma-separated sidecar counts (the sweep)")

@@ -97,5 +97,39 @@ def test_tier2_features_are_taken_from_the_samples_decoded_in_place(kmix, tmp_pa
         def broken(sample):
             raise RuntimeError("no features today")
 
-        assert direct_batch(ds, hx.pad_collate, idx, pool, allow_pickle=False, featurize=featurize(broken)) is None
+        def replaces(sample):  # a feature_fn that swaps the video: the generic path collates what it made
+            sample["video"] = sample["video"].flip(0)
+            return {}
+
+        for fn in (broken, replaces):
+            assert direct_batch(ds, default_collate if fn is replaces else hx.pad_collate, [0, 0] if fn is replaces
+                                else idx, pool, allow_pickle=False, featurize=featurize(fn)) is None
+            assert pool.stats()["busy"] == 0
+
+
+def test_a_feature_fn_that_raises_is_a_sample_error_naming_the_sample_and_holds_no_slab(kmix, tmp_path):
+    """Through the worker's own task code: the slab path gives way to the generic one, which names
+    the sample and the policy's function; a good ``feature_fn`` gives the batch with its features."""
+    from helix_core.protocol import ErrorKind
+    from helix_core.runtime.shm import release_segment
+    from helix_core.runtime.worker import _run_task
+
+    ds = hx.VideoClipDataset(kmix / "manifest.jsonl")
+
+    def picky(sample):
+        if int(sample["index"]) == 4:
+            raise ValueError("index 4 has no features")
+        return {"frames": int(sample["video"].shape[0])}
+
+    with SlabPool(f"helix-test-direct-task-{tmp_path.name[-8:]}-") as pool:
+        task = {"task_id": 1, "spec_id": "s", "indices": [3, 4], "epoch": 0, "features": True}
+        got = _run_task(task, {"s": (ds, hx.pad_collate, picky)}, pool, None, False, lambda k: True)
+        assert got["error_kind"] == ErrorKind.SAMPLE and got["failure"]["index"] == 4
+        assert "Rebalance.feature_fn" in got["error"] and "index 4 has no features" in got["error"]
+        assert pool.stats()["busy"] == 0
+        got = _run_task({**task, "indices": [3, 5]}, {"s": (ds, hx.pad_collate, picky)}, pool, None, False,
+                        lambda k: True)
+        assert got["features"] == [{"frames": int(ds[i]["video"].shape[0])} for i in (3, 5)] and got["rows"] == 2
+        assert pool.stats()["busy"] == 1  # the batch's slab, until its reader releases it
+        release_segment(got["handle"])
         assert pool.stats()["busy"] == 0

@@ -13,6 +13,7 @@ shape) returns None so the caller takes the generic path, which reports errors a
 """
 from __future__ import annotations
 
+import logging
 import time
 
 import torch
@@ -23,6 +24,17 @@ from ..dataset import DirectDecode
 from .tensors import flatten, layout, write_tensors
 
 __all__ = ["direct_batch", "supports_direct"]
+
+log = logging.getLogger("helix.workers")
+_said: list = []  # a feature_fn that fails in place is said once per worker, not once per batch
+
+
+def _said_once(e: Exception) -> None:
+    if not _said:
+        _said.append(e)
+        log.warning("feature_fn failed on a batch decoded in its slab (%s: %s): such batches decode again the generic "
+                    "way. feature_fn sees each sample's video as a strided view of the batch's slab (non-contiguous "
+                    "where clips differ in size): use .reshape, not .view", type(e).__name__, e)
 
 HEADROOM = 1 << 20  # slab bytes reserved for the batch's other non-inline tensors
 
@@ -77,7 +89,7 @@ def _fill(dataset, collate, indices, shapes, slab, dims, allow_pickle, progress,
     video_bytes = b * t * c * h * w
     payload = torch.frombuffer(slab.payload, dtype=torch.uint8)
     video = payload[:video_bytes].view(dims)
-    samples, cpu = [], []
+    samples, cpu, slots = [], [], []
     for k, (index, shape) in enumerate(zip(indices, shapes)):
         if not may_start(k):  # the rest was stolen: the batch is the samples before it
             break
@@ -93,7 +105,16 @@ def _fill(dataset, collate, indices, shapes, slab, dims, allow_pickle, progress,
             slot.copy_(v)
         sample["video"] = slot
         samples.append(sample)
-    features = featurize(samples, [int(i) for i in indices[:len(samples)]]) if featurize is not None else None
+        slots.append(slot)
+    features = None
+    if featurize is not None:
+        try:
+            features = featurize(samples, [int(i) for i in indices[:len(samples)]])
+        except Exception as e:  # the generic path decodes again and names the sample, or works
+            _said_once(e)
+            return None
+        if any(s.get("video") is not slot for s, slot in zip(samples, slots)):
+            return None  # feature_fn replaced a video: the generic path collates what it made
     # a batch stopped short keeps the whole batch's padded size (the merge pads the other pieces to it)
     video = video[:len(samples)]
     video_bytes = video.numel()
@@ -102,7 +123,7 @@ def _fill(dataset, collate, indices, shapes, slab, dims, allow_pickle, progress,
     else:
         rest = default_collate([{k: v for k, v in s.items() if k != "video"} for s in samples])
         batch = {k: (video if k == "video" else rest[k]) for k in samples[0]}
-    del samples
+    del samples, slots
     tree_json, tree_pickle, tensors = flatten(batch, allow_pickle=allow_pickle)
     at = [k for k, x in enumerate(tensors) if x.data_ptr() == video.data_ptr() and x.shape == video.shape]
     if len(at) != 1:
