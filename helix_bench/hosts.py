@@ -162,14 +162,12 @@ def run_hosts_bench(cfg: HostBenchConfig, out_dir, console=None) -> dict:
             cpus_used = cfg.hosts * cfg.host_cpus + (k * cfg.sidecar_cpus if system != "native" else 0.0)
             bound = Bound(decode_s=decode_s, gpu_s=gpu_s, cpu_slots=max(1, math.ceil(cpus_used)), samples=len(flat),
                           capacity=cpus_used)
-            # the link term: the streamed bytes over the busiest link (each GPU host's receives its
-            # share, each sidecar's sends its share; both run at link_mbps); Tier 2's rows that change
-            # host cross the GPU hosts' links too
+            # the link term: the bytes over the busiest link, all at link_mbps. Each GPU host's link
+            # carries its share of the streamed batches and of Tier 2's rows that change host; each
+            # sidecar's its share of the streamed batches.
             crossed = got["cross_ds_bytes"] + int(got.get("tier2", {}).get("crossed_bytes", 0))
-            link_s = (got["cross_ds_bytes"] * 8 / (cfg.link_mbps * 1e6 * min(cfg.hosts, k)) if cfg.link_mbps and k
-                      else 0.0)
-            if cfg.link_mbps and crossed > got["cross_ds_bytes"]:
-                link_s = max(link_s, crossed * 8 / (cfg.link_mbps * 1e6 * cfg.hosts))
+            busiest = max(crossed / cfg.hosts, got["cross_ds_bytes"] / k if k else 0.0)
+            link_s = busiest * 8 / (cfg.link_mbps * 1e6) if cfg.link_mbps else 0.0
             bound_sps = len(flat) / max(bound.time_s, link_s)
             points.append({"system": system, "sidecars": k, "round": rnd // len(runs), "cpus": cpus_used,
                            "decode_s": decode_s,

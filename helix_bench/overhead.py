@@ -39,10 +39,11 @@ def _cpu(procs) -> float:
     return total
 
 
-def _run_ns(procs) -> dict[tuple[int, int], int]:
+def _run_ns(procs) -> dict[tuple[int, int], int] | None:
     """Nanoseconds each thread of ``procs`` has run (the scheduler's own count,
     ``/proc/PID/task/TID/schedstat``), by (pid, tid): an idle process uses a few clock ticks in
-    30 s, so the 10 ms ticks ``cpu_times`` counts in would round it by as much as it measures."""
+    30 s, so the 10 ms ticks ``cpu_times`` counts in would round it by as much as it measures.
+    None when a read failed (a thread ended while it was read)."""
     import os
 
     out = {}

@@ -101,10 +101,10 @@ def test_tier2_features_are_taken_from_the_samples_decoded_in_place(kmix, tmp_pa
             sample["video"] = sample["video"].flip(0)
             return {}
 
-        for fn in (broken, replaces):
-            assert direct_batch(ds, default_collate if fn is replaces else hx.pad_collate, [0, 0] if fn is replaces
-                                else idx, pool, allow_pickle=False, featurize=featurize(fn)) is None
-            assert pool.stats()["busy"] == 0
+        assert direct_batch(ds, hx.pad_collate, idx, pool, allow_pickle=False, featurize=featurize(broken)) is None
+        assert pool.stats()["busy"] == 0
+        assert direct_batch(ds, default_collate, [0, 0], pool, allow_pickle=False, featurize=featurize(replaces)) is None
+        assert pool.stats()["busy"] == 0
 
 
 def test_a_feature_fn_that_raises_is_a_sample_error_naming_the_sample_and_holds_no_slab(kmix, tmp_path):
