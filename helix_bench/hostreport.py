@@ -36,12 +36,13 @@ def _write(result: dict, out: Path) -> None:
                      f"{p['input_wait_mean_s']:.4f} | {remote} |")
     tier2 = [p for p in result["points"] if p.get("tier2")]
     if tier2:  # helix-tier2: what its rounds moved, and what crossed hosts (each host's member, all_to_all)
-        lines += ["", "| Tier-2 at sidecars | Batches sent to rounds | Rows moved | Moved (MB) | Rows' takes across hosts "
-                  "| Across hosts (MB) |", "|---|---|---|---|---|---|"]
+        lines += ["", "| Tier-2 at sidecars | Batches sent to rounds | Moved / kept (ranks' views) | Rows moved "
+                  "| Moved (MB) | Rows' takes across hosts | Across hosts (MB) |", "|---|---|---|---|---|---|---|"]
         for p in tier2:
             t = p["tier2"]
             across = sum(v for k, v in t.items() if k.startswith("crossed_") and k != "crossed_bytes")
-            lines.append(f"| {p['sidecars']} | {t.get('asked', 0):.0f} | {t.get('moved_in', 0):.0f} | "
+            lines.append(f"| {p['sidecars']} | {t.get('asked', 0):.0f} | {t.get('moved', 0):.0f} / {t.get('kept', 0):.0f} | "
+                         f"{t.get('moved_in', 0):.0f} | "
                          f"{t.get('moved_bytes', 0) / 1e6:.1f} | {across:.0f} | {t.get('crossed_bytes', 0) / 1e6:.1f} |")
     lines += ["", "![Throughput and bound against sidecars](fig_sidecars.png)", ""]
     (out / "report.md").write_text("\n".join(lines))

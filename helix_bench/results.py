@@ -96,15 +96,17 @@ def tier2_rounds(stats_by_rank: list[dict], cost, seconds_per_unit: float) -> di
     """The ranks' views of each Tier-2 round (``stats()["rebalance_rounds"]``, one round a global
     step) joined: rounds seen by every rank, by outcome; the gain the leader projected for the rounds
     it moved against the gain realised — the slowest rank's GPU cost (``cost(index)``) before the
-    round minus after it, in seconds at ``seconds_per_unit`` — and the rounds' wait at the ranks."""
+    round minus after it, in seconds at ``seconds_per_unit`` — the rounds' wait at the ranks, and the
+    ranks' wait for input per step that the default gate discounted from its projection."""
     by_step: dict = {}
     for st in stats_by_rank:
         for rec in st.get("rebalance_rounds") or ():
             key = (rec.get("group"), rec.get("run"), rec["epoch"], rec["position"])
             by_step.setdefault(key, {})[rec.get("rank", len(by_step.get(key, {})))] = rec  # a rank's latest view
     out = {"rounds": 0, "moved": 0, "kept": 0, "alone": 0, "error": 0, "partial": 0, "projected_gain_s": 0.0,
-           "realised_gain_s": 0.0, "transfer_s": 0.0, "moved_samples": 0, "moved_bytes": 0, "wait_s_p50": None}
-    waits = []
+           "realised_gain_s": 0.0, "transfer_s": 0.0, "moved_samples": 0, "moved_bytes": 0, "wait_s_p50": None,
+           "input_wait_s_p50": None}
+    waits, input_waits = [], []
     for views in by_step.values():
         recs = list(views.values())
         waits += [r["wait_s"] for r in recs]
@@ -112,6 +114,7 @@ def tier2_rounds(stats_by_rank: list[dict], cost, seconds_per_unit: float) -> di
             out["partial"] += 1  # a round whose other ranks' views fell outside the records kept
             continue
         out["rounds"] += 1
+        input_waits.append(recs[0].get("input_wait_s", 0.0))  # the wait per step the gate discounted
         kind = recs[0]["outcome"].split(":")[0]
         out[kind if kind in out else "error"] += 1
         if kind != "moved" or any(not r["before"] or min(r["before"] + r["after"]) < 0 for r in recs):
@@ -124,6 +127,8 @@ def tier2_rounds(stats_by_rank: list[dict], cost, seconds_per_unit: float) -> di
         out["moved_bytes"] += sum(r["moved_bytes"] for r in recs)
     if waits:
         out["wait_s_p50"] = float(np.median(waits))
+    if input_waits:
+        out["input_wait_s_p50"] = float(np.median(input_waits))
     return out
 
 

@@ -1,12 +1,15 @@
 """Tier-2 policy and plan (pure): the user's config, valid assignments, sends / receives / keeps,
 the default policy's equal-count LPT and its cost gate."""
+import dataclasses
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import helix_core as hx
 from helix_core.planning.rebalance import (GateArgs, Rebalance, balance_cost, check_assignment, default_features,
-                                           gate, lpt_within_steps, plan_exchange, step_loads, transfer_s)
+                                           gate, lpt_within_steps, plan_exchange, projected_gain_s, step_loads,
+                                           transfer_s)
 
 
 def _round(costs_by_step_rank: list[list[list[float]]], nbytes: int = 1000) -> list[dict]:
@@ -121,6 +124,19 @@ def test_the_gate_keeps_a_balanced_round_and_moves_only_when_the_gain_pays_for_t
     assert balance_cost(balanced, fast) == [0, 0, 1, 1]  # LPT would move, but 0 s gained
     tiny = _round([[[12, 10], [10, 10]]], nbytes=1)
     assert balance_cost(tiny, GateArgs(seconds_per_unit=1e-9, latency_s=1e-3)) == [0, 0, 1, 1]  # gain < latency
+
+
+def test_where_every_rank_waits_for_input_a_gpu_saving_under_the_wait_moves_nothing():
+    skewed = _round([[[900, 800], [10, 10]], [[700, 700], [10, 10]]], nbytes=1)  # two steps: 1.7 s and 1.4 s
+    busy = GateArgs(seconds_per_unit=1e-3, bandwidth_bps=10e9, same_host={0: "h", 1: "h"})
+    current = [f["rank"] for f in skewed]
+    moved = balance_cost(skewed, busy)
+    gpu_bound = projected_gain_s(skewed, moved, busy)  # 0.79 + 0.69 s saved on the slowest ranks
+    assert moved != current and abs(gpu_bound - 1.48) < 1e-9
+    waiting = dataclasses.replace(busy, input_wait_s=0.7)  # each step waits 0.7 s for its input anyway
+    assert abs(projected_gain_s(skewed, moved, waiting) - 0.09) < 1e-9  # only step 0 saves beyond the wait
+    assert balance_cost(skewed, dataclasses.replace(busy, input_wait_s=0.8)) == current  # saves nothing: kept
+    assert gate(skewed, moved, dataclasses.replace(busy, input_wait_s=0.8))[1] == 0.0
 
 
 def test_default_features_are_the_samples_tokens_and_bytes():

@@ -109,3 +109,27 @@ def test_a_run_is_named_by_its_resume_point_and_under_torchrun_by_the_jobs_attem
     first = run_name("2:7", env={"TORCHELASTIC_RUN_ID": "j", "TORCHELASTIC_RESTART_COUNT": "0"})
     again = run_name("2:7", env={"TORCHELASTIC_RUN_ID": "j", "TORCHELASTIC_RESTART_COUNT": "1"})
     assert first == "2:7@j/0" and again == "2:7@j/1"  # two attempts resumed from one checkpoint never meet
+
+
+def _default_request(rank: int, tokens: list[int], input_wait_s: float, step: int) -> pb.RebalanceRequest:
+    r = _request(rank, step=step, timeout_s=5.0)
+    r.features_json = "[" + ", ".join(f'{{"tokens": {t}, "bytes": 1}}' for t in tokens) + "]"
+    r.seconds_per_unit, r.input_wait_s = 1e-3, input_wait_s
+    r.policy_id, r.policy, r.policy_format = "default", b'{"sort_fn": null, "args": null}', "json"
+    return r
+
+
+def test_the_default_gate_keeps_a_skewed_round_whose_ranks_all_wait_longer_for_input_than_it_would_save():
+    skew = ([1000, 900], [1, 1])  # rank 0's step is 1.9 s of GPU, rank 1's 2 ms: LPT would save 0.9 s
+    table = RoundTable(allow_pickle=True)
+    calls = [_call(table, _default_request(r, skew[r], wait, 0)) for r, wait in ((0, 1.5), (1, 1.0))]
+    for t, _ in calls:
+        t.join(10)
+    replies = [box[0] for _, box in calls]
+    assert [r.outcome for r in replies] == ["kept", "kept"]  # input binds: the saving would only be waited away
+    assert all(r.input_wait_s == 1.0 and r.gain_s == 0.0 and not r.moved_in for r in replies)
+    calls = [_call(table, _default_request(r, skew[r], wait, 1)) for r, wait in ((0, 1.5), (1, 0.0))]
+    for t, _ in calls:
+        t.join(10)
+    replies = [box[0] for _, box in calls]  # rank 1 never waits: the gate moves (these slabs do not exist)
+    assert all(r.input_wait_s == 0.0 and "slab" in r.outcome and r.outcome.startswith("error") for r in replies)

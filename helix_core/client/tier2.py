@@ -33,6 +33,7 @@ __all__ = ["STEP_STRIDE", "RoundLost", "Tier2", "policy_spec", "rebalance_group"
 log = logging.getLogger("helix.tier2")
 
 STEP_STRIDE = 1 << 32  # a global step is epoch * STEP_STRIDE + the batch's position in the epoch
+WAIT_STEPS = 16  # a rank's wait for input is the mean of its last this many batches
 
 
 class RoundLost(Exception):
@@ -100,6 +101,13 @@ class Tier2:
         """The run continues from ``epoch`` / ``position`` (every rank loads the same point)."""
         self.run = run_name(f"{epoch}:{position}")
 
+    def _input_wait_s(self) -> float:
+        """This rank's mean wait for input per batch over its last ``WAIT_STEPS`` (0 before any): a
+        mean, not a median, since a rank that waits now and then (a slow batch in four) loses that
+        time as surely as one that waits a little every step."""
+        waits = list(self.stats.input_wait)[-WAIT_STEPS:]
+        return float(sum(waits) / len(waits)) if waits else 0.0
+
     def exchange(self, task, replies, stop):
         """The batch of ``task`` after its round, from its parts' ``replies`` (all succeeded)."""
         batches, rows, features, indices = [], [], [], []
@@ -136,6 +144,7 @@ class Tier2:
             features_json=json.dumps(features), host=self.client.host, buffer_size=r.buffer_size,
             timeout_s=r.wait_s(self.deadlines.deadline(task.seq)), policy_id=self.policy[0], policy=self.policy[1], policy_format=self.policy[2],
             client_id=self.client.client_id, seconds_per_unit=self.deadlines.seconds_per_unit or 0.0,
+            input_wait_s=self._input_wait_s(),
             indices=indices if len(indices) == sum(rows) else (), exchange=r.exchange,
             delivery=self.client.servers.delivery[1] if self.client.servers.delivery else "")
         # the round's wait, then its exchange (the collective, then maybe gRPC), then the reply
@@ -167,6 +176,7 @@ class Tier2:
             "group": self.name, "run": self.run, "rank": self.client.rank, "group_size": len(self.group),
             "epoch": task.epoch, "position": task.position, "outcome": reply.outcome, "closed_by": reply.closed_by,
             "round_samples": reply.round_samples, "gain_s": reply.gain_s, "transfer_s": reply.transfer_s,
+            "input_wait_s": reply.input_wait_s,
             "moved_in": reply.moved_in, "moved_out": reply.moved_out, "moved_bytes": reply.moved_bytes,
             "crossed_bytes": reply.crossed_bytes, "wait_s": time.perf_counter() - t0,
             "before": [int(i) for i in request.indices], "after": [int(i) for t in reply.takes for i in t.indices]})

@@ -183,10 +183,6 @@ def step_loads(features: Features, assignment: Sequence[int], key: str = "cost")
     return loads
 
 
-def _slowest_sum(features: Features, assignment: Sequence[int], key: str) -> float:
-    return sum(max(ranks.values()) for ranks in step_loads(features, assignment, key).values())
-
-
 def lpt_within_steps(features: Features, key: str = "cost") -> list[int]:
     """Equal-count LPT of ``features[key]`` inside each step: largest sample first to the least
     loaded rank of its step that still has room. Deterministic; a tie goes to the sample's own
@@ -214,13 +210,17 @@ class GateArgs:
     """The default policy's arguments. ``seconds_per_unit``: seconds of GPU step per cost unit (the
     loader learns it from measured windows); ``bandwidth_bps``: bytes/s of the exchange between
     servers of different hosts; ``latency_s``: a round's fixed cost; ``margin``: the gain must
-    exceed the transfer by this fraction; ``key``: the feature that is the sample's GPU cost."""
+    exceed the transfer by this fraction; ``key``: the feature that is the sample's GPU cost;
+    ``input_wait_s``: seconds per step that every rank of the round waits for its input (the least
+    of the ranks' recent means; the runtime fills it in): where input binds the steps, a GPU
+    saving only turns into more waiting, so each step's saving counts only beyond that wait."""
 
     seconds_per_unit: float = 1e-6
     bandwidth_bps: float = 1e9
     latency_s: float = 1e-3
     margin: float = 0.1
     key: str = "cost"
+    input_wait_s: float = 0.0
     same_host: dict = field(default_factory=dict)  # {rank: host}: moves within a host copy no bytes
 
     @classmethod
@@ -235,9 +235,12 @@ class GateArgs:
 
 
 def projected_gain_s(features: Features, assignment: Sequence[int], args: GateArgs) -> float:
-    """Seconds saved over the round's steps: the slowest rank's cost now minus under ``assignment``."""
+    """Seconds saved over the round's steps: in each step, the slowest rank's GPU time now minus
+    under ``assignment``, less the step's input wait (``args.input_wait_s``), never below zero."""
     current = [f["rank"] for f in features]
-    return (_slowest_sum(features, current, args.key) - _slowest_sum(features, assignment, args.key)) * args.seconds_per_unit
+    now, new = step_loads(features, current, args.key), step_loads(features, assignment, args.key)
+    return sum(max(0.0, (max(now[s].values()) - max(new[s].values())) * args.seconds_per_unit - args.input_wait_s)
+               for s in now)
 
 
 def transfer_s(features: Features, assignment: Sequence[int], args: GateArgs) -> float:

@@ -14,7 +14,13 @@ from ..planning.rounds import Round
 from .proto import helix_pb2 as pb
 from .specs import resolve_function
 
-__all__ = ["RoundPolicy", "load_policy"]
+__all__ = ["RoundPolicy", "load_policy", "round_wait_s"]
+
+
+def round_wait_s(calls) -> float:
+    """The wait for input per step that every rank of the round has (the least of their recent
+    means): the default gate counts a step's GPU saving only beyond it."""
+    return min((max(0.0, c.request.input_wait_s) for c in calls), default=0.0)
 
 
 def load_policy(payload: bytes, fmt: str, allow_pickle: bool):
@@ -52,8 +58,10 @@ class RoundPolicy:
             gate_args = GateArgs.of(args)
             spu = max(c.request.seconds_per_unit for c in calls)
             given = args if isinstance(args, dict) else {}
-            gate_args = dataclasses.replace(gate_args, same_host=hosts, **(
-                {"seconds_per_unit": spu} if spu > 0 and "seconds_per_unit" not in given else {}))
+            learned = {"seconds_per_unit": spu} if spu > 0 and "seconds_per_unit" not in given else {}
+            if "input_wait_s" not in given:  # a step waits for the input of its slowest-to-arrive rank
+                learned["input_wait_s"] = round_wait_s(calls)
+            gate_args = dataclasses.replace(gate_args, same_host=hosts, **learned)
             for f in features:
                 f.setdefault(gate_args.key, f.get("tokens", 0))
         gain = cost = 0.0

@@ -417,7 +417,7 @@ class HealthReply(_message.Message):
     def __init__(self, server_id: _Optional[str] = ..., workers_alive: _Optional[int] = ..., queue_depth: _Optional[int] = ..., serving: _Optional[bool] = ..., worker_pids: _Optional[_Iterable[int]] = ..., pid: _Optional[int] = ..., inflight: _Optional[int] = ...) -> None: ...
 
 class RebalanceRequest(_message.Message):
-    __slots__ = ("group", "group_size", "rank", "step", "batches", "batch_rows", "features_json", "host", "buffer_size", "timeout_s", "policy_id", "policy", "policy_format", "client_id", "seconds_per_unit", "indices", "delivery", "exchange", "run")
+    __slots__ = ("group", "group_size", "rank", "step", "batches", "batch_rows", "features_json", "host", "buffer_size", "timeout_s", "policy_id", "policy", "policy_format", "client_id", "seconds_per_unit", "indices", "delivery", "exchange", "run", "input_wait_s")
     GROUP_FIELD_NUMBER: _ClassVar[int]
     GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
@@ -437,6 +437,7 @@ class RebalanceRequest(_message.Message):
     DELIVERY_FIELD_NUMBER: _ClassVar[int]
     EXCHANGE_FIELD_NUMBER: _ClassVar[int]
     RUN_FIELD_NUMBER: _ClassVar[int]
+    INPUT_WAIT_S_FIELD_NUMBER: _ClassVar[int]
     group: str
     group_size: int
     rank: int
@@ -456,7 +457,8 @@ class RebalanceRequest(_message.Message):
     delivery: str
     exchange: str
     run: str
-    def __init__(self, group: _Optional[str] = ..., group_size: _Optional[int] = ..., rank: _Optional[int] = ..., step: _Optional[int] = ..., batches: _Optional[_Iterable[_Union[BatchHandle, _Mapping]]] = ..., batch_rows: _Optional[_Iterable[int]] = ..., features_json: _Optional[str] = ..., host: _Optional[str] = ..., buffer_size: _Optional[int] = ..., timeout_s: _Optional[float] = ..., policy_id: _Optional[str] = ..., policy: _Optional[bytes] = ..., policy_format: _Optional[str] = ..., client_id: _Optional[str] = ..., seconds_per_unit: _Optional[float] = ..., indices: _Optional[_Iterable[int]] = ..., delivery: _Optional[str] = ..., exchange: _Optional[str] = ..., run: _Optional[str] = ...) -> None: ...
+    input_wait_s: float
+    def __init__(self, group: _Optional[str] = ..., group_size: _Optional[int] = ..., rank: _Optional[int] = ..., step: _Optional[int] = ..., batches: _Optional[_Iterable[_Union[BatchHandle, _Mapping]]] = ..., batch_rows: _Optional[_Iterable[int]] = ..., features_json: _Optional[str] = ..., host: _Optional[str] = ..., buffer_size: _Optional[int] = ..., timeout_s: _Optional[float] = ..., policy_id: _Optional[str] = ..., policy: _Optional[bytes] = ..., policy_format: _Optional[str] = ..., client_id: _Optional[str] = ..., seconds_per_unit: _Optional[float] = ..., indices: _Optional[_Iterable[int]] = ..., delivery: _Optional[str] = ..., exchange: _Optional[str] = ..., run: _Optional[str] = ..., input_wait_s: _Optional[float] = ...) -> None: ...
 
 class RowTake(_message.Message):
     __slots__ = ("batch", "rows", "shared", "batch_rows", "indices", "costs")
@@ -475,7 +477,7 @@ class RowTake(_message.Message):
     def __init__(self, batch: _Optional[_Union[BatchHandle, _Mapping]] = ..., rows: _Optional[_Iterable[int]] = ..., shared: _Optional[bool] = ..., batch_rows: _Optional[int] = ..., indices: _Optional[_Iterable[int]] = ..., costs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class RebalanceReply(_message.Message):
-    __slots__ = ("takes", "outcome", "moved_in", "moved_out", "gain_s", "transfer_s", "round_samples", "closed_by", "moved_bytes", "crossed_bytes", "transport", "release")
+    __slots__ = ("takes", "outcome", "moved_in", "moved_out", "gain_s", "transfer_s", "round_samples", "closed_by", "moved_bytes", "crossed_bytes", "transport", "release", "input_wait_s")
     TAKES_FIELD_NUMBER: _ClassVar[int]
     OUTCOME_FIELD_NUMBER: _ClassVar[int]
     MOVED_IN_FIELD_NUMBER: _ClassVar[int]
@@ -488,6 +490,7 @@ class RebalanceReply(_message.Message):
     CROSSED_BYTES_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     RELEASE_FIELD_NUMBER: _ClassVar[int]
+    INPUT_WAIT_S_FIELD_NUMBER: _ClassVar[int]
     takes: _containers.RepeatedCompositeFieldContainer[RowTake]
     outcome: str
     moved_in: int
@@ -500,7 +503,8 @@ class RebalanceReply(_message.Message):
     crossed_bytes: int
     transport: str
     release: _containers.RepeatedCompositeFieldContainer[SlabHandle]
-    def __init__(self, takes: _Optional[_Iterable[_Union[RowTake, _Mapping]]] = ..., outcome: _Optional[str] = ..., moved_in: _Optional[int] = ..., moved_out: _Optional[int] = ..., gain_s: _Optional[float] = ..., transfer_s: _Optional[float] = ..., round_samples: _Optional[int] = ..., closed_by: _Optional[str] = ..., moved_bytes: _Optional[int] = ..., crossed_bytes: _Optional[int] = ..., transport: _Optional[str] = ..., release: _Optional[_Iterable[_Union[SlabHandle, _Mapping]]] = ...) -> None: ...
+    input_wait_s: float
+    def __init__(self, takes: _Optional[_Iterable[_Union[RowTake, _Mapping]]] = ..., outcome: _Optional[str] = ..., moved_in: _Optional[int] = ..., moved_out: _Optional[int] = ..., gain_s: _Optional[float] = ..., transfer_s: _Optional[float] = ..., round_samples: _Optional[int] = ..., closed_by: _Optional[str] = ..., moved_bytes: _Optional[int] = ..., crossed_bytes: _Optional[int] = ..., transport: _Optional[str] = ..., release: _Optional[_Iterable[_Union[SlabHandle, _Mapping]]] = ..., input_wait_s: _Optional[float] = ...) -> None: ...
 
 class LeaveRoundRequest(_message.Message):
     __slots__ = ("group", "run", "step", "rank", "timeout_s", "client_id")
