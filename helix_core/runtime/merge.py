@@ -5,22 +5,27 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from .hostmem import fresh_array, fresh_tensor
+
 __all__ = ["merge_batches", "take_rows"]
 
 
-def _pad_cat(parts: list, path: str, zeros, cat, pad: bool):
+def _pad_cat(parts: list, path: str, fresh, cat, pad: bool):
+    """``parts`` concatenated on dim 0 into ``fresh(shape, dtype, zero)`` memory (huge pages for a
+    large batch: see ``hostmem``), other dims zero-padded to the largest when ``pad``."""
     shapes = [tuple(p.shape) for p in parts]
     if any(len(s) != len(shapes[0]) for s in shapes) or not shapes[0]:
         raise ValueError(f"{path}: cannot concatenate arrays of shapes {shapes} along dim 0")
     if len({p.dtype for p in parts}) > 1:
         raise ValueError(f"{path}: dtypes differ across microbatches: {[p.dtype for p in parts]}")
+    rows = sum(s[0] for s in shapes)
     if all(s[1:] == shapes[0][1:] for s in shapes):
-        return cat(parts)
+        return cat(parts, out=fresh((rows, *shapes[0][1:]), parts[0].dtype, False))
     if not pad:
         raise ValueError(f"{path}: stack expects each tensor to be equal size, but the batch's samples have shapes "
                          f"{shapes} across its parts (torch's default_collate raises here too; hx.pad_collate pads)")
     rest = tuple(max(s[d] for s in shapes) for d in range(1, len(shapes[0])))
-    out = zeros((sum(s[0] for s in shapes), *rest), parts[0].dtype)
+    out = fresh((rows, *rest), parts[0].dtype, True)
     row = 0
     for p in parts:
         out[(slice(row, row + p.shape[0]), *(slice(0, n) for n in p.shape[1:]))] = p
@@ -71,9 +76,9 @@ def _merge(items: list, path: str, rows: list | None, pad: bool):
     if any(type(x) is not type(first) for x in items):
         raise ValueError(f"{path}: types differ across microbatches: {[type(x).__name__ for x in items]}")
     if isinstance(first, torch.Tensor):
-        return _pad_cat(items, path, lambda shape, dt: torch.zeros(shape, dtype=dt), torch.cat, pad)
+        return _pad_cat(items, path, fresh_tensor, torch.cat, pad)
     if isinstance(first, np.ndarray):
-        return _pad_cat(items, path, lambda shape, dt: np.zeros(shape, dtype=dt), np.concatenate, pad)
+        return _pad_cat(items, path, fresh_array, np.concatenate, pad)
     if isinstance(first, (list, tuple)):
         if _are_columns(items, rows):  # (X, Y) batches of tuple samples: field by field, never (X1, Y1, X2, Y2)
             merged = [_merge([x[j] for x in items], f"{path}[{j}]", rows, pad) for j in range(len(first))]

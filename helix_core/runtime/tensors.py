@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from ..errors import PICKLING
+from .hostmem import fresh_tensor
 
 __all__ = ["INLINE_BYTES", "ChunkWriter", "copy_tensors", "flatten", "iter_chunks", "layout", "read_tensors",
            "unflatten", "write_tensors"]
@@ -258,7 +259,7 @@ def read_tensors(buffer, metas: list[dict], on_release: Callable[[], Any] | None
 def copy_tensors(buffer, metas: list[dict]) -> list[torch.Tensor]:
     """Owned copies of the tensors (e.g. to pin or stage on a device); the caller may release the
     slab as soon as this returns."""
-    return [t if m["is_inline"] else t.clone() for t, m in zip(read_tensors(buffer, metas), metas)]
+    return [t if m["is_inline"] else fresh_tensor(t.shape, t.dtype).copy_(t) for t, m in zip(read_tensors(buffer, metas), metas)]
 
 
 def iter_chunks(payload: memoryview, nbytes: int, chunk_bytes: int = 4 << 20) -> Iterator[memoryview]:
