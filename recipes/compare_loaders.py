@@ -3,7 +3,7 @@
     python recipes/compare_loaders.py configs/*.yaml --steps 30 --warmup 5 --out helix-runs/compare
 
 Each config runs twice under ``accelerate launch --multi_gpu --num_processes N`` (gloo on a CPU
-machine): ``data.loader: helix`` and ``data.loader: torch`` (``DistributedSampler`` order, the
+machine; ``--processes 1``: one process, e.g. on a machine with one GPU): ``data.loader: helix`` and ``data.loader: torch`` (``DistributedSampler`` order, the
 same worker count per host). Prints a table and writes ``compare.md`` / ``compare.json``.
 """
 from __future__ import annotations
@@ -26,12 +26,13 @@ def run_one(config: Path, loader: str, args, out: Path) -> dict:
     tmp = out / f"{config.stem}-{loader}.yaml"
     tmp.write_text(yaml.safe_dump(cfg))
     summary = out / f"{config.stem}-{loader}.json"
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(args.processes),
+    multi = ["--multi_gpu"] if args.processes > 1 else []  # one process: a plain (one-GPU or CPU) run
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", *multi, "--num_processes", str(args.processes),
            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
            str(ROOT / "recipes" / "train_accelerate.py"), "--config", str(tmp), "--max-steps",
            str(args.steps + args.warmup), "--warmup", str(args.warmup), "--summary", str(summary),
            "--output-dir", str(out / f"{config.stem}-{loader}")]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
     if proc.returncode != 0:
         raise RuntimeError(f"{config.name} with loader={loader} failed:\n{proc.stderr[-3000:]}")
