@@ -40,7 +40,7 @@ def test_a_tier2_point_reports_what_its_rounds_moved_and_what_crossed_hosts(tmp_
             "points": [{**point, "system": "helix"}, {**point, "system": "helix-tier2", "tier2": tier2}]}, tmp_path)
     report = (tmp_path / "report.md").read_text()
     assert "sigma 1.5" in report
-    assert "| 2 | 64 | 30 | 12.0 | 9 | 5.0 |" in report  # batches sent, rows moved, MB, takes across hosts, MB across
+    assert "| 2 | 64 | 24 / 40 | 30 | 12.0 | 9 | 5.0 |" in report  # batches sent, moved / kept, rows moved, MB, takes across hosts, MB across
     assert (tmp_path / "fig_sidecars.png").stat().st_size > 0
 
 
