@@ -77,9 +77,9 @@ def cpu_rows(run: Mapping) -> tuple[list[str], list[list[str]]]:
 def tier2_rows(run: Mapping) -> tuple[list[str], list[list[str]]]:
     """Tier 2's rounds per system that ran them (``tier2_rounds``): by outcome, the gain the gate
     projected against the gain realised (slowest rank's GPU seconds before minus after each moved
-    round), the predicted transfer, what moved, the rounds' median wait, the ranks' median wait for
-    input that the gate discounted, and the imbalance floor that moves within a step could reach
-    on the steps consumed."""
+    round), the predicted transfer, what moved, the rounds' median wait, the median over the rounds
+    a policy decided of the wait for input per step that the default gate discounted, and the
+    imbalance floor that moves within a step could reach on the steps consumed."""
     headers = ["System", "Rounds", "Moved / kept / alone / error", "Projected gain (s)", "Realised gain (s)",
                "Transfer est. (s)", "Samples moved", "MB moved", "Round wait p50 (s)", "Input wait p50 (s)",
                "Imbalance → floor"]

@@ -114,9 +114,10 @@ def tier2_rounds(stats_by_rank: list[dict], cost, seconds_per_unit: float) -> di
             out["partial"] += 1  # a round whose other ranks' views fell outside the records kept
             continue
         out["rounds"] += 1
-        input_waits.append(recs[0].get("input_wait_s", 0.0))  # the wait per step the gate discounted
         kind = recs[0]["outcome"].split(":")[0]
         out[kind if kind in out else "error"] += 1
+        if kind in ("kept", "moved"):  # rounds a policy decided: the wait per step the default gate discounted
+            input_waits.append(recs[0].get("input_wait_s", 0.0))
         if kind != "moved" or any(not r["before"] or min(r["before"] + r["after"]) < 0 for r in recs):
             continue  # (a round whose samples a rank did not name cannot be costed)
         slowest = [max(sum(cost(i) for i in r[side]) for r in recs) for side in ("before", "after")]

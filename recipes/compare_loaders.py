@@ -3,8 +3,8 @@
     python recipes/compare_loaders.py configs/*.yaml --steps 30 --warmup 5 --out helix-runs/compare
 
 Each config runs twice under ``accelerate launch --multi_gpu --num_processes N`` (gloo on a CPU
-machine; ``--processes 1``: one process, e.g. on a machine with one GPU): ``data.loader: helix`` and ``data.loader: torch`` (``DistributedSampler`` order, the
-same worker count per host). Prints a table and writes ``compare.md`` / ``compare.json``.
+machine; ``--processes 1``: one plain process, e.g. on a machine with one GPU): ``data.loader:
+helix`` and ``data.loader: torch`` (``DistributedSampler`` order, the same worker count per host). Prints a table and writes ``compare.md`` / ``compare.json``.
 """
 from __future__ import annotations
 

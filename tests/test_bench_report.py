@@ -127,23 +127,26 @@ def test_tier2_rounds_join_the_ranks_views_and_the_report_shows_projected_agains
 
     cost = {0: 10.0, 1: 1.0, 2: 10.0, 3: 1.0, 4: 5.0, 5: 5.0, 6: 2.0, 7: 2.0}.__getitem__
 
-    def view(position, outcome, before, after, gain=0.0):
+    def view(position, outcome, before, after, gain=0.0, input_wait=0.0):
         return {"epoch": 0, "position": position, "outcome": outcome, "closed_by": "complete", "round_samples": 4,
+                "input_wait_s": input_wait,
                 "gain_s": gain, "transfer_s": 0.001 if outcome == "moved" else 0.0, "wait_s": 0.02,
                 "moved_in": sum(i not in before for i in after), "moved_out": sum(i not in after for i in before),
                 "moved_bytes": 100 * sum(i not in before for i in after), "crossed_bytes": 0,
                 "before": before, "after": after}
 
     ranks = [  # step 0: rank 0 held both heavy samples (20 vs 2) and traded one; step 1 kept; step 2 one rank only
-        {"rebalance_rounds": [view(0, "moved", [0, 2], [0, 3], gain=8.0), view(1, "kept", [4, 6], [4, 6]),
-                              view(2, "alone", [0, 1], [0, 1])]},
-        {"rebalance_rounds": [view(0, "moved", [1, 3], [1, 2], gain=8.0), view(1, "kept", [5, 7], [5, 7])]},
+        {"rebalance_rounds": [view(0, "moved", [0, 2], [0, 3], gain=8.0, input_wait=0.1),
+                              view(1, "kept", [4, 6], [4, 6], input_wait=0.3), view(2, "alone", [0, 1], [0, 1])]},
+        {"rebalance_rounds": [view(0, "moved", [1, 3], [1, 2], gain=8.0, input_wait=0.1),
+                              view(1, "kept", [5, 7], [5, 7], input_wait=0.3)]},
     ]
     t = tier2_rounds(ranks, cost, seconds_per_unit=0.5)
     assert (t["rounds"], t["moved"], t["kept"], t["partial"]) == (2, 1, 1, 1)
     assert t["projected_gain_s"] == pytest.approx(8.0)
     assert t["realised_gain_s"] == pytest.approx((20 - 11) * 0.5)  # slowest rank 20 units before, 11 after
     assert t["moved_samples"] == 2 and t["moved_bytes"] == 200
+    assert t["input_wait_s_p50"] == pytest.approx(0.2)  # the waits the gate discounted in the decided rounds
 
     r = run()
     r["systems"]["helix"]["tier2_rounds"] = t

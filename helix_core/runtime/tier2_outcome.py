@@ -10,7 +10,6 @@ from __future__ import annotations
 from ..errors import ClusterError
 from ..planning.rounds import Round
 from .proto import helix_pb2 as pb
-from .tier2_policy import round_wait_s
 
 __all__ = ["EXCHANGE_TIMEOUT_S", "RoundOutcome"]
 
@@ -39,12 +38,12 @@ class RoundOutcome:
         calls = list(dict.fromkeys(it.key[0] for it in rnd.items))
         if not calls:
             return
-        outcome, assignment, gain, cost = self._decide(rnd, calls)
+        outcome, assignment, gain, cost, waited = self._decide(rnd, calls)
         if assignment is None:
             self.counts[outcome.split(":")[0]] += 1
             for c in calls:
                 self._keep(c, outcome, round_samples=len(rnd.items), closed_by=rnd.closed_by,
-                           gain_s=gain, transfer_s=cost, input_wait_s=round_wait_s(calls))  # what the gate saw
+                           gain_s=gain, transfer_s=cost, input_wait_s=waited)  # what the gate saw
             return
         by_call = {(c.request.step, c.request.rank): c for c in calls}
         rows: dict[tuple, list] = {}  # (source call, its slab, taker): rows, in order
@@ -87,7 +86,7 @@ class RoundOutcome:
         for c in calls:
             reply = pb.RebalanceReply(outcome=outcome, gain_s=gain, transfer_s=cost, round_samples=len(rnd.items),
                                       closed_by=rnd.closed_by, transport=transport if crossed.get(c) else "",
-                                      input_wait_s=round_wait_s(calls))
+                                      input_wait_s=waited)
             units = []  # (order: own rows first, then by source rank, slab and row; the take)
             for (src, b, to), got in rows.items():
                 if to is not c:

@@ -8,16 +8,30 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from typing import NamedTuple
 
 from ..planning.rebalance import GateArgs, check_assignment, gate, lpt_within_steps
 from ..planning.rounds import Round
 from .proto import helix_pb2 as pb
 from .specs import resolve_function
 
-__all__ = ["RoundPolicy", "load_policy", "round_wait_s"]
+__all__ = ["Decision", "RoundPolicy", "load_policy"]
 
 
-def round_wait_s(calls) -> float:
+class Decision(NamedTuple):
+    """A closed round's policy answer: ``outcome`` (kept, moved, alone, error: ...), the new rank
+    of each row (None: keep), and what the default gate saw (0 where it did not run): the
+    projected ``gain_s`` and ``transfer_s`` (seconds) and the wait for input per step it
+    discounted, ``input_wait_s`` (seconds)."""
+
+    outcome: str
+    assignment: list | None = None
+    gain_s: float = 0.0
+    transfer_s: float = 0.0
+    input_wait_s: float = 0.0
+
+
+def _round_wait_s(calls) -> float:
     """The wait for input per step that every rank of the round has (the least of their recent
     means): the default gate counts a step's GPU saving only beyond it."""
     return min((max(0.0, c.request.input_wait_s) for c in calls), default=0.0)
@@ -42,15 +56,14 @@ def load_policy(payload: bytes, fmt: str, allow_pickle: bool):
 class RoundPolicy:
     """Which rank takes each row of a closed round (``RoundTable``'s ``_policies``, under its ``_cond``)."""
 
-    def _decide(self, rnd: Round, calls: list) -> tuple[str, list | None, float, float]:
-        """``(outcome, assignment or None to keep, gain_s, transfer_s)``."""
+    def _decide(self, rnd: Round, calls: list) -> Decision:
         if not rnd.movable:
-            return "alone", None, 0.0, 0.0
+            return Decision("alone")
         req = calls[0].request
         try:
             sort_fn, args = self._policy(req)
         except Exception as e:
-            return f"error: Tier-2 policy {req.policy_id}: {type(e).__name__}: {e}", None, 0.0, 0.0
+            return Decision(f"error: Tier-2 policy {req.policy_id}: {type(e).__name__}: {e}")
         features = rnd.features()
         hosts = {c.request.rank: c.request.host for c in calls}
         gate_args = None
@@ -60,7 +73,7 @@ class RoundPolicy:
             given = args if isinstance(args, dict) else {}
             learned = {"seconds_per_unit": spu} if spu > 0 and "seconds_per_unit" not in given else {}
             if "input_wait_s" not in given:  # a step waits for the input of its slowest-to-arrive rank
-                learned["input_wait_s"] = round_wait_s(calls)
+                learned["input_wait_s"] = _round_wait_s(calls)
             gate_args = dataclasses.replace(gate_args, same_host=hosts, **learned)
             for f in features:
                 f.setdefault(gate_args.key, f.get("tokens", 0))
@@ -74,13 +87,14 @@ class RoundPolicy:
                 assignment = sort_fn(features, args)
                 assignment = list(assignment) if not isinstance(assignment, (str, bytes)) else assignment
         except Exception as e:
-            return f"error: Rebalance.sort_fn raised {type(e).__name__}: {e}", None, 0.0, 0.0
+            return Decision(f"error: Rebalance.sort_fn raised {type(e).__name__}: {e}")
         why = check_assignment(features, assignment)
         if why is not None:
-            return f"error: Rebalance.sort_fn {why}", None, 0.0, 0.0
+            return Decision(f"error: Rebalance.sort_fn {why}")
+        waited = gate_args.input_wait_s if gate_args is not None else 0.0
         if all(f["rank"] == r for f, r in zip(features, assignment)):
-            return "kept", None, gain, cost
-        return "moved", assignment, gain, cost
+            return Decision("kept", None, gain, cost, waited)
+        return Decision("moved", assignment, gain, cost, waited)
 
     def _policy(self, req: pb.RebalanceRequest):
         with self._cond:
