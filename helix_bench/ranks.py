@@ -23,7 +23,7 @@ HELIX_VARIANTS = {
     "helix-tier1": {"balance": "tokens"},  # + Tier-1 token planning over a window
     "helix": {"balance": "tokens", "scheduler": "deadline"},  # + deadline placement and server ordering
     "helix-nosteal": {"balance": "tokens", "scheduler": "deadline"},  # helix, its servers without work stealing
-    "helix-tier2": {"balance": "tokens", "scheduler": "deadline", "rebalance": {"round_timeout_s": 0.4}},  # helix + Tier-2 rounds
+    "helix-tier2": {"balance": "tokens", "scheduler": "deadline", "rebalance": {}},  # helix + Tier-2 rounds (its defaults)
 }
 
 #: Cluster options of a variant (``ClusterConfig`` fields) where it differs from the default.

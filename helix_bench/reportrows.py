@@ -77,12 +77,13 @@ def cpu_rows(run: Mapping) -> tuple[list[str], list[list[str]]]:
 def tier2_rows(run: Mapping) -> tuple[list[str], list[list[str]]]:
     """Tier 2's rounds per system that ran them (``tier2_rounds``): by outcome, the gain the gate
     projected against the gain realised (slowest rank's GPU seconds before minus after each moved
-    round), the predicted transfer, what moved, the rounds' median wait, the median over the rounds
+    round), the predicted transfer, what moved, the rounds' median wait and why the ranks' rounds
+    closed (complete, timeout, asked: a rank waited for its batch; full, flush), the median over the rounds
     a policy decided of the wait for input per step that the default gate discounted, and the
     imbalance floor that moves within a step could reach on the steps consumed."""
     headers = ["System", "Rounds", "Moved / kept / alone / error", "Projected gain (s)", "Realised gain (s)",
-               "Transfer est. (s)", "Samples moved", "MB moved", "Round wait p50 (s)", "Input wait p50 (s)",
-               "Imbalance → floor"]
+               "Transfer est. (s)", "Samples moved", "MB moved", "Round wait p50 (s)", "Closed by",
+               "Input wait p50 (s)", "Imbalance → floor"]
     rows = []
     for name, m in _ran(run).items():
         t = m.get("tier2_rounds")
@@ -91,6 +92,7 @@ def tier2_rows(run: Mapping) -> tuple[list[str], list[list[str]]]:
         rows.append([name, str(t["rounds"]), f"{t['moved']} / {t['kept']} / {t['alone']} / {t['error']}",
                      _fmt(t["projected_gain_s"], ".2f"), _fmt(t["realised_gain_s"], ".2f"), _fmt(t["transfer_s"], ".3f"),
                      str(t["moved_samples"]), _fmt(t["moved_bytes"], ".0f", 1e-6), _fmt_s(t["wait_s_p50"]),
+                     ", ".join(f"{k} {v}" for k, v in sorted((t.get("closed_by") or {}).items())) or "n/a",
                      _fmt_s(t.get("input_wait_s_p50")),
                      f"{_fmt(m.get('imbalance_ratio'), '.3f')} → {_fmt(m.get('imbalance_within_step_floor'), '.3f')}"])
     return headers, rows

@@ -105,11 +105,13 @@ def tier2_rounds(stats_by_rank: list[dict], cost, seconds_per_unit: float) -> di
             by_step.setdefault(key, {})[rec.get("rank", len(by_step.get(key, {})))] = rec  # a rank's latest view
     out = {"rounds": 0, "moved": 0, "kept": 0, "alone": 0, "error": 0, "partial": 0, "projected_gain_s": 0.0,
            "realised_gain_s": 0.0, "transfer_s": 0.0, "moved_samples": 0, "moved_bytes": 0, "wait_s_p50": None,
-           "input_wait_s_p50": None}
+           "input_wait_s_p50": None, "closed_by": {}}
     waits, input_waits = [], []
     for views in by_step.values():
         recs = list(views.values())
         waits += [r["wait_s"] for r in recs]
+        for r in recs:  # why each rank's round closed (a round per step; "asked": a rank waited for it)
+            out["closed_by"][r.get("closed_by") or "?"] = out["closed_by"].get(r.get("closed_by") or "?", 0) + 1
         if len(recs) < recs[0].get("group_size", len(stats_by_rank)):
             out["partial"] += 1  # a round whose other ranks' views fell outside the records kept
             continue

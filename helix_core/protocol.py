@@ -6,6 +6,7 @@ conversions of the request path live here and nowhere else.
 from __future__ import annotations
 
 import enum
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from .runtime.proto import helix_pb2 as pb
@@ -89,6 +90,12 @@ class Task:
     landed: float = 0.0  # when its last reply landed
     result: object = None  # the batch, once collected
     error: BaseException | None = None
+    wanted: Future = field(default_factory=Future)  # done once the rank waits in next() for this batch
+
+    def want(self) -> None:
+        """The rank waits for this batch now (``wanted`` wakes whatever holds it back)."""
+        if not self.wanted.done():
+            self.wanted.set_result(True)
 
     def splits(self) -> list[list[int]]:
         """The samples of each request the batch is sent as when no fan-out applies."""

@@ -147,9 +147,11 @@ def test_tier2_rounds_join_the_ranks_views_and_the_report_shows_projected_agains
     assert t["realised_gain_s"] == pytest.approx((20 - 11) * 0.5)  # slowest rank 20 units before, 11 after
     assert t["moved_samples"] == 2 and t["moved_bytes"] == 200
     assert t["input_wait_s_p50"] == pytest.approx(0.2)  # the waits the gate discounted in the decided rounds
+    assert t["closed_by"] == {"complete": 5}  # each rank's view of each step's round, partial ones too
 
     r = run()
     r["systems"]["helix"]["tier2_rounds"] = t
     r["systems"]["helix"]["imbalance_within_step_floor"] = 1.02
     md = write_report(tmp_path, [r])["report.md"].read_text()
     assert "Tier-2 rounds" in md and "| 1 / 1 / 0 / 0 |" in md and "| 8.00 | 4.50 |" in md and "→ 1.020" in md
+    assert "| complete 5 |" in md

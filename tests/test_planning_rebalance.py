@@ -139,6 +139,19 @@ def test_where_every_rank_waits_for_input_a_gpu_saving_under_the_wait_moves_noth
     assert gate(skewed, moved, dataclasses.replace(busy, input_wait_s=0.8))[1] == 0.0
 
 
+def test_where_input_binds_the_gate_charges_the_copies_of_the_batches_that_change():
+    skewed = _round([[[900, 800], [10, 10]]], nbytes=50_000_000)  # one host: slabs handed over, no bytes sent
+    slow_copy = GateArgs(seconds_per_unit=1e-3, same_host={0: "h", 1: "h"}, copy_bps=1e8)
+    moved = balance_cost(skewed, slow_copy)
+    assert moved != [0, 0, 1, 1]  # GPU-bound: the copies run beside the GPU step, for free
+    assert transfer_s(skewed, moved, slow_copy) == slow_copy.latency_s
+    assert transfer_s(skewed, moved, dataclasses.replace(slow_copy, input_wait_s=0.005)) == slow_copy.latency_s
+    starved = dataclasses.replace(slow_copy, input_wait_s=0.02)  # input binds: a copy takes the decoders' CPU
+    assert transfer_s(skewed, moved, starved) == slow_copy.latency_s + 4 * 50_000_000 / 1e8  # both ranks' batches
+    assert balance_cost(skewed, starved) == [0, 0, 1, 1]  # 2 s of copies for 0.77 s saved: kept
+    assert balance_cost(skewed, dataclasses.replace(starved, copy_bps=1e10)) == moved  # 20 ms of copies: moved
+
+
 def test_default_features_are_the_samples_tokens_and_bytes():
     import torch
 
@@ -212,3 +225,26 @@ def test_a_batch_that_leaves_a_round_takes_its_timeout_with_it():
     assert buf.due_in() == pytest.approx(4.0) and buf.expire() is None
     now[0] = 5.0
     assert [i.key for i in buf.expire().items] == ["patient"]
+
+
+def test_a_rank_that_asks_for_its_batch_closes_the_round_now_whatever_its_limits():
+    from helix_core.planning.rounds import RoundBuffer, RoundItem
+
+    now = [0.0]
+    buf = RoundBuffer([0, 1, 2], buffer_size=8, timeout_s=1.0, clock=lambda: now[0])
+    buf.add_batch([RoundItem("a", 0, 3)], timeout_s=20.0)  # its deadline looked far off
+    buf.add_batch([RoundItem("b", 1, 3)], timeout_s=30.0)
+    assert not buf.ask(2, 3) and not buf.ask(0, 4)  # batches not in the round: nothing changes
+    now[0] = 0.5
+    assert buf.due_in() == pytest.approx(19.5) and buf.expire() is None
+    assert buf.ask(0, 3) and buf.due_in() == 0.0
+    got = buf.expire()
+    assert got.closed_by == "asked" and [i.key for i in got.items] == ["a", "b"] and buf.due_in() is None
+    buf.add_batch([RoundItem("c", 0, 4)], timeout_s=0.2)  # the next round starts unasked
+    buf.add_batch([RoundItem("d", 1, 4)], timeout_s=9.0)
+    assert buf.ask(1, 4)
+    buf.drop(1, 4)  # the asking rank left: the rest keeps its own limit, and times out as usual
+    assert buf.due_in() == pytest.approx(0.2)
+    now[0] = 1.0
+    assert buf.expire().closed_by == "timeout"
+

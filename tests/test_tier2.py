@@ -98,6 +98,29 @@ def test_a_rank_alone_keeps_its_batches_after_the_round_timeout(cluster):
     wait_for(lambda: not busy_segments(cluster), what="every slab released")
 
 
+def test_a_rank_waiting_for_a_batch_held_in_its_round_gets_it_after_the_grace_not_at_its_deadline(cluster):
+    """Rank 0 trains alone (rank 1 never comes) and reports 20 s GPU windows, so a batch landing
+    while it computes may wait in its round until just before it is needed, ~20 s. But the rank
+    asks for it sooner: once it waits in ``next()``, the round closes after ``round_timeout_s``
+    ("asked"). Were it held to its deadline, ``next()`` would give up after the loader's batch
+    deadline (10 s + 2 RPC timeouts here) with an error."""
+    ds = _skewed(16)
+    cfg = hx.ClusterConfig.for_tests(execute_timeout_s=10.0, sample_timeout_s=5.0)
+    with hx.DistributedDataLoader(ds, batch_size=2, rank=0, world_size=2, coordinator=cluster.address,
+                                  token=cluster.token, config=cfg, gpu_cost=lambda t: t, prefetch_depth=1,
+                                  rebalance={"round_timeout_s": 0.2, "max_wait_s": 60.0,
+                                             "args": {"seconds_per_unit": 1.0}}) as ld:
+        got = []
+        for b in ld:
+            got.append(b["index"].tolist())
+            ld.report_step_time(20.0)  # what the trainer measured: its deadlines look 20 s off ...
+            time.sleep(0.3)  # ... while the next batch lands and goes to its round
+        closed_by = [r["closed_by"] for r in ld.stats()["rebalance_rounds"]]
+    assert got == [b["index"].tolist() for b in torch_batches(ds, 2, 0, 2)]
+    assert "asked" in closed_by and set(closed_by) <= {"asked", "timeout"}, closed_by
+    wait_for(lambda: not busy_segments(cluster), what="every slab released")
+
+
 def test_a_policy_that_breaks_the_rules_is_named_and_the_batches_stay(cluster):
     ds = _skewed(8)
     got, stats = _run_ranks(cluster, ds, 2, {"sort_fn": lambda features, args: [0] * len(features)})

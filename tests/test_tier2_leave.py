@@ -102,6 +102,18 @@ def test_a_leave_that_waits_past_its_limit_says_nobody_knows_yet():
         t.join(5)
 
 
+def test_a_rank_that_asks_for_its_held_batch_closes_its_round_at_once():
+    table = RoundTable(allow_pickle=True)
+    t0, box0 = _call(table, _request(0, timeout_s=60.0))  # rank 1 is not coming; the limit is far off
+    _until("rank 0's batch in its round", lambda: table._calls)
+    ask = pb.AskRoundRequest(group=GROUP, step=0, rank=0, client_id="c0")
+    assert not table.ask(pb.AskRoundRequest(group=GROUP, step=1, rank=0, client_id="c0")).asked  # no such batch
+    assert table.ask(ask).asked
+    t0.join(10)
+    assert not t0.is_alive() and box0[0].outcome == "alone" and box0[0].closed_by == "asked"
+    assert not table.ask(ask).asked  # its round is over: nothing to close
+
+
 def test_a_run_is_named_by_its_resume_point_and_under_torchrun_by_the_jobs_attempt():
     from helix_core.client.tier2 import run_name
 

@@ -181,10 +181,10 @@ class Dispatch(BaseNode):
                     item = e
                 if run.stop.is_set() or isinstance(item, BaseException):
                     self.requests.cancel(task)  # what it left unread (other parts of a failed batch, or a stop)
-                with run.lock:
+                with run.lock:  # out of flight and into ``out`` at once: ``next`` tells whom it waits for
                     if task in run.inflight:
                         run.inflight.remove(task)
-                run.out.put(item)
+                    run.out.put(item)
                 item = task = None  # an error's traceback holds this frame: don't let it hold the error back
         finally:
             run.out.close()
@@ -196,6 +196,9 @@ class Dispatch(BaseNode):
             raise RuntimeError("this iteration was stopped (the loader was closed or a new iteration began)")
         if run.ended:
             raise StopIteration
+        with run.lock:  # nothing ready: the rank waits for the oldest batch in flight (a held one hurries)
+            if not run.out and run.inflight:
+                run.inflight[0].want()
         try:
             item = run.out.get(self.timeout_s)
         except TimeoutError:

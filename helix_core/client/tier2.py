@@ -152,7 +152,8 @@ class Tier2:
         t0 = time.perf_counter()
         try:
             reply = self.client.rebalance(self._leader, request, request.timeout_s + 2 * EXCHANGE_TIMEOUT_S
-                                          + self.client.config.rpc_timeout_s, stop, leave_s=2 * EXCHANGE_TIMEOUT_S)
+                                          + self.client.config.rpc_timeout_s, stop, leave_s=2 * EXCHANGE_TIMEOUT_S,
+                                          wanted=task.wanted, grace_s=r.round_timeout_s)
         except RoundUnknown as e:  # other ranks may read its slabs: not this rank's to read or release
             task.taken.update(range(len(task.parts)))
             counts["unknown"] += 1

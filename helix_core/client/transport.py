@@ -1,7 +1,7 @@
 """The client's wires: the Coordinator (routes) and DataServers (execute, shared-memory handles).
 
 ``ClusterClient`` opens the channels and makes the DataServer calls (Execute, Cancel, a Tier-2
-round's Rebalance / LeaveRound); its Coordinator calls are in ``transport_coordinator.py``, and
+round's Rebalance / AskRound / LeaveRound); its Coordinator calls are in ``transport_coordinator.py``, and
 turning replies into batches in ``replies.py``.
 """
 from __future__ import annotations
@@ -179,9 +179,13 @@ class ClusterClient(CoordinatorCalls, ReplyBatches):
         return self._call(self.coordinator.RoundLeader, pb.RoundLeaderRequest(client_id=self.client_id, rank=rank),
                           stop=stop).address
 
-    def rebalance(self, address: str, request: pb.RebalanceRequest, timeout_s: float, stop, leave_s: float):
+    def rebalance(self, address: str, request: pb.RebalanceRequest, timeout_s: float, stop, leave_s: float,
+                  wanted=None, grace_s: float = 0.0):
         """Tier 2: this rank's batch into its round at ``address``; the reply, or None when the rank
         keeps its batch as it is (the leader could not be reached, or the batch left its round).
+        ``wanted`` (a future): done once the rank waits in ``next()`` for this batch; ``grace_s``
+        after that, a round still open is asked to close now (``AskRound``), so the rank waits for
+        its partners' batches ``grace_s`` at most, however far off its deadline looked.
         A call that does not answer — the loader stopped, or the call failed — is cancelled and the
         leader says who owns the batch (``LeaveRound``, within ``leave_s``): still the rank's, or the
         round's answer, which a running loader takes and a stopped one gives back
@@ -191,7 +195,7 @@ class ClusterClient(CoordinatorCalls, ReplyBatches):
         except _Unavailable as e:
             log.warning("Tier-2 round at %s: %s (rank %d keeps its batch)", address, e, self.rank)
             return None
-        stop.wait(fut, timeout_s + self.config.rpc_timeout_s)
+        self._hold(address, request, fut, timeout_s + self.config.rpc_timeout_s, stop, wanted, grace_s)
         why = "the loader stopped" if stop.is_set() else f"no answer in {timeout_s:.0f} s"
         if fut.done() and not fut.cancelled():
             try:
@@ -220,6 +224,22 @@ class ClusterClient(CoordinatorCalls, ReplyBatches):
         if reply is None:
             log.warning("Tier-2 round at %s: %s (rank %d keeps its batch)", address, why, self.rank)
         return reply
+
+    def _hold(self, address: str, request, fut, limit_s: float, stop, wanted, grace_s: float) -> None:
+        """Wait for the round's reply ``fut`` (``limit_s`` at most); once ``wanted`` is done and
+        ``grace_s`` has passed with no reply, ask the leader to close the round now."""
+        end = time.monotonic() + limit_s
+        if wanted is None or stop.wait(fut, limit_s, or_=wanted) or stop.is_set() or fut.done():
+            return
+        if wanted.done() and not stop.wait(fut, min(grace_s, end - time.monotonic())) and not stop.is_set() \
+                and not fut.done():
+            ask = pb.AskRoundRequest(group=request.group, run=request.run, step=request.step, rank=request.rank,
+                                     client_id=request.client_id)
+            try:  # answered at once; the held call then answers once the round ran
+                self.stub(address).AskRound(ask, timeout=self.config.rpc_timeout_s, metadata=self.metadata)
+            except grpc.RpcError as e:  # the leader is gone: the held call fails too, and is settled as such
+                log.debug("AskRound at %s: %s", address, e)
+        stop.wait(fut, max(0.0, end - time.monotonic()))
 
     def close(self) -> None:
         self._closing.set()

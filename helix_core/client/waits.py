@@ -28,10 +28,16 @@ class Stop:
     def is_set(self) -> bool:
         return self._set
 
-    def wait(self, future, timeout_s: float) -> bool:
+    def wait(self, future, timeout_s: float, *, or_=None) -> bool:
         """Block until ``future`` (anything with ``add_done_callback``) is done — True — or the
-        run stops or ``timeout_s`` passes — False. The done-callback wakes it at once."""
-        self._block(lambda ev: future.add_done_callback(lambda _: ev.set()), timeout_s)
+        run stops or ``timeout_s`` passes — False. The done-callback wakes it at once. ``or_``:
+        another future whose completion also ends the wait (then False unless ``future`` is done)."""
+        def arm(ev):
+            for f in (future, or_):
+                if f is not None:
+                    f.add_done_callback(lambda _: ev.set())
+
+        self._block(arm, timeout_s)
         return future.done() and not self._set
 
     def sleep(self, seconds: float) -> bool:
@@ -89,6 +95,10 @@ class Outbox:
                 self._items.popleft()
                 return True
             return False
+
+    def __len__(self) -> int:
+        with self._cond:
+            return len(self._items)
 
     def clear(self) -> None:
         with self._cond:

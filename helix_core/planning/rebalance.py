@@ -213,7 +213,10 @@ class GateArgs:
     exceed the transfer by this fraction; ``key``: the feature that is the sample's GPU cost;
     ``input_wait_s``: seconds per step that every rank of the round waits for its input (the least
     of the ranks' recent means; the runtime fills it in): where input binds the steps, a GPU
-    saving only turns into more waiting, so each step's saving counts only beyond that wait."""
+    saving only turns into more waiting, so each step's saving counts only beyond that wait; and
+    where that wait passes ``input_bound_s`` the copies a move makes cost too: ``copy_bps``,
+    bytes/s a rank copies its new batch at (a rank whose batch changes copies all of it once, from
+    the slabs its rows are in), CPU time the decoders then lack."""
 
     seconds_per_unit: float = 1e-6
     bandwidth_bps: float = 1e9
@@ -221,6 +224,8 @@ class GateArgs:
     margin: float = 0.1
     key: str = "cost"
     input_wait_s: float = 0.0
+    copy_bps: float = 1e9
+    input_bound_s: float = 0.01  # input binds where every rank waits longer than this per step
     same_host: dict = field(default_factory=dict)  # {rank: host}: moves within a host copy no bytes
 
     @classmethod
@@ -244,24 +249,27 @@ def projected_gain_s(features: Features, assignment: Sequence[int], args: GateAr
 
 
 def transfer_s(features: Features, assignment: Sequence[int], args: GateArgs) -> float:
-    """Predicted time of the exchange: the busiest rank's bytes in or out at ``bandwidth_bps``
-    (moves between ranks of one host hand over slabs: no bytes), plus ``latency_s`` if anything moves."""
+    """Predicted cost of the exchange: the busiest rank's bytes in or out at ``bandwidth_bps``
+    (moves between ranks of one host hand over slabs: no bytes), plus ``latency_s`` if anything
+    moves; where input binds (``input_wait_s`` > ``input_bound_s``), plus the changed ranks' copies
+    of their new batches at ``copy_bps``, which take the decoders' CPU."""
     host = args.same_host
     out: Counter = Counter()
     inn: Counter = Counter()
-    moved = False
+    changed: set = set()  # (step, rank) whose batch changes
     for f, r in zip(features, assignment):
         if r == f["rank"]:
             continue
-        moved = True
+        changed.update({(f.get("step", 0), r), (f.get("step", 0), f["rank"])})
         if host and host.get(r) is not None and host.get(r) == host.get(f["rank"]):
             continue
         out[f["rank"]] += float(f.get("bytes", 0))
         inn[r] += float(f.get("bytes", 0))
-    if not moved:
+    if not changed:
         return 0.0
     busiest = max([*out.values(), *inn.values(), 0.0])
-    return busiest / args.bandwidth_bps + args.latency_s
+    copied = sum(float(f.get("bytes", 0)) for f, r in zip(features, assignment) if (f.get("step", 0), r) in changed)
+    return busiest / args.bandwidth_bps + args.latency_s + (copied / args.copy_bps if args.input_wait_s > args.input_bound_s else 0.0)
 
 
 def gate(features: Features, proposal: Sequence[int], args: GateArgs) -> tuple[bool, float, float]:

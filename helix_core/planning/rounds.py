@@ -10,7 +10,9 @@ without running the policy.
 A rank's batch joins a round whole (``add_batch``): a round may then pass ``buffer_size`` by less
 than one batch, and each rank's batch of a step is never cut across two rounds. A round also
 closes when it is ``complete`` — every step in it has the batches of all the group's ranks — since
-samples move only within a step, waiting longer could add nothing they may move to.
+samples move only within a step, waiting longer could add nothing they may move to. And it
+closes when a rank asks for a batch it holds (``ask``): the rank is waiting for it now, so
+waiting longer would cost that rank the time it hoped to save.
 """
 from __future__ import annotations
 
@@ -34,7 +36,8 @@ class RoundItem:
 
 @dataclass(frozen=True)
 class Round:
-    """A closed round: its items in arrival order, and why it closed (``"full"`` or ``"timeout"``)."""
+    """A closed round: its items in arrival order, and why it closed (``"full"``, ``"complete"``,
+    ``"timeout"``, ``"asked"`` or ``"flush"``)."""
 
     items: tuple[RoundItem, ...]
     closed_by: str
@@ -65,6 +68,7 @@ class RoundBuffer:
         self._opened: float | None = None
         self._due = 0.0  # when the open round times out: the earliest of its batches' limits
         self._limits: dict[tuple[int, int], float] = {}  # (rank, step): that batch's limit
+        self._asked: set[tuple[int, int]] = set()  # (rank, step) of batches whose rank asked for them
 
     def add(self, item: RoundItem) -> Round | None:
         if item.rank not in self.ranks:
@@ -106,11 +110,21 @@ class RoundBuffer:
         if gone:
             self._items = [it for it in self._items if not (it.rank == rank and it.step == step)]
             self._limits.pop((rank, step), None)
+            self._asked.discard((rank, step))
             if not self._items:
-                self._opened, self._limits = None, {}
+                self._opened, self._limits, self._asked = None, {}, set()
             elif self._limits:
                 self._due = min(self._limits.values())
         return gone
+
+    def ask(self, rank: int, step: int) -> bool:
+        """``rank`` waits for its batch of ``step`` now: the open round is due now (``expire``
+        closes it as ``"asked"``). False when that batch is not in the open round."""
+        if (rank, step) not in self._limits:
+            return False
+        self._limits[(rank, step)] = self._due = min(self._due, self.clock())
+        self._asked.add((rank, step))
+        return True
 
     @property
     def complete(self) -> bool:
@@ -129,7 +143,7 @@ class RoundBuffer:
     def expire(self) -> Round | None:
         """The open round, if its timeout has passed."""
         left = self.due_in()
-        return self._close("timeout") if left is not None and left <= 0 else None
+        return self._close("asked" if self._asked else "timeout") if left is not None and left <= 0 else None
 
     def flush(self) -> Round | None:
         """Whatever is open, closed now (an epoch's end, a shutdown)."""
@@ -140,5 +154,5 @@ class RoundBuffer:
 
     def _close(self, why: str) -> Round:
         out = Round(tuple(self._items), why)
-        self._items, self._opened, self._limits = [], None, {}
+        self._items, self._opened, self._limits, self._asked = [], None, {}, set()
         return out

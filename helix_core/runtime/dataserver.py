@@ -199,6 +199,9 @@ class DataServerServicer(pbg.DataServerServicer):
     def LeaveRound(self, request, context):  # Tier 2: who owns a batch whose call will not be answered
         return self.rounds.leave(request)
 
+    def AskRound(self, request, context):  # Tier 2: a rank waits for a batch held in its round
+        return self.rounds.ask(request)
+
     def Exchange(self, request, context):  # Tier 2 across hosts: this host's part of a round (runtime/crosshost.py)
         try:
             return self.member.serve(request)

@@ -17,7 +17,8 @@ Who owns a batch is decided here, under one lock: a rank that will not take its 
 loader stopped, or the call failed on the way) asks ``LeaveRound``. A batch still in its open
 round leaves it (the rank's slabs are its own again); one whose round has closed gets that round's
 answer, so the rank gives back exactly what the round gave it and no rank reads a slab its owner
-released.
+released. A rank that waits in ``next()`` for a batch still held asks ``AskRound``: the round
+closes now and runs with what it holds.
 
 Nothing here waits on a clock it could block on instead: a held call waits on the round's
 condition until its own round closes, or until the open round's timeout is due.
@@ -148,6 +149,20 @@ class RoundTable(RoundOutcome, RoundPolicy):
                     continue
                 self._cond.wait(None if call.closed else buf.due_in())
         return call.reply
+
+    def ask(self, request: pb.AskRoundRequest) -> pb.AskRoundReply:
+        """A rank waits in ``next()`` for its batch of ``request.step``: if that batch is in its open
+        round, the round closes now ("asked") and runs with what it holds, so no rank waits for a
+        batch while its round waits for ranks that have not come."""
+        key = (request.group, request.run, request.step)
+        with self._cond:
+            call = self._calls.get((*key, request.rank, request.client_id))
+            buf = self._buffers.get(key)
+            if call is None or not call.added or call.closed or call.reply is not None or buf is None \
+                    or not buf.ask(request.rank, request.step):
+                return pb.AskRoundReply(asked=False)
+            self._cond.notify_all()  # a held call wakes, finds the round due and runs it
+        return pb.AskRoundReply(asked=True)
 
     def leave(self, request: pb.LeaveRoundRequest) -> pb.LeaveRoundReply:
         """A rank will not take its call's reply: its batch leaves its open round (``left``: its

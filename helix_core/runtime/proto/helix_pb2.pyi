@@ -522,6 +522,26 @@ class LeaveRoundRequest(_message.Message):
     client_id: str
     def __init__(self, group: _Optional[str] = ..., run: _Optional[str] = ..., step: _Optional[int] = ..., rank: _Optional[int] = ..., timeout_s: _Optional[float] = ..., client_id: _Optional[str] = ...) -> None: ...
 
+class AskRoundRequest(_message.Message):
+    __slots__ = ("group", "run", "step", "rank", "client_id")
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    RUN_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    group: str
+    run: str
+    step: int
+    rank: int
+    client_id: str
+    def __init__(self, group: _Optional[str] = ..., run: _Optional[str] = ..., step: _Optional[int] = ..., rank: _Optional[int] = ..., client_id: _Optional[str] = ...) -> None: ...
+
+class AskRoundReply(_message.Message):
+    __slots__ = ("asked",)
+    ASKED_FIELD_NUMBER: _ClassVar[int]
+    asked: bool
+    def __init__(self, asked: _Optional[bool] = ...) -> None: ...
+
 class LeaveRoundReply(_message.Message):
     __slots__ = ("left", "reply")
     LEFT_FIELD_NUMBER: _ClassVar[int]

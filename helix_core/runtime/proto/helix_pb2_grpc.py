@@ -490,6 +490,11 @@ class DataServerStub:
                 request_serializer=helix__pb2.LeaveRoundRequest.SerializeToString,
                 response_deserializer=helix__pb2.LeaveRoundReply.FromString,
                 _registered_method=True)
+        self.AskRound = channel.unary_unary(
+                '/helix.v1.DataServer/AskRound',
+                request_serializer=helix__pb2.AskRoundRequest.SerializeToString,
+                response_deserializer=helix__pb2.AskRoundReply.FromString,
+                _registered_method=True)
         self.Exchange = channel.unary_unary(
                 '/helix.v1.DataServer/Exchange',
                 request_serializer=helix__pb2.ExchangeRequest.SerializeToString,
@@ -548,6 +553,12 @@ class DataServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def AskRound(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Exchange(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -596,6 +607,11 @@ def add_DataServerServicer_to_server(servicer, server):
                     servicer.LeaveRound,
                     request_deserializer=helix__pb2.LeaveRoundRequest.FromString,
                     response_serializer=helix__pb2.LeaveRoundReply.SerializeToString,
+            ),
+            'AskRound': grpc.unary_unary_rpc_method_handler(
+                    servicer.AskRound,
+                    request_deserializer=helix__pb2.AskRoundRequest.FromString,
+                    response_serializer=helix__pb2.AskRoundReply.SerializeToString,
             ),
             'Exchange': grpc.unary_unary_rpc_method_handler(
                     servicer.Exchange,
@@ -819,6 +835,33 @@ class DataServer:
             '/helix.v1.DataServer/LeaveRound',
             helix__pb2.LeaveRoundRequest.SerializeToString,
             helix__pb2.LeaveRoundReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AskRound(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/helix.v1.DataServer/AskRound',
+            helix__pb2.AskRoundRequest.SerializeToString,
+            helix__pb2.AskRoundReply.FromString,
             options,
             channel_credentials,
             insecure,
