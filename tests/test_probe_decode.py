@@ -39,6 +39,11 @@ def test_probe_estimates_when_header_lacks_counts(tmp_path):
     assert dm.frames_source == "duration_x_fps" and dm.frames == spec.frames
     assert dr.frames_source == "packet_count" and dr.frames == spec.frames
     assert dr.duration_source == "frames_div_fps"
+    assert dr.fps == spec.fps == 30.0  # the codec's rate, not the raw demuxer's assumed 25 fps
+    assert abs(dr.duration_s - spec.frames / spec.fps) < 1e-6
+    clip24 = next(s for s in synth.plan_workload("openvid-mixed", 12, scale=0.1) if s.fps == 24.0)
+    d24 = hx.probe(synth.write_clip(tmp_path / "b.h264", clip24))
+    assert d24.fps == 24.0 and d24.frames == clip24.frames
 
 
 @pytest.mark.parametrize("strategy", ["sequential", "seek"])

@@ -207,7 +207,10 @@ def test_split_batches_equal_torch_with_default_and_pad_collate(kmix):
         want = [hx.pad_collate([video[i] for i in range(k, k + 3)]) for k in (0, 3)]
         assert stolen >= 1
         assert_same_batches(got, want)
-        wait_for(lambda: not busy_segments(cluster), 10, "every slab released")
+        # a split batch's video may be a view of its first piece's slab (grown in place): the
+        # slabs go back once the batches are dropped
+        del got
+        wait_for(lambda: not busy_segments(cluster), 10, "every slab released once the batches are dropped")
 
 
 def test_a_sample_that_kills_the_worker_of_a_stolen_piece_is_named():
@@ -245,3 +248,37 @@ def test_pad_collate_pads_to_a_larger_video_out_and_merges_back_exactly():
     assert_same_batches([merged], [whole])
     with pytest.raises(ValueError, match="at least"):
         hx.pad_collate(samples, video_out=torch.zeros((3, 3, 3, 6, 6), dtype=torch.uint8))  # T 3 < 4
+
+
+def test_a_first_piece_with_room_after_its_video_grows_in_place_and_the_others_are_padded_into_it():
+    """A worker that stopped short lays its small tensors after the whole batch's video (the room
+    of the rows a thief took): the client's merge then copies only the thief's rows, into that
+    room (whose old bytes it zeroes where they are padding), and the batch is still pad_collate's."""
+    from helix_core.client.replies import _grower
+    from helix_core.runtime.merge import merge_batches
+    from helix_core.runtime.tensors import flatten, layout, read_tensors, unflatten, write_tensors
+
+    g = torch.Generator().manual_seed(1)
+    samples = [{"video": torch.randint(0, 255, (t, 3, h, w), dtype=torch.uint8, generator=g), "label": i,
+                "tokens": torch.arange(2000) + i}
+               for i, (t, h, w) in enumerate([(4, 6, 6), (3, 2, 6), (4, 6, 3)])]
+    whole = hx.pad_collate(samples)  # [3, 4, 3, 6, 6]
+    payload = memoryview(bytearray(b"\xff" * 65536))  # a reused slab: old bytes everywhere
+    room = whole["video"].numel()
+    video = torch.frombuffer(payload, dtype=torch.uint8)[:room].view(whole["video"].shape)[:1]
+    head = hx.pad_collate(samples[:1], video_out=video)  # decoded in place, stopped after one sample
+    tree_json, tree_pickle, tensors = flatten(head)
+    at = next(k for k, x in enumerate(tensors) if x.data_ptr() == video.data_ptr())
+    metas, total = layout(tensors, pinned={at: (0, video.numel())}, reserve=room)
+    assert total > room and all(m["offset"] >= room for k, m in enumerate(metas) if k != at and not m["is_inline"])
+    metas = write_tensors(payload, tensors, metas)
+    got = read_tensors(payload[:total], metas)
+    first = unflatten(tree_json, tree_pickle, got)
+    merged = merge_batches([first, hx.pad_collate(samples[1:])], rows=[1, 2], grow=_grower(got, metas))
+    assert_same_batches([merged], [whole])
+    assert merged["video"].data_ptr() == first["video"].data_ptr()  # grown in place: its rows never copied
+    fresh = merge_batches([first, hx.pad_collate(samples[1:])], rows=[1, 2])  # without room: a fresh batch
+    assert fresh["video"].data_ptr() != first["video"].data_ptr()
+    past = (4, *whole["video"].shape[1:])  # a row more than the room: it would run into the tokens
+    assert _grower(got, metas)(first["video"], past) is None
+    assert _grower(got, metas)(first["tokens"], (3, 2000)) is None  # nothing was left room after them

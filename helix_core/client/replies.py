@@ -4,6 +4,10 @@ the batch is garbage-collected, or right after a copy into pinned / device memor
 """
 from __future__ import annotations
 
+import math
+
+import torch
+
 from ..errors import ClusterError, SampleError
 from ..runtime.proto import helix_pb2 as pb
 from ..runtime.crosshost import meta_dicts
@@ -23,15 +27,19 @@ class ReplyBatches:
         that came in pieces (split among a server's workers) is merged, as collating it whole
         (``pad=False``: pieces whose tensors differ in shape raise, as ``default_collate`` would)."""
         if reply.pieces:
+            grow: list = []
             try:
-                parts = [self._materialize(b, copy=False) for b in reply.pieces]
+                parts = [self._materialize(b, copy=False, grow=grow if k == 0 and not copy else None)
+                         for k, b in enumerate(reply.pieces)]
             except BaseException:
                 self.release(reply)  # the pieces not read yet would be stranded
                 raise
-            return merge_batches(parts, rows=list(reply.piece_rows), pad=pad)
+            return merge_batches(parts, rows=list(reply.piece_rows), pad=pad, grow=grow[0] if grow else None)
         return self._materialize(reply.batch, copy)
 
-    def _materialize(self, b: pb.BatchHandle, copy: bool):
+    def _materialize(self, b: pb.BatchHandle, copy: bool, grow: list | None = None):
+        """``grow`` (a list): gets the function that grows this batch's tensors in place into the
+        room its slab leaves after them (``merge_batches(grow=)``): a split batch's first piece."""
         handle = {"segment": b.slab.segment, "generation": b.slab.generation, "nbytes": b.slab.nbytes}
         if b.tree_pickle and not self.pickle_allowed:
             self.reader.release(handle)
@@ -47,6 +55,8 @@ class ReplyBatches:
             release = (lambda h=handle, r=self.reader: r.release(h))
             tensors = read_tensors(buf, metas, on_release=release)
             del buf
+            if grow is not None:
+                grow.append(_grower(tensors, metas))
         return unflatten(b.tree_json, b.tree_pickle, tensors)
 
     def release(self, reply: pb.ExecuteReply) -> None:
@@ -68,3 +78,24 @@ class ReplyBatches:
         if kind is ErrorKind.NO_ROOM:
             return ClusterError(f"batch of task {reply.task_id}: {reply.error}")
         return RuntimeError(f"DataServer task {reply.task_id} failed ({kind.name}): {reply.error}")
+
+
+def _grower(tensors: list, metas: list[dict]):
+    """``grow(x, shape)`` for ``merge_batches``: where ``x`` is one of ``tensors`` (a piece read in
+    place) and the slab holds nothing else from its start to ``shape``'s size (a worker that
+    stopped short left its missing rows' room there, ``direct``), the view of ``shape`` over that
+    memory, sharing ``x``'s storage (so the slab stays held while it lives); else None."""
+    spans = {t.data_ptr(): t.data_ptr() + m["nbytes"] for t, m in zip(tensors, metas) if not m["is_inline"]}
+
+    def grow(x, shape):
+        start = x.data_ptr()
+        if spans.get(start) != start + x.numel() * x.element_size() or not x.is_contiguous() \
+                or tuple(x.shape[1:]) != tuple(shape[1:]):
+            return None
+        end = start + math.prod(shape) * x.element_size()
+        storage = x.untyped_storage()
+        if end > storage.data_ptr() + storage.nbytes() or any(start < s < end for s in spans):
+            return None
+        return x.as_strided(tuple(shape), torch.empty(tuple(shape), device="meta").stride())
+
+    return grow

@@ -2,7 +2,8 @@
 
 Frame count and duration come from the header when it has them (MP4 does); otherwise the count is
 estimated as duration x fps (Matroska, MPEG-TS) or counted from demuxed packets (a raw Annex-B
-stream has neither), and the descriptor says which was used.
+stream has neither), and the descriptor says which was used. A raw stream's rate is the codec's
+(the SPS's timing), not the 25 fps its demuxer assumes.
 """
 from __future__ import annotations
 
@@ -64,6 +65,8 @@ def probe(path: str | os.PathLike, index: int = 0, caption_len: int = 0, localit
             duration_s = float(stream.duration * stream.time_base)
         elif container.duration is not None:
             duration_s = container.duration / 1_000_000.0  # AV_TIME_BASE units
+        if duration_s <= 0 and ctx.framerate:  # a raw stream: its demuxer assumes 25 fps; the codec's
+            fps = float(ctx.framerate)  # rate (an H.264 SPS's timing) is the clip's own
         frames, frames_source = int(stream.frames or 0), "header"
         if frames <= 0 and duration_s > 0 and fps > 0:
             frames, frames_source = int(round(duration_s * fps)), "duration_x_fps"

@@ -115,7 +115,10 @@ def _fill(dataset, collate, indices, shapes, slab, dims, allow_pickle, progress,
             return None
         if any(s.get("video") is not slot for s, slot in zip(samples, slots)):
             return None  # feature_fn replaced a video: the generic path collates what it made
-    # a batch stopped short keeps the whole batch's padded size (the merge pads the other pieces to it)
+    # a batch stopped short keeps the whole batch's padded size (the merge pads the other pieces to
+    # it), and the room of its missing rows: its small tensors go after the whole batch's video, so
+    # the client grows the video in place with the other pieces' rows (one copy of theirs, none of these)
+    room = video.numel()
     video = video[:len(samples)]
     video_bytes = video.numel()
     if collate is pad_collate:
@@ -128,7 +131,7 @@ def _fill(dataset, collate, indices, shapes, slab, dims, allow_pickle, progress,
     at = [k for k, x in enumerate(tensors) if x.data_ptr() == video.data_ptr() and x.shape == video.shape]
     if len(at) != 1:
         return None
-    metas, total = layout(tensors, pinned={at[0]: (0, video_bytes)})
+    metas, total = layout(tensors, pinned={at[0]: (0, video_bytes)}, reserve=room)
     if total > len(slab.payload):
         return None
     metas = write_tensors(slab.payload, tensors, metas)

@@ -10,21 +10,34 @@ from .hostmem import fresh_array, fresh_tensor
 __all__ = ["merge_batches", "take_rows"]
 
 
-def _pad_cat(parts: list, path: str, fresh, cat, pad: bool):
+def _pad_cat(parts: list, path: str, fresh, cat, pad: bool, grow=None):
     """``parts`` concatenated on dim 0 into ``fresh(shape, dtype, zero)`` memory (huge pages for a
-    large batch: see ``hostmem``), other dims zero-padded to the largest when ``pad``."""
+    large batch: see ``hostmem``), other dims zero-padded to the largest when ``pad``; or into
+    ``grow(parts[0], shape)``, when it gives one: a view of that shape whose first rows are
+    ``parts[0]`` itself (memory reserved after it), so only the other parts are copied."""
     shapes = [tuple(p.shape) for p in parts]
     if any(len(s) != len(shapes[0]) for s in shapes) or not shapes[0]:
         raise ValueError(f"{path}: cannot concatenate arrays of shapes {shapes} along dim 0")
     if len({p.dtype for p in parts}) > 1:
         raise ValueError(f"{path}: dtypes differ across microbatches: {[p.dtype for p in parts]}")
     rows = sum(s[0] for s in shapes)
-    if all(s[1:] == shapes[0][1:] for s in shapes):
-        return cat(parts, out=fresh((rows, *shapes[0][1:]), parts[0].dtype, False))
-    if not pad:
+    same = all(s[1:] == shapes[0][1:] for s in shapes)
+    if not same and not pad:
         raise ValueError(f"{path}: stack expects each tensor to be equal size, but the batch's samples have shapes "
                          f"{shapes} across its parts (torch's default_collate raises here too; hx.pad_collate pads)")
     rest = tuple(max(s[d] for s in shapes) for d in range(1, len(shapes[0])))
+    out = grow(parts[0], (rows, *rest)) if grow is not None else None
+    if out is not None:  # parts[0] is in place: the others' rows, their padding zeroed (the room held old bytes)
+        row = shapes[0][0]
+        for p in parts[1:]:
+            dst = out[row:row + p.shape[0]]
+            if tuple(p.shape[1:]) != rest:
+                dst.zero_()
+            dst[(slice(None), *(slice(0, n) for n in p.shape[1:]))] = p
+            row += p.shape[0]
+        return out
+    if same:
+        return cat(parts, out=fresh((rows, *shapes[0][1:]), parts[0].dtype, False))
     out = fresh((rows, *rest), parts[0].dtype, True)
     row = 0
     for p in parts:
@@ -71,17 +84,17 @@ def _are_columns(items: list, rows: list | None) -> bool:
     return not per_sample_shaped or any(n == r for n, r in zip(lead, rows))
 
 
-def _merge(items: list, path: str, rows: list | None, pad: bool):
+def _merge(items: list, path: str, rows: list | None, pad: bool, grow=None):
     first = items[0]
     if any(type(x) is not type(first) for x in items):
         raise ValueError(f"{path}: types differ across microbatches: {[type(x).__name__ for x in items]}")
     if isinstance(first, torch.Tensor):
-        return _pad_cat(items, path, fresh_tensor, torch.cat, pad)
+        return _pad_cat(items, path, fresh_tensor, torch.cat, pad, grow)
     if isinstance(first, np.ndarray):
         return _pad_cat(items, path, fresh_array, np.concatenate, pad)
     if isinstance(first, (list, tuple)):
         if _are_columns(items, rows):  # (X, Y) batches of tuple samples: field by field, never (X1, Y1, X2, Y2)
-            merged = [_merge([x[j] for x in items], f"{path}[{j}]", rows, pad) for j in range(len(first))]
+            merged = [_merge([x[j] for x in items], f"{path}[{j}]", rows, pad, grow) for j in range(len(first))]
         else:  # per-sample values (captions, paths, clips of their own sizes): concatenate
             merged = [x for item in items for x in item]
         if type(first) is list:
@@ -92,13 +105,13 @@ def _merge(items: list, path: str, rows: list | None, pad: bool):
             if item.keys() != first.keys():
                 diff = sorted(map(repr, item.keys() ^ first.keys()))
                 raise ValueError(f"{path}: microbatches have different keys: {', '.join(diff)}")
-        return {k: _merge([item[k] for item in items], f"{path}[{k!r}]", rows, pad) for k in first}
+        return {k: _merge([item[k] for item in items], f"{path}[{k!r}]", rows, pad, grow) for k in first}
     if any(x != first for x in items[1:]):
         raise ValueError(f"{path}: microbatches disagree on a value that is not a batch: {items}")
     return first
 
 
-def merge_batches(batches: list, rows: list[int] | None = None, pad: bool = True):
+def merge_batches(batches: list, rows: list[int] | None = None, pad: bool = True, grow=None):
     """One batch from microbatches of the same structure, equal to collating all their samples at
     once: tensors/arrays concatenated on dim 0 (other dims zero-padded to the largest), dicts merged
     key by key, equal scalars kept. A list or tuple is merged field by field when it is
@@ -106,12 +119,14 @@ def merge_batches(batches: list, rows: list[int] | None = None, pad: bool = True
     with the microbatch's row count — ``rows[k]`` samples for microbatch ``k`` when given), and
     concatenated when it holds per-sample values (strings, or tensors of their own sizes). Raises
     ValueError naming the path where the structures disagree — and, with ``pad=False``, where
-    tensors differ beyond dim 0 (as ``default_collate`` of all the samples would)."""
+    tensors differ beyond dim 0 (as ``default_collate`` of all the samples would). ``grow(tensor,
+    shape)``: a view of ``shape`` that starts with the first batch's ``tensor`` in place, or None
+    (the merge then makes fresh memory) — a split batch's first piece leaves room for the rest."""
     if not batches:
         raise ValueError("merge_batches([]): nothing to merge")
     if rows is not None and len(rows) != len(batches):
         raise ValueError(f"merge_batches: {len(rows)} row counts for {len(batches)} microbatches")
-    return batches[0] if len(batches) == 1 else _merge(list(batches), "batch", rows, pad)
+    return batches[0] if len(batches) == 1 else _merge(list(batches), "batch", rows, pad, grow)
 
 
 def take_rows(batch, rows: list[int], n: int, view: bool = False):

@@ -166,12 +166,15 @@ def unflatten(tree_json: str, tree_pickle: bytes, tensors: list):
     return _Unpickler(io.BytesIO(tree_pickle)).load()
 
 
-def layout(tensors: list[torch.Tensor], pinned: dict[int, tuple[int, int]] | None = None) -> tuple[list[dict], int]:
+def layout(tensors: list[torch.Tensor], pinned: dict[int, tuple[int, int]] | None = None,
+           reserve: int = 0) -> tuple[list[dict], int]:
     """(metas, payload bytes): non-inline tensors packed in order at 64-byte-aligned offsets.
     ``pinned``: ``{tensor position: (offset, nbytes)}`` of tensors already written in place in the
-    payload (decoded straight into it); the others are packed after them."""
+    payload (decoded straight into it); the others are packed after them, and after ``reserve``
+    bytes (room for a pinned tensor to grow into: a batch whose other rows come in a piece)."""
     pinned = pinned or {}
     metas, end = [], max((off + n for off, n in pinned.values()), default=0)
+    end = max(end, reserve)
     for k, t in enumerate(tensors):
         if k in pinned:
             name = _dtype_name(t)
@@ -243,7 +246,8 @@ def read_tensors(buffer, metas: list[dict], on_release: Callable[[], Any] | None
         lo, hi = min(s for s, _ in spans), max(e for _, e in spans)
         if hi > len(buffer):
             raise ValueError(f"metas need buffer bytes [{lo}, {hi}); the buffer has {len(buffer)}")
-        base = np.frombuffer(buffer, dtype=np.uint8, count=hi - lo, offset=lo)
+        # to the buffer's end: a tensor may grow into room left after it (``merge_batches(grow=)``)
+        base = np.frombuffer(buffer, dtype=np.uint8, count=len(buffer) - lo, offset=lo)
         if on_release is not None:
             # torch.from_numpy keeps `base` alive as long as any tensor shares its memory
             weakref.finalize(base, on_release)
