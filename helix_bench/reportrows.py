@@ -59,18 +59,20 @@ def table_rows(run: Mapping) -> list[list[str]]:
 
 def cpu_rows(run: Mapping) -> tuple[list[str], list[list[str]]]:
     """Where the CPU went: headers and one row per system that measured it (CPU-seconds per role
-    over the measured steps, their total, decode efficiency, cost-prediction error start -> end)."""
+    over the measured steps, their total, decode efficiency, cost-prediction error start -> end, and
+    the pieces work stealing split batches into over the run, warm-up included)."""
     ran = {n: m for n, m in _ran(run).items() if m.get("cpu_s_by_role")}
     roles = sorted({k for m in ran.values() for k in m["cpu_s_by_role"]}, key=lambda k: (k != "decode", k))
     headers = ["System", *[f"{r} (CPU-s)" for r in roles], "total (CPU-s)", "Decode eff. (%)", "Slots busy (%)",
-               "Cost error start → end (%)"]
+               "Cost error start → end (%)", "Stolen pieces"]
     rows = []
     for name, m in ran.items():
         by = m["cpu_s_by_role"]
         err = (f"{_fmt(m.get('cost_error_start'), '.0f', 100)} → {_fmt(m.get('cost_error_end'), '.0f', 100)}"
                if m.get("cost_error_start") is not None else "n/a")
         rows.append([name, *[_fmt(by.get(r, 0.0), ".1f") for r in roles], _fmt(sum(by.values()), ".1f"),
-                     _fmt(m.get("decode_efficiency"), ".1f", 100), _fmt(m.get("decode_slots_busy"), ".1f", 100), err])
+                     _fmt(m.get("decode_efficiency"), ".1f", 100), _fmt(m.get("decode_slots_busy"), ".1f", 100), err,
+                     str(m["stolen"]) if m.get("stolen") is not None else "n/a"])
     return headers, rows
 
 

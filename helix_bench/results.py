@@ -70,6 +70,8 @@ def system_result(system, cfg, got, m, expected, spans, bound, decode, units, lo
         for k, v in (st.get("placement_reasons") or {}).items():
             reasons[k] = reasons.get(k, 0) + v
     out["placement_reasons"] = reasons
+    if stats_by_rank and system.startswith("helix"):  # pieces beyond a batch's first, over the run
+        out["stolen"] = sum(int(st.get("stolen") or 0) for st in stats_by_rank)
     rounds: dict = {}
     for st in stats_by_rank:  # Tier 2: rounds by outcome and samples moved, over the ranks
         for k, v in (st.get("rebalance") or {}).items():

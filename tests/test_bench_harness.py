@@ -34,6 +34,8 @@ def test_tiny_run_writes_results_for_each_system(tmp_path, monkeypatch):
     helix = results["systems"]["helix"]
     assert 0 < helix["decode_slots_busy"] <= 1 and helix["decode_slots"] == 2 and helix["decode_timeline"]
     assert (tmp_path / "out" / "fig_decode_slots.png").stat().st_size > 0
+    assert helix["stolen"] >= 0 and "stolen" not in results["systems"]["native"]  # pieces work stealing made
+    assert "Stolen pieces" in (tmp_path / "out" / "report.md").read_text()
     t2 = results["systems"]["helix-tier2"]  # every step's round, seen by both ranks, in the report
     assert t2["steps"] == 4 and t2["tier2_rounds"]["rounds"] >= 6 and not t2["rebalance_errors"]
     assert t2["imbalance_within_step_floor"] <= t2["imbalance_ratio"]
