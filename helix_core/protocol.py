@@ -119,11 +119,14 @@ def route_request(client_id: str, rank: int, part: Part, deadline_s: float | Non
 
 def execute_request(task: Task, part: Part, spec_id: str, on_error: str, client_id: str,
                     deadline_s: float | None, splittable: bool = False, features: bool = False) -> pb.ExecuteRequest:
-    """``splittable``: the client merges pieces exactly (the server may split the batch among idle workers);
-    ``features``: Tier 2 — the workers measure each sample's features (``Rebalance.feature_fn``)."""
+    """``splittable``: the client merges pieces exactly (the server may split the batch among idle workers),
+    and the batch's first part leaves the room of the later parts' rows in its slab, which the merge
+    grows into (``room``); ``features``: Tier 2 — the workers measure each sample's features
+    (``Rebalance.feature_fn``)."""
+    room = [i for p in task.parts[1:] for i in p.indices] if splittable and task.parts and part is task.parts[0] else []
     return pb.ExecuteRequest(task_id=part.task_id, spec_id=spec_id, indices=part.indices, epoch=task.epoch,
                              substitutes=task.substitutes if on_error == "skip" else (),  # raise: never used
                              on_error=on_error, deliver_to=part.route.deliver_to,
                              client_id=client_id, deadline_s=deadline_s or 0.0, has_deadline=deadline_s is not None,
                              predicted_cpu_s=part.cost.cpu_s if part.cost is not None else 0.0, splittable=splittable,
-                             features=features)
+                             features=features, room=room)

@@ -282,3 +282,26 @@ def test_a_first_piece_with_room_after_its_video_grows_in_place_and_the_others_a
     past = (4, *whole["video"].shape[1:])  # a row more than the room: it would run into the tokens
     assert _grower(got, metas)(first["video"], past) is None
     assert _grower(got, metas)(first["tokens"], (3, 2000)) is None  # nothing was left room after them
+
+
+def test_a_fanned_out_video_batch_grows_in_its_first_parts_slab_and_equals_pad_collate(kmix):
+    """Past its deadline a batch fans out to several workers; its first part's worker leaves the
+    others' rows' room in its slab (padded as the whole batch), so the merge copies only the later
+    parts' rows: each batch the user holds holds exactly one slab (a fresh merge would hold none)."""
+    video = hx.VideoClipDataset(kmix / "manifest.jsonl", num_frames=None, size=None)
+    with hx.LocalCluster(local_servers=2, workers_per_server=2, config=CFG) as cluster:
+        with hx.DistributedDataLoader(video, batch_size=3, rank=0, world_size=1, coordinator=cluster.address,
+                                      prefetch_depth=1, collate_fn=hx.pad_collate, config=CFG) as ld:
+            got = []
+            for _ in range(3):  # an epoch's first batch has no deadline yet; the later ones fan out
+                for b in ld:
+                    got.append(b)
+                    ld.report_step_time(0.001)  # a 1 ms GPU window: every batch is due at once
+            fanouts = ld.stats()["fanouts"]
+            assert fanouts > 0
+            want = [hx.pad_collate([video[i] for i in range(k, k + 3)]) for k in (0, 3)] * 3
+            assert_same_batches(got, want)
+            wait_for(lambda: len(busy_segments(cluster)) == len(got), 10,
+                     f"one slab per batch held ({fanouts} fanned out)")
+            del got, b
+        wait_for(lambda: not busy_segments(cluster), 10, "every slab released once the batches are dropped")

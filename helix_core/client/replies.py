@@ -21,21 +21,25 @@ __all__ = ["ReplyBatches"]
 class ReplyBatches:
     """A ``ClusterClient``'s replies to batches (its ``reader`` maps the slabs)."""
 
-    def materialize(self, reply: pb.ExecuteReply, copy: bool, pad: bool = True):
+    def materialize(self, reply: pb.ExecuteReply, copy: bool, pad: bool = True, grow: list | None = None):
         """The batch of a successful reply: zero-copy tensors on the slab (released when the last
         one is garbage-collected), or owned copies (slab released at once) when ``copy``. A batch
         that came in pieces (split among a server's workers) is merged, as collating it whole
-        (``pad=False``: pieces whose tensors differ in shape raise, as ``default_collate`` would)."""
+        (``pad=False``: pieces whose tensors differ in shape raise, as ``default_collate`` would).
+        ``grow`` (a list): gets the function that grows the batch's first slab's tensors in place
+        (``merge_batches(grow=)``), for a merge with the batch's later parts (fan-out)."""
         if reply.pieces:
-            grow: list = []
+            first: list = []
             try:
-                parts = [self._materialize(b, copy=False, grow=grow if k == 0 and not copy else None)
+                parts = [self._materialize(b, copy=False, grow=first if k == 0 and not copy else None)
                          for k, b in enumerate(reply.pieces)]
             except BaseException:
                 self.release(reply)  # the pieces not read yet would be stranded
                 raise
-            return merge_batches(parts, rows=list(reply.piece_rows), pad=pad, grow=grow[0] if grow else None)
-        return self._materialize(reply.batch, copy)
+            if grow is not None:
+                grow.extend(first)
+            return merge_batches(parts, rows=list(reply.piece_rows), pad=pad, grow=first[0] if first else None)
+        return self._materialize(reply.batch, copy, grow)
 
     def _materialize(self, b: pb.BatchHandle, copy: bool, grow: list | None = None):
         """``grow`` (a list): gets the function that grows this batch's tensors in place into the
@@ -81,16 +85,16 @@ class ReplyBatches:
 
 
 def _grower(tensors: list, metas: list[dict]):
-    """``grow(x, shape)`` for ``merge_batches``: where ``x`` is one of ``tensors`` (a piece read in
-    place) and the slab holds nothing else from its start to ``shape``'s size (a worker that
-    stopped short left its missing rows' room there, ``direct``), the view of ``shape`` over that
-    memory, sharing ``x``'s storage (so the slab stays held while it lives); else None."""
-    spans = {t.data_ptr(): t.data_ptr() + m["nbytes"] for t, m in zip(tensors, metas) if not m["is_inline"]}
+    """``grow(x, shape)`` for ``merge_batches``: where ``x`` starts where one of ``tensors`` (read
+    in place) starts — it, or what it grew into already — and the slab holds nothing else from
+    there to ``shape``'s size (a worker that stopped short, or the first part of a fanned-out batch,
+    left the missing rows' room there: ``direct``), the view of ``shape`` over that memory,
+    sharing ``x``'s storage (so the slab stays held while it lives); else None."""
+    spans = {t.data_ptr() for t, m in zip(tensors, metas) if not m["is_inline"]}
 
     def grow(x, shape):
         start = x.data_ptr()
-        if spans.get(start) != start + x.numel() * x.element_size() or not x.is_contiguous() \
-                or tuple(x.shape[1:]) != tuple(shape[1:]):
+        if start not in spans or not x.is_contiguous() or tuple(x.shape[1:]) != tuple(shape[1:]):
             return None
         end = start + math.prod(shape) * x.element_size()
         storage = x.untyped_storage()

@@ -54,10 +54,10 @@ class Requests:
             splits = fan_out(task.indices, task.costs, deadline)
             self.stats.fanouts += len(splits) > 1
         offset = 0
-        for indices in splits:
-            part = Part(next(self.task_ids), indices, sum_costs(task.costs[offset:offset + len(indices)]))
+        for indices in splits:  # every part first: the first one's request names the others' samples (room)
+            task.parts.append(Part(next(self.task_ids), indices, sum_costs(task.costs[offset:offset + len(indices)])))
             offset += len(indices)
-            task.parts.append(part)
+        for part in list(task.parts):
             self._start(task, part, stop)
 
     def _plan_deadline(self, task: Task) -> float | None:
@@ -138,12 +138,13 @@ class Requests:
             batch = self._collect_round(task, stop)
             if batch is not None:
                 return batch
-        batches, error = [], None
+        batches, error, grow = [], None, []
         for k, part in enumerate(task.parts):
             while True:
                 reply = self._wait(task, part, stop)
-                try:
-                    batch = None if reply.error_kind else self.client.materialize(reply, copy=self.copy, pad=self.pad)
+                try:  # the first part's slab may hold the room of the others' rows (``grow``)
+                    batch = None if reply.error_kind else self.client.materialize(
+                        reply, copy=self.copy, pad=self.pad, grow=grow if k == 0 else None)
                     break
                 except FileNotFoundError:  # its producer died and the slab was swept: run it again
                     self._resubmit(task, part, "slab vanished", part.route.exec_server_id, stop)
@@ -161,7 +162,8 @@ class Requests:
         self.stats.batch_ready.append(time.perf_counter() - task.t_dispatch)
         if len(batches) == 1:
             return batches[0]
-        return merge_batches(batches, rows=[len(p.indices) for p in task.parts], pad=self.pad)
+        return merge_batches(batches, rows=[len(p.indices) for p in task.parts], pad=self.pad,
+                             grow=grow[0] if grow else None)
 
     def _collect_round(self, task: Task, stop):
         """Tier 2: the batch its round made of ``task``'s replies, or None to read them as they are

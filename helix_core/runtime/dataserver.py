@@ -111,7 +111,9 @@ class DataServerServicer(pbg.DataServerServicer):
                 "predicted_cpu_s": max(0.0, request.predicted_cpu_s),
                 # pieces are delivered here only, and substitutes (on_error="skip") belong to one worker
                 "splittable": request.splittable and not remote and not request.substitutes,
-                "features": request.features}
+                "features": request.features,
+                # the room of the batch's later parts: only where the rank maps this slab itself
+                "room": list(request.room) if request.splittable and not remote and not request.substitutes else []}
         fut = self.pool.submit(task)
         context.add_callback(lambda: self.pool.cancel([request.task_id], request.client_id) if not fut.done() else None)
         try:

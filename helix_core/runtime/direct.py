@@ -52,22 +52,26 @@ def supports_direct(dataset, collate) -> bool:
 
 
 def direct_batch(dataset, collate, indices: list[int], pool, allow_pickle: bool, progress=lambda index: None,
-                 may_start=lambda k: True, featurize=None):
+                 may_start=lambda k: True, featurize=None, room=()):
     """``(slab, total, tree_json, tree_pickle, metas, decode_cpu_s, features)`` with the batch
     written in ``slab``, or None when this batch needs the generic path (nothing is held then).
     ``progress(index)`` is called before each sample is decoded; ``may_start(k)`` says whether
     sample ``k`` is still this worker's (when not, the batch is the samples before it).
     ``featurize(samples, indices)`` (Tier 2's features) sees the samples decoded in place, before
     the collate; ``features`` is its list, or None without it. One that raises sends the batch to
-    the generic path, which names the sample."""
+    the generic path, which names the sample. ``room``: the samples of the batch's later parts
+    (fan-out): the slab keeps their rows' room after these, the video padded as the whole batch's."""
     try:
         shapes = [tuple(int(x) for x in dataset.video_shape(i)) for i in indices]
+        later = [tuple(int(x) for x in dataset.video_shape(i)) for i in room]
     except Exception:
         return None
     if collate is default_collate and len(set(shapes)) > 1:
         return None  # the generic path raises default_collate's own error
-    b = len(indices)
-    t, c, h, w = (max(s[d] for s in shapes) for d in range(4))
+    if collate is default_collate and len(set(shapes + later)) > 1:
+        later = []  # the merge raises default_collate's error: no room for rows that cannot stack
+    b = len(indices) + len(later)
+    t, c, h, w = (max(s[d] for s in shapes + later) for d in range(4))
     video_bytes = b * t * c * h * w
     try:
         slab = pool.acquire(video_bytes + HEADROOM)

@@ -203,7 +203,7 @@ class WorkerPool(WorkerDeaths):
                 continue
             start, end = got
             task, n = w.task, len(w.task["indices"])
-            piece = dict(task, indices=task["indices"][start:end], _offset=task.get("_offset", 0) + start, bad={},
+            piece = dict(task, indices=task["indices"][start:end], _offset=task.get("_offset", 0) + start, bad={}, room=[],
                          predicted_cpu_s=task.get("predicted_cpu_s", 0.0) * (end - start) / n)
             task["indices"] = task["indices"][:start]  # what it keeps (a retry after its death runs just that)
             task["predicted_cpu_s"] = task.get("predicted_cpu_s", 0.0) * start / n

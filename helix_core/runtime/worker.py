@@ -167,7 +167,7 @@ def _run_task(task: dict, specs: dict, pool, progress, allow_pickle: bool, may_s
             if want_features else None
         got = direct_batch(dataset, collate, list(task["indices"]), pool, allow_pickle,
                            (lambda i: progress.set(i, sample_path(dataset, i))) if progress else (lambda i: None),
-                           may_start, featurize)
+                           may_start, featurize, room=list(task.get("room", ())))
         if got is not None:
             slab, total, tree_json, tree_pickle, metas, cpu, features = got
             return {"handle": slab.handle(total), "tree_json": tree_json, "tree_pickle": tree_pickle, "metas": metas,

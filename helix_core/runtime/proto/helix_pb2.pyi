@@ -293,7 +293,7 @@ class SampleFailure(_message.Message):
     def __init__(self, index: _Optional[int] = ..., path: _Optional[str] = ..., cause: _Optional[str] = ...) -> None: ...
 
 class ExecuteRequest(_message.Message):
-    __slots__ = ("task_id", "spec_id", "indices", "epoch", "substitutes", "on_error", "deliver_to", "client_id", "deadline_s", "has_deadline", "predicted_cpu_s", "splittable", "features")
+    __slots__ = ("task_id", "spec_id", "indices", "epoch", "substitutes", "on_error", "deliver_to", "client_id", "deadline_s", "has_deadline", "predicted_cpu_s", "splittable", "features", "room")
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
     SPEC_ID_FIELD_NUMBER: _ClassVar[int]
     INDICES_FIELD_NUMBER: _ClassVar[int]
@@ -307,6 +307,7 @@ class ExecuteRequest(_message.Message):
     PREDICTED_CPU_S_FIELD_NUMBER: _ClassVar[int]
     SPLITTABLE_FIELD_NUMBER: _ClassVar[int]
     FEATURES_FIELD_NUMBER: _ClassVar[int]
+    ROOM_FIELD_NUMBER: _ClassVar[int]
     task_id: int
     spec_id: str
     indices: _containers.RepeatedScalarFieldContainer[int]
@@ -320,7 +321,8 @@ class ExecuteRequest(_message.Message):
     predicted_cpu_s: float
     splittable: bool
     features: bool
-    def __init__(self, task_id: _Optional[int] = ..., spec_id: _Optional[str] = ..., indices: _Optional[_Iterable[int]] = ..., epoch: _Optional[int] = ..., substitutes: _Optional[_Iterable[int]] = ..., on_error: _Optional[str] = ..., deliver_to: _Optional[str] = ..., client_id: _Optional[str] = ..., deadline_s: _Optional[float] = ..., has_deadline: _Optional[bool] = ..., predicted_cpu_s: _Optional[float] = ..., splittable: _Optional[bool] = ..., features: _Optional[bool] = ...) -> None: ...
+    room: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, task_id: _Optional[int] = ..., spec_id: _Optional[str] = ..., indices: _Optional[_Iterable[int]] = ..., epoch: _Optional[int] = ..., substitutes: _Optional[_Iterable[int]] = ..., on_error: _Optional[str] = ..., deliver_to: _Optional[str] = ..., client_id: _Optional[str] = ..., deadline_s: _Optional[float] = ..., has_deadline: _Optional[bool] = ..., predicted_cpu_s: _Optional[float] = ..., splittable: _Optional[bool] = ..., features: _Optional[bool] = ..., room: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ExecuteReply(_message.Message):
     __slots__ = ("task_id", "batch", "error_kind", "error", "failure", "skipped", "delivered_by", "cross_ds_bytes", "exec_s", "decoded", "decode_cpu_s", "queue_s", "pieces", "piece_rows", "features_json")
