@@ -71,13 +71,26 @@ def _idle_cpu_s(procs, before: dict | None, before_ticks: float) -> float:
     return _cpu(procs) - before_ticks
 
 
-def measure_idle(seconds: float = 30.0, settle_s: float = 3.0) -> dict:
+def settle(procs, quiet: float = 0.02, window_s: float = 0.5, limit_s: float = 60.0) -> float:
+    """Wait until ``procs`` together use under ``quiet`` of one core over ``window_s``: start-up
+    work (a worker still importing torch, registration) is neither idle time nor a batch's cost.
+    Seconds waited; gives up after ``limit_s``."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < limit_s:
+        before, ticks = _run_ns(procs), _cpu(procs)
+        time.sleep(window_s)
+        if _idle_cpu_s(procs, before, ticks) < quiet * window_s:
+            break
+    return time.monotonic() - t0
+
+
+def measure_idle(seconds: float = 30.0) -> dict:
     """(a): % of one core used by an idle cluster with 2 local servers (by role), over ``seconds``."""
     from helix_core.runtime.cluster import LocalCluster
 
     with LocalCluster(local_servers=2, workers_per_server=1, token=True) as cluster:
-        time.sleep(settle_s)  # start-up work (imports, registration) is not idle time
         roles = _cluster_processes(cluster)
+        settle([p for ps in roles.values() for p in ps])
         before = {r: (_run_ns(ps), _cpu(ps)) for r, ps in roles.items()}
         t0 = time.monotonic()
         time.sleep(seconds)
@@ -111,31 +124,39 @@ def measure_per_batch(batches: int = 400, rate_hz: float = 50.0, batch_size: int
     from helix_core.testing import IndexDataset
 
     ds = IndexDataset((batches + 10 + 4 * prefetch) * batch_size, shape=(64,))  # threads live through the window
-    with LocalCluster(local_servers=2, workers_per_server=1, token=True) as cluster, \
-            hx.DistributedDataLoader(ds, batch_size, rank=0, world_size=1, coordinator=cluster.address,
-                                     token=cluster.token, prefetch_depth=prefetch) as loader:
-        it = iter(loader)
-        for _ in range(10):  # warm: channels, spec, slabs
-            next(it)
-        roles = _cluster_processes(cluster)
-        names = _names()
-        before = {r: _cpu(ps) for r, ps in roles.items()}
-        threads_before = _thread_cpu(names)
-        t0, n = time.perf_counter(), 0
-        for _ in it:
-            n += 1
-            if n == batches:
-                break
-            pause = t0 + n / rate_hz - time.perf_counter()
-            if pause > 0:
-                time.sleep(pause)  # the emulated GPU step: the loader must keep up, not race
-        elapsed = time.perf_counter() - t0
-        per_batch = {r: (_cpu(ps) - before[r]) / n for r, ps in roles.items()}
-        threads_after = _thread_cpu(names)
-    for name, cpu in threads_after.items():
-        per_batch[name] = (cpu - threads_before.get(name, 0.0)) / n
+    with LocalCluster(local_servers=2, workers_per_server=1, token=True) as cluster:
+        settle([p for ps in _cluster_processes(cluster).values() for p in ps])  # every worker up, not 1 of 2
+        loader = hx.DistributedDataLoader(ds, batch_size, rank=0, world_size=1, coordinator=cluster.address,
+                                          token=cluster.token, prefetch_depth=prefetch)
+        with loader:
+            per_batch, n, elapsed = _per_batch(loader, cluster, batches, rate_hz)
     return {"per_batch_cpu_s": per_batch, "batches": n, "rate_hz": n / elapsed,
             "total_cpu_s_per_batch": sum(per_batch.values())}
+
+
+def _per_batch(loader, cluster, batches: int, rate_hz: float) -> tuple[dict, int, float]:
+    """CPU-seconds per batch by role over ``batches`` batches taken at ``rate_hz``, after 10
+    warm-up batches (channels, spec, slabs); also the count and the seconds it took."""
+    it = iter(loader)
+    for _ in range(10):
+        next(it)
+    roles = _cluster_processes(cluster)
+    names = _names()
+    before = {r: _cpu(ps) for r, ps in roles.items()}
+    threads_before = _thread_cpu(names)
+    t0, n = time.perf_counter(), 0
+    for _ in it:
+        n += 1
+        if n == batches:
+            break
+        pause = t0 + n / rate_hz - time.perf_counter()
+        if pause > 0:
+            time.sleep(pause)  # the emulated GPU step: the loader must keep up, not race
+    elapsed = time.perf_counter() - t0
+    per_batch = {r: (_cpu(ps) - before[r]) / n for r, ps in roles.items()}
+    for name, cpu in _thread_cpu(names).items():
+        per_batch[name] = (cpu - threads_before.get(name, 0.0)) / n
+    return per_batch, n, elapsed
 
 
 def measure_wakeup(batches: int = 300, sample_s: float = 0.004) -> dict:
