@@ -125,22 +125,23 @@ def measure_per_batch(batches: int = 400, rate_hz: float = 50.0, batch_size: int
 
     ds = IndexDataset((batches + 10 + 4 * prefetch) * batch_size, shape=(64,))  # threads live through the window
     with LocalCluster(local_servers=2, workers_per_server=1, token=True) as cluster:
-        settle([p for ps in _cluster_processes(cluster).values() for p in ps])  # every worker up, not 1 of 2
+        roles = _cluster_processes(cluster)
+        settle([p for ps in roles.values() for p in ps])  # every worker up, not 1 of 2
         loader = hx.DistributedDataLoader(ds, batch_size, rank=0, world_size=1, coordinator=cluster.address,
                                           token=cluster.token, prefetch_depth=prefetch)
         with loader:
-            per_batch, n, elapsed = _per_batch(loader, cluster, batches, rate_hz)
+            per_batch, n, elapsed = _per_batch(loader, roles, batches, rate_hz)
     return {"per_batch_cpu_s": per_batch, "batches": n, "rate_hz": n / elapsed,
             "total_cpu_s_per_batch": sum(per_batch.values())}
 
 
-def _per_batch(loader, cluster, batches: int, rate_hz: float) -> tuple[dict, int, float]:
-    """CPU-seconds per batch by role over ``batches`` batches taken at ``rate_hz``, after 10
-    warm-up batches (channels, spec, slabs); also the count and the seconds it took."""
+def _per_batch(loader, roles: dict, batches: int, rate_hz: float) -> tuple[dict, int, float]:
+    """CPU-seconds per batch by role (``roles``: the cluster's processes) over ``batches`` batches
+    taken at ``rate_hz``, after 10 warm-up batches (channels, spec, slabs); also the count and the
+    seconds it took."""
     it = iter(loader)
     for _ in range(10):
         next(it)
-    roles = _cluster_processes(cluster)
     names = _names()
     before = {r: _cpu(ps) for r, ps in roles.items()}
     threads_before = _thread_cpu(names)
