@@ -98,12 +98,19 @@ def test_tls_both_ends_and_a_stranger_is_refused():
     try:
         tx = BulkSender(TOKEN, CFG, tls=job)
         tx.send("127.0.0.1", rx.listener.port, _header(4), memoryview(b"data"))
-        assert rx.got == [b"data"]
+        big = bytes(range(251)) * 12_533  # 3 MiB and then some: several sealed records
+        rx.refuse = NO_ROOM  # a refused payload is drained record by record: the connection goes on
+        with pytest.raises(BulkError, match="no room"):
+            tx.send("127.0.0.1", rx.listener.port, _header(len(big)), memoryview(big))
+        rx.refuse = None
+        tx.send("127.0.0.1", rx.listener.port, _header(len(big)), memoryview(big))
+        assert rx.got == [b"data", big] and rx.listener.connections == 1
         tx.close()
+        rx.got.clear()
         stranger = BulkSender(TOKEN, CFG, tls=Tls.for_job())  # another CA: neither side trusts the other
         with pytest.raises(BulkError) as e:
             stranger.send("127.0.0.1", rx.listener.port, _header(4), memoryview(b"data"))
-        assert e.value.status is None and rx.got == [b"data"]
+        assert e.value.status is None and rx.got == []
     finally:
         rx.close()
 

@@ -18,6 +18,15 @@ stopped or vanished peer fails the transfer in seconds, and the sender's caller 
 lost delivery server (the client resubmits). The gRPC ``Deliver`` stays as the path for a peer
 that offers no bulk port.
 
+With TLS, the handshake (certificates, then the token) runs on TLS, and the sender then hands
+the receiver two fresh AES-128-GCM keys (one per direction) inside it; both sides close the TLS
+session (``unwrap``) and the rest of the connection travels as ``Sealed`` records of up to 1 MiB:
+``u32`` length (the record's associated data), ciphertext and tag, with a per-direction counter as
+nonce, so a record altered, dropped, replayed or reordered fails its tag and the connection. It
+is TLS's record layer with records 64 times larger: Python's ``ssl`` reads one 16 KiB record per
+call, and that cost the receiving GPU host 0.93 CPU-s per GiB against 0.5 here (``cryptography``'s
+``decrypt_into`` straight into the slab).
+
 This module holds the wire form (constants, ``BulkError``, TLS contexts, reads and writes with
 deadlines); ``bulkrecv.py`` is the receiving side (``BulkListener``), ``bulksend.py`` the sending
 side (``BulkSender``).
@@ -25,10 +34,14 @@ side (``BulkSender``).
 from __future__ import annotations
 
 import os
+import secrets
 import ssl
 import struct
 import tempfile
 import time
+
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 __all__ = ["BulkError", "OK", "NO_ROOM", "REFUSED", "BAD", "BUSY"]
 
@@ -38,6 +51,8 @@ _U16, _U32, _ANSWER = struct.Struct("<H"), struct.Struct("<I"), struct.Struct("<
 _MAX_HEADER = 64 << 20
 _MAX_TOKEN = 1024
 _CHUNK = 4 << 20  # sends go in pieces of this, each with the progress deadline
+_RECORD = 1 << 20  # a Sealed record's most plaintext bytes
+_TAG = 16
 _IDLE_S = 120.0  # a receiver closes a connection idle this long; senders drop theirs sooner
 _SENDER_IDLE_S = 60.0
 
@@ -97,3 +112,80 @@ def _recv(sock, n: int) -> bytes:
     buf = bytearray(n)
     _recv_exact(sock, memoryview(buf))
     return bytes(buf)
+
+
+class Sealed:
+    """A bulk connection after its TLS handshake (module docstring): ``sendall`` and ``recv_into``
+    as on a socket, over AES-128-GCM records. A record that fails its tag raises
+    ``ConnectionError``: the transfer fails as on a broken connection (the client resubmits)."""
+
+    def __init__(self, raw, send_key: bytes, recv_key: bytes):
+        self._raw = raw
+        self._tx, self._rx = AESGCM(bytes(send_key)), AESGCM(bytes(recv_key))
+        self._sent = self._received = 0
+        self._out = memoryview(bytearray(4 + _RECORD + _TAG))
+        self._in = memoryview(bytearray(_RECORD + _TAG))
+        self._plain: memoryview | None = None  # for records read into a smaller view than theirs
+        self._left = memoryview(b"")  # plaintext read and not yet handed out
+
+    @staticmethod
+    def _nonce(counter: int) -> bytes:
+        return counter.to_bytes(12, "big")
+
+    def sendall(self, data) -> None:
+        view = memoryview(data).cast("B")
+        for start in range(0, len(view), _RECORD):
+            piece = view[start:start + _RECORD]
+            n = len(piece)
+            _U32.pack_into(self._out, 0, n)
+            self._tx.encrypt_into(self._nonce(self._sent), piece, self._out[:4], self._out[4:4 + n + _TAG])
+            self._sent += 1
+            self._raw.sendall(self._out[:4 + n + _TAG])
+
+    def recv_into(self, view) -> int:
+        if not self._left:
+            head = bytearray(4)
+            _recv_exact(self._raw, memoryview(head))
+            (n,) = _U32.unpack(head)
+            if not 0 < n <= _RECORD:
+                raise ConnectionError(f"a bulk record of {n} bytes (at most {_RECORD})")
+            _recv_exact(self._raw, self._in[:n + _TAG])
+            direct = len(view) >= n  # the payload's records land in the slab at once
+            if not direct and self._plain is None:
+                self._plain = memoryview(bytearray(_RECORD))
+            into = view[:n] if direct else self._plain[:n]
+            try:
+                self._rx.decrypt_into(self._nonce(self._received), self._in[:n + _TAG], bytes(head), into)
+            except InvalidTag:
+                raise ConnectionError("a bulk record failed its authentication tag (altered, or out of order)") from None
+            self._received += 1
+            if direct:
+                return n
+            self._left = into
+        k = min(len(view), len(self._left))
+        view[:k] = self._left[:k]
+        self._left = self._left[k:]
+        return k
+
+    def settimeout(self, seconds) -> None:
+        self._raw.settimeout(seconds)
+
+    def shutdown(self, how) -> None:
+        self._raw.shutdown(how)
+
+    def close(self) -> None:
+        self._raw.close()
+
+
+def seal_sender(sock) -> Sealed:
+    """The sender's side, once the token was accepted over TLS: fresh keys to the peer, TLS closed."""
+    keys = secrets.token_bytes(32)
+    sock.sendall(keys)
+    return Sealed(sock.unwrap(), keys[:16], keys[16:])
+
+
+def seal_receiver(conn, until: float) -> Sealed:
+    """The receiver's side of ``seal_sender``."""
+    keys = bytearray(32)
+    _recv_exact(conn, memoryview(keys), until)
+    return Sealed(conn.unwrap(), keys[16:], keys[:16])

@@ -8,7 +8,7 @@ import threading
 import time
 
 from .bulk import (_ANSWER, _IDLE_S, _MAX_HEADER, _MAX_TOKEN, _U16, _U32, BAD, BUSY, MAGIC, OK, REFUSED, _contexts,
-                   _recv, _recv_exact, _send_all)
+                   _recv, _recv_exact, _send_all, seal_receiver)
 from .proto import helix_pb2 as pb
 
 __all__ = ["BulkListener"]
@@ -67,29 +67,31 @@ class BulkListener:
             self._conns.add(conn)
         return conn
 
-    def _handshake(self, conn) -> bool:
-        """Magic and token within one deadline (an unauthenticated peer holds a slot at most that long)."""
+    def _handshake(self, conn):
+        """Magic and token within one deadline (an unauthenticated peer holds a slot at most that
+        long); the connection to read transfers from (``Sealed`` with TLS), or None: refused."""
         until = time.monotonic() + self.config.keepalive_s + self.config.keepalive_timeout_s
         head = bytearray(6)
         _recv_exact(conn, memoryview(head), until)
         (n,) = _U16.unpack(head[4:])
         if head[:4] != MAGIC or n > _MAX_TOKEN:
-            return False
+            return None
         token = bytearray(n)
         _recv_exact(conn, memoryview(token), until)
         if not hmac.compare_digest(bytes(token), self.token):
             reason = b"wrong or missing token"
             conn.sendall(bytes((REFUSED,)) + _U16.pack(len(reason)) + reason)
-            return False
+            return None
         conn.sendall(bytes((OK,)))
-        return True
+        return seal_receiver(conn, until) if self._ctx is not None else conn
 
     def _serve(self, raw: socket.socket) -> None:
         progress = self.config.keepalive_s + self.config.keepalive_timeout_s
-        conn = raw
+        wrapped = raw
         try:
-            conn = self._wrap(raw)  # a failed TLS handshake raises here
-            if not self._handshake(conn):
+            wrapped = self._wrap(raw)  # a failed TLS handshake raises here
+            conn = self._handshake(wrapped)
+            if conn is None:
                 return
             while not self._closed:
                 conn.settimeout(_IDLE_S)
@@ -114,9 +116,9 @@ class BulkListener:
             return
         finally:
             with self._lock:
-                self._conns.discard(conn)
+                self._conns.discard(wrapped)
             try:
-                conn.close()
+                wrapped.close()  # (a Sealed connection's socket: the same one, unwrapped)
             finally:
                 self._slots.release()
 

@@ -8,7 +8,9 @@ import threading
 import time
 
 from .auth import is_loopback
-from .bulk import _ANSWER, _SENDER_IDLE_S, _U16, _U32, BAD, BUSY, MAGIC, OK, REFUSED, BulkError, _contexts, _recv, _send_all
+from .bulk import (_ANSWER, _SENDER_IDLE_S, _U16, _U32, BAD, BUSY, MAGIC, OK, REFUSED, BulkError, _contexts, _recv,
+                   _send_all,
+                   seal_sender)
 from .proto import helix_pb2 as pb
 from .tokenfiles import check_listener
 
@@ -52,6 +54,8 @@ class BulkSender:
                 (n,) = _U16.unpack(_recv(sock, 2))
                 raise BulkError(f"bulk port {host}:{port} refused us: {_recv(sock, n).decode(errors='replace')}",
                                 REFUSED)
+            if self._ctx is not None:
+                sock = seal_sender(sock)  # the payload in large AES-GCM records (bulk.py)
         except ssl.SSLError as e:  # (before OSError, its base) a certificate mismatch: gRPC's own TLS decides
             sock.close()
             raise BulkError(f"TLS with the bulk port {host}:{port} failed: {e}", connected=False) from None
