@@ -21,19 +21,23 @@ def _write(result: dict, out: Path) -> None:
              f"{result['gpu_s']:.2f} s",
              f"- {c['repeats']} interleaved round(s): each point is its median round; vs native is the median "
              "ratio to the same round's native; the range is every round's throughput",
+             "- GPU hosts' DataServers: their processes' CPU-s over the whole point (serving their ranks and "
+             "receiving the sidecars' batches), spent inside the GPU hosts' quotas; the bound does not count it",
              "", "| System | Sidecars | CPUs | Throughput (samples/s) | Range | Bound (samples/s) | Bound (%) | Limited by "
-             "| vs native | Miss rate (%) | Cross-DS (MB) | Link util. (%) | Input wait mean (s) | Remote requests |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| vs native | Miss rate (%) | Cross-DS (MB) | Link util. (%) | Input wait mean (s) | Remote requests "
+             "| GPU hosts' DataServers (CPU-s) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for p in result["points"]:
         util = f"{100 * p['link_utilisation']:.1f}" if p["link_utilisation"] is not None else "n/a"
         vs = f"{p['vs_native']:.2f}x" if p["vs_native"] else "n/a"
         rounds = p.get("rounds_sps") or [p["throughput_sps"]]
         remote = f"{p['routed_remote']} of {p['routed']}" if "routed" in p else "n/a"
+        ds_cpu = f"{p['local_dataserver_cpu_s']:.1f}" if p.get("local_dataserver_cpu_s") is not None else "n/a"
         lines.append(f"| {p['system']} | {p['sidecars']} | {p['cpus']:g} | {p['throughput_sps']:.2f} | "
                      f"{min(rounds):.2f}–{max(rounds):.2f} | {p['bound_sps']:.2f} | {100 * p['bound_fraction']:.1f} | "
                      f"{p['limited_by']} | {vs} | {100 * p.get('miss_rate', float('nan')):.1f} | "
                      f"{p['cross_ds_bytes'] / 1e6:.1f} | {util} | "
-                     f"{p['input_wait_mean_s']:.4f} | {remote} |")
+                     f"{p['input_wait_mean_s']:.4f} | {remote} | {ds_cpu} |")
     tier2 = [p for p in result["points"] if p.get("tier2")]
     if tier2:  # helix-tier2: what its rounds moved, and what crossed hosts (each host's member, all_to_all)
         lines += ["", "| Tier-2 at sidecars | Batches sent to rounds | Moved / kept (ranks' views) | Rows moved "
