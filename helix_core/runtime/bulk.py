@@ -6,12 +6,13 @@ that is what sidecars were meant to relieve. Here a plain TCP connection (TLS wi
 certificates when it has them) carries the same ``StreamHeader`` and then the payload, which the
 receiver reads with ``recv_into`` directly into one of its slabs: no per-chunk object, no copy.
 
-Wire form (little-endian). A connection opens with ``b"HXB1"``, the token's length (u16) and the
-token; the receiver answers one status byte (0: accepted) and, if refused, a reason. Then any
-number of transfers, one at a time: ``u32`` header length, the ``StreamHeader`` (protobuf), the
-``total_bytes`` of payload; the answer is a status byte and ``u32`` length, then a ``DeliverReply``
-(status 0) or the reason (UTF-8). Nothing is unpickled here: a header whose batch structure is
-pickled is refused where the server takes no pickles, exactly as ``Deliver`` refuses it.
+Wire form (little-endian). A connection opens with ``b"HXB2"`` (``HXB1`` carried the payload on TLS
+itself), the token's length (u16) and the token; the receiver answers one status byte (0: accepted)
+and, if refused, a reason. Then any number of transfers, one at a time: ``u32`` header length, the
+``StreamHeader`` (protobuf), the ``total_bytes`` of payload; the answer is a status byte and ``u32``
+length, then a ``DeliverReply`` (status 0) or the reason (UTF-8). Nothing is unpickled here: a
+header whose batch structure is pickled is refused where the server takes no pickles, exactly as
+``Deliver`` refuses it.
 
 Every read and write of a transfer has a deadline (``keepalive_s + keepalive_timeout_s``): a
 stopped or vanished peer fails the transfer in seconds, and the sender's caller treats it like a
@@ -45,7 +46,7 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 __all__ = ["BulkError", "OK", "NO_ROOM", "REFUSED", "BAD", "BUSY"]
 
-MAGIC = b"HXB1"
+MAGIC = b"HXB2"  # 2: sealed records after the TLS handshake; a receiver of 1 refuses it (the sender uses gRPC)
 OK, NO_ROOM, REFUSED, BAD, BUSY = 0, 1, 2, 3, 4  # BUSY: every connection slot taken (the sender uses gRPC)
 _U16, _U32, _ANSWER = struct.Struct("<H"), struct.Struct("<I"), struct.Struct("<BI")
 _MAX_HEADER = 64 << 20
