@@ -179,12 +179,15 @@ def measure_wakeup(batches: int = 300, sample_s: float = 0.004) -> dict:
 
 
 def run_overhead(out=None, console=None, idle_s: float = 30.0, batches: int = 400) -> dict:
-    """All three, printed as tables (and saved as JSON to ``out``)."""
+    """All three, printed as tables (and saved as JSON to ``out``), with (b)'s yardstick
+    (``rpcfloor.py``: a bare gRPC call's CPU at the same rate)."""
     import json
     from pathlib import Path
 
     from rich.console import Console
     from rich.table import Table
+
+    from .rpcfloor import measure_rpc_floor
 
     console = console or Console()
     with console.status("(a) idle cluster"):
@@ -193,6 +196,8 @@ def run_overhead(out=None, console=None, idle_s: float = 30.0, batches: int = 40
         per = measure_per_batch(batches)
     with console.status("(c) wake-up latency"):
         wake = measure_wakeup()
+    with console.status("(b) yardstick: a bare gRPC call"):
+        floor = measure_rpc_floor(rate_hz=per["rate_hz"])
     t = Table(title=f"(a) idle cluster (2 local DataServers, 1 worker each), {idle['seconds']:.0f} s")
     t.add_column("role")
     t.add_column("% of one core", justify="right")
@@ -210,9 +215,12 @@ def run_overhead(out=None, console=None, idle_s: float = 30.0, batches: int = 40
     t.add_row("(of which idle work: heartbeats, sweeps)", f"{hb * 1e6:.0f}")
     t.add_row("[bold]all", f"[bold]{per['total_cpu_s_per_batch'] * 1e6:.0f}")
     console.print(t)
+    console.print("(b) yardstick, a bare gRPC unary call at the same rate (a batch takes two: Route, Execute): "
+                  + ", ".join(f"{kind} server {f['server_cpu_s'] * 1e6:.0f} µs + caller {f['client_cpu_s'] * 1e6:.0f} µs"
+                              for kind, f in floor.items()))
     console.print(f"(c) wake-up, reply landed -> next() returned: p50 {wake['wakeup_p50_s'] * 1e3:.3f} ms, "
                   f"p99 {wake['wakeup_p99_s'] * 1e3:.3f} ms over {wake['batches']} batches")
-    result = {"idle": idle, "per_batch": per, "wakeup": wake}
+    result = {"idle": idle, "per_batch": per, "wakeup": wake, "rpc_floor": floor}
     if out:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
         Path(out).write_text(json.dumps(result, indent=1))

@@ -37,3 +37,15 @@ def test_settle_gives_up_after_its_limit_on_a_process_that_never_goes_quiet():
     finally:
         child.kill()
         child.wait(10)
+
+
+def test_the_rpc_yardstick_measures_both_servers_and_leaves_no_process():
+    from helix_bench.rpcfloor import measure_rpc_floor
+
+    floor = measure_rpc_floor(calls=60, rate_hz=200.0)
+    assert set(floor) == {"sync", "aio"}
+    for kind, f in floor.items():
+        assert 0.0 < f["server_cpu_s"] < 0.05 and 0.0 < f["client_cpu_s"] < 0.05, (kind, f)
+    servers = [p for p in psutil.Process().children(recursive=True)
+               if p.is_running() and p.status() != psutil.STATUS_ZOMBIE and "spawn_main" in " ".join(p.cmdline())]
+    assert not servers, [p.cmdline() for p in servers]
