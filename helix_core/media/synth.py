@@ -19,7 +19,10 @@ import numpy as np
 __all__ = ["ClipSpec", "WORKLOADS", "make_dataset", "plan_workload", "write_clip"]
 
 #: Workload names accepted by ``make_dataset`` / ``helix synth``.
-WORKLOADS = ("kinetics-small", "kinetics-mid", "kinetics-large", "kinetics-mixed", "openvid-mixed")
+WORKLOADS = ("kinetics-small", "kinetics-mid", "kinetics-large", "kinetics-mixed", "openvid-mixed", "openvid-raw")
+#: ``openvid-raw``: openvid-mixed's clips in containers with no frame count — Matroska (its count is
+#: estimated as duration x fps) and raw Annex-B H.264 (no duration either: counted from packets).
+_RAW_SUFFIXES = (".mkv", ".h264")
 
 # Kinetics decode profiles (paper §5.1): sampled frames and source short side.
 _KINETICS = {"S": (16, 224), "M": (32, 336), "L": (64, 448)}
@@ -88,8 +91,9 @@ def plan_workload(workload: str, num_clips: int, seed: int = 0, scale: float = 1
         long = short * max(aspect) / min(aspect)
         w, h = (long, short) if aspect[0] >= aspect[1] else (short, long)
         frames = max(int(round(duration * scale * fps)), num_frames + 8)
+        suffix = _RAW_SUFFIXES[i % 2] if workload == "openvid-raw" else ".mp4"
         specs.append(ClipSpec(
-            name=f"clip_{i:06d}.mp4", width=_even(w * scale), height=_even(h * scale), frames=frames,
+            name=f"clip_{i:06d}{suffix}", width=_even(w * scale), height=_even(h * scale), frames=frames,
             fps=fps, seed=int(rng.integers(2**31)), profile=key, num_frames=num_frames,
             size=max(16, int(round(size * scale))), caption=_caption(rng), label=int(rng.integers(400)),
         ))
