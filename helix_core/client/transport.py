@@ -27,6 +27,7 @@ from ..runtime.proto import helix_pb2 as pb
 from ..runtime.proto import helix_pb2_grpc as pbg
 from ..runtime.rpc import check_hello, connect
 from ..runtime.reader import SlabReader
+from ..runtime.locallink import LocalLink, link_name
 from ..runtime.tls import Tls
 from ..runtime.registry import TASK_ID_BITS
 
@@ -117,6 +118,7 @@ class ClusterClient(CoordinatorCalls, ReplyBatches):
         self._landed_cond = threading.Condition(self._lock)
         self._completed: list[int] = []  # task ids whose replies landed, for the next Route to carry
         self.reader = SlabReader()
+        self._links: dict[str, LocalLink | None] = {}  # Execute to the DataServers of this host (None: gRPC)
 
     def _fire(self, method, request) -> None:
         """Fire and forget (``close`` lets these land before it closes the channels)."""
@@ -152,7 +154,9 @@ class ClusterClient(CoordinatorCalls, ReplyBatches):
         return s
 
     def execute(self, address: str, spec: tuple[str, bytes, str], request: pb.ExecuteRequest):
-        """Configure ``address`` with ``spec`` once, then start ``Execute``; returns a gRPC future."""
+        """Configure ``address`` with ``spec`` once, then start ``Execute`` — over the server's local
+        link where it has one on this host, else gRPC; returns a future of the reply (its
+        exception: a ``grpc.RpcError``)."""
         stub = self.stub(address)
         key = (address, spec[0])
         if key not in self._configured:
@@ -160,12 +164,33 @@ class ClusterClient(CoordinatorCalls, ReplyBatches):
                            timeout=self.config.rpc_timeout_s, metadata=self.metadata)
             with self._lock:
                 self._configured.add(key)
+        link = self._link(address)
+        if link is not None:
+            return link.execute(request)
         return stub.Execute.future(request, timeout=self.config.execute_timeout_s, metadata=self.metadata)
+
+    def _link(self, address: str) -> LocalLink | None:
+        """The local link to the DataServer at ``address``: connected once, again after it broke
+        (the server restarted); None where there is none (another host, a sidecar, no token)."""
+        if not self.config.local_link or not self.token:
+            return None
+        with self._lock:
+            if address in self._links and not (self._links[address] is not None and self._links[address].broken):
+                return self._links[address]
+        link = LocalLink.connect(link_name(self.cluster_id, address), self.token, self.config.keepalive_s,
+                                 self.config.keepalive_timeout_s)
+        with self._lock:
+            old, self._links[address] = self._links.get(address), link
+        if old is not None:
+            old.close()
+        return link
 
     def forget(self, address: str) -> None:
         """A server failed: configure it again if it is ever used again (it may have restarted)."""
         with self._lock:
             self._configured = {k for k in self._configured if k[0] != address}
+            if self._links.get(address, 1) is None:  # no link before: it may have one now (restarted)
+                del self._links[address]
 
     def cancel(self, address: str, task_ids: list[int]) -> None:
         try:
@@ -248,4 +273,8 @@ class ClusterClient(CoordinatorCalls, ReplyBatches):
             self._landed_cond.wait_for(lambda: not self._fired, min(2.0, self.config.rpc_timeout_s))
         for ch in self._channels:
             ch.close()
+        with self._lock:
+            links, self._links = [k for k in self._links.values() if k is not None], {}
+        for link in links:
+            link.close()
         self.reader.close()

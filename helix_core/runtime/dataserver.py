@@ -28,6 +28,7 @@ from .heartbeats import Beats, heartbeats
 from .rpc import connect
 from .bulk import NO_ROOM
 from .bulkrecv import BulkListener
+from .locallink import LocalListener, link_name
 from .delivery import DeliveryFailed, Inbound, Outbound, Refused, metas_to_pb, moved_bytes
 from .tensors import ChunkWriter
 from .wire import add_servicer
@@ -47,6 +48,13 @@ log = logging.getLogger("helix.dataserver")
 def _batch_pb(result: dict) -> pb.BatchHandle:
     return pb.BatchHandle(slab=pb.SlabHandle(**result["handle"]), tree_json=result["tree_json"],
                           tree_pickle=result["tree_pickle"], tensors=metas_to_pb(result["metas"]))
+
+
+def _release_reply(reply: pb.ExecuteReply) -> None:
+    """Free the slabs a reply names that will never reach its client."""
+    for b in (reply.batch, *reply.pieces) if reply.HasField("batch") or reply.pieces else ():
+        if b.slab.segment:
+            shm.release_segment({"segment": b.slab.segment, "generation": b.slab.generation})
 
 
 def _failure_pb(f: dict | None) -> pb.SampleFailure | None:
@@ -259,6 +267,13 @@ def serve_dataserver(coordinator: str, kind: str, local_rank: int, workers: int,
     bulk = BulkListener(host, token, config, tls, servicer.take_bulk) if kind == "local" and config.bulk_delivery \
         else None
     servicer.bulk_port = bulk.port if bulk is not None else 0
+    link = None  # the ranks of its host send Execute over a Unix socket (the bulk of its calls)
+    if kind == "local" and config.local_link:
+        try:
+            link = LocalListener(link_name(hello.cluster_id, address), token, servicer.Execute,
+                                 config.execute_timeout_s, config.server_threads, unsent=_release_reply)
+        except OSError as e:  # its name taken: the ranks use gRPC
+            log.warning("no local link for the DataServer at %s: %s", address, e)
     add_servicer(servicer, server)  # the generated registration, with zero-copy Deliver chunks
     server.start()
 
@@ -283,6 +298,8 @@ def serve_dataserver(coordinator: str, kind: str, local_rank: int, workers: int,
         server.stop(grace=min(1.0, config.stop_timeout_s)).wait(config.stop_timeout_s)
         if bulk is not None:
             bulk.close()
+        if link is not None:
+            link.close()
         servicer.outbound.close()
         servicer.rounds.close()
         pool.close()

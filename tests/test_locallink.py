@@ -1,0 +1,142 @@
+"""The local link (Execute over an abstract Unix socket between a rank and a DataServer of its host):
+replies and errors as gRPC would give them, the token, and what a broken link does to calls in flight."""
+import multiprocessing
+import os
+import socket
+import threading
+import uuid
+
+import grpc
+import pytest
+import torch
+
+import helix_core as hx
+from helix_core.config import ClusterConfig
+from helix_core.runtime.cluster import LocalCluster
+from helix_core.runtime.locallink import LinkError, LocalLink, LocalListener, link_name
+from helix_core.runtime.proto import helix_pb2 as pb
+from helix_core.testing import IndexDataset
+
+
+def _name():
+    return link_name(uuid.uuid4().hex[:12], "127.0.0.1:1")
+
+
+def _listener(execute, token="secret"):
+    return LocalListener(_name(), token, execute, timeout_s=30.0, threads=4)
+
+
+def test_replies_come_back_to_their_own_calls_in_any_order():
+    release = threading.Event()
+
+    def execute(request, context):
+        if request.task_id == 1:  # the first call answers last
+            release.wait(10)
+        else:
+            release.set()
+        return pb.ExecuteReply(task_id=request.task_id, exec_s=float(request.task_id))
+
+    server = _listener(execute)
+    name = server.name
+    link = LocalLink.connect(name, "secret")
+    try:
+        first, second = link.execute(pb.ExecuteRequest(task_id=1)), link.execute(pb.ExecuteRequest(task_id=2))
+        assert second.result(10).exec_s == 2.0 and first.result(10).exec_s == 1.0
+    finally:
+        link.close()
+        server.close()
+
+
+def test_an_aborted_call_raises_its_status_code_and_a_wrong_token_is_refused():
+    def execute(request, context):
+        context.abort(grpc.StatusCode.FAILED_PRECONDITION, "unknown dataset spec s1: Configure first")
+
+    server = _listener(execute)
+    name = server.name
+    try:
+        assert LocalLink.connect(name, "not-the-token") is None
+        link = LocalLink.connect(name, "secret")
+        with pytest.raises(LinkError) as e:
+            link.execute(pb.ExecuteRequest(task_id=7)).result(10)
+        assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "Configure first" in e.value.details()
+        assert isinstance(e.value, grpc.RpcError)  # the request path resubmits it as it would a gRPC error
+        link.close()
+    finally:
+        server.close()
+
+
+def test_a_link_that_closes_fails_its_calls_as_unavailable_and_cancels_them_at_the_server():
+    started, cancelled = threading.Event(), threading.Event()
+
+    def execute(request, context):
+        context.add_callback(cancelled.set)
+        started.set()
+        cancelled.wait(10)
+        assert not context.is_active()
+        return pb.ExecuteReply(task_id=request.task_id)
+
+    server = _listener(execute)
+    name = server.name
+    link = LocalLink.connect(name, "secret")
+    fut = link.execute(pb.ExecuteRequest(task_id=3))
+    assert started.wait(10)
+    server.close()  # the server goes: its call in flight fails, and the server's side is told
+    with pytest.raises(LinkError) as e:
+        fut.result(10)
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert cancelled.wait(10)
+    assert link.broken
+    again = link.execute(pb.ExecuteRequest(task_id=4))  # a call on a broken link fails at once
+    assert isinstance(again.exception(5), LinkError)
+    link.close()
+
+
+def test_a_loader_reads_the_same_batches_over_the_link_as_over_grpc():
+    ds = IndexDataset(48, shape=(8,))
+    out = {}
+    for local_link in (True, False):
+        config = ClusterConfig.for_tests(local_link=local_link)
+        with LocalCluster(local_servers=2, workers_per_server=1, token=True, config=config) as cluster, \
+                hx.DistributedDataLoader(ds, 4, rank=0, world_size=1, coordinator=cluster.address,
+                                         token=cluster.token, config=config) as loader:
+            out[local_link] = [b for b in loader]
+    assert len(out[True]) == len(out[False]) == 12
+    for a, b in zip(out[True], out[False]):
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a listener as another user")
+def test_no_token_goes_to_a_link_name_another_user_holds():
+    """A squatter of another user on the name a DataServer would take gets nothing: the client
+    checks the listener's user (SO_PEERCRED) before it sends the token, and falls back to gRPC."""
+    name = _name()
+    ready, received = multiprocessing.get_context("fork").Pipe(duplex=False)
+    got_r, got_w = multiprocessing.get_context("fork").Pipe(duplex=False)
+
+    def squat():
+        os.setgid(65534)
+        os.setuid(65534)
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.bind(name)
+        s.listen(1)
+        received.send(True)
+        conn, _ = s.accept()
+        conn.settimeout(3.0)
+        data = b""
+        try:
+            while chunk := conn.recv(1024):
+                data += chunk
+        except OSError:
+            pass
+        got_w.send(data)
+
+    p = multiprocessing.get_context("fork").Process(target=squat, daemon=True)
+    p.start()
+    try:
+        assert ready.poll(10) and ready.recv()
+        assert LocalLink.connect(name, "secret") is None
+        assert got_r.poll(10) and got_r.recv() == b""
+    finally:
+        p.join(10)
+        if p.is_alive():
+            p.kill()
