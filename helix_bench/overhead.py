@@ -112,7 +112,7 @@ def _thread_cpu(names: dict[int, str]) -> dict[str, float]:
 
 def _names() -> dict[int, str]:
     roles = {"helix-sender": "client-sender (Route, Execute)", "helix-fetcher": "client-fetcher (wait, materialize)",
-             "MainThread": "client-consumer (next)"}
+             "helix-link-reader": "client-link (Execute replies)", "MainThread": "client-consumer (next)"}
     return {t.native_id: roles.get(t.name, "client-other") for t in threading.enumerate() if t.native_id}
 
 
@@ -180,7 +180,7 @@ def measure_wakeup(batches: int = 300, sample_s: float = 0.004) -> dict:
 
 def run_overhead(out=None, console=None, idle_s: float = 30.0, batches: int = 400) -> dict:
     """All three, printed as tables (and saved as JSON to ``out``), with (b)'s yardstick
-    (``rpcfloor.py``: a bare gRPC call's CPU at the same rate)."""
+    (``rpcfloor.py``: a bare call's CPU at the same rate, by gRPC and by the local link)."""
     import json
     from pathlib import Path
 
@@ -196,7 +196,7 @@ def run_overhead(out=None, console=None, idle_s: float = 30.0, batches: int = 40
         per = measure_per_batch(batches)
     with console.status("(c) wake-up latency"):
         wake = measure_wakeup()
-    with console.status("(b) yardstick: a bare gRPC call"):
+    with console.status("(b) yardstick: a bare call (gRPC, the local link)"):
         floor = measure_rpc_floor(rate_hz=per["rate_hz"])
     t = Table(title=f"(a) idle cluster (2 local DataServers, 1 worker each), {idle['seconds']:.0f} s")
     t.add_column("role")
@@ -215,8 +215,9 @@ def run_overhead(out=None, console=None, idle_s: float = 30.0, batches: int = 40
     t.add_row("(of which idle work: heartbeats, sweeps)", f"{hb * 1e6:.0f}")
     t.add_row("[bold]all", f"[bold]{per['total_cpu_s_per_batch'] * 1e6:.0f}")
     console.print(t)
-    console.print("(b) yardstick, a bare gRPC unary call at the same rate (a batch takes two: Route, Execute): "
-                  + ", ".join(f"{kind} server {f['server_cpu_s'] * 1e6:.0f} µs + caller {f['client_cpu_s'] * 1e6:.0f} µs"
+    console.print("(b) yardstick, one bare call at the same rate (a batch takes two: Route by gRPC to the aio "
+                  "Coordinator, Execute by the local link to a local server): "
+                  + ", ".join(f"{'gRPC ' + kind if kind != 'link' else 'local link'} server {f['server_cpu_s'] * 1e6:.0f} µs + caller {f['client_cpu_s'] * 1e6:.0f} µs"
                               for kind, f in floor.items()))
     console.print(f"(c) wake-up, reply landed -> next() returned: p50 {wake['wakeup_p50_s'] * 1e3:.3f} ms, "
                   f"p99 {wake['wakeup_p99_s'] * 1e3:.3f} ms over {wake['batches']} batches")

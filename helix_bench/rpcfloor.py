@@ -1,7 +1,9 @@
 """The yardstick for ``helix bench --overhead`` (b): what one bare gRPC unary call costs on this
 machine at the same rate, with nothing of Helix in it — an echo server in its own process, sync
-(as a DataServer serves) and ``grpc.aio`` (as the Coordinator serves). A batch takes two calls
-(Route to the Coordinator, Execute to a DataServer), so (b)'s roles are read against twice this."""
+(as a DataServer serves) and ``grpc.aio`` (as the Coordinator serves) — and one bare call over the
+local link (``runtime/locallink.py``: an echo ``Execute`` on a Unix socket), by which a rank sends
+Execute to a DataServer of its host. A batch takes two calls: Route (gRPC, to the Coordinator) and
+Execute (the local link to a local server, gRPC to a sidecar)."""
 from __future__ import annotations
 
 import multiprocessing as mp
@@ -26,9 +28,27 @@ async def _echo_async(request, context):
     return request
 
 
+def _echo_execute(request, context):
+    from helix_core.runtime.proto import helix_pb2 as pb
+
+    return pb.ExecuteReply(task_id=request.task_id)
+
+
 def _serve(kind: str, ports, stop) -> None:
-    """The echo server (a spawned process): its port on ``ports``, until ``stop`` is set."""
+    """The echo server (a spawned process): its port (its link name) on ``ports``, until ``stop`` is set."""
     import grpc
+
+    if kind == "link":
+        import uuid
+
+        from helix_core.runtime.linkserver import LocalListener
+        from helix_core.runtime.locallink import link_name
+
+        listener = LocalListener(link_name(uuid.uuid4().hex, "echo"), "bench", _echo_execute, 10.0, 1)
+        ports.put(listener.name)
+        stop.wait()
+        listener.close()
+        return
 
     service, method = _METHOD.strip("/").split("/")
     if kind == "sync":
@@ -68,22 +88,20 @@ def _one(kind: str, calls: int, rate_hz: float, payload: int) -> dict:
     proc.start()
     try:
         port = ports.get(timeout=60)
+        if kind == "link":
+            from helix_core.runtime.locallink import LocalLink
+            from helix_core.runtime.proto import helix_pb2 as pb
+
+            link = LocalLink.connect(port, "bench")
+            request = pb.ExecuteRequest(task_id=1, spec_id="x" * payload)
+            try:
+                return _timed(lambda: link.execute(request).result(10), proc, calls, rate_hz)
+            finally:
+                link.close()
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
             call = channel.unary_unary(_METHOD)
             body = b"x" * payload
-            for _ in range(50):  # connection, first-call setup
-                call(body, timeout=10)
-            time.sleep(0.5)
-            server, client = psutil.Process(proc.pid), psutil.Process()
-            s0, c0 = sum(server.cpu_times()[:2]), sum(client.cpu_times()[:2])
-            t0 = time.perf_counter()
-            for i in range(calls):
-                call(body, timeout=10)
-                pause = t0 + (i + 1) / rate_hz - time.perf_counter()
-                if pause > 0:
-                    time.sleep(pause)
-            return {"server_cpu_s": (sum(server.cpu_times()[:2]) - s0) / calls,
-                    "client_cpu_s": (sum(client.cpu_times()[:2]) - c0) / calls}
+            return _timed(lambda: call(body, timeout=10), proc, calls, rate_hz)
     finally:
         stop.set()
         proc.join(10)
@@ -92,7 +110,24 @@ def _one(kind: str, calls: int, rate_hz: float, payload: int) -> dict:
             proc.join(5)
 
 
+def _timed(call, proc, calls: int, rate_hz: float) -> dict:
+    """CPU-seconds per ``call()`` of the server process and of this one, ``rate_hz`` calls a second."""
+    for _ in range(50):  # connection, first-call setup
+        call()
+    time.sleep(0.5)
+    server, client = psutil.Process(proc.pid), psutil.Process()
+    s0, c0 = sum(server.cpu_times()[:2]), sum(client.cpu_times()[:2])
+    t0 = time.perf_counter()
+    for i in range(calls):
+        call()
+        pause = t0 + (i + 1) / rate_hz - time.perf_counter()
+        if pause > 0:
+            time.sleep(pause)
+    return {"server_cpu_s": (sum(server.cpu_times()[:2]) - s0) / calls,
+            "client_cpu_s": (sum(client.cpu_times()[:2]) - c0) / calls}
+
+
 def measure_rpc_floor(calls: int = 400, rate_hz: float = 50.0, payload: int = 256) -> dict:
     """CPU-seconds per bare unary call (server process, calling process) for a sync and an aio
-    echo server, at ``rate_hz`` calls a second."""
-    return {kind: _one(kind, calls, rate_hz, payload) for kind in ("sync", "aio")}
+    echo server and the local link, at ``rate_hz`` calls a second."""
+    return {kind: _one(kind, calls, rate_hz, payload) for kind in ("sync", "aio", "link")}

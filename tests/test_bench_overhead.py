@@ -39,11 +39,11 @@ def test_settle_gives_up_after_its_limit_on_a_process_that_never_goes_quiet():
         child.wait(10)
 
 
-def test_the_rpc_yardstick_measures_both_servers_and_leaves_no_process():
+def test_the_rpc_yardstick_measures_both_servers_and_the_local_link_and_leaves_no_process():
     from helix_bench.rpcfloor import measure_rpc_floor
 
-    floor = measure_rpc_floor(calls=60, rate_hz=200.0)
-    assert set(floor) == {"sync", "aio"}
+    floor = measure_rpc_floor(calls=200, rate_hz=200.0)  # the link: ~0.25 ms a call, 10 ms ticks
+    assert set(floor) == {"sync", "aio", "link"}
     for kind, f in floor.items():
         assert 0.0 < f["server_cpu_s"] < 0.05 and 0.0 < f["client_cpu_s"] < 0.05, (kind, f)
     servers = [p for p in psutil.Process().children(recursive=True)

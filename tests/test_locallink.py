@@ -13,7 +13,8 @@ import torch
 import helix_core as hx
 from helix_core.config import ClusterConfig
 from helix_core.runtime.cluster import LocalCluster
-from helix_core.runtime.locallink import LinkError, LocalLink, LocalListener, link_name
+from helix_core.runtime.linkserver import LocalListener
+from helix_core.runtime.locallink import LinkError, LocalLink, link_name
 from helix_core.runtime.proto import helix_pb2 as pb
 from helix_core.testing import IndexDataset
 

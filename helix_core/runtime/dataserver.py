@@ -28,7 +28,8 @@ from .heartbeats import Beats, heartbeats
 from .rpc import connect
 from .bulk import NO_ROOM
 from .bulkrecv import BulkListener
-from .locallink import LocalListener, link_name
+from .linkserver import LocalListener
+from .locallink import link_name
 from .delivery import DeliveryFailed, Inbound, Outbound, Refused, metas_to_pb, moved_bytes
 from .tensors import ChunkWriter
 from .wire import add_servicer
