@@ -141,3 +141,51 @@ def test_no_token_goes_to_a_link_name_another_user_holds():
         p.join(10)
         if p.is_alive():
             p.kill()
+
+
+def test_the_coordinators_call_link_answers_in_order_and_fails_as_grpc_would():
+    """Route over the Coordinator's link (an asyncio server): answers, an abort's status code, and
+    a call past its timeout, which breaks the link (a late answer must not be read as the next one's)."""
+    import asyncio
+
+    from helix_core.runtime.linkserver import serve_call_link
+    from helix_core.runtime.locallink import CallLink
+
+    name, loop = _name(), asyncio.new_event_loop()
+
+    async def route(request, context):
+        if request.rank == 1:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "no delivery server on host h")
+        if request.rank == 2:
+            await asyncio.sleep(2.0)
+        return pb.RouteReply(exec_server_id=f"s{request.task_id}")
+
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+    server = asyncio.run_coroutine_threadsafe(serve_call_link(name, "secret", route, pb.RouteRequest), loop).result(10)
+    try:
+        assert CallLink.connect(name, "wrong") is None
+        link = CallLink.connect(name, "secret")
+        assert [link.call(pb.RouteRequest(task_id=i), pb.RouteReply, 5.0).exec_server_id for i in (7, 8)] == ["s7", "s8"]
+        with pytest.raises(LinkError) as e:
+            link.call(pb.RouteRequest(rank=1), pb.RouteReply, 5.0)
+        assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "host h" in e.value.details()
+        with pytest.raises(LinkError) as e:
+            link.call(pb.RouteRequest(rank=2), pb.RouteReply, 0.2)
+        assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED and link.broken
+        with pytest.raises(LinkError) as e:
+            link.call(pb.RouteRequest(task_id=9), pb.RouteReply, 5.0)
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+        again = CallLink.connect(name, "secret")  # what the client does next: connect again
+        assert again.call(pb.RouteRequest(task_id=9), pb.RouteReply, 5.0).exec_server_id == "s9"
+        again.close()
+    finally:
+        async def shutdown():
+            server.close()
+            await server.wait_closed()
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for t in tasks:  # the connections' handlers (the slow call's included)
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        asyncio.run_coroutine_threadsafe(shutdown(), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)

@@ -119,6 +119,7 @@ class ClusterClient(CoordinatorCalls, ReplyBatches):
         self._completed: list[int] = []  # task ids whose replies landed, for the next Route to carry
         self.reader = SlabReader()
         self._links: dict[str, LocalLink | None] = {}  # Execute to the DataServers of this host (None: gRPC)
+        self._route_link = False  # Route to a Coordinator of this host (None: gRPC; False: not looked for yet)
 
     def _fire(self, method, request) -> None:
         """Fire and forget (``close`` lets these land before it closes the channels)."""
@@ -277,4 +278,6 @@ class ClusterClient(CoordinatorCalls, ReplyBatches):
             links, self._links = [k for k in self._links.values() if k is not None], {}
         for link in links:
             link.close()
+        if self._route_link:
+            self._route_link.close()
         self.reader.close()

@@ -13,6 +13,7 @@ import time
 import grpc
 
 from ..errors import ClusterError
+from ..runtime.locallink import CallLink, link_name
 from ..runtime.tokenfiles import check_listener
 from ..runtime.proto import helix_pb2 as pb
 from ..protocol import Route, route_request
@@ -85,7 +86,7 @@ class CoordinatorCalls:
             if self.servers.delivery is None:  # never answered yet: wait for it (coordinator_timeout_s), then fail
                 reply = self._call(self.coordinator.Route, request, stop=stop)
             else:
-                reply = self.coordinator.Route(request, timeout=self.config.rpc_timeout_s, metadata=self.metadata)
+                reply = self._route_call(request)
         except grpc.RpcError as e:
             with self._lock:
                 self._completed[:0] = done[-100_000:]  # for the Coordinator, if this one comes back
@@ -107,6 +108,8 @@ class CoordinatorCalls:
                                f"through {reply.delivery_server_id} of host {reply.delivery_host!r}")
         if self._outage is not None:  # it is back (maybe a new one that knows nothing): be known again
             self._outage = None
+            if self._route_link is None:
+                self._route_link = False  # a new Coordinator may have a link: look again
             try:
                 self._register()
             except ClusterError:
@@ -115,6 +118,22 @@ class CoordinatorCalls:
             self.servers.learn(reply.exec_server_id, reply.exec_address, reply.exec_kind, reply.delivery_server_id,
                                reply.delivery_address)
         return Route.from_pb(reply)
+
+    def _route_call(self, request):
+        """One Route: over the local link where the Coordinator is on this host, else gRPC (the
+        link's errors are gRPC's: a broken link is an unreachable Coordinator, and the next
+        Route after the outage connects again)."""
+        link = self._route_link
+        if link is False or (link is not None and link.broken):
+            with self._lock:  # the sender and the fetcher (a resubmit) may both find it broken
+                link = self._route_link
+                if link is False or (link is not None and link.broken):
+                    link = self._route_link = CallLink.connect(
+                        link_name(self.cluster_id, f"coordinator:{self.address.rsplit(':', 1)[1]}"), self.token) \
+                        if self.config.local_link and self.token else None
+        if link is not None:
+            return link.call(request, pb.RouteReply, self.config.rpc_timeout_s)
+        return self.coordinator.Route(request, timeout=self.config.rpc_timeout_s, metadata=self.metadata)
 
     def _keep_lease(self) -> None:
         """Renew this client's lease with the Coordinator while it routes nothing (validation, a

@@ -146,10 +146,20 @@ async def _serve(host, port, token, config, scheduler, stop, on_ready, cluster_i
     # the young generation rarely, so a collection lands in fewer than 1 in 1,000 routing decisions.
     gc.freeze()
     gc.set_threshold(50_000, 20, 20)
-    pbg.add_CoordinatorServicer_to_server(CoordinatorServicer(
-        registry, stop, pickle_allowed(host, token, tls, config.allow_pickle)), server)
+    servicer = CoordinatorServicer(registry, stop, pickle_allowed(host, token, tls, config.allow_pickle))
+    pbg.add_CoordinatorServicer_to_server(servicer, server)
+    link = None
     try:
         await server.start()
+        if config.local_link:  # the ranks of its host Route over a Unix socket (runtime/locallink.py)
+            from .linkserver import serve_call_link
+            from .locallink import link_name
+
+            try:
+                link = await serve_call_link(link_name(registry.cluster_id, f"coordinator:{bound}"), token,
+                                             servicer.Route, pb.RouteRequest)
+            except OSError as e:  # its name taken: the ranks use gRPC
+                log.warning("no local link for the Coordinator at %s: %s", address, e)
         if on_ready is not None:
             on_ready(address, registry.cluster_id)
         while not stop.is_set():
@@ -157,6 +167,8 @@ async def _serve(host, port, token, config, scheduler, stop, on_ready, cluster_i
             await asyncio.sleep(config.heartbeat_timeout_s / 5)
             registry.sweep()
     finally:
+        if link is not None:
+            link.close()
         await server.stop(grace=min(1.0, config.stop_timeout_s))
         if not (made and port):
             remove_token(address, token)

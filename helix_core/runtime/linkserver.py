@@ -1,6 +1,7 @@
-"""The local link's server end (``locallink.py``: the wire and the client's end): a local
+"""The local link's server ends (``locallink.py``: the wire and the client's ends): a local
 DataServer's ``LocalListener``, which serves the servicer's ``Execute`` to the rank processes of
-its host, each request with a context that answers what a gRPC context would."""
+its host, each request with a context that answers what a gRPC context would; and the
+Coordinator's ``serve_call_link``, which serves ``Route`` on its event loop."""
 from __future__ import annotations
 
 import hmac
@@ -17,7 +18,7 @@ import grpc
 from .locallink import _ERROR, _FRAME, ERROR, MAGIC, PING, PONG, REPLY, REQUEST, _peer_uid, _recv_exact, _recv_frame, _shut
 from .proto import helix_pb2 as pb
 
-__all__ = ["LocalListener"]
+__all__ = ["LocalListener", "serve_call_link"]
 
 log = logging.getLogger("helix.link")
 
@@ -176,3 +177,45 @@ class LocalListener:
         for c in conns:
             c.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+class _AioContext:
+    """What the Coordinator's ``Route`` asks of its grpc.aio context, on a link."""
+
+    async def abort(self, code, details):
+        raise _Abort(code, details)
+
+
+async def serve_call_link(name: str, token: str, handle, request_cls):
+    """The Coordinator's end of a link (``locallink.CallLink``), on its event loop:
+    ``await handle(request, context)`` for each request, answered in order. Returns the
+    ``asyncio.Server`` (``close()`` it)."""
+    import asyncio
+
+    expected = token.encode()
+
+    async def serve(reader, writer):
+        try:
+            if _peer_uid(writer.get_extra_info("socket")) != os.getuid() or await reader.readexactly(4) != MAGIC:
+                return
+            n, = struct.unpack("<H", await reader.readexactly(2))
+            if not hmac.compare_digest(await reader.readexactly(n), expected):
+                writer.write(b"\1")
+                return
+            writer.write(b"\0")
+            while True:
+                n, kind = _FRAME.unpack(await reader.readexactly(_FRAME.size))
+                if kind != REQUEST or n > (64 << 20):
+                    return
+                request = request_cls.FromString(await reader.readexactly(n))
+                try:
+                    body, kind = (await handle(request, _AioContext())).SerializeToString(), REPLY
+                except _Abort as e:
+                    body, kind = _ERROR.pack(0, e.code.value[0]) + str(e.details).encode(), ERROR
+                writer.write(_FRAME.pack(len(body), kind) + body)
+        except Exception as e:  # noqa: BLE001 - a peer gone or bad input ends its connection, never the server
+            log.debug("local link: %s", e)
+        finally:
+            writer.close()
+
+    return await asyncio.start_unix_server(serve, path=name)

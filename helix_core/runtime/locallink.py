@@ -33,7 +33,7 @@ import grpc
 
 from .proto import helix_pb2 as pb
 
-__all__ = ["LinkError", "LocalLink", "link_name"]
+__all__ = ["CallLink", "LinkError", "LocalLink", "link_name"]
 
 log = logging.getLogger("helix.link")
 
@@ -96,6 +96,67 @@ class LinkError(grpc.RpcError):
         return self._details
 
 
+def _handshake(name: str, token: str):
+    """A socket connected to the link ``name`` that took ``token``; None where there is none, or
+    it is not this user's (then no token went there), or it refused the token."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.settimeout(5.0)
+        sock.connect(name)
+        if _peer_uid(sock) != os.getuid():  # not this user's server: no token goes there
+            sock.close()
+            return None
+        t = token.encode()
+        sock.sendall(MAGIC + struct.pack("<H", len(t)) + t)
+        if _recv_exact(sock, 1) != b"\0":
+            sock.close()
+            return None
+        sock.settimeout(None)
+    except (OSError, EOFError):
+        sock.close()
+        return None
+    return sock
+
+
+class CallLink:
+    """A client's link for one call at a time, answered in order (the Coordinator's ``Route``):
+    the caller's thread sends and reads the answer itself, with no thread of the link's own. A
+    call that fails or runs past its timeout breaks the link (a late answer would be read as the
+    next call's) and raises as its gRPC call would have."""
+
+    def __init__(self, sock):
+        self._sock, self._lock, self.broken = sock, threading.Lock(), False
+
+    @classmethod
+    def connect(cls, name: str, token: str) -> "CallLink | None":
+        sock = _handshake(name, token)
+        return None if sock is None else cls(sock)
+
+    def call(self, request, reply_cls, timeout_s: float):
+        body = request.SerializeToString()
+        with self._lock:
+            if self.broken:
+                raise LinkError(grpc.StatusCode.UNAVAILABLE, "the local link is broken")
+            try:
+                self._sock.settimeout(timeout_s)
+                self._sock.sendall(_FRAME.pack(len(body), REQUEST) + body)
+                kind, answer = _recv_frame(self._sock)
+            except (OSError, EOFError) as e:
+                self.broken = True
+                _shut(self._sock)
+                code = grpc.StatusCode.DEADLINE_EXCEEDED if isinstance(e, TimeoutError) else grpc.StatusCode.UNAVAILABLE
+                raise LinkError(code, f"the local link: {e or 'closed'}") from None
+        if kind == REPLY:
+            return reply_cls.FromString(answer)
+        task_id, code = _ERROR.unpack_from(answer)
+        raise LinkError(_CODES.get(code, grpc.StatusCode.UNKNOWN), answer[_ERROR.size:].decode(errors="replace"))
+
+    def close(self) -> None:
+        with self._lock:
+            self.broken = True
+        _shut(self._sock)
+
+
 class LocalLink:
     """A client's end of one DataServer's link: ``execute(request) -> Future`` of the reply.
     ``connect`` returns None where there is no link to that server (another host, or none)."""
@@ -110,23 +171,8 @@ class LocalLink:
     @classmethod
     def connect(cls, name: str, token: str, keepalive_s: float = 2.0,
                 keepalive_timeout_s: float = 3.0) -> "LocalLink | None":
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            sock.settimeout(5.0)
-            sock.connect(name)
-            if _peer_uid(sock) != os.getuid():  # not this user's server: no token goes there
-                sock.close()
-                return None
-            t = token.encode()
-            sock.sendall(MAGIC + struct.pack("<H", len(t)) + t)
-            if _recv_exact(sock, 1) != b"\0":
-                sock.close()
-                return None
-            sock.settimeout(None)
-        except (OSError, EOFError):
-            sock.close()
-            return None
-        return cls(sock, keepalive_s, keepalive_timeout_s)
+        sock = _handshake(name, token)
+        return None if sock is None else cls(sock, keepalive_s, keepalive_timeout_s)
 
     def execute(self, request) -> Future:
         fut: Future = Future()
