@@ -215,8 +215,8 @@ def run_overhead(out=None, console=None, idle_s: float = 30.0, batches: int = 40
     t.add_row("(of which idle work: heartbeats, sweeps)", f"{hb * 1e6:.0f}")
     t.add_row("[bold]all", f"[bold]{per['total_cpu_s_per_batch'] * 1e6:.0f}")
     console.print(t)
-    console.print("(b) yardstick, one bare call at the same rate (a batch takes two: Route by gRPC to the aio "
-                  "Coordinator, Execute by the local link to a local server): "
+    console.print("(b) yardstick, one bare call at the same rate (a batch takes two, Route to the Coordinator and "
+                  "Execute to a local server, both by the local link on one host; gRPC to other hosts and sidecars): "
                   + ", ".join(f"{'gRPC ' + kind if kind != 'link' else 'local link'} server {f['server_cpu_s'] * 1e6:.0f} µs + caller {f['client_cpu_s'] * 1e6:.0f} µs"
                               for kind, f in floor.items()))
     console.print(f"(c) wake-up, reply landed -> next() returned: p50 {wake['wakeup_p50_s'] * 1e3:.3f} ms, "
