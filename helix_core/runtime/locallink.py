@@ -11,8 +11,10 @@ and the server takes only peers of its own user that present the token.
 Wire (both ways, after the handshake): frames ``u32 length | u8 kind | body``. The client sends
 ``REQUEST`` (an ``ExecuteRequest``); the server answers each with ``REPLY`` (an ``ExecuteReply``) or
 ``ERROR`` (``u64 task_id | u8 status code | details``, what a gRPC call would have raised), in any
-order. Everything else stays on gRPC (Configure, Cancel, Tier 2): the link carries only Execute.
-The server's end is ``linkserver.LocalListener``; this module holds the wire and the client's end.
+order. The Coordinator's link carries ``Route`` the same way, one call at a time answered in order
+(``CallLink``; its server is ``linkserver.serve_call_link``). Everything else stays on gRPC
+(Configure, Cancel, Tier 2, heartbeats). The DataServer's end is ``linkserver.LocalListener``; this
+module holds the wire and the clients' ends.
 A link that breaks fails its calls in flight as UNAVAILABLE, which the request path resubmits; as
 gRPC's keepalive does on a channel with calls in flight, a link with calls in flight sends ``PING``
 after ``keepalive_s`` of silence, and a server that has not answered ``keepalive_timeout_s`` later
