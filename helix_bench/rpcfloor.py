@@ -1,9 +1,9 @@
 """The yardstick for ``helix bench --overhead`` (b): what one bare gRPC unary call costs on this
 machine at the same rate, with nothing of Helix in it — an echo server in its own process, sync
 (as a DataServer serves) and ``grpc.aio`` (as the Coordinator serves) — and one bare call over the
-local link (``runtime/locallink.py``: an echo ``Execute`` on a Unix socket), by which a rank sends
-Execute to a DataServer of its host. A batch takes two calls: Route (gRPC, to the Coordinator) and
-Execute (the local link to a local server, gRPC to a sidecar)."""
+local link (``runtime/locallink.py``: an echo ``Execute`` on a Unix socket). A batch takes two calls,
+Route to the Coordinator and Execute to a DataServer: both by the local link where the server is
+on the rank's host, by gRPC to other hosts and sidecars."""
 from __future__ import annotations
 
 import multiprocessing as mp

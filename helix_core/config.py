@@ -45,7 +45,7 @@ class ClusterConfig:
     decode_slots: int = 0  # batches prepared at once per host, by all its workers (0: one per core)
     work_stealing: bool = True  # a DataServer worker with nothing queued takes the unstarted tail of a running batch
     allow_pickle: bool = True  # cloudpickled datasets and batches between authenticated peers (False: JSON specs only)
-    local_link: bool = True  # Execute to a DataServer of the rank's own host over a Unix socket (runtime/locallink.py); False: gRPC
+    local_link: bool = True  # Execute and Route to servers of the rank's own host over a Unix socket (runtime/locallink.py); False: gRPC
     bulk_delivery: bool = True  # remote batches reach the delivering server's slab by the bulk path (runtime/bulk.py); False: gRPC Deliver
 
     def __post_init__(self):

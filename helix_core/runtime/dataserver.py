@@ -53,8 +53,8 @@ def _batch_pb(result: dict) -> pb.BatchHandle:
 
 def _release_reply(reply: pb.ExecuteReply) -> None:
     """Free the slabs a reply names that will never reach its client."""
-    for b in (reply.batch, *reply.pieces) if reply.HasField("batch") or reply.pieces else ():
-        if b.slab.segment:
+    for b in (reply.batch, *reply.pieces):
+        if b.slab.segment:  # (an unset batch names none)
             shm.release_segment({"segment": b.slab.segment, "generation": b.slab.generation})
 
 

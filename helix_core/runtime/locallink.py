@@ -188,9 +188,10 @@ class LocalLink:
                     return fut
                 except OSError:
                     pass
-        self._fail(LinkError(grpc.StatusCode.UNAVAILABLE, "the local link to the DataServer broke"))
-        if not fut.done():
-            fut.set_exception(LinkError(grpc.StatusCode.UNAVAILABLE, "the local link to the DataServer broke"))
+        error = LinkError(grpc.StatusCode.UNAVAILABLE, "the local link to the DataServer broke")
+        self._fail(error)  # every call in flight on it, this one among them
+        if not fut.done():  # (already broken: it was never registered)
+            fut.set_exception(error)
         return fut
 
     def _read(self) -> None:
