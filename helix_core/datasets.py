@@ -29,6 +29,7 @@ __all__ = ["MAX_FRAMES", "MAX_FRAME_PIXELS", "VideoClipDataset", "VideoTextDatas
 #: film at 30 fps 216,000 frames.
 MAX_FRAME_PIXELS = 8192 * 8192
 MAX_FRAMES = 500_000
+_GEOMETRY_MEMO = 4096  # samples whose geometry a dataset keeps (those in flight, many times over)
 
 
 def sample_generator(seed: int, epoch: int, index: int) -> torch.Generator:
@@ -74,6 +75,7 @@ class VideoClipDataset(torch.utils.data.Dataset):
         self.table = self._load_table(profiles)
         self._hints = (np.asarray(self.manifest.hint("num_frames")), np.asarray(self.manifest.hint("size")))
         self._probed: dict[int, SampleDescriptor] = {}
+        self._geo: dict = {}  # index -> its geometry (fixed per sample): planning, decoding and costing share it
         self.cost_model = CostModel(self.table.fit if self.table is not None else CostFit(), work_fn=self._work)
         self._costs = self._table_costs() if self.table is not None else None
 
@@ -122,8 +124,13 @@ class VideoClipDataset(torch.utils.data.Dataset):
 
     def _geometry(self, d: SampleDescriptor):
         i = d.index
-        return self.spec.geometry(d.frames, d.fps, d.height, d.width,
-                                  self._hints[0][i:i + 1], self._hints[1][i:i + 1])
+        g = self._geo.get(i)
+        if g is None:  # a sample's geometry is asked for several times on its way (plan, decode, cost)
+            if len(self._geo) >= _GEOMETRY_MEMO:
+                self._geo.clear()
+            g = self._geo[i] = self.spec.geometry(d.frames, d.fps, d.height, d.width,
+                                                  self._hints[0][i:i + 1], self._hints[1][i:i + 1])
+        return g
 
     def _work(self, d: SampleDescriptor) -> tuple[float, float]:
         g = self._geometry(d)

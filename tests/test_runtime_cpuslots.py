@@ -107,3 +107,29 @@ def test_a_waiter_blocks_without_polling_and_a_release_wakes_it():
     finally:
         holder.join(timeout=10)
         shm.sweep(prefix)
+
+
+def test_a_release_reaches_a_waiter_whose_fifo_was_made_anew(tmp_path):
+    """Releases keep waiters' FIFOs open between wake-ups; when the waiter behind one is gone and a
+    new process of the same pid made a new FIFO (or it left and waits again), the ring reaches the
+    new one, not the dead one."""
+    from helix_core.runtime.cpuslots import _Doorbells, _fifo
+
+    prefix, pid = "hx-bells-", 4242
+    path = _fifo(str(tmp_path), prefix, pid)
+    bells = _Doorbells(str(tmp_path), prefix)
+    try:
+        assert bells.ring(pid) is False  # nobody waits under that pid
+        os.mkfifo(path, 0o600)
+        old = os.open(path, os.O_RDWR | os.O_NONBLOCK)
+        assert bells.ring(pid) and os.read(old, 16) == b"w"
+        os.close(old)  # the waiter leaves; a new one of the same pid makes its FIFO afresh
+        os.unlink(path)
+        os.mkfifo(path, 0o600)
+        new = os.open(path, os.O_RDWR | os.O_NONBLOCK)
+        assert bells.ring(pid) and os.read(new, 16) == b"w"
+        os.close(new)
+        os.unlink(path)
+        assert bells.ring(pid) is False  # and once it is gone, the ring passes to the next in line
+    finally:
+        bells.close()

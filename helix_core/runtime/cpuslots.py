@@ -26,7 +26,6 @@ the host's decode cap would double).
 """
 from __future__ import annotations
 
-import errno
 import fcntl
 import mmap
 import os
@@ -54,25 +53,61 @@ def _table(shm_dir: str, prefix: str) -> tuple[int, mmap.mmap, np.ndarray]:
     return fd, m, np.frombuffer(m, dtype=_ENTRY, count=_ENTRIES)
 
 
-def _wake(shm_dir: str, prefix: str, table: np.ndarray, n: int, skip: int = 0) -> None:
-    """Write a byte to the FIFOs of the ``n`` earliest listed waiters (except pid ``skip``)."""
-    pids, keys = table["pid"].copy(), table["key"].copy()
-    listed = np.flatnonzero((pids != 0) & (pids != skip))
+def _earliest(pids: np.ndarray, keys: np.ndarray, skip: int = 0) -> list[int]:
+    """Pids of the listed waiters (except ``skip``), earliest key first (ties: lower pid). The
+    table is read without its lock: an entry that changes meanwhile is at most a spare wake-up."""
+    listed = [(key, pid) for pid, key in zip(pids.tolist(), keys.tolist()) if pid and pid != skip]
+    return [pid for _, pid in sorted(listed)]
+
+
+class _Doorbells:
+    """Write ends of waiters' FIFOs, kept open between wake-ups (opening a FIFO by path costs more
+    than the write). A write to a FIFO whose reader is gone fails (``EPIPE``: the waiter died, or
+    left and a new process of its pid made a new FIFO), and the path is opened afresh."""
+
+    def __init__(self, shm_dir: str, prefix: str):
+        self.shm_dir, self.prefix = shm_dir, prefix
+        self._fds: dict[int, int] = {}
+
+    def ring(self, pid: int) -> bool:
+        """Wake waiter ``pid``; False when it is gone (its FIFO is not there or has no reader)."""
+        for fresh in (False, True):
+            fd = self._fds.get(pid) if not fresh else None
+            if fd is None:
+                if len(self._fds) > 2 * _ENTRIES:  # waiters come and go (respawned workers): start over
+                    self.close()
+                try:
+                    fd = os.open(_fifo(self.shm_dir, self.prefix, pid), os.O_WRONLY | os.O_NONBLOCK)
+                except OSError:  # gone (it got a slot and left, or died)
+                    return False
+                self._fds[pid] = fd
+            try:
+                os.write(fd, b"w")
+                return True
+            except BlockingIOError:  # a full FIFO already holds a wake-up
+                return True
+            except OSError:  # no reader behind this fd any more: try the path once more
+                self._forget(pid)
+        return False
+
+    def _forget(self, pid: int) -> None:
+        fd = self._fds.pop(pid, None)
+        if fd is not None:
+            os.close(fd)
+
+    def close(self) -> None:
+        for pid in list(self._fds):
+            self._forget(pid)
+
+
+def _wake(bells: _Doorbells, table: np.ndarray, n: int, skip: int = 0) -> None:
+    """Ring the ``n`` earliest listed waiters (except pid ``skip``); one that is gone passes its
+    wake-up to the next in line."""
     woken = 0
-    for k in listed[np.lexsort((pids[listed], keys[listed]))]:
+    for pid in _earliest(table["pid"], table["key"], skip):
         if woken >= n:
             break
-        try:
-            fd = os.open(_fifo(shm_dir, prefix, int(pids[k])), os.O_WRONLY | os.O_NONBLOCK)
-        except OSError:  # gone (it got a slot and left, or died): the next one in line gets the wake-up
-            continue
-        try:
-            os.write(fd, b"w")
-            woken += 1
-        except OSError as e:  # a full FIFO already holds a wake-up; any other error: a waiter just leaving
-            woken += e.errno == errno.EAGAIN
-        finally:
-            os.close(fd)
+        woken += bells.ring(pid)
 
 
 def notify(prefix: str, n: int, shm_dir: str = "/dev/shm") -> None:
@@ -80,9 +115,11 @@ def notify(prefix: str, n: int, shm_dir: str = "/dev/shm") -> None:
     if not os.path.exists(os.path.join(shm_dir, f"{prefix}q")):
         return
     fd, m, table = _table(shm_dir, prefix)
+    bells = _Doorbells(shm_dir, prefix)
     try:
-        _wake(shm_dir, prefix, table, n)
+        _wake(bells, table, n)
     finally:
+        bells.close()
         del table
         m.close()
         os.close(fd)
@@ -114,6 +151,8 @@ class CpuSlots:
         self.prefix, self.shm_dir, self.patience_s = prefix, shm_dir, patience_s
         self._fds = [os.open(os.path.join(shm_dir, f"{prefix}{k}"), os.O_RDWR | os.O_CREAT, 0o600) for k in range(n)]
         self._qfd, self._map, self._table = _table(shm_dir, prefix)
+        self._pids, self._keys, self._eligible = self._table["pid"], self._table["key"], self._table["eligible"]
+        self._bells = _Doorbells(shm_dir, prefix)
         self._pid = os.getpid()
         self._fifo_path = _fifo(shm_dir, prefix, self._pid)
         try:
@@ -133,35 +172,38 @@ class CpuSlots:
     def _enlist(self, key: float) -> None:
         fcntl.flock(self._qfd, fcntl.LOCK_EX)
         try:
-            free = np.flatnonzero(self._table["pid"] == 0)
-            if len(free):
-                k = int(free[0])
-                self._table["key"][k] = key
-                self._table["eligible"][k] = 0
-                self._table["pid"][k] = self._pid
+            pids = self._pids.tolist()
+            if 0 in pids:
+                k = pids.index(0)
+                self._keys[k] = key
+                self._eligible[k] = 0
+                self._pids[k] = self._pid
                 self._entry = k
         finally:
             fcntl.flock(self._qfd, fcntl.LOCK_UN)
 
     def _delist(self) -> None:
         if self._entry is not None:
-            self._table["pid"][self._entry] = 0
+            self._pids[self._entry] = 0
             self._entry = None
 
-    def _ahead(self, key: float) -> int:
-        """How many live waiters are ahead of this one (earlier key, ties by pid), counting up to
-        ``n``."""
-        pids, keys = self._table["pid"], self._table["key"]
-        ahead = np.flatnonzero((pids != 0) & (pids != self._pid) &
-                               ((keys < key) | ((keys == key) & (pids < self._pid))))
-        live = 0
-        for k in ahead:
-            pid = int(pids[k])
+    def _ahead(self, key: float, verify: bool = True) -> int:
+        """How many waiters are ahead of this one (earlier key, ties by pid), counting up to ``n``;
+        ``verify``: only live ones (a waiter killed before its supervisor delisted it is dropped)."""
+        live, me = 0, self._pid
+        for k, (pid, other) in enumerate(zip(self._pids.tolist(), self._keys.tolist())):
+            if not pid or pid == me or other > key or (other == key and pid > me):
+                continue
+            if not verify:
+                live += 1
+                if live >= len(self._fds):
+                    break
+                continue
             try:
                 os.kill(pid, 0)
             except ProcessLookupError:  # a waiter that died: its entry goes
-                if pids[k] == pid:
-                    pids[k] = 0
+                if self._pids[k] == pid:
+                    self._pids[k] = 0
                 continue
             except PermissionError:
                 pass
@@ -184,31 +226,33 @@ class CpuSlots:
         return False
 
     def _drain(self) -> None:
-        try:
-            while os.read(self._wakeup, 64):
-                pass
+        try:  # one read: wake-ups are a byte each, and a waiter is rung a few times at most
+            os.read(self._wakeup, 256)
         except BlockingIOError:
             pass
 
     def acquire(self, key: float | None = None, stop=lambda: False, watch=()) -> bool:
         """Take a slot for a task whose deadline key is ``key`` (None: now), blocking; False if
-        ``stop()`` turned true first (it is checked on every wake-up, when a file descriptor of
-        ``watch`` becomes readable, and every ``patience_s``)."""
+        ``stop()`` turned true first (it is checked before the first wait, when a file descriptor
+        of ``watch`` becomes readable, and every ``patience_s`` — not on every wake-up: a wake-up
+        is a slot to try for, and a stop signals itself through ``watch``)."""
         if self._held is not None:
             return True
         key = time.monotonic() if key is None else float(key)
         self._enlist(key)
+        check = True  # the first pass, and after a timeout: stop() is asked and the waiters ahead checked alive
         try:
             while True:
                 self._drain()  # before trying: a release after the try leaves a byte that wakes us
-                eligible = self._ahead(key) < len(self._fds)
+                eligible = self._ahead(key, verify=check) < len(self._fds)
                 if self._entry is not None:
-                    self._table["eligible"][self._entry] = int(eligible)
+                    self._eligible[self._entry] = int(eligible)
                 if eligible and self._try():
                     return True
-                if stop():
+                if check and stop():
                     return False
-                select.select([self._wakeup, *watch], [], [], self.patience_s)
+                ready = select.select([self._wakeup, *watch], [], [], self.patience_s)[0]
+                check = not ready or any(fd in ready for fd in watch)
         finally:
             self._delist()
 
@@ -216,12 +260,13 @@ class CpuSlots:
         if self._held is not None:
             fcntl.flock(self._fds[self._held], fcntl.LOCK_UN)
             self._held = None
-            _wake(self.shm_dir, self.prefix, self._table, len(self._fds), skip=self._pid)
+            _wake(self._bells, self._table, len(self._fds), skip=self._pid)
 
     def close(self) -> None:
         self.release()
         self._delist()
-        del self._table
+        self._bells.close()
+        del self._table, self._pids, self._keys, self._eligible
         self._map.close()
         for fd in (*self._fds, self._qfd, self._wakeup):
             os.close(fd)

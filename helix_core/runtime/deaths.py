@@ -51,13 +51,19 @@ class WorkerDeaths:
             w.kill()
         return nxt
 
+    def _replace(self, w: WorkerProcess) -> None:
+        """A new process in the place of dead worker ``w``, watched instead of it."""
+        for fd in (w.conn.fileno(), w.proc.sentinel):
+            self._sel.unregister(fd)
+        w.conn.close()
+        self._workers[self._workers.index(w)] = self._watch(self._spawn(w.wid, w.incarnation + 1))
+
     def _on_death(self, w: WorkerProcess) -> None:
         if self._stop.is_set():
             return
         code, held = w.bury()
         self._graveyard += held
-        i = self._workers.index(w)
-        self._workers[i] = self._spawn(w.wid, w.incarnation + 1)
+        self._replace(w)
         self.respawns += 1
         task, current = w.task, w.progress.get()
         log.warning("worker %d died (exit %s) during task %s at sample %s; respawned", w.wid, code,

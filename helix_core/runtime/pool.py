@@ -6,7 +6,7 @@ Queued tasks run earliest-deadline-first: a task's key is its arrival time plus 
 (seconds from now, as the client sent it), or its arrival time when it has none — so without
 deadlines the order is first-in-first-out. The pool's supervisor thread owns every worker pipe: it
 hands tasks to idle workers, collects results, and watches process sentinels, blocking on all of
-them at once. A worker that dies has its task retried (bounded per sample: a sample that keeps
+them at once (one epoll set, kept across wake-ups). A worker that dies has its task retried (bounded per sample: a sample that keeps
 killing workers becomes a ``SampleError``) and is respawned. A worker with nothing queued takes the
 unstarted tail of a running splittable batch (``steal``): the batch comes back in pieces.
 """
@@ -15,11 +15,12 @@ from __future__ import annotations
 import collections
 import itertools
 import logging
-import multiprocessing as mp
+import os
+import select
+import selectors
 import threading
 import time
 from concurrent.futures import Future
-from multiprocessing.connection import wait as mp_wait
 
 from ..config import ClusterConfig
 from ..protocol import ErrorKind
@@ -65,14 +66,23 @@ class WorkerPool(WorkerDeaths):
         self._split: dict[int, Pieces] = {}  # submission serial -> the pieces of a batch split by stealing
         self.steals = 0
         self._kills: collections.Counter = collections.Counter()
-        self._wake_r, self._wake_w = mp.Pipe(duplex=False)
+        self._wake_r, self._wake_w = os.pipe()  # a byte: work was queued (or close)
+        for fd in (self._wake_r, self._wake_w):
+            os.set_blocking(fd, False)
+        self._sel = selectors.DefaultSelector()
+        self._sel.register(self._wake_r, selectors.EVENT_READ, None)
         self._stop = threading.Event()
         self.completed, self.respawns, self.supervisor_errors = 0, 0, 0
         self._graveyard: list[str] = []  # dead workers' slabs still held by clients
         self.latency_per_cost = 1.0  # wall seconds per predicted CPU second (1 until measured)
-        self._workers = [self._spawn(i, 0) for i in range(n)]
+        self._workers = [self._watch(self._spawn(i, 0)) for i in range(n)]
         self._thread = threading.Thread(target=self._supervise, name="helix-supervisor", daemon=True)
         self._thread.start()
+
+    def _watch(self, w: WorkerProcess) -> WorkerProcess:
+        self._sel.register(w.conn.fileno(), selectors.EVENT_READ, (w, False))
+        self._sel.register(w.proc.sentinel, selectors.EVENT_READ, (w, True))
+        return w
 
     def _spawn(self, wid: int, incarnation: int) -> WorkerProcess:
         c = self.config
@@ -99,8 +109,14 @@ class WorkerPool(WorkerDeaths):
             task["_serial"] = next(self._serials)
             self._futures[_key(task)] = (task["_serial"], fut)
             self._pending.push(task)
-        self._wake_w.send_bytes(b"t")
+        self._ring()
         return fut
+
+    def _ring(self) -> None:
+        try:
+            os.write(self._wake_w, b"t")
+        except BlockingIOError:  # a full pipe wakes the supervisor already
+            pass
 
     def cancel(self, task_ids, client_id: str = "") -> None:
         """Drop the tasks ``task_ids`` of client ``client_id`` (not started: never run)."""
@@ -146,24 +162,27 @@ class WorkerPool(WorkerDeaths):
         if self._graveyard:
             orphan_s = self.config.execute_timeout_s + self.config.rpc_timeout_s  # as the slab pools'
             self._graveyard = [n for n in self._graveyard if not shm.unlink_if_free(n, orphan_s)]
-        objs = [self._wake_r] + [w.conn for w in self._workers] + [w.proc.sentinel for w in self._workers]
         timeout = self._watchdog()
         if self._graveyard:  # dead workers' slabs are re-checked
             timeout = 1.0 if timeout is None else min(timeout, 1.0)
-        try:  # every event wakes it (a task, a result, a death, close), and the next sample's watchdog
-            ready = mp_wait(objs, timeout=timeout)
-        except OSError:
-            return
-        for obj in ready:
-            if obj is self._wake_r:
-                while self._wake_r.poll():
-                    self._wake_r.recv_bytes()
-        for w in list(self._workers):
-            if w.conn in ready:
-                self._drain(w)
-            if w.proc.sentinel in ready or not w.proc.is_alive():
-                self._drain(w)
-                self._on_death(w)
+        # every event wakes it (a task, a result, a death, close), and the next sample's watchdog
+        events = self._sel.select(timeout)
+        died = []
+        for key, _ in events:
+            if key.data is None:
+                try:
+                    os.read(self._wake_r, 4096)
+                except BlockingIOError:
+                    pass
+                continue
+            w, death = key.data
+            if w not in self._workers:  # replaced by an earlier event of this round
+                continue
+            self._drain(w)
+            if death:
+                died.append(w)
+        for w in died:
+            self._on_death(w)
 
     def _assign(self) -> None:
         with self._lock:
@@ -213,9 +232,10 @@ class WorkerPool(WorkerDeaths):
         return None
 
     def _drain(self, w: WorkerProcess) -> None:
+        fd = w.conn.fileno()
         while True:
             try:
-                if not w.conn.poll():
+                if not select.select([fd], [], [], 0)[0]:  # (conn.poll builds a selector each time)
                     return
                 msg = w.conn.recv()
             except (EOFError, OSError):
@@ -274,7 +294,7 @@ class WorkerPool(WorkerDeaths):
         if self._stop.is_set():
             return
         self._stop.set()
-        self._wake_w.send_bytes(b"s")
+        self._ring()
         self._thread.join(timeout=self.config.stop_timeout_s)
         for w in self._workers:
             try:
@@ -292,4 +312,8 @@ class WorkerPool(WorkerDeaths):
             for _, fut in self._futures.values():
                 fut.cancel()
             self._futures.clear()
+        if not self._thread.is_alive():
+            self._sel.close()
+            os.close(self._wake_r)
+            os.close(self._wake_w)
         shm.sweep(self.prefix)

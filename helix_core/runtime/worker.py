@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import select
 import signal
 import struct
 import time
@@ -96,11 +97,13 @@ def worker_main(conn, shm_prefix: str, allow_pickle: bool, parent_pid: int, cpu_
     torch.set_num_threads(1)
     slots = CpuSlots(*cpu_slots) if cpu_slots else None
     orphaned = (lambda: os.getppid() != parent_pid)
+    pipe = conn.fileno()
+    readable = (lambda timeout: bool(select.select([pipe], [], [], timeout)[0]))  # conn.poll builds a selector each time
     pool = SlabPool(shm_prefix, orphan_s=slab_lease[0], idle_s=slab_lease[1])
     specs: dict[str, tuple] = {}
     try:
         while True:
-            if not conn.poll(2.0):  # a closed pipe wakes it at once; this only catches a parent that vanished
+            if not readable(2.0):  # a closed pipe wakes it at once; this only catches a parent that vanished
                 if os.getppid() != parent_pid:
                     return  # orphaned
                 pool.reclaim()  # idle: slabs of clients that died come back; unused ones go
@@ -120,8 +123,8 @@ def worker_main(conn, shm_prefix: str, allow_pickle: bool, parent_pid: int, cpu_
             elif msg[0] == "task":
                 task = msg[1]
                 # while it waits, the pool sends it nothing but "stop" (or its pipe closes): watch the pipe
-                if slots is not None and not slots.acquire(task.get("_key"), stop=lambda: orphaned() or conn.poll(),
-                                                           watch=(conn.fileno(),)):
+                if slots is not None and not slots.acquire(task.get("_key"), stop=lambda: orphaned() or readable(0),
+                                                           watch=(pipe,)):
                     return
                 try:
                     result = _run_task(task, specs, pool, progress, allow_pickle,
