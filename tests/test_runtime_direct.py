@@ -133,3 +133,47 @@ def test_a_feature_fn_that_raises_is_a_sample_error_naming_the_sample_and_holds_
         assert pool.stats()["busy"] == 1  # the batch's slab, until its reader releases it
         release_segment(got["handle"])
         assert pool.stats()["busy"] == 0
+
+
+def test_a_task_holds_its_decode_slot_only_while_its_samples_decode(kmix, tmp_path):
+    """The host's decode slot is a core: a worker takes it before its first sample's decode and
+    gives it back as soon as its last one is decoded, so collating and writing its batch (direct
+    path, and a custom collate's generic path) run while another worker decodes."""
+    from helix_core.runtime.shm import release_segment
+    from helix_core.runtime.worker import _run_task
+
+    events = []
+
+    class Slot:
+        held = False
+
+        def enter(self):
+            if not self.held:
+                events.append("enter")
+            self.held = True
+
+        def leave(self):
+            if self.held:
+                events.append("leave")
+            self.held = False
+
+    class Logged(hx.VideoClipDataset):
+        def fetch(self, index, out=None):
+            assert slot.held, "decoded without the slot"
+            events.append("decode")
+            return super().fetch(index, out)
+
+    def collate(samples):
+        assert not slot.held, "collated holding the slot"
+        events.append("collate")
+        return hx.pad_collate(samples)
+
+    ds = Logged(kmix / "manifest.jsonl")
+    with SlabPool(f"helix-test-direct-slot-{tmp_path.name[-8:]}-") as pool:
+        for fn in (hx.pad_collate, collate):  # the slab path, then the generic one
+            slot, events[:] = Slot(), []
+            task = {"task_id": 1, "spec_id": "s", "indices": [3, 5], "epoch": 0}
+            got = _run_task(task, {"s": (ds, fn, None)}, pool, None, False, lambda k: True, slot)
+            assert got.get("rows") == 2, got
+            assert events[:4] == ["enter", "decode", "decode", "leave"] and not slot.held
+            release_segment(got["handle"])

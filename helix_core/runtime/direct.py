@@ -52,7 +52,7 @@ def supports_direct(dataset, collate) -> bool:
 
 
 def direct_batch(dataset, collate, indices: list[int], pool, allow_pickle: bool, progress=lambda index: None,
-                 may_start=lambda k: True, featurize=None, room=()):
+                 may_start=lambda k: True, featurize=None, room=(), decoding=None):
     """``(slab, total, tree_json, tree_pickle, metas, decode_cpu_s, features)`` with the batch
     written in ``slab``, or None when this batch needs the generic path (nothing is held then).
     ``progress(index)`` is called before each sample is decoded; ``may_start(k)`` says whether
@@ -60,7 +60,9 @@ def direct_batch(dataset, collate, indices: list[int], pool, allow_pickle: bool,
     ``featurize(samples, indices)`` (Tier 2's features) sees the samples decoded in place, before
     the collate; ``features`` is its list, or None without it. One that raises sends the batch to
     the generic path, which names the sample. ``room``: the samples of the batch's later parts
-    (fan-out): the slab keeps their rows' room after these, the video padded as the whole batch's."""
+    (fan-out): the slab keeps their rows' room after these, the video padded as the whole batch's.
+    ``decoding``: the task's host decode slot (``worker.DecodeSlot``), held from the first sample's
+    decode to the last one's only."""
     try:
         shapes = [tuple(int(x) for x in dataset.video_shape(i)) for i in indices]
         later = [tuple(int(x) for x in dataset.video_shape(i)) for i in room]
@@ -79,7 +81,7 @@ def direct_batch(dataset, collate, indices: list[int], pool, allow_pickle: bool,
         return None  # the generic path reports it
     try:
         got = _fill(dataset, collate, indices, shapes, slab, (b, t, c, h, w), allow_pickle, progress, may_start,
-                    featurize)
+                    featurize, decoding or _NO_SLOT)
     except Exception:
         got = None
     if got is None:
@@ -88,7 +90,18 @@ def direct_batch(dataset, collate, indices: list[int], pool, allow_pickle: bool,
     return (slab, *got)
 
 
-def _fill(dataset, collate, indices, shapes, slab, dims, allow_pickle, progress, may_start, featurize):
+class _NoSlot:
+    def enter(self) -> None:
+        pass
+
+    def leave(self) -> None:
+        pass
+
+
+_NO_SLOT = _NoSlot()
+
+
+def _fill(dataset, collate, indices, shapes, slab, dims, allow_pickle, progress, may_start, featurize, decoding):
     b, t, c, h, w = dims
     video_bytes = b * t * c * h * w
     payload = torch.frombuffer(slab.payload, dtype=torch.uint8)
@@ -98,6 +111,7 @@ def _fill(dataset, collate, indices, shapes, slab, dims, allow_pickle, progress,
         if not may_start(k):  # the rest was stolen: the batch is the samples before it
             break
         slot = video[k, :shape[0], :, :shape[2], :shape[3]]
+        decoding.enter()
         progress(index)
         c0 = time.thread_time()
         sample, _ = dataset.fetch(index, out=slot.numpy())
@@ -110,6 +124,7 @@ def _fill(dataset, collate, indices, shapes, slab, dims, allow_pickle, progress,
         sample["video"] = slot
         samples.append(sample)
         slots.append(slot)
+    decoding.leave()  # the rest (features, collate, layout) leaves the core to another decode
     features = None
     if featurize is not None:
         try:

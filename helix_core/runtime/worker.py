@@ -23,7 +23,7 @@ from . import shm
 from .slabpool import SlabPool
 from .specs import load_spec, sample_path
 
-__all__ = ["Progress", "worker_main"]
+__all__ = ["DecodeSlot", "Progress", "worker_main"]
 
 
 class Progress:
@@ -58,6 +58,30 @@ class Progress:
             return None
         started, n = struct.unpack("<di", self._buf[8:20])
         return index, self._buf[20:20 + n].decode("utf-8", "replace"), started
+
+
+class Stopped(BaseException):
+    """The pool stopped this worker (or its parent vanished) while it waited for a decode slot: a
+    ``BaseException``, so no dataset's or collate's ``except Exception`` swallows it."""
+
+
+class DecodeSlot:
+    """A task's hold on one of the host's decode slots (``CpuSlots``; None: no cap), taken before
+    its first sample is decoded and given back as soon as its last one is: making a slab,
+    collating, laying out and replying leave the core to another worker's decode. ``enter``
+    raises ``Stopped`` when ``stop()`` turns true while it waits (``watch``: descriptors that
+    wake it to ask)."""
+
+    def __init__(self, slots, key: float | None, stop, watch=()):
+        self.slots, self.key, self.stop, self.watch = slots, key, stop, watch
+
+    def enter(self) -> None:
+        if self.slots is not None and not self.slots.acquire(self.key, stop=self.stop, watch=self.watch):
+            raise Stopped
+
+    def leave(self) -> None:
+        if self.slots is not None:
+            self.slots.release()
 
 
 def limit_memory(fraction: float) -> int:
@@ -122,18 +146,17 @@ def worker_main(conn, shm_prefix: str, allow_pickle: bool, parent_pid: int, cpu_
                     specs[spec_id] = e
             elif msg[0] == "task":
                 task = msg[1]
-                # while it waits, the pool sends it nothing but "stop" (or its pipe closes): watch the pipe
-                if slots is not None and not slots.acquire(task.get("_key"), stop=lambda: orphaned() or readable(0),
-                                                           watch=(pipe,)):
-                    return
+                # while it waits for a slot, the pool sends it nothing but "stop" (or its pipe closes): watch the pipe
+                decoding = DecodeSlot(slots, task.get("_key"), lambda: orphaned() or readable(0), (pipe,))
                 try:
                     result = _run_task(task, specs, pool, progress, allow_pickle,
-                                       claim.take if claim is not None else (lambda k: True))
+                                       claim.take if claim is not None else (lambda k: True), decoding)
+                except Stopped:
+                    return
                 finally:
                     if progress is not None:
                         progress.clear()
-                    if slots is not None:
-                        slots.release()
+                    decoding.leave()
                 conn.send(("done", task["task_id"], result))
     finally:
         pool.close()
@@ -147,10 +170,10 @@ def _failure(index: int, path: str, cause: str) -> dict:
     return {"index": int(index), "path": text_of(path), "cause": text_of(cause)}
 
 
-def _run_task(task: dict, specs: dict, pool, progress, allow_pickle: bool, may_start) -> dict:
+def _run_task(task: dict, specs: dict, pool, progress, allow_pickle: bool, may_start, decoding=None) -> dict:
     """Prepare the task's samples in order — each one only if ``may_start(k)`` (the rest may have
     been stolen) — collate them into a slab: the result dict the pool receives (``rows``: samples
-    in the batch)."""
+    in the batch). ``decoding``: its ``DecodeSlot``, held while samples are prepared."""
     from ..errors import SampleError
     from .direct import direct_batch, supports_direct
     from .tensors import flatten, layout, write_tensors
@@ -170,7 +193,7 @@ def _run_task(task: dict, specs: dict, pool, progress, allow_pickle: bool, may_s
             if want_features else None
         got = direct_batch(dataset, collate, list(task["indices"]), pool, allow_pickle,
                            (lambda i: progress.set(i, sample_path(dataset, i))) if progress else (lambda i: None),
-                           may_start, featurize, room=list(task.get("room", ())))
+                           may_start, featurize, room=list(task.get("room", ())), decoding=decoding)
         if got is not None:
             slab, total, tree_json, tree_pickle, metas, cpu, features = got
             return {"handle": slab.handle(total), "tree_json": tree_json, "tree_pickle": tree_pickle, "metas": metas,
@@ -183,6 +206,8 @@ def _run_task(task: dict, specs: dict, pool, progress, allow_pickle: bool, may_s
             break
         while True:
             path = sample_path(dataset, index)
+            if decoding is not None:
+                decoding.enter()
             if progress is not None:
                 progress.set(index, path)
             try:
@@ -202,6 +227,8 @@ def _run_task(task: dict, specs: dict, pool, progress, allow_pickle: bool, may_s
                 return {"error_kind": ErrorKind.SAMPLE, "error": fail["cause"] + why, "failure": fail, "skipped": skipped}
             skipped.append(fail)
             index = subs.pop(0)
+    if decoding is not None:
+        decoding.leave()  # collating and writing the batch leave the core to another decode
     features = None
     if want_features:
         try:
