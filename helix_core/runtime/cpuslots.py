@@ -14,7 +14,8 @@ a slot list themselves in a small shared table with their task's deadline key (a
 ``time.monotonic`` value: CLOCK_MONOTONIC is the same clock in every process of a host); only
 the ``n`` earliest waiters may take a slot. A waiter blocks in ``select`` on a FIFO of its own
 (no CPU, no poll period): whoever releases a slot writes a byte to the FIFOs of the ``n``
-earliest waiters, which wake at once and try. (Blocking in ``flock`` would cost no CPU either,
+earliest waiters (through write ends it keeps open: a release is a few system calls), which wake
+at once and try. (Blocking in ``flock`` would cost no CPU either,
 but the kernel then wakes waiters in arrival order, not by deadline.) A holder that dies releases
 its lock without a word: its DataServer's supervisor sees the death and calls ``notify``; a
 waiter also re-checks after ``patience_s`` whatever happened.
