@@ -9,16 +9,16 @@ batch needed soonest across all its servers, or a rank's batch for the next step
 another rank's batch for three steps later decodes.
 
 Slots are ``n`` files in /dev/shm named for the cluster, locked with ``flock`` (the kernel drops
-the lock of a process that dies, so a killed worker never strands a slot). Workers that wait for
-a slot list themselves in a small shared table with their task's deadline key (an absolute
-``time.monotonic`` value: CLOCK_MONOTONIC is the same clock in every process of a host); only
-the ``n`` earliest waiters may take a slot. A waiter blocks in ``select`` on a FIFO of its own
-(no CPU, no poll period): whoever releases a slot writes a byte to the FIFOs of the ``n``
-earliest waiters (through write ends it keeps open: a release is a few system calls), which wake
-at once and try. (Blocking in ``flock`` would cost no CPU either,
-but the kernel then wakes waiters in arrival order, not by deadline.) A holder that dies releases
-its lock without a word: its DataServer's supervisor sees the death and calls ``notify``; a
-waiter also re-checks after ``patience_s`` whatever happened.
+the lock of a process that dies, so a killed worker never strands a slot). Workers that wait for a
+slot list themselves in a small shared table with their task's deadline key (an absolute
+``time.monotonic`` value: CLOCK_MONOTONIC is the same clock in every process of a host); only the
+``n`` earliest waiters may take a slot. A waiter blocks in ``select`` on a FIFO of its own (no CPU,
+no poll period): whoever releases a slot writes a byte to the FIFOs of the ``n`` earliest waiters
+(through write ends it keeps open: a release is a few system calls), which wake at once and try.
+(Blocking in ``flock`` would cost no CPU either, but the kernel then wakes waiters in arrival
+order, not by deadline.) A holder that dies releases its lock without a word: its DataServer's
+supervisor sees the death and calls ``notify``; a waiter also re-checks after ``patience_s``
+whatever happened.
 
 The files have one owner: the host's DataServers hold a shared lock on a membership file
 (``HostSlots``), and the last one to leave unlinks them — so one server stopping among several

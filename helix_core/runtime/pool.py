@@ -6,9 +6,10 @@ Queued tasks run earliest-deadline-first: a task's key is its arrival time plus 
 (seconds from now, as the client sent it), or its arrival time when it has none — so without
 deadlines the order is first-in-first-out. The pool's supervisor thread owns every worker pipe: it
 hands tasks to idle workers, collects results, and watches process sentinels, blocking on all of
-them at once (one epoll set, kept across wake-ups). A worker that dies has its task retried (bounded per sample: a sample that keeps
-killing workers becomes a ``SampleError``) and is respawned. A worker with nothing queued takes the
-unstarted tail of a running splittable batch (``steal``): the batch comes back in pieces.
+them at once (one epoll set, kept across wake-ups). A worker that dies has its task retried
+(bounded per sample: a sample that keeps killing workers becomes a ``SampleError``) and is
+respawned. A worker with nothing queued takes the unstarted tail of a running splittable batch
+(``steal``): the batch comes back in pieces.
 """
 from __future__ import annotations
 

@@ -1,12 +1,11 @@
 """A DataServer worker process (spawned, ``OMP_NUM_THREADS=1``): the child side of ``pool``.
 
 It loads the dataset and collate function once per spec, then runs whole batch tasks: fetch +
-decode + transform each sample (holding one of the host's decode slots from the first sample to
-the last, ``DecodeSlot``), collate, and write the batch into a reused shared-memory slab of its
-own; the result goes back on its pipe. The sample it
-is working on is written into a small shared record (``Progress``) rather than sent: the
-supervisor reads it only if the worker dies, to name the sample that killed it. It exits when its
-parent's pipe closes.
+decode + transform each sample (holding one of the host's decode slots from the first sample to the
+last, ``DecodeSlot``), collate, and write the batch into a reused shared-memory slab of its own;
+the result goes back on its pipe. The sample it is working on is written into a small shared record
+(``Progress``) rather than sent: the supervisor reads it only if the worker dies, to name the
+sample that killed it. It exits when its parent's pipe closes.
 """
 from __future__ import annotations
 
