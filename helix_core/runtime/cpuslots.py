@@ -72,8 +72,8 @@ class _Doorbells:
 
     def ring(self, pid: int) -> bool:
         """Wake waiter ``pid``; False when it is gone (its FIFO is not there or has no reader)."""
-        for fresh in (False, True):
-            fd = self._fds.get(pid) if not fresh else None
+        for _ in range(2):  # the kept fd, then (if its reader is gone) the path afresh
+            fd = self._fds.get(pid)
             if fd is None:
                 if len(self._fds) > 2 * _ENTRIES:  # waiters come and go (respawned workers): start over
                     self.close()
@@ -87,7 +87,7 @@ class _Doorbells:
                 return True
             except BlockingIOError:  # a full FIFO already holds a wake-up
                 return True
-            except OSError:  # no reader behind this fd any more: try the path once more
+            except OSError:  # no reader behind this fd any more
                 self._forget(pid)
         return False
 
@@ -195,19 +195,15 @@ class CpuSlots:
         for k, (pid, other) in enumerate(zip(self._pids.tolist(), self._keys.tolist())):
             if not pid or pid == me or other > key or (other == key and pid > me):
                 continue
-            if not verify:
-                live += 1
-                if live >= len(self._fds):
-                    break
-                continue
-            try:
-                os.kill(pid, 0)
-            except ProcessLookupError:  # a waiter that died: its entry goes
-                if self._pids[k] == pid:
-                    self._pids[k] = 0
-                continue
-            except PermissionError:
-                pass
+            if verify:
+                try:
+                    os.kill(pid, 0)
+                except ProcessLookupError:  # a waiter that died: its entry goes
+                    if self._pids[k] == pid:
+                        self._pids[k] = 0
+                    continue
+                except PermissionError:
+                    pass
             live += 1
             if live >= len(self._fds):
                 break

@@ -61,7 +61,7 @@ def direct_batch(dataset, collate, indices: list[int], pool, allow_pickle: bool,
     the collate; ``features`` is its list, or None without it. One that raises sends the batch to
     the generic path, which names the sample. ``room``: the samples of the batch's later parts
     (fan-out): the slab keeps their rows' room after these, the video padded as the whole batch's.
-    ``decoding``: the task's host decode slot (``worker.DecodeSlot``), held from the first sample's
+    ``decoding``: the task's host decode slot (``worker.DecodeSlot``; None: no cap), held from the first sample's
     decode to the last one's only."""
     try:
         shapes = [tuple(int(x) for x in dataset.video_shape(i)) for i in indices]
@@ -81,24 +81,13 @@ def direct_batch(dataset, collate, indices: list[int], pool, allow_pickle: bool,
         return None  # the generic path reports it
     try:
         got = _fill(dataset, collate, indices, shapes, slab, (b, t, c, h, w), allow_pickle, progress, may_start,
-                    featurize, decoding or _NO_SLOT)
+                    featurize, decoding)
     except Exception:
         got = None
     if got is None:
         slab.release()
         return None
     return (slab, *got)
-
-
-class _NoSlot:
-    def enter(self) -> None:
-        pass
-
-    def leave(self) -> None:
-        pass
-
-
-_NO_SLOT = _NoSlot()
 
 
 def _fill(dataset, collate, indices, shapes, slab, dims, allow_pickle, progress, may_start, featurize, decoding):
@@ -111,7 +100,8 @@ def _fill(dataset, collate, indices, shapes, slab, dims, allow_pickle, progress,
         if not may_start(k):  # the rest was stolen: the batch is the samples before it
             break
         slot = video[k, :shape[0], :, :shape[2], :shape[3]]
-        decoding.enter()
+        if decoding is not None:
+            decoding.enter()
         progress(index)
         c0 = time.thread_time()
         sample, _ = dataset.fetch(index, out=slot.numpy())
@@ -124,7 +114,8 @@ def _fill(dataset, collate, indices, shapes, slab, dims, allow_pickle, progress,
         sample["video"] = slot
         samples.append(sample)
         slots.append(slot)
-    decoding.leave()  # the rest (features, collate, layout) leaves the core to another decode
+    if decoding is not None:
+        decoding.leave()  # the rest (features, collate, layout) leaves the core to another decode
     features = None
     if featurize is not None:
         try:
