@@ -346,3 +346,59 @@ def test_a_loader_stopped_while_its_round_runs_gives_back_what_the_round_gave_it
     assert [b["index"].tolist() for b in batches[1:]] == [[5, 7]]  # alone
     assert not stats["rebalance"].get("lost") and not stats["rebalance_errors"], stats["rebalance"]
     wait_for(lambda: not busy_segments(cluster), what="every slab released")
+
+
+def test_a_rank_whose_round_leader_dies_learns_its_rounds_fate_from_the_coordinator():
+    """The leader dies while rank 0's batch is held in its round. Had the round been committed
+    (moved, some rank answered), rank 0 decodes what the round gave it; had it not, rank 0 keeps
+    its batch and that round can never be committed after (so no rank trains on a sample twice)."""
+    from concurrent.futures import Future
+
+    from helix_core.client.transport import ClusterClient, RoundUnknown
+    from helix_core.client.waits import Stop
+    from helix_core.runtime.auth import call_metadata
+    from helix_core.runtime.proto import helix_pb2 as pb, helix_pb2_grpc as pbg
+    from helix_core.runtime.rpc import connect
+
+    with hx.LocalCluster(local_servers=2, workers_per_server=1, config=CFG, token=True) as c:
+        client = ClusterClient(c.address, c.token, CFG, 0, 2)
+        coordinator = pbg.CoordinatorStub(connect(c.address, CFG, None, keepalive=False))
+        try:
+            def held_then_leader_killed(server: int, step: int):
+                request = pb.RebalanceRequest(
+                    group="spec:0,1", group_size=2, rank=0, step=step, client_id=client.client_id, host=client.host,
+                    buffer_size=8, timeout_s=30.0, features_json='[{"tokens": 1}, {"tokens": 2}]', batch_rows=[2],
+                    batches=[pb.BatchHandle(slab=pb.SlabHandle(segment="none", generation=1))], indices=[8, 10],
+                    policy_id="default", policy=b'{"sort_fn": null, "args": null}', policy_format="json")
+                got, stop = [], Stop()
+
+                def rank0():
+                    try:
+                        reply = client.rebalance(c.servers[server].address, request, 30.0, stop, leave_s=2.0,
+                                                 wanted=Future())  # not waited for: no AskRound
+                        got.append(("kept", None) if reply is None else ("reply", reply.outcome))
+                    except RoundUnknown as e:
+                        got.append(("lost", e.indices))
+
+                call = threading.Thread(target=rank0)
+                call.start()
+                time.sleep(1.0)  # rank 1 never comes: the call is held in its open round
+                return call, got
+
+            call, got = held_then_leader_killed(0, step=2)
+            # what a leader does once its round ran and before it answers anyone: commit at the Coordinator
+            ranks = [pb.RankSamples(rank=0, indices=[8, 9]), pb.RankSamples(rank=1, indices=[10, 11])]
+            assert coordinator.CommitRound(pb.CommitRoundRequest(group="spec:0,1", step=2, ranks=ranks),
+                                           timeout=5, metadata=call_metadata(c.token)).committed
+            c.kill_server(0)
+            call.join(30)
+            assert got == [("lost", [8, 9])]  # decoded again: what the committed round gave rank 0
+
+            call, got = held_then_leader_killed(1, step=3)
+            c.kill_server(1)  # dies with nothing committed
+            call.join(30)
+            assert got == [("kept", None)]
+            late = pb.CommitRoundRequest(group="spec:0,1", step=3, ranks=[pb.RankSamples(rank=0, indices=[9])])
+            assert not coordinator.CommitRound(late, timeout=5, metadata=call_metadata(c.token)).committed
+        finally:
+            client.close()

@@ -145,3 +145,35 @@ def test_the_default_gate_keeps_a_skewed_round_whose_ranks_all_wait_longer_for_i
         t.join(10)
     replies = [box[0] for _, box in calls]  # rank 1 never waits: the gate moves (these slabs do not exist)
     assert all(r.input_wait_s == 0.0 and "slab" in r.outcome and r.outcome.startswith("error") for r in replies)
+
+
+def test_a_committed_round_is_what_every_rank_learns_and_one_a_rank_was_told_it_kept_can_never_commit():
+    from helix_core.runtime.roundfates import RoundFates
+
+    fates = RoundFates(capacity=2)
+    assert fates.commit(("g", "", 3), {0: [8, 9], 1: [10, 11]})
+    assert fates.fate(("g", "", 3), 0) == [8, 9] and fates.fate(("g", "", 3), 1) == [10, 11]
+    assert fates.fate(("g", "", 4), 0) is None  # asked before any commit: the rank keeps its batch...
+    assert not fates.commit(("g", "", 4), {0: [1], 1: [0]})  # ...and the leader can no longer move any
+    assert fates.fate(("g", "", 4), 1) is None
+    assert fates.commit(("g", "", 5), {0: [1]}) and fates.commit(("g", "", 5), {})  # withdrawn
+    assert fates.fate(("g", "", 5), 0) is None
+    assert fates.fate(("g", "", 3), 0) is None  # the oldest was forgotten (capacity 2): refused from now on
+
+
+def test_a_moved_round_is_committed_before_any_rank_sees_it_and_a_refused_commit_keeps_every_batch():
+    RELEASE.set()
+    committed = []
+    table = RoundTable(allow_pickle=True, commit=lambda *a: committed.append(a) or True)
+    calls = [_call(table, _request(r, step=9, policy=_swap_when_released)) for r in range(2)]
+    for t, _ in calls:
+        t.join(5)
+    assert [b[0].outcome for _, b in calls] == ["moved", "moved"]
+    assert committed == [(GROUP, "", 9, {0: [2, 3], 1: [0, 1]})]  # each rank's samples, in its reply's order
+    table = RoundTable(allow_pickle=True, commit=lambda *a: False)  # a rank was already told to keep
+    calls = [_call(table, _request(r, step=9, policy=_swap_when_released)) for r in range(2)]
+    for t, _ in calls:
+        t.join(5)
+    for r, (_, box) in enumerate(calls):
+        assert box[0].outcome.startswith("error: the round could not go ahead") and not box[0].moved_in
+        assert [list(t.indices) for t in box[0].takes] == [[2 * r, 2 * r + 1]]  # its own batch

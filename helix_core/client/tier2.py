@@ -156,9 +156,11 @@ class Tier2:
                                           wanted=task.wanted, grace_s=r.round_timeout_s)
         except RoundUnknown as e:  # other ranks may read its slabs: not this rank's to read or release
             task.taken.update(range(len(task.parts)))
-            counts["unknown"] += 1
+            counts["unknown" if e.indices is None else "lost"] += 1
             if stop.is_set():
                 raise RoundStopped(None) from None
+            if e.indices is not None:  # the round's answer, from the Coordinator: decoded again
+                raise RoundLost([int(i) for i in e.indices], f"batch {task.position}: {e}") from None
             if len(request.indices) != sum(rows):
                 raise ClusterError(f"batch {task.position}: {e}") from None
             raise RoundLost([int(i) for i in request.indices], f"batch {task.position}: {e}") from None

@@ -52,9 +52,14 @@ class RoundStopped(ClusterError):
 
 
 class RoundUnknown(ClusterError):
-    """Not even a Tier-2 round's leader can say yet what became of a rank's batch (its round runs
-    past every exchange's limit): other ranks may read its slabs, so the rank neither reads nor
-    releases them."""
+    """A Tier-2 round's leader cannot say what became of a rank's batch (it died, or its round runs
+    past every exchange's limit), and the Coordinator says the round moved samples (``indices``:
+    those it gave this rank, to decode again) or cannot say either (``indices`` None). Other ranks
+    may read its slabs, so the rank neither reads nor releases them."""
+
+    def __init__(self, why: str, indices: list[int] | None = None):
+        super().__init__(why)
+        self.indices = indices
 
 
 class _Unavailable(grpc.RpcError):
@@ -215,7 +220,9 @@ class ClusterClient(CoordinatorCalls, ReplyBatches):
         A call that does not answer — the loader stopped, or the call failed — is cancelled and the
         leader says who owns the batch (``LeaveRound``, within ``leave_s``): still the rank's, or the
         round's answer, which a running loader takes and a stopped one gives back
-        (``RoundStopped(reply)``). ``RoundUnknown`` when not even the leader can say."""
+        (``RoundStopped(reply)``). When the leader cannot say (it died), the Coordinator does: the
+        round was committed there before any rank saw it (``RoundUnknown`` with this rank's
+        samples), or it now never will be (the rank keeps its batch)."""
         try:
             fut = self.stub(address).Rebalance.future(request, timeout=timeout_s, metadata=self.metadata)
         except _Unavailable as e:
@@ -238,18 +245,37 @@ class ClusterClient(CoordinatorCalls, ReplyBatches):
         try:
             answer = self.stub(address).LeaveRound(leave, timeout=leave_s + self.config.rpc_timeout_s,
                                                    metadata=self.metadata)
-        except (grpc.RpcError, _Unavailable) as e:  # the leader is gone: so is any round it led
-            log.warning("Tier-2 round at %s: %s, and no LeaveRound (%s): rank %d keeps its batch", address, why,
-                        e.code().name if isinstance(e, grpc.RpcError) else e, self.rank)
-            answer = pb.LeaveRoundReply(left=True)
-        if not answer.left and not answer.HasField("reply"):
-            raise RoundUnknown(f"its Tier-2 round at {address} has not answered in {leave_s:.0f} s")
-        reply = None if answer.left else answer.reply
+        except (grpc.RpcError, _Unavailable) as e:  # the leader is gone: the Coordinator knows its rounds
+            log.warning("Tier-2 round at %s: %s, and no LeaveRound (%s)", address, why,
+                        e.code().name if isinstance(e, grpc.RpcError) else e)
+            answer = pb.LeaveRoundReply()
+        if answer.HasField("reply"):
+            reply = None if answer.left else answer.reply
+        elif stop.is_set():
+            reply = None
+        else:  # not in a round at this leader (maybe one that restarted): the Coordinator says for sure
+            self._round_fate(address, request, stop)
+            reply = None
         if stop.is_set():
             raise RoundStopped(reply)
         if reply is None:
             log.warning("Tier-2 round at %s: %s (rank %d keeps its batch)", address, why, self.rank)
         return reply
+
+    def _round_fate(self, address: str, request: pb.RebalanceRequest, stop) -> None:
+        """Tier 2: the round at ``address`` cannot answer for this rank's batch. Returns if the
+        Coordinator says the rank keeps it (a round not committed now never will be); raises
+        ``RoundUnknown`` with the samples a committed round gave the rank, or without any if the
+        Coordinator cannot say either."""
+        ask = pb.RoundFateRequest(group=request.group, run=request.run, step=request.step, rank=request.rank)
+        try:
+            fate = self._call(self.coordinator.RoundFate, ask, stop=stop)
+        except ClusterError as e:
+            raise RoundUnknown(f"neither its Tier-2 round's leader at {address} nor the Coordinator can say what "
+                               f"became of it ({e})") from None
+        if fate.moved:
+            raise RoundUnknown(f"its Tier-2 round's leader at {address} cannot answer; the round moved samples",
+                               list(fate.indices))
 
     def _hold(self, address: str, request, fut, limit_s: float, stop, wanted, grace_s: float) -> None:
         """Wait for the round's reply ``fut`` (``limit_s`` at most); once ``wanted`` is done and

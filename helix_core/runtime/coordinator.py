@@ -18,6 +18,7 @@ from ..config import PROTOCOL_VERSION, ClusterConfig
 from .proto import helix_pb2 as pb
 from .proto import helix_pb2_grpc as pbg
 from .registry import NoDeliveryServer, Registry, ServerState
+from .roundfates import RoundFates
 
 __all__ = ["CoordinatorServicer", "Registry", "ServerState", "serve_coordinator"]
 
@@ -31,6 +32,7 @@ class CoordinatorServicer(pbg.CoordinatorServicer):
 
     def __init__(self, registry: Registry, stop: threading.Event, pickle_allowed: bool):
         self.registry, self.stop, self.pickle_allowed = registry, stop, pickle_allowed
+        self.fates = RoundFates()  # Tier 2: moved rounds, for ranks whose round leader died
 
     async def Hello(self, request, context):
         return pb.HelloReply(protocol_version=PROTOCOL_VERSION, cluster_id=self.registry.cluster_id,
@@ -96,6 +98,14 @@ class CoordinatorServicer(pbg.CoordinatorServicer):
         except LookupError as e:  # not registered yet (or no live server on its host): the client retries
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
         return pb.RoundLeaderReply(server_id=st.server_id, address=st.address, host=st.host)
+
+    async def CommitRound(self, request, context):
+        moved = {r.rank: list(r.indices) for r in request.ranks}
+        return pb.CommitRoundReply(committed=self.fates.commit((request.group, request.run, request.step), moved))
+
+    async def RoundFate(self, request, context):
+        got = self.fates.fate((request.group, request.run, request.step), request.rank)
+        return pb.RoundFateReply(moved=got is not None, indices=got or ())
 
     async def Telemetry(self, request, context):
         return pb.TelemetryReply(json=json.dumps(self.registry.telemetry(request.last_decisions)))

@@ -264,6 +264,13 @@ def serve_dataserver(coordinator: str, kind: str, local_rank: int, workers: int,
         raise
     servicer = DataServerServicer(pool, slabs, config, token, address, kind, tls, allow_pickle, host_id)
     servicer.cluster_id = hello.cluster_id
+
+    def commit_round(group: str, run: str, step: int, moved: dict) -> bool:
+        ranks = [pb.RankSamples(rank=r, indices=v) for r, v in moved.items()]
+        return coord.CommitRound(pb.CommitRoundRequest(group=group, run=run, step=step, ranks=ranks),
+                                 timeout=config.rpc_timeout_s, metadata=call_metadata(token)).committed
+
+    servicer.rounds.commit = commit_round  # Tier 2: a moved round is recorded before a rank sees it
     # a local server takes remote batches by the bulk path too, on the host it serves gRPC on
     bulk = BulkListener(host, token, config, tls, servicer.take_bulk) if kind == "local" and config.bulk_delivery \
         else None

@@ -76,8 +76,12 @@ class RoundTable(RoundOutcome, RoundPolicy):
     """The rounds this DataServer leads, one open round per group and step. Thread-safe: each held
     call runs on its own gRPC thread; the one whose batch closes a round (or finds it due) runs it."""
 
-    def __init__(self, allow_pickle: bool, clock=time.monotonic, exchange=None, address: str = "", host: str = ""):
+    def __init__(self, allow_pickle: bool, clock=time.monotonic, exchange=None, address: str = "", host: str = "",
+                 commit=None):
         self.allow_pickle, self.clock = allow_pickle, clock
+        # commit(group, run, step, {rank: indices}) -> bool: a moved round recorded at the Coordinator
+        # before a rank sees it (None: no Coordinator, as in a table on its own)
+        self.commit = commit
         self.exchange, self.address, self.host = exchange, address, host  # HostExchange: rows across hosts
         self.reader = SlabReader()
         self._cond = threading.Condition()

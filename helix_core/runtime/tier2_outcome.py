@@ -63,11 +63,19 @@ class RoundOutcome:
             crossed, transport = self._cross(calls, rows, members, at)
         except (ClusterError, ValueError) as e:  # a member gone or failed: the round keeps every batch
             return self._keep_all(calls, rnd, f"error: the cross-host exchange failed (kept): {e}")
+        replies = {c: self._reply(c, rows, readers, crossed, transport, outcome, rnd, gain, cost, waited)
+                   for c in calls}
+        # before any rank can see it, the Coordinator records what each rank now trains on: a rank
+        # whose leader dies before it answers learns it there, never its batch from before the round
+        committed = self._commit(calls[0].request, {c.request.rank: [i for t in r.takes for i in t.indices]
+                                                    for c, r in replies.items()})
         shares: dict[int, list] = {}  # before any reply: a reader's release counts down from here
         for (src, b), who in readers.items():
             if len(who) > 1:
                 shares.setdefault(at.get(src.request.host, -1), []).append((_slab_pb(src, b), len(who)))
         try:
+            if committed is not True:
+                raise ClusterError(f"the Coordinator did not commit it ({committed})")
             if -1 in shares:
                 raise ValueError("a shared slab's host has no member")
             for s, n in shares.pop(0, []):
@@ -76,41 +84,57 @@ class RoundOutcome:
             if shares:
                 self.exchange.share(f"{calls[0].request.group}@{calls[0].request.step}", members, shares)
         except (ClusterError, ValueError) as e:
+            if committed is True:
+                self._commit(calls[0].request, {})  # withdrawn: every rank keeps its batch
             if crossed:
                 held: dict[int, list] = {}
                 for to, new in crossed.items():
                     held.setdefault(at[to.request.host], []).extend(h.slab for h in new.values())
                 self.exchange.drop(members, held)
-            return self._keep_all(calls, rnd, f"error: a slab of the round was released before it closed ({e})")
+            return self._keep_all(calls, rnd, f"error: the round could not go ahead (kept): {e}")
         self.counts[outcome] += 1
-        for c in calls:
-            reply = pb.RebalanceReply(outcome=outcome, gain_s=gain, transfer_s=cost, round_samples=len(rnd.items),
-                                      closed_by=rnd.closed_by, transport=transport if crossed.get(c) else "",
-                                      input_wait_s=waited)
-            units = []  # (order: own rows first, then by source rank, slab and row; the take)
-            for (src, b, to), got in rows.items():
-                if to is not c:
-                    if src is c and to.request.host != c.request.host and not readers[(src, b)]:
-                        reply.release.append(_slab_pb(src, b))  # every row of it left this host
-                    continue
-                take_rows = [r for r, _ in got]
-                order = (src is not c, src.request.rank, b, take_rows[0])
-                if src is not c:
-                    reply.moved_in += len(got)
-                    reply.moved_bytes += sum(int(it.features.get("bytes", 0) or 0) for _, it in got)
-                indices = [src.index(b, r) for r in take_rows]
-                costs = [float(it.features.get("cost", 0.0) or 0.0) for _, it in got]
-                if to.request.host != src.request.host:  # its rows' new slab on this host
-                    reply.crossed_bytes += sum(int(it.features.get("bytes", 0) or 0) for _, it in got)
-                    take = pb.RowTake(batch=crossed[c][(src, b)], rows=range(len(got)), batch_rows=len(got),
-                                      indices=indices, costs=costs)
-                else:
-                    take = pb.RowTake(batch=src.request.batches[b], rows=take_rows, shared=len(readers[(src, b)]) > 1,
-                                      batch_rows=src.request.batch_rows[b], indices=indices, costs=costs)
-                units.append((order, take))
-            reply.moved_out = sum(len(got) for (src, _, to), got in rows.items() if src is c and to is not c)
-            reply.takes.extend(t for _, t in sorted(units, key=lambda u: u[0]))
+        for c, reply in replies.items():
             c.reply = reply
+
+    def _commit(self, req: pb.RebalanceRequest, moved: dict[int, list[int]]):
+        """True once the Coordinator holds the round's answer (``moved``; {}: withdrawn), else why not."""
+        if self.commit is None:  # no Coordinator (a table on its own)
+            return True
+        try:
+            return self.commit(req.group, req.run, req.step, moved) or "a rank was told to keep its batch"
+        except Exception as e:  # noqa: BLE001 - unreachable: the round keeps every batch
+            return f"{type(e).__name__}: {e}"
+
+    def _reply(self, c, rows: dict, readers: dict, crossed: dict, transport: str, outcome: str, rnd: Round,
+               gain: float, cost: float, waited: float) -> pb.RebalanceReply:
+        """Call ``c``'s answer: the rows it takes, its own first, then by source rank, slab and row."""
+        reply = pb.RebalanceReply(outcome=outcome, gain_s=gain, transfer_s=cost, round_samples=len(rnd.items),
+                                  closed_by=rnd.closed_by, transport=transport if crossed.get(c) else "",
+                                  input_wait_s=waited)
+        units = []  # (order, the take)
+        for (src, b, to), got in rows.items():
+            if to is not c:
+                if src is c and to.request.host != c.request.host and not readers[(src, b)]:
+                    reply.release.append(_slab_pb(src, b))  # every row of it left this host
+                continue
+            take_rows = [r for r, _ in got]
+            order = (src is not c, src.request.rank, b, take_rows[0])
+            if src is not c:
+                reply.moved_in += len(got)
+                reply.moved_bytes += sum(int(it.features.get("bytes", 0) or 0) for _, it in got)
+            indices = [src.index(b, r) for r in take_rows]
+            costs = [float(it.features.get("cost", 0.0) or 0.0) for _, it in got]
+            if to.request.host != src.request.host:  # its rows' new slab on this host
+                reply.crossed_bytes += sum(int(it.features.get("bytes", 0) or 0) for _, it in got)
+                take = pb.RowTake(batch=crossed[c][(src, b)], rows=range(len(got)), batch_rows=len(got),
+                                  indices=indices, costs=costs)
+            else:
+                take = pb.RowTake(batch=src.request.batches[b], rows=take_rows, shared=len(readers[(src, b)]) > 1,
+                                  batch_rows=src.request.batch_rows[b], indices=indices, costs=costs)
+            units.append((order, take))
+        reply.moved_out = sum(len(got) for (src, _, to), got in rows.items() if src is c and to is not c)
+        reply.takes.extend(t for _, t in sorted(units, key=lambda u: u[0]))
+        return reply
 
     def _keep_all(self, calls: list, rnd: Round, outcome: str) -> None:
         self.counts["error"] += 1

@@ -108,6 +108,52 @@ class RoundLeaderReply(_message.Message):
     host: str
     def __init__(self, server_id: _Optional[str] = ..., address: _Optional[str] = ..., host: _Optional[str] = ...) -> None: ...
 
+class RankSamples(_message.Message):
+    __slots__ = ("rank", "indices")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    INDICES_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    indices: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, rank: _Optional[int] = ..., indices: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class CommitRoundRequest(_message.Message):
+    __slots__ = ("group", "run", "step", "ranks")
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    RUN_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    group: str
+    run: str
+    step: int
+    ranks: _containers.RepeatedCompositeFieldContainer[RankSamples]
+    def __init__(self, group: _Optional[str] = ..., run: _Optional[str] = ..., step: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankSamples, _Mapping]]] = ...) -> None: ...
+
+class CommitRoundReply(_message.Message):
+    __slots__ = ("committed",)
+    COMMITTED_FIELD_NUMBER: _ClassVar[int]
+    committed: bool
+    def __init__(self, committed: _Optional[bool] = ...) -> None: ...
+
+class RoundFateRequest(_message.Message):
+    __slots__ = ("group", "run", "step", "rank")
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    RUN_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    group: str
+    run: str
+    step: int
+    rank: int
+    def __init__(self, group: _Optional[str] = ..., run: _Optional[str] = ..., step: _Optional[int] = ..., rank: _Optional[int] = ...) -> None: ...
+
+class RoundFateReply(_message.Message):
+    __slots__ = ("moved", "indices")
+    MOVED_FIELD_NUMBER: _ClassVar[int]
+    INDICES_FIELD_NUMBER: _ClassVar[int]
+    moved: bool
+    indices: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, moved: _Optional[bool] = ..., indices: _Optional[_Iterable[int]] = ...) -> None: ...
+
 class RegisterClientReply(_message.Message):
     __slots__ = ("client_id", "cluster_id", "task_id_base")
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]

@@ -74,6 +74,16 @@ class CoordinatorStub:
                 request_serializer=helix__pb2.RoundLeaderRequest.SerializeToString,
                 response_deserializer=helix__pb2.RoundLeaderReply.FromString,
                 _registered_method=True)
+        self.CommitRound = channel.unary_unary(
+                '/helix.v1.Coordinator/CommitRound',
+                request_serializer=helix__pb2.CommitRoundRequest.SerializeToString,
+                response_deserializer=helix__pb2.CommitRoundReply.FromString,
+                _registered_method=True)
+        self.RoundFate = channel.unary_unary(
+                '/helix.v1.Coordinator/RoundFate',
+                request_serializer=helix__pb2.RoundFateRequest.SerializeToString,
+                response_deserializer=helix__pb2.RoundFateReply.FromString,
+                _registered_method=True)
         self.Shutdown = channel.unary_unary(
                 '/helix.v1.Coordinator/Shutdown',
                 request_serializer=helix__pb2.ShutdownRequest.SerializeToString,
@@ -132,6 +142,18 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CommitRound(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RoundFate(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Shutdown(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -180,6 +202,16 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.RoundLeader,
                     request_deserializer=helix__pb2.RoundLeaderRequest.FromString,
                     response_serializer=helix__pb2.RoundLeaderReply.SerializeToString,
+            ),
+            'CommitRound': grpc.unary_unary_rpc_method_handler(
+                    servicer.CommitRound,
+                    request_deserializer=helix__pb2.CommitRoundRequest.FromString,
+                    response_serializer=helix__pb2.CommitRoundReply.SerializeToString,
+            ),
+            'RoundFate': grpc.unary_unary_rpc_method_handler(
+                    servicer.RoundFate,
+                    request_deserializer=helix__pb2.RoundFateRequest.FromString,
+                    response_serializer=helix__pb2.RoundFateReply.SerializeToString,
             ),
             'Shutdown': grpc.unary_unary_rpc_method_handler(
                     servicer.Shutdown,
@@ -403,6 +435,60 @@ class Coordinator:
             '/helix.v1.Coordinator/RoundLeader',
             helix__pb2.RoundLeaderRequest.SerializeToString,
             helix__pb2.RoundLeaderReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CommitRound(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/helix.v1.Coordinator/CommitRound',
+            helix__pb2.CommitRoundRequest.SerializeToString,
+            helix__pb2.CommitRoundReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RoundFate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/helix.v1.Coordinator/RoundFate',
+            helix__pb2.RoundFateRequest.SerializeToString,
+            helix__pb2.RoundFateReply.FromString,
             options,
             channel_credentials,
             insecure,
