@@ -185,7 +185,7 @@ def test_another_user_is_refused_on_every_rpc_and_never_reads_the_token(tmp_path
         from helix_core.runtime.proto import helix_pb2 as pb
 
         every = sum(len(pb.DESCRIPTOR.services_by_name[s].methods) for s in ("Coordinator", "DataServer"))
-        assert len(stranger["calls"]) == every == 19 and set(stranger["calls"].values()) == {"UNAUTHENTICATED"}, stranger
+        assert len(stranger["calls"]) == every == 21 and set(stranger["calls"].values()) == {"UNAUTHENTICATED"}, stranger
         ds = IndexDataset(4)
         with hx.DistributedDataLoader(ds, batch_size=2, rank=0, world_size=1, coordinator=address, config=CFG) as ld:
             assert_same_batches(list(ld), torch_batches(ds, 2, 0, 1))  # still serving its owner
