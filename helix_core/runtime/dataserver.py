@@ -25,7 +25,7 @@ from ..protocol import ErrorKind
 from .proto import helix_pb2 as pb
 from .proto import helix_pb2_grpc as pbg
 from .heartbeats import Beats, heartbeats
-from .rpc import connect
+from .rpc import connect, connected
 from .bulk import NO_ROOM
 from .bulkrecv import BulkListener
 from .linkserver import LocalListener
@@ -266,6 +266,8 @@ def serve_dataserver(coordinator: str, kind: str, local_rank: int, workers: int,
     servicer.cluster_id = hello.cluster_id
 
     def commit_round(group: str, run: str, step: int, moved: dict) -> bool:
+        if not connected(coord_channel):  # (re)connecting: never the token to another user's port
+            check_coordinator(coordinator)
         ranks = [pb.RankSamples(rank=r, indices=v) for r, v in moved.items()]
         return coord.CommitRound(pb.CommitRoundRequest(group=group, run=run, step=step, ranks=ranks),
                                  timeout=config.rpc_timeout_s, metadata=call_metadata(token)).committed
