@@ -378,7 +378,7 @@ def test_a_rank_whose_round_leader_dies_learns_its_rounds_fate_from_the_coordina
                                                  wanted=Future())  # not waited for: no AskRound
                         got.append(("kept", None) if reply is None else ("reply", reply.outcome))
                     except RoundUnknown as e:
-                        got.append(("lost", e.indices))
+                        got.append(("lost", e.indices, e.release))
 
                 call = threading.Thread(target=rank0)
                 call.start()
@@ -387,12 +387,14 @@ def test_a_rank_whose_round_leader_dies_learns_its_rounds_fate_from_the_coordina
 
             call, got = held_then_leader_killed(0, step=2)
             # what a leader does once its round ran and before it answers anyone: commit at the Coordinator
-            ranks = [pb.RankSamples(rank=0, indices=[8, 9]), pb.RankSamples(rank=1, indices=[10, 11])]
+            ranks = [pb.RankSamples(rank=0, indices=[8, 9], release=[pb.SlabHandle(segment="none", generation=1)]),
+                     pb.RankSamples(rank=1, indices=[10, 11])]
             assert coordinator.CommitRound(pb.CommitRoundRequest(group="spec:0,1", step=2, ranks=ranks),
                                            timeout=5, metadata=call_metadata(c.token)).committed
             c.kill_server(0)
             call.join(30)
-            assert got == [("lost", [8, 9])]  # decoded again: what the committed round gave rank 0
+            # decoded again: what the committed round gave rank 0; the slab of its own it read, given back
+            assert got == [("lost", [8, 9], [{"segment": "none", "generation": 1}])]
 
             call, got = held_then_leader_killed(1, step=3)
             c.kill_server(1)  # dies with nothing committed

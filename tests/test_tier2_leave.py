@@ -150,15 +150,23 @@ def test_the_default_gate_keeps_a_skewed_round_whose_ranks_all_wait_longer_for_i
 def test_a_committed_round_is_what_every_rank_learns_and_one_a_rank_was_told_it_kept_can_never_commit():
     from helix_core.runtime.roundfates import RoundFates
 
-    fates = RoundFates(capacity=2)
-    assert fates.commit(("g", "", 3), {0: [8, 9], 1: [10, 11]})
-    assert fates.fate(("g", "", 3), 0) == [8, 9] and fates.fate(("g", "", 3), 1) == [10, 11]
+    now = [0.0]
+    fates = RoundFates(capacity=3, clock=lambda: now[0])
+    assert fates.commit(("g", "", 3), {0: [8, 9], 1: [10, 11]}, {0: [("s0", 4)]})
+    assert fates.fate(("g", "", 3), 0) == ([8, 9], [("s0", 4)]) and fates.fate(("g", "", 3), 1) == ([10, 11], [])
+    assert fates.fate(("g", "", 3), 2) is None  # not in that round: its batch is its own
+    assert not fates.commit(("g", "", 3), {})  # a rank learned it: the leader can no longer withdraw it
     assert fates.fate(("g", "", 4), 0) is None  # asked before any commit: the rank keeps its batch...
     assert not fates.commit(("g", "", 4), {0: [1], 1: [0]})  # ...and the leader can no longer move any
     assert fates.fate(("g", "", 4), 1) is None
-    assert fates.commit(("g", "", 5), {0: [1]}) and fates.commit(("g", "", 5), {})  # withdrawn
+    assert fates.commit(("g", "", 5), {0: [1]}) and fates.commit(("g", "", 5), {})  # withdrawn, nobody asked
     assert fates.fate(("g", "", 5), 0) is None
-    assert fates.fate(("g", "", 3), 0) is None  # the oldest was forgotten (capacity 2): refused from now on
+    assert fates.commit(("g", "", 6), {0: [7]})
+    assert fates.fate(("g", "", 3), 0) is None  # the oldest was forgotten (capacity 3): refused from now on
+    now[0] = 60.0  # a later run of the same spec reaches the same steps: the records are an earlier run's
+    assert fates.fate(("g", "", 6), 0, age_s=5.0) is None  # not served: its round began 5 s ago
+    assert fates.commit(("g", "", 4), {0: [1]}, age_s=5.0)  # an earlier run's refusal does not refuse it
+    assert fates.fate(("g", "", 4), 0, age_s=5.0) == ([1], [])
 
 
 def test_a_moved_round_is_committed_before_any_rank_sees_it_and_a_refused_commit_keeps_every_batch():
@@ -169,7 +177,9 @@ def test_a_moved_round_is_committed_before_any_rank_sees_it_and_a_refused_commit
     for t, _ in calls:
         t.join(5)
     assert [b[0].outcome for _, b in calls] == ["moved", "moved"]
-    assert committed == [(GROUP, "", 9, {0: [2, 3], 1: [0, 1]})]  # each rank's samples, in its reply's order
+    (group, run, step, moved, release, age_s), = committed
+    assert (group, run, step, moved) == (GROUP, "", 9, {0: [2, 3], 1: [0, 1]})  # each rank's samples, in order
+    assert release == {0: [], 1: []} and 0 <= age_s < 5  # no rank reads its own slab (nor releases it)
     table = RoundTable(allow_pickle=True, commit=lambda *a: False)  # a rank was already told to keep
     calls = [_call(table, _request(r, step=9, policy=_swap_when_released)) for r in range(2)]
     for t, _ in calls:
@@ -177,3 +187,23 @@ def test_a_moved_round_is_committed_before_any_rank_sees_it_and_a_refused_commit
     for r, (_, box) in enumerate(calls):
         assert box[0].outcome.startswith("error: the round could not go ahead") and not box[0].moved_in
         assert [list(t.indices) for t in box[0].takes] == [[2 * r, 2 * r + 1]]  # its own batch
+
+
+def test_a_commit_lost_on_the_way_is_withdrawn_unless_a_rank_already_learned_it():
+    RELEASE.set()
+    for learned, outcome in ((False, "error: the round could not go ahead"), (True, "moved")):
+        seen = []
+
+        def commit(group, run, step, moved, release, age_s, seen=seen, learned=learned):
+            seen.append(moved)
+            if moved:  # it may have landed: the reply did not come back
+                raise TimeoutError("Deadline Exceeded")
+            return not learned  # the withdrawal; refused once a rank learned the round
+
+        table = RoundTable(allow_pickle=True, commit=commit)
+        calls = [_call(table, _request(r, step=11, policy=_swap_when_released)) for r in range(2)]
+        for t, _ in calls:
+            t.join(5)
+        assert [m == {} for m in seen] == [False, True]  # the commit, then its withdrawal
+        assert all(box[0].outcome.startswith(outcome) for _, box in calls)
+        assert all(bool(box[0].moved_in) == learned for _, box in calls)  # every rank agrees with the record

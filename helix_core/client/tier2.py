@@ -160,6 +160,8 @@ class Tier2:
             if stop.is_set():
                 raise RoundStopped(None) from None
             if e.indices is not None:  # the round's answer, from the Coordinator: decoded again
+                for h in e.release:  # its own slabs that no other rank reads
+                    self.client.reader.release(h)
                 raise RoundLost([int(i) for i in e.indices], f"batch {task.position}: {e}") from None
             if len(request.indices) != sum(rows):
                 raise ClusterError(f"batch {task.position}: {e}") from None

@@ -54,12 +54,13 @@ class RoundStopped(ClusterError):
 class RoundUnknown(ClusterError):
     """A Tier-2 round's leader cannot say what became of a rank's batch (it died, or its round runs
     past every exchange's limit), and the Coordinator says the round moved samples (``indices``:
-    those it gave this rank, to decode again) or cannot say either (``indices`` None). Other ranks
-    may read its slabs, so the rank neither reads nor releases them."""
+    those it gave this rank, to decode again; ``release``: the rank's own slab handles it gives
+    back) or cannot say either (``indices`` None). Other ranks may read its other slabs, so the rank
+    neither reads nor releases them."""
 
-    def __init__(self, why: str, indices: list[int] | None = None):
+    def __init__(self, why: str, indices: list[int] | None = None, release: list[dict] = ()):
         super().__init__(why)
-        self.indices = indices
+        self.indices, self.release = indices, list(release)
 
 
 class _Unavailable(grpc.RpcError):
@@ -223,6 +224,7 @@ class ClusterClient(CoordinatorCalls, ReplyBatches):
         (``RoundStopped(reply)``). When the leader cannot say (it died), the Coordinator does: the
         round was committed there before any rank saw it (``RoundUnknown`` with this rank's
         samples), or it now never will be (the rank keeps its batch)."""
+        sent = time.monotonic()
         try:
             fut = self.stub(address).Rebalance.future(request, timeout=timeout_s, metadata=self.metadata)
         except _Unavailable as e:
@@ -253,8 +255,8 @@ class ClusterClient(CoordinatorCalls, ReplyBatches):
             reply = None if answer.left else answer.reply
         elif stop.is_set():
             reply = None
-        else:  # not in a round at this leader (maybe one that restarted): the Coordinator says for sure
-            self._round_fate(address, request, stop)
+        else:  # the leader is gone, or its call is not there (maybe it restarted): the Coordinator says
+            self._round_fate(address, request, stop, time.monotonic() - sent, sure=not answer.left)
             reply = None
         if stop.is_set():
             raise RoundStopped(reply)
@@ -262,20 +264,28 @@ class ClusterClient(CoordinatorCalls, ReplyBatches):
             log.warning("Tier-2 round at %s: %s (rank %d keeps its batch)", address, why, self.rank)
         return reply
 
-    def _round_fate(self, address: str, request: pb.RebalanceRequest, stop) -> None:
-        """Tier 2: the round at ``address`` cannot answer for this rank's batch. Returns if the
-        Coordinator says the rank keeps it (a round not committed now never will be); raises
-        ``RoundUnknown`` with the samples a committed round gave the rank, or without any if the
-        Coordinator cannot say either."""
-        ask = pb.RoundFateRequest(group=request.group, run=request.run, step=request.step, rank=request.rank)
+    def _round_fate(self, address: str, request: pb.RebalanceRequest, stop, age_s: float, sure: bool) -> None:
+        """Tier 2: the round at ``address`` cannot answer for this rank's batch (sent ``age_s`` ago).
+        Returns if the Coordinator says the rank keeps it (a round not committed now never will be);
+        raises ``RoundUnknown`` with what a committed round gave the rank, or without it if the
+        Coordinator cannot say either — unless the leader is alive and never had the call (not
+        ``sure``): then one try, and the rank keeps its batch if the Coordinator is not there."""
+        ask = pb.RoundFateRequest(group=request.group, run=request.run, step=request.step, rank=request.rank,
+                                  age_s=age_s)
         try:
-            fate = self._call(self.coordinator.RoundFate, ask, stop=stop)
-        except ClusterError as e:
+            if sure:
+                fate = self._call(self.coordinator.RoundFate, ask, stop=stop)
+            else:
+                fate = self.coordinator.RoundFate(ask, timeout=self.config.rpc_timeout_s, metadata=self.metadata)
+        except (ClusterError, grpc.RpcError) as e:
+            if not sure:
+                return
             raise RoundUnknown(f"neither its Tier-2 round's leader at {address} nor the Coordinator can say what "
                                f"became of it ({e})") from None
         if fate.moved:
             raise RoundUnknown(f"its Tier-2 round's leader at {address} cannot answer; the round moved samples",
-                               list(fate.indices))
+                               list(fate.indices), [{"segment": h.segment, "generation": h.generation}
+                                                    for h in fate.release])
 
     def _hold(self, address: str, request, fut, limit_s: float, stop, wanted, grace_s: float) -> None:
         """Wait for the round's reply ``fut`` (``limit_s`` at most); once ``wanted`` is done and

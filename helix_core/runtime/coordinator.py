@@ -8,6 +8,7 @@ from __future__ import annotations
 import gc
 import json
 import logging
+import math
 import threading
 import time
 import uuid
@@ -101,11 +102,16 @@ class CoordinatorServicer(pbg.CoordinatorServicer):
 
     async def CommitRound(self, request, context):
         moved = {r.rank: list(r.indices) for r in request.ranks}
-        return pb.CommitRoundReply(committed=self.fates.commit((request.group, request.run, request.step), moved))
+        release = {r.rank: [(h.segment, h.generation) for h in r.release] for r in request.ranks}
+        key = (request.group, request.run, request.step)
+        return pb.CommitRoundReply(committed=self.fates.commit(key, moved, release, request.age_s or math.inf))
 
     async def RoundFate(self, request, context):
-        got = self.fates.fate((request.group, request.run, request.step), request.rank)
-        return pb.RoundFateReply(moved=got is not None, indices=got or ())
+        got = self.fates.fate((request.group, request.run, request.step), request.rank, request.age_s or math.inf)
+        if got is None:
+            return pb.RoundFateReply(moved=False)
+        return pb.RoundFateReply(moved=True, indices=got[0], release=[
+            pb.SlabHandle(segment=s, generation=g) for s, g in got[1]])
 
     async def Telemetry(self, request, context):
         return pb.TelemetryReply(json=json.dumps(self.registry.telemetry(request.last_decisions)))

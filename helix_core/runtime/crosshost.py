@@ -92,9 +92,10 @@ class ExchangeMember:
                 self.reader.release({"segment": h.segment, "generation": h.generation})
             return pb.ExchangeReply()
         if req.share:
-            for h, n in zip(req.share, req.readers):
-                if not self.reader.share({"segment": h.segment, "generation": h.generation}, n):
-                    raise ClusterError(f"Tier-2 round {req.round}: slab {h.segment} was released before it closed")
+            stale = [h.segment for h, n in zip(req.share, req.readers)  # counts of 1: a failed round's undo
+                     if not self.reader.share({"segment": h.segment, "generation": h.generation}, n) and n > 1]
+            if stale:
+                raise ClusterError(f"Tier-2 round {req.round}: slab(s) {stale} were released before it closed")
             return pb.ExchangeReply()
         if req.transport not in TRANSPORTS:
             raise ValueError(f"Exchange transport {req.transport!r}; valid: {', '.join(TRANSPORTS)}")

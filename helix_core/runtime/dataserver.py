@@ -265,11 +265,12 @@ def serve_dataserver(coordinator: str, kind: str, local_rank: int, workers: int,
     servicer = DataServerServicer(pool, slabs, config, token, address, kind, tls, allow_pickle, host_id)
     servicer.cluster_id = hello.cluster_id
 
-    def commit_round(group: str, run: str, step: int, moved: dict) -> bool:
+    def commit_round(group: str, run: str, step: int, moved: dict, release: dict, age_s: float) -> bool:
         if not connected(coord_channel):  # (re)connecting: never the token to another user's port
             check_coordinator(coordinator)
-        ranks = [pb.RankSamples(rank=r, indices=v) for r, v in moved.items()]
-        return coord.CommitRound(pb.CommitRoundRequest(group=group, run=run, step=step, ranks=ranks),
+        ranks = [pb.RankSamples(rank=r, indices=v, release=[pb.SlabHandle(segment=s, generation=g) for s, g in
+                                                            release.get(r, ())]) for r, v in moved.items()]
+        return coord.CommitRound(pb.CommitRoundRequest(group=group, run=run, step=step, ranks=ranks, age_s=age_s),
                                  timeout=config.rpc_timeout_s, metadata=call_metadata(token)).committed
 
     servicer.rounds.commit = commit_round  # Tier 2: a moved round is recorded before a rank sees it

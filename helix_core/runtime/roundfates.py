@@ -1,51 +1,92 @@
 """The Coordinator's record of Tier-2 rounds that moved samples: the one place a rank whose
-round leader died can learn what its round gave it (metadata only: sample indices per rank).
+round leader died can learn what its round gave it (metadata only: sample indices and slab
+handles per rank).
 
 A leader commits a moved round here before any rank sees an answer (``commit``). A rank whose
 leader cannot answer asks for its round's fate (``fate``): the samples the committed round gave
 it, or — when nothing was committed — a refusal is recorded first, so a leader that is only slow
 (cut off, not dead) can no longer commit it and keeps every batch as it was. Either way every
 rank of the round ends with the same answer, and each sample of the step is trained on once.
+
+A round's name (group, run, step) recurs when a fresh run of the same spec meets the same
+cluster. Each call says how old its round can be at most (``age_s``: since the round opened at
+its leader, or since the rank sent its batch; durations, so no two hosts' clocks are compared),
+and a record older than that belongs to an earlier run: it is forgotten, never served.
 """
 from __future__ import annotations
 
+import math
 import threading
+import time
+from array import array
 from collections import OrderedDict
 
 __all__ = ["RoundFates"]
 
 KEPT_ROUNDS = 16_384  # rounds remembered (a rank asks about its round seconds after it closed)
-_REFUSED = None
+SLACK_S = 1.0  # a call's transit, beside the age it states
+
+
+class _Moved:
+    """A committed round: each rank's samples and the slabs it releases; ``served`` once a rank
+    learned it here (then the leader can no longer withdraw it)."""
+
+    __slots__ = ("indices", "release", "served")
+
+    def __init__(self, indices: dict[int, list[int]], release: dict[int, list[tuple[str, int]]]):
+        self.indices = {int(r): array("q", v) for r, v in indices.items()}
+        self.release = {int(r): list(v) for r, v in release.items() if v}
+        self.served = False
 
 
 class RoundFates:
     """Thread-safe. A round is named by ``(group, run, step)``; ``moved`` maps rank -> indices."""
 
-    def __init__(self, capacity: int = KEPT_ROUNDS):
-        self.capacity = capacity
+    def __init__(self, capacity: int = KEPT_ROUNDS, clock=time.monotonic):
+        self.capacity, self.clock = capacity, clock
         self._lock = threading.Lock()
-        self._rounds: OrderedDict[tuple, dict[int, list[int]] | None] = OrderedDict()
+        self._rounds: OrderedDict[tuple, tuple[float, _Moved | None]] = OrderedDict()  # key: (when, None: refused)
 
-    def commit(self, key: tuple, moved: dict[int, list[int]]) -> bool:
-        """The leader's moved round ``key``; False if a rank has already been told it kept (the
-        leader must then keep every batch). An empty ``moved`` withdraws the leader's commit."""
+    def commit(self, key: tuple, moved: dict[int, list[int]], release: dict | None = None,
+               age_s: float = math.inf) -> bool:
+        """The leader's moved round ``key`` (open ``age_s`` at the leader; ``release``: rank -> the
+        ``(segment, generation)`` of its own slabs it releases). False if a rank has already been told
+        it kept (the leader must then keep every batch). An empty ``moved`` withdraws the leader's
+        commit: False if a rank has already learned the committed round (it must then go ahead)."""
         with self._lock:
-            if key in self._rounds and self._rounds[key] is _REFUSED:
+            got = self._get(key, age_s)
+            if not moved:
+                if isinstance(got, _Moved) and got.served:
+                    return False
+                self._put(key, None)
+                return True
+            if key in self._rounds and got is None:
                 return False
-            self._put(key, {int(r): [int(i) for i in v] for r, v in moved.items()} if moved else _REFUSED)
+            self._put(key, _Moved(moved, release or {}))
             return True
 
-    def fate(self, key: tuple, rank: int) -> list[int] | None:
-        """The samples round ``key`` gave ``rank``, or None: it kept its batch (and, if the round
-        was not committed yet, it never will be)."""
+    def fate(self, key: tuple, rank: int, age_s: float = math.inf) -> tuple[list[int], list] | None:
+        """What round ``key`` (at most ``age_s`` old) gave ``rank``: ``(indices, slabs it releases)``,
+        or None: it kept its batch (and, if the round was not committed yet, it never will be)."""
         with self._lock:
+            got = self._get(key, age_s)
             if key not in self._rounds:
-                self._put(key, _REFUSED)
-            got = self._rounds[key]
-            return None if got is _REFUSED else got.get(rank)
+                self._put(key, None)
+            if got is None or rank not in got.indices:  # kept, or not in the round: its batch is its own
+                return None
+            got.served = True
+            return list(got.indices.get(rank, ())), got.release.get(rank, [])
 
-    def _put(self, key: tuple, value) -> None:
-        self._rounds[key] = value
+    def _get(self, key: tuple, age_s: float) -> _Moved | None:
+        """(Under the lock.) ``key``'s record, forgotten if it is older than ``age_s`` (an earlier run's)."""
+        at = self._rounds.get(key)
+        if at is not None and self.clock() - at[0] > age_s + SLACK_S:
+            del self._rounds[key]
+            return None
+        return None if at is None else at[1]
+
+    def _put(self, key: tuple, value: _Moved | None) -> None:
+        self._rounds[key] = (self.clock(), value)
         self._rounds.move_to_end(key)
         while len(self._rounds) > self.capacity:
             self._rounds.popitem(last=False)

@@ -57,6 +57,7 @@ class _Call:
     added: bool = False  # its batch is in its open round
     ended: bool = False  # its RPC is over (cancelled, or its client gone): it is left out of its round
     reply: pb.RebalanceReply | None = None
+    arrived: float = 0.0  # on the table's clock
 
     def source(self, k: int) -> tuple[int, int]:
         """(batch number, row in it) of the call's ``k``-th sample."""
@@ -79,8 +80,8 @@ class RoundTable(RoundOutcome, RoundPolicy):
     def __init__(self, allow_pickle: bool, clock=time.monotonic, exchange=None, address: str = "", host: str = "",
                  commit=None):
         self.allow_pickle, self.clock = allow_pickle, clock
-        # commit(group, run, step, {rank: indices}) -> bool: a moved round recorded at the Coordinator
-        # before a rank sees it (None: no Coordinator, as in a table on its own)
+        # commit(group, run, step, {rank: indices}, {rank: [(segment, generation)]}, age_s) -> bool: a
+        # moved round recorded at the Coordinator before a rank sees it (None: no Coordinator)
         self.commit = commit
         self.exchange, self.address, self.host = exchange, address, host  # HostExchange: rows across hosts
         self.reader = SlabReader()
@@ -104,7 +105,7 @@ class RoundTable(RoundOutcome, RoundPolicy):
             ranks = [int(r) for r in request.group.rsplit(":", 1)[-1].split(",")]
         except (ValueError, TypeError) as e:
             return self._keep(_Call(request), f"error: bad Rebalance request from rank {request.rank}: {e}")
-        call = _Call(request)
+        call = _Call(request, arrived=self.clock())
         items = [RoundItem((call, k), request.rank, request.step, f if isinstance(f, dict) else {})
                  for k, f in enumerate(features)]
         # samples move only within a step: one round per step, and per run (a rank that resumed

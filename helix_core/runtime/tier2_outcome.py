@@ -65,27 +65,22 @@ class RoundOutcome:
             return self._keep_all(calls, rnd, f"error: the cross-host exchange failed (kept): {e}")
         replies = {c: self._reply(c, rows, readers, crossed, transport, outcome, rnd, gain, cost, waited)
                    for c in calls}
-        # before any rank can see it, the Coordinator records what each rank now trains on: a rank
-        # whose leader dies before it answers learns it there, never its batch from before the round
-        committed = self._commit(calls[0].request, {c.request.rank: [i for t in r.takes for i in t.indices]
-                                                    for c, r in replies.items()})
         shares: dict[int, list] = {}  # before any reply: a reader's release counts down from here
         for (src, b), who in readers.items():
             if len(who) > 1:
                 shares.setdefault(at.get(src.request.host, -1), []).append((_slab_pb(src, b), len(who)))
+        name = f"{calls[0].request.group}@{calls[0].request.step}"
         try:
-            if committed is not True:
-                raise ClusterError(f"the Coordinator did not commit it ({committed})")
             if -1 in shares:
                 raise ValueError("a shared slab's host has no member")
-            for s, n in shares.pop(0, []):
-                if not self.reader.share({"segment": s.segment, "generation": s.generation}, n):
-                    raise ValueError(f"slab {s.segment} was released before the round closed")
-            if shares:
-                self.exchange.share(f"{calls[0].request.group}@{calls[0].request.step}", members, shares)
+            self._share(name, members, shares)
+            # the last step that can fail: before any rank can see it, the Coordinator records what
+            # each rank now trains on; a rank whose leader dies before it answers learns it there
+            committed = self._commit(calls[0].request, replies, rows, self.clock() - min(c.arrived for c in calls))
+            if committed is not True:
+                raise ClusterError(f"the Coordinator did not commit it ({committed})")
         except (ClusterError, ValueError) as e:
-            if committed is True:
-                self._commit(calls[0].request, {})  # withdrawn: every rank keeps its batch
+            self._share(name, members, {i: [(s, 1) for s, _ in got] for i, got in shares.items() if i >= 0}, undo=True)
             if crossed:
                 held: dict[int, list] = {}
                 for to, new in crossed.items():
@@ -96,14 +91,42 @@ class RoundOutcome:
         for c, reply in replies.items():
             c.reply = reply
 
-    def _commit(self, req: pb.RebalanceRequest, moved: dict[int, list[int]]):
-        """True once the Coordinator holds the round's answer (``moved``; {}: withdrawn), else why not."""
+    def _share(self, name: str, members: list[str], shares: dict[int, list], undo: bool = False) -> None:
+        """Each shared slab's reader count, on its host's member (``shares``: member -> [(slab,
+        readers)]); ``undo`` (counts of 1) never raises: a round that failed gives each slab back
+        to its owner alone."""
+        try:
+            for s, n in shares.get(0, []):
+                if not self.reader.share({"segment": s.segment, "generation": s.generation}, n) and not undo:
+                    raise ValueError(f"slab {s.segment} was released before the round closed")
+            remote = {i: got for i, got in shares.items() if i > 0}
+            if remote:
+                self.exchange.share(name, members, remote)
+        except (ClusterError, OSError) as e:
+            if not undo:
+                raise ClusterError(str(e)) from None
+
+    def _commit(self, req: pb.RebalanceRequest, replies: dict, rows: dict, age_s: float):
+        """True once the Coordinator holds the round's answer, else why not. A commit whose outcome
+        is unknown (no reply) is withdrawn — unless a rank already learned it: then it stands."""
         if self.commit is None:  # no Coordinator (a table on its own)
             return True
+        moved = {c.request.rank: [i for t in r.takes for i in t.indices] for c, r in replies.items()}
+        if any(i < 0 for v in moved.values() for i in v):
+            return "a rank did not name its samples"  # no record could tell a rank what to decode again
+        release = {c.request.rank: [(h.segment, h.generation) for h in r.release] for c, r in replies.items()}
+        for src, b, to in rows:
+            if src is to:  # a slab it reads itself: it releases it once
+                release[src.request.rank].append((_slab_pb(src, b).segment, _slab_pb(src, b).generation))
         try:
-            return self.commit(req.group, req.run, req.step, moved) or "a rank was told to keep its batch"
-        except Exception as e:  # noqa: BLE001 - unreachable: the round keeps every batch
-            return f"{type(e).__name__}: {e}"
+            return self.commit(req.group, req.run, req.step, moved, release, age_s) \
+                or "a rank was told to keep its batch"
+        except Exception as e:  # noqa: BLE001 - unknown whether it landed: withdraw it
+            why = f"{type(e).__name__}: {e}"
+        try:
+            return "withdrawn: " + why if self.commit(req.group, req.run, req.step, {}, {}, age_s) else True
+        except Exception as e:  # noqa: BLE001 - the Coordinator is gone: a rank asking it learns nothing
+            return f"{why}; not withdrawn: {type(e).__name__}: {e}"
 
     def _reply(self, c, rows: dict, readers: dict, crossed: dict, transport: str, outcome: str, rnd: Round,
                gain: float, cost: float, waited: float) -> pb.RebalanceReply:

@@ -109,24 +109,28 @@ class RoundLeaderReply(_message.Message):
     def __init__(self, server_id: _Optional[str] = ..., address: _Optional[str] = ..., host: _Optional[str] = ...) -> None: ...
 
 class RankSamples(_message.Message):
-    __slots__ = ("rank", "indices")
+    __slots__ = ("rank", "indices", "release")
     RANK_FIELD_NUMBER: _ClassVar[int]
     INDICES_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_FIELD_NUMBER: _ClassVar[int]
     rank: int
     indices: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, rank: _Optional[int] = ..., indices: _Optional[_Iterable[int]] = ...) -> None: ...
+    release: _containers.RepeatedCompositeFieldContainer[SlabHandle]
+    def __init__(self, rank: _Optional[int] = ..., indices: _Optional[_Iterable[int]] = ..., release: _Optional[_Iterable[_Union[SlabHandle, _Mapping]]] = ...) -> None: ...
 
 class CommitRoundRequest(_message.Message):
-    __slots__ = ("group", "run", "step", "ranks")
+    __slots__ = ("group", "run", "step", "ranks", "age_s")
     GROUP_FIELD_NUMBER: _ClassVar[int]
     RUN_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     RANKS_FIELD_NUMBER: _ClassVar[int]
+    AGE_S_FIELD_NUMBER: _ClassVar[int]
     group: str
     run: str
     step: int
     ranks: _containers.RepeatedCompositeFieldContainer[RankSamples]
-    def __init__(self, group: _Optional[str] = ..., run: _Optional[str] = ..., step: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankSamples, _Mapping]]] = ...) -> None: ...
+    age_s: float
+    def __init__(self, group: _Optional[str] = ..., run: _Optional[str] = ..., step: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankSamples, _Mapping]]] = ..., age_s: _Optional[float] = ...) -> None: ...
 
 class CommitRoundReply(_message.Message):
     __slots__ = ("committed",)
@@ -135,24 +139,28 @@ class CommitRoundReply(_message.Message):
     def __init__(self, committed: _Optional[bool] = ...) -> None: ...
 
 class RoundFateRequest(_message.Message):
-    __slots__ = ("group", "run", "step", "rank")
+    __slots__ = ("group", "run", "step", "rank", "age_s")
     GROUP_FIELD_NUMBER: _ClassVar[int]
     RUN_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
+    AGE_S_FIELD_NUMBER: _ClassVar[int]
     group: str
     run: str
     step: int
     rank: int
-    def __init__(self, group: _Optional[str] = ..., run: _Optional[str] = ..., step: _Optional[int] = ..., rank: _Optional[int] = ...) -> None: ...
+    age_s: float
+    def __init__(self, group: _Optional[str] = ..., run: _Optional[str] = ..., step: _Optional[int] = ..., rank: _Optional[int] = ..., age_s: _Optional[float] = ...) -> None: ...
 
 class RoundFateReply(_message.Message):
-    __slots__ = ("moved", "indices")
+    __slots__ = ("moved", "indices", "release")
     MOVED_FIELD_NUMBER: _ClassVar[int]
     INDICES_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_FIELD_NUMBER: _ClassVar[int]
     moved: bool
     indices: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, moved: _Optional[bool] = ..., indices: _Optional[_Iterable[int]] = ...) -> None: ...
+    release: _containers.RepeatedCompositeFieldContainer[SlabHandle]
+    def __init__(self, moved: _Optional[bool] = ..., indices: _Optional[_Iterable[int]] = ..., release: _Optional[_Iterable[_Union[SlabHandle, _Mapping]]] = ...) -> None: ...
 
 class RegisterClientReply(_message.Message):
     __slots__ = ("client_id", "cluster_id", "task_id_base")
