@@ -167,19 +167,27 @@ def test_a_committed_round_is_what_every_rank_learns_and_one_a_rank_was_told_it_
     assert fates.fate(("g", "", 6), 0, age_s=5.0) is None  # not served: its round began 5 s ago
     assert fates.commit(("g", "", 4), {0: [1]}, age_s=5.0)  # an earlier run's refusal does not refuse it
     assert fates.fate(("g", "", 4), 0, age_s=5.0) == ([1], [])
+    now[0] = 60.0 + 601  # ten minutes on, one round later: the rounds before are forgotten
+    assert fates.commit(("g", "", 7), {0: [2]}) and fates.fate(("g", "", 4), 0) is None
 
 
 def test_a_moved_round_is_committed_before_any_rank_sees_it_and_a_refused_commit_keeps_every_batch():
     RELEASE.set()
     committed = []
-    table = RoundTable(allow_pickle=True, commit=lambda *a: committed.append(a) or True)
+
+    def commit(*a):  # no rank has an answer yet
+        committed.append((*a, [c.reply for c in table._calls.values()]))
+        return True
+
+    table = RoundTable(allow_pickle=True, commit=commit)
     calls = [_call(table, _request(r, step=9, policy=_swap_when_released)) for r in range(2)]
     for t, _ in calls:
         t.join(5)
     assert [b[0].outcome for _, b in calls] == ["moved", "moved"]
-    (group, run, step, moved, release, age_s), = committed
+    (group, run, step, moved, release, age_s, answers), = committed
+    assert answers == [None, None]
     assert (group, run, step, moved) == (GROUP, "", 9, {0: [2, 3], 1: [0, 1]})  # each rank's samples, in order
-    assert release == {0: [], 1: []} and 0 <= age_s < 5  # no rank reads its own slab (nor releases it)
+    assert release == {0: [("s1", 1)], 1: [("s0", 1)]} and 0 <= age_s < 5  # the slab each reads
     table = RoundTable(allow_pickle=True, commit=lambda *a: False)  # a rank was already told to keep
     calls = [_call(table, _request(r, step=9, policy=_swap_when_released)) for r in range(2)]
     for t, _ in calls:

@@ -157,15 +157,16 @@ class Tier2:
         except RoundUnknown as e:  # other ranks may read its slabs: not this rank's to read or release
             task.taken.update(range(len(task.parts)))
             counts["unknown" if e.indices is None else "lost"] += 1
+            for h in e.release:  # the slabs the committed round gave it (and its own no other rank reads)
+                try:
+                    self.client.reader.release(h)
+                except (OSError, ValueError) as err:  # gone with its server: nothing to give back
+                    log.debug("Tier-2 release of %s: %s", h["segment"], err)
             if stop.is_set():
                 raise RoundStopped(None) from None
-            if e.indices is not None:  # the round's answer, from the Coordinator: decoded again
-                for h in e.release:  # its own slabs that no other rank reads
-                    self.client.reader.release(h)
-                raise RoundLost([int(i) for i in e.indices], f"batch {task.position}: {e}") from None
-            if len(request.indices) != sum(rows):
+            if e.indices is None:  # its batch before the round may be another rank's now: never guess
                 raise ClusterError(f"batch {task.position}: {e}") from None
-            raise RoundLost([int(i) for i in request.indices], f"batch {task.position}: {e}") from None
+            raise RoundLost([int(i) for i in e.indices], f"batch {task.position}: {e}") from None
         except RoundStopped as e:  # the round answered as the loader stopped: give back what it gave
             if e.reply is not None and (e.reply.moved_in or e.reply.moved_out):
                 for h in [*(t.batch.slab for t in e.reply.takes), *e.reply.release]:

@@ -214,16 +214,13 @@ class ClusterClient(CoordinatorCalls, ReplyBatches):
     def rebalance(self, address: str, request: pb.RebalanceRequest, timeout_s: float, stop, leave_s: float,
                   wanted=None, grace_s: float = 0.0):
         """Tier 2: this rank's batch into its round at ``address``; the reply, or None when the rank
-        keeps its batch as it is (the leader could not be reached, or the batch left its round).
-        ``wanted`` (a future): done once the rank waits in ``next()`` for this batch; ``grace_s``
-        after that, a round still open is asked to close now (``AskRound``), so the rank waits for
-        its partners' batches ``grace_s`` at most, however far off its deadline looked.
-        A call that does not answer — the loader stopped, or the call failed — is cancelled and the
-        leader says who owns the batch (``LeaveRound``, within ``leave_s``): still the rank's, or the
-        round's answer, which a running loader takes and a stopped one gives back
-        (``RoundStopped(reply)``). When the leader cannot say (it died), the Coordinator does: the
-        round was committed there before any rank saw it (``RoundUnknown`` with this rank's
-        samples), or it now never will be (the rank keeps its batch)."""
+        keeps its batch (the leader could not be reached, or the batch left its round). ``wanted``
+        (a future) is done once the rank waits in ``next()`` for the batch: ``grace_s`` later, a
+        round still open is asked to close now (``AskRound``). A call that does not answer (the
+        loader stopped, or it failed) is cancelled and the leader says who owns the batch
+        (``LeaveRound``, within ``leave_s``): still the rank's, or the round's answer, which a
+        stopped loader gives back (``RoundStopped(reply)``). When the leader cannot say (it died),
+        the Coordinator does (``_round_fate``)."""
         sent = time.monotonic()
         try:
             fut = self.stub(address).Rebalance.future(request, timeout=timeout_s, metadata=self.metadata)
@@ -251,41 +248,42 @@ class ClusterClient(CoordinatorCalls, ReplyBatches):
             log.warning("Tier-2 round at %s: %s, and no LeaveRound (%s)", address, why,
                         e.code().name if isinstance(e, grpc.RpcError) else e)
             answer = pb.LeaveRoundReply()
-        if answer.HasField("reply"):
-            reply = None if answer.left else answer.reply
-        elif stop.is_set():
-            reply = None
-        else:  # the leader is gone, or its call is not there (maybe it restarted): the Coordinator says
-            self._round_fate(address, request, stop, time.monotonic() - sent, sure=not answer.left)
-            reply = None
+        reply = None if answer.left or not answer.HasField("reply") else answer.reply
+        if not answer.HasField("reply") and not stop.is_set():  # the leader is gone, or never had the call
+            self._round_fate(address, request, stop, sent, sure=not answer.left)  # (it restarted?)
         if stop.is_set():
             raise RoundStopped(reply)
         if reply is None:
             log.warning("Tier-2 round at %s: %s (rank %d keeps its batch)", address, why, self.rank)
         return reply
 
-    def _round_fate(self, address: str, request: pb.RebalanceRequest, stop, age_s: float, sure: bool) -> None:
-        """Tier 2: the round at ``address`` cannot answer for this rank's batch (sent ``age_s`` ago).
-        Returns if the Coordinator says the rank keeps it (a round not committed now never will be);
-        raises ``RoundUnknown`` with what a committed round gave the rank, or without it if the
-        Coordinator cannot say either — unless the leader is alive and never had the call (not
-        ``sure``): then one try, and the rank keeps its batch if the Coordinator is not there."""
-        ask = pb.RoundFateRequest(group=request.group, run=request.run, step=request.step, rank=request.rank,
-                                  age_s=age_s)
+    def _round_fate(self, address: str, request: pb.RebalanceRequest, stop, sent: float, sure: bool) -> None:
+        """Tier 2: the round at ``address`` cannot answer for the batch sent at ``sent``. Returns if
+        the rank keeps it (never committed: a reader count set on its slabs is undone); else
+        ``RoundUnknown``, with what the committed round gave the rank, or none if the Coordinator
+        cannot say — where the leader never had the call (not ``sure``) one try, then it keeps."""
+        ask = pb.RoundFateRequest(group=request.group, run=request.run, step=request.step, rank=request.rank)
+
+        def fate_now(req, **kw):  # each try states the round's age afresh
+            req.age_s = time.monotonic() - sent
+            return self.coordinator.RoundFate(req, **kw)
         try:
-            if sure:
-                fate = self._call(self.coordinator.RoundFate, ask, stop=stop)
-            else:
-                fate = self.coordinator.RoundFate(ask, timeout=self.config.rpc_timeout_s, metadata=self.metadata)
+            fate = self._call(fate_now, ask, stop=stop) if sure else \
+                fate_now(ask, timeout=self.config.rpc_timeout_s, metadata=self.metadata)
         except (ClusterError, grpc.RpcError) as e:
-            if not sure:
-                return
-            raise RoundUnknown(f"neither its Tier-2 round's leader at {address} nor the Coordinator can say what "
-                               f"became of it ({e})") from None
+            if sure:
+                raise RoundUnknown(f"neither its Tier-2 round's leader at {address} nor the Coordinator can say what "
+                                   f"became of it ({e})") from None
+            return
         if fate.moved:
             raise RoundUnknown(f"its Tier-2 round's leader at {address} cannot answer; the round moved samples",
                                list(fate.indices), [{"segment": h.segment, "generation": h.generation}
                                                     for h in fate.release])
+        for b in request.batches:  # no rank reads them now: the rank's own again
+            try:
+                self.reader.share({"segment": b.slab.segment, "generation": b.slab.generation}, 1)
+            except OSError:
+                pass  # gone with its server: the batch is resubmitted as any lost one
 
     def _hold(self, address: str, request, fut, limit_s: float, stop, wanted, grace_s: float) -> None:
         """Wait for the round's reply ``fut`` (``limit_s`` at most); once ``wanted`` is done and

@@ -23,7 +23,8 @@ from collections import OrderedDict
 
 __all__ = ["RoundFates"]
 
-KEPT_ROUNDS = 16_384  # rounds remembered (a rank asks about its round seconds after it closed)
+KEPT_S = 600.0  # a round is remembered this long (a rank asks within about a minute of sending its batch)...
+KEPT_ROUNDS = 1 << 20  # ...and, to bound the memory, at most this many are
 SLACK_S = 1.0  # a call's transit, beside the age it states
 
 
@@ -42,8 +43,8 @@ class _Moved:
 class RoundFates:
     """Thread-safe. A round is named by ``(group, run, step)``; ``moved`` maps rank -> indices."""
 
-    def __init__(self, capacity: int = KEPT_ROUNDS, clock=time.monotonic):
-        self.capacity, self.clock = capacity, clock
+    def __init__(self, capacity: int = KEPT_ROUNDS, clock=time.monotonic, kept_s: float = KEPT_S):
+        self.capacity, self.clock, self.kept_s = capacity, clock, kept_s
         self._lock = threading.Lock()
         self._rounds: OrderedDict[tuple, tuple[float, _Moved | None]] = OrderedDict()  # key: (when, None: refused)
 
@@ -86,7 +87,7 @@ class RoundFates:
         return None if at is None else at[1]
 
     def _put(self, key: tuple, value: _Moved | None) -> None:
-        self._rounds[key] = (self.clock(), value)
+        now = self._rounds[key] = (self.clock(), value)
         self._rounds.move_to_end(key)
-        while len(self._rounds) > self.capacity:
+        while len(self._rounds) > self.capacity or now[0] - next(iter(self._rounds.values()))[0] > self.kept_s:
             self._rounds.popitem(last=False)

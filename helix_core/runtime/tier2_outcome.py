@@ -76,7 +76,7 @@ class RoundOutcome:
             self._share(name, members, shares)
             # the last step that can fail: before any rank can see it, the Coordinator records what
             # each rank now trains on; a rank whose leader dies before it answers learns it there
-            committed = self._commit(calls[0].request, replies, rows, self.clock() - min(c.arrived for c in calls))
+            committed = self._commit(calls[0].request, replies, min(c.arrived for c in calls))
             if committed is not True:
                 raise ClusterError(f"the Coordinator did not commit it ({committed})")
         except (ClusterError, ValueError) as e:
@@ -106,25 +106,28 @@ class RoundOutcome:
             if not undo:
                 raise ClusterError(str(e)) from None
 
-    def _commit(self, req: pb.RebalanceRequest, replies: dict, rows: dict, age_s: float):
-        """True once the Coordinator holds the round's answer, else why not. A commit whose outcome
-        is unknown (no reply) is withdrawn — unless a rank already learned it: then it stands."""
+    def _commit(self, req: pb.RebalanceRequest, replies: dict, opened: float):
+        """True once the Coordinator holds the round's answer (the round opened at ``opened``), else
+        why not. A commit whose outcome is unknown (no reply) is withdrawn — unless a rank already
+        learned it: then it stands."""
         if self.commit is None:  # no Coordinator (a table on its own)
             return True
         moved = {c.request.rank: [i for t in r.takes for i in t.indices] for c, r in replies.items()}
         if any(i < 0 for v in moved.values() for i in v):
             return "a rank did not name its samples"  # no record could tell a rank what to decode again
-        release = {c.request.rank: [(h.segment, h.generation) for h in r.release] for c, r in replies.items()}
-        for src, b, to in rows:
-            if src is to:  # a slab it reads itself: it releases it once
-                release[src.request.rank].append((_slab_pb(src, b).segment, _slab_pb(src, b).generation))
+        # what a rank releases had it read its answer: each take's slab (a shared one counts it), and
+        # its own slabs whose rows all left its host
+        release = {c.request.rank: list(dict.fromkeys((h.segment, h.generation) for h in
+                                                      [*(t.batch.slab for t in r.takes), *r.release]))
+                   for c, r in replies.items()}
         try:
-            return self.commit(req.group, req.run, req.step, moved, release, age_s) \
+            return self.commit(req.group, req.run, req.step, moved, release, self.clock() - opened) \
                 or "a rank was told to keep its batch"
         except Exception as e:  # noqa: BLE001 - unknown whether it landed: withdraw it
             why = f"{type(e).__name__}: {e}"
         try:
-            return "withdrawn: " + why if self.commit(req.group, req.run, req.step, {}, {}, age_s) else True
+            return "withdrawn: " + why if self.commit(req.group, req.run, req.step, {}, {}, self.clock() - opened) \
+                else True
         except Exception as e:  # noqa: BLE001 - the Coordinator is gone: a rank asking it learns nothing
             return f"{why}; not withdrawn: {type(e).__name__}: {e}"
 
@@ -137,7 +140,8 @@ class RoundOutcome:
         units = []  # (order, the take)
         for (src, b, to), got in rows.items():
             if to is not c:
-                if src is c and to.request.host != c.request.host and not readers[(src, b)]:
+                if src is c and to.request.host != c.request.host and not readers[(src, b)] and \
+                        _slab_pb(src, b) not in reply.release:
                     reply.release.append(_slab_pb(src, b))  # every row of it left this host
                 continue
             take_rows = [r for r, _ in got]
