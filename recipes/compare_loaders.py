@@ -1,16 +1,20 @@
 """Steps/s and input wait of the recipes with Helix vs a plain torch DataLoader, same CPU budget.
 
-    python recipes/compare_loaders.py configs/*.yaml --steps 30 --warmup 5 --out helix-runs/compare
+    python recipes/compare_loaders.py configs/*.yaml --repeats 3 --out helix-runs/compare
 
-Each config runs twice under ``accelerate launch --multi_gpu --num_processes N`` (gloo on a CPU
+Each config runs twice per repeat under ``accelerate launch --multi_gpu --num_processes N`` (gloo on a CPU
 machine; ``--processes 1``: one plain process, e.g. on a machine with one GPU): ``data.loader:
-helix`` and ``data.loader: torch`` (``DistributedSampler`` order, the same worker count per host). Prints a table and writes ``compare.md`` / ``compare.json``.
+helix`` and ``data.loader: torch`` (``DistributedSampler`` order, the same worker count per host), the two in turn and in
+alternating order (torch first, then helix first, ...): the machine's speed drifts, so each
+config's figure is the median of its repeats' helix / torch ratios. Prints a table and writes
+``compare.md`` / ``compare.json``.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -23,6 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def run_one(config: Path, loader: str, args, out: Path) -> dict:
     cfg = yaml.safe_load(config.read_text())
     cfg["data"]["loader"] = loader
+    out.mkdir(parents=True, exist_ok=True)
     tmp = out / f"{config.stem}-{loader}.yaml"
     tmp.write_text(yaml.safe_dump(cfg))
     summary = out / f"{config.stem}-{loader}.json"
@@ -39,6 +44,26 @@ def run_one(config: Path, loader: str, args, out: Path) -> dict:
     return json.loads(summary.read_text())
 
 
+LOADERS = ("torch", "helix")
+
+
+def order(repeat: int) -> tuple[str, str]:
+    """The loaders of repeat ``repeat`` in the order they run: torch first on even repeats."""
+    return LOADERS if repeat % 2 == 0 else LOADERS[::-1]
+
+
+def summarise(config: str, pairs: list[dict]) -> dict:
+    """One config's row from its repeats (``{loader: summary}`` each): medians of steps/s and input
+    wait per loader, and the median of the per-repeat helix / torch ratios (``speedup``)."""
+    row = {"config": config, "repeats": len(pairs)}
+    for loader in LOADERS:
+        row[f"{loader}_steps_per_s"] = statistics.median(p[loader]["steps_per_s"] for p in pairs)
+        row[f"{loader}_input_wait_s"] = statistics.median(p[loader]["input_wait_s_per_step"] for p in pairs)
+    row["speedups"] = [p["helix"]["steps_per_s"] / p["torch"]["steps_per_s"] for p in pairs]
+    row["speedup"] = statistics.median(row["speedups"])
+    return row
+
+
 def main(argv=None) -> list[dict]:
     from rich.console import Console
     from rich.progress import Progress
@@ -46,32 +71,41 @@ def main(argv=None) -> list[dict]:
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("configs", nargs="+", type=Path)
-    p.add_argument("--steps", type=int, default=30)
-    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--steps", type=int, default=150, help="measured steps (shorter windows swing with the machine)")
+    p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--processes", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=1, help="pairs per config, in alternating order")
     p.add_argument("--out", type=Path, default=Path("helix-runs/compare"))
     args = p.parse_args(argv)
+    if args.repeats < 1 or args.steps < 1 or args.warmup < 0:
+        p.error("--repeats and --steps must be >= 1, --warmup >= 0")
     args.out.mkdir(parents=True, exist_ok=True)
     rows = []
     with Progress() as bar:
-        task = bar.add_task("recipes", total=2 * len(args.configs))
+        task = bar.add_task("recipes", total=2 * len(args.configs) * args.repeats)
         for config in args.configs:
-            r = {"config": config.stem}
-            for loader in ("torch", "helix"):
-                s = run_one(config, loader, args, args.out)
-                r[f"{loader}_steps_per_s"], r[f"{loader}_input_wait_s"] = s["steps_per_s"], s["input_wait_s_per_step"]
-                bar.advance(task)
-            r["speedup"] = r["helix_steps_per_s"] / r["torch_steps_per_s"]
-            rows.append(r)
-    table = Table(title=f"recipes: {args.steps} steps after {args.warmup} warm-up, {args.processes} processes")
-    cols = ("config", "torch_steps_per_s", "helix_steps_per_s", "speedup", "torch_input_wait_s", "helix_input_wait_s")
+            pairs = []
+            for repeat in range(args.repeats):
+                pair = {}
+                for loader in order(repeat):
+                    pair[loader] = run_one(config, loader, args, args.out / f"r{repeat}")
+                    bar.advance(task)
+                pairs.append(pair)
+            rows.append(summarise(config.stem, pairs))
+    table = Table(title=f"recipes: {args.steps} steps after {args.warmup} warm-up, {args.processes} processes, "
+                        f"median of {args.repeats} pair(s)")
+    cols = ("config", "torch_steps_per_s", "helix_steps_per_s", "speedup", "speedups", "torch_input_wait_s",
+            "helix_input_wait_s")
+
+    def cell(v) -> str:
+        return v if isinstance(v, str) else " / ".join(f"{x:.3f}" for x in v) if isinstance(v, list) else f"{v:.3f}"
     for c in cols:
         table.add_column(c)
     for r in rows:
-        table.add_row(*[r[c] if isinstance(r[c], str) else f"{r[c]:.3f}" for c in cols])
+        table.add_row(*[cell(r[c]) for c in cols])
     Console().print(table)
     md = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    md += ["| " + " | ".join(r[c] if isinstance(r[c], str) else f"{r[c]:.3f}" for c in cols) + " |" for r in rows]
+    md += ["| " + " | ".join(cell(r[c]) for c in cols) + " |" for r in rows]
     (args.out / "compare.md").write_text("\n".join(md) + "\n\ninput wait: seconds per step blocked in next(), "
                                          "the slowest rank\n")
     (args.out / "compare.json").write_text(json.dumps(rows, indent=1))

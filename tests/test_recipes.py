@@ -96,3 +96,20 @@ def test_the_torch_baseline_runs_the_accelerate_recipe(tmp_path):
         AcceleratorState._reset_state(True)
         GradientState._reset_state()
     assert summary["loader"] == "torch" and summary["steps"] == 2 and summary["input_wait_s_per_step"] >= 0
+
+
+def test_the_loader_comparison_alternates_the_order_and_takes_the_median_of_paired_ratios():
+    import sys
+
+    sys.path.insert(0, str(ROOT / "recipes"))
+    try:
+        from compare_loaders import order, summarise
+    finally:
+        sys.path.remove(str(ROOT / "recipes"))
+    assert [order(r) for r in range(3)] == [("torch", "helix"), ("helix", "torch"), ("torch", "helix")]
+    runs = [(10.0, 13.0), (20.0, 18.0), (8.0, 10.0)]  # the machine drifts: each repeat against its own torch
+    pairs = [{"torch": {"steps_per_s": t, "input_wait_s_per_step": 0.01},
+              "helix": {"steps_per_s": h, "input_wait_s_per_step": 0.0}} for t, h in runs]
+    row = summarise("wan", pairs)
+    assert row["speedups"] == [1.3, 0.9, 1.25] and row["speedup"] == 1.25  # not 13 / 10, the ratio of medians
+    assert row["torch_steps_per_s"] == 10.0 and row["helix_steps_per_s"] == 13.0 and row["repeats"] == 3
