@@ -215,3 +215,22 @@ def test_a_commit_lost_on_the_way_is_withdrawn_unless_a_rank_already_learned_it(
         assert [m == {} for m in seen] == [False, True]  # the commit, then its withdrawal
         assert all(box[0].outcome.startswith(outcome) for _, box in calls)
         assert all(bool(box[0].moved_in) == learned for _, box in calls)  # every rank agrees with the record
+
+
+def test_a_withdrawal_that_cannot_reach_the_coordinator_is_tried_again_before_every_rank_keeps():
+    RELEASE.set()
+    seen = []
+
+    def commit(group, run, step, moved, release, age_s):
+        seen.append(moved)
+        if moved or len(seen) < 3:  # the commit's reply is lost, then the Coordinator is out of reach once
+            raise ConnectionError("UNAVAILABLE")
+        return True
+
+    table = RoundTable(allow_pickle=True, commit=commit)
+    calls = [_call(table, _request(r, step=12, policy=_swap_when_released)) for r in range(2)]
+    for t, _ in calls:
+        t.join(10)
+    assert [m == {} for m in seen] == [False, True, True]  # the commit, a failed withdrawal, the one that landed
+    assert all(box[0].outcome.startswith("error: the round could not go ahead") and "withdrawn" in box[0].outcome
+               and not box[0].moved_in for _, box in calls)
