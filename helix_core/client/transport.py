@@ -54,9 +54,9 @@ class RoundStopped(ClusterError):
 class RoundUnknown(ClusterError):
     """A Tier-2 round's leader cannot say what became of a rank's batch (it died, or its round runs
     past every exchange's limit), and the Coordinator says the round moved samples (``indices``:
-    those it gave this rank, to decode again; ``release``: the rank's own slab handles it gives
-    back) or cannot say either (``indices`` None). Other ranks may read its other slabs, so the rank
-    neither reads nor releases them."""
+    those it gave this rank, to decode again; ``release``: the slab handles its answer had it
+    release) or cannot say either (``indices`` None). Other ranks may read its other slabs, so the
+    rank neither reads nor releases them."""
 
     def __init__(self, why: str, indices: list[int] | None = None, release: list[dict] = ()):
         super().__init__(why)

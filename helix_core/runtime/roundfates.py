@@ -51,7 +51,7 @@ class RoundFates:
     def commit(self, key: tuple, moved: dict[int, list[int]], release: dict | None = None,
                age_s: float = math.inf) -> bool:
         """The leader's moved round ``key`` (open ``age_s`` at the leader; ``release``: rank -> the
-        ``(segment, generation)`` of its own slabs it releases). False if a rank has already been told
+        ``(segment, generation)`` of the slabs its answer has it release). False if a rank has already been told
         it kept (the leader must then keep every batch). An empty ``moved`` withdraws the leader's
         commit: False if a rank has already learned the committed round (it must then go ahead)."""
         with self._lock:
@@ -76,7 +76,7 @@ class RoundFates:
             if got is None or rank not in got.indices:  # kept, or not in the round: its batch is its own
                 return None
             got.served = True
-            return list(got.indices.get(rank, ())), got.release.get(rank, [])
+            return list(got.indices[rank]), got.release.get(rank, [])
 
     def _get(self, key: tuple, age_s: float) -> _Moved | None:
         """(Under the lock.) ``key``'s record, forgotten if it is older than ``age_s`` (an earlier run's)."""

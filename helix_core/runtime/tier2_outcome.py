@@ -127,16 +127,16 @@ class RoundOutcome:
                 or "a rank was told to keep its batch"
         except Exception as e:  # noqa: BLE001 - unknown whether it landed: withdraw it
             why = f"{type(e).__name__}: {e}"
-        end, pause = self.clock() + EXCHANGE_TIMEOUT_S, 0.05
+        paused, pause = 0.0, 0.05
         while True:  # a commit that stood while every rank was told it kept would be the one disagreement
             try:
                 return "withdrawn: " + why if self.commit(req.group, req.run, req.step, {}, {},
                                                           self.clock() - opened) else True
             except Exception as e:  # noqa: BLE001 - the Coordinator is out of reach: try again, a while
-                if self.clock() + pause > end:
+                if paused + pause > EXCHANGE_TIMEOUT_S:
                     return f"{why}; not withdrawn: {type(e).__name__}: {e}"
-            time.sleep(pause)  # a back-off between tries, nothing to wait on
-            pause = min(2 * pause, 1.0)
+            time.sleep(pause)  # a back-off between tries (counted, so a table's own clock may stand still)
+            paused, pause = paused + pause, min(2 * pause, 1.0)
 
     def _reply(self, c, rows: dict, readers: dict, crossed: dict, transport: str, outcome: str, rnd: Round,
                gain: float, cost: float, waited: float) -> pb.RebalanceReply:
