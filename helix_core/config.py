@@ -43,6 +43,7 @@ class ClusterConfig:
     max_resubmits: int = 8  # client: resubmits of one task after server failures
     server_threads: int = 64  # gRPC handler threads of a DataServer (bounds tasks in flight)
     decode_slots: int = 0  # batches prepared at once per host, by all its workers (0: one per core)
+    worker_nice: int = 10  # decoding workers' niceness (0-19): a rank's or server's thread that wakes takes a core first
     work_stealing: bool = True  # a DataServer worker with nothing queued takes the unstarted tail of a running batch
     allow_pickle: bool = True  # cloudpickled datasets and batches between authenticated peers (False: JSON specs only)
     local_link: bool = True  # Execute and Route to servers of the rank's own host over a Unix socket (runtime/locallink.py); False: gRPC
@@ -58,8 +59,9 @@ class ClusterConfig:
             elif kind == "int":  # counts and byte sizes: an int (not 2.0, not True)
                 if isinstance(v, bool) or not isinstance(v, int):
                     raise TypeError(f"{name} must be an int, got {type(v).__name__} {v!r}")
-                if v < (0 if f.name == "decode_slots" else 1):
-                    raise ValueError(f"{name} must be >= {0 if f.name == 'decode_slots' else 1}, got {v!r}")
+                low = 0 if f.name in ("decode_slots", "worker_nice") else 1
+                if v < low:
+                    raise ValueError(f"{name} must be >= {low}, got {v!r}")
             else:  # seconds: a finite positive number (a NaN heartbeat timeout would keep dead servers alive)
                 if isinstance(v, bool) or not isinstance(v, (int, float)):
                     raise TypeError(f"{name} must be a number of seconds, got {type(v).__name__} {v!r}")
@@ -68,6 +70,8 @@ class ClusterConfig:
         if self.worker_memory_fraction > 1:
             raise ValueError(f"ClusterConfig.worker_memory_fraction is a share of the host's RAM in (0, 1], "
                              f"got {self.worker_memory_fraction!r}")
+        if self.worker_nice > 19:
+            raise ValueError(f"ClusterConfig.worker_nice is a niceness in 0..19, got {self.worker_nice!r}")
         if self.sample_timeout_s >= self.execute_timeout_s:
             raise ValueError("ClusterConfig.sample_timeout_s must be below execute_timeout_s (a hung sample must fail "
                              f"before its batch's deadline: {self.sample_timeout_s} >= {self.execute_timeout_s})")

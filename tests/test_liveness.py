@@ -103,7 +103,8 @@ def test_configs_and_loader_options_of_the_wrong_kind_are_refused_naming_the_fie
     for field, bad, error in (("heartbeat_timeout_s", math.nan, ValueError), ("rpc_timeout_s", math.inf, ValueError),
                               ("execute_timeout_s", "600", TypeError), ("max_resubmits", 8.0, TypeError),
                               ("work_stealing", 1, TypeError), ("keepalive_s", True, TypeError),
-                              ("sample_timeout_s", 900.0, ValueError)):  # above execute_timeout_s
+                              ("sample_timeout_s", 900.0, ValueError),  # above execute_timeout_s
+                              ("worker_nice", 20, ValueError), ("worker_nice", -1, ValueError)):
         with pytest.raises(error, match=f"ClusterConfig.{field}"):
             hx.ClusterConfig(**{field: bad})
     ds = IndexDataset(4)

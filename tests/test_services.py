@@ -8,7 +8,7 @@ import sys
 import textwrap
 
 import pytest
-from dataplane import CFG, assert_same_batches, torch_batches
+from dataplane import CFG, assert_same_batches, helix_children, torch_batches
 
 import helix_core as hx
 from helix_core.testing import IndexDataset
@@ -50,6 +50,12 @@ def test_embedded_cluster_one_line_loader(monkeypatch):
         cluster = ld.cluster
         assert cluster is not None and cluster.token  # an embedded cluster makes its own token
         assert_same_batches(list(ld), torch_batches(ds, 4, 0, 1))
+        # the decoding workers yield a core to the ranks and the services; those keep the user's niceness
+        base, services = os.nice(0), helix_children()
+        workers = [w for s in services for w in s.children() if "resource_tracker" not in " ".join(w.cmdline())]
+        assert len(services) == 2 and len(workers) == 1
+        assert [s.nice() for s in services] == [base, base]
+        assert workers[0].nice() == min(19, base + CFG.worker_nice) > base
     assert all(not s.alive for s in cluster.servers)
 
 

@@ -88,7 +88,7 @@ class WorkerPool(WorkerDeaths):
     def _spawn(self, wid: int, incarnation: int) -> WorkerProcess:
         c = self.config
         return WorkerProcess(wid, incarnation, self.prefix, self.allow_pickle, self.cpu_slots, c.worker_memory_fraction,
-                       (c.execute_timeout_s + c.rpc_timeout_s, c.slab_idle_s))
+                             (c.execute_timeout_s + c.rpc_timeout_s, c.slab_idle_s), c.worker_nice)
 
     # ---- API used by gRPC handler threads --------------------------------------------------------
     def configure(self, spec_id: str, payload: bytes, fmt: str) -> None:

@@ -103,14 +103,18 @@ def limit_memory(fraction: float) -> int:
 
 def worker_main(conn, shm_prefix: str, allow_pickle: bool, parent_pid: int, cpu_slots=None,
                 progress: Progress | None = None, claim=None, memory_fraction: float = 1.0,
-                slab_lease: tuple[float, float] = (900.0, 60.0)) -> None:
+                slab_lease: tuple[float, float] = (900.0, 60.0), nice: int = 0) -> None:
     """Entry point of a worker process: serve ``("spec", ...)`` and ``("task", ...)`` messages.
     ``cpu_slots``: ``(prefix, n)`` of the host's decode slots (a task runs holding one);
     ``progress``: where it records the sample it is working on; ``claim``: the ``steal.Claim``
     it checks before each sample (the supervisor may give the tail of its batch to another worker);
     ``memory_fraction``: its address-space cap, a share of the host's RAM (``limit_memory``);
-    ``slab_lease``: its slabs' ``(orphan_s, idle_s)`` (``SlabPool``), reclaimed whenever it is idle."""
+    ``slab_lease``: its slabs' ``(orphan_s, idle_s)`` (``SlabPool``), reclaimed whenever it is idle;
+    ``nice``: added to its niceness, so that the ranks' threads (a model step, a kernel launch) and
+    the servers' take a core before a decode does, and decoding fills the cores they leave idle."""
     os.environ["OMP_NUM_THREADS"] = "1"
+    if nice:
+        os.nice(nice)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the owner's to handle
     if memory_fraction < 1.0:
         limit_memory(memory_fraction)

@@ -14,10 +14,11 @@ __all__ = ["WorkerProcess"]
 
 class WorkerProcess:
     """Worker ``wid``'s ``incarnation``-th process, started at once (spawn). Its slabs are named
-    ``<prefix>w<wid>i<incarnation>-``; ``slab_lease``: their ``(orphan_s, idle_s)``."""
+    ``<prefix>w<wid>i<incarnation>-``; ``slab_lease``: their ``(orphan_s, idle_s)``; ``nice``: its
+    niceness (``ClusterConfig.worker_nice``)."""
 
     def __init__(self, wid: int, incarnation: int, prefix: str, allow_pickle: bool, cpu_slots=None,
-                 memory_fraction: float = 1.0, slab_lease: tuple[float, float] = (900.0, 60.0)):
+                 memory_fraction: float = 1.0, slab_lease: tuple[float, float] = (900.0, 60.0), nice: int = 0):
         ctx = mp.get_context("spawn")
         self.wid, self.incarnation, self.cpu_slots = wid, incarnation, cpu_slots
         self.prefix = f"{prefix}w{wid}i{incarnation}-"
@@ -26,7 +27,8 @@ class WorkerProcess:
         self.progress.clear()
         self.claim = Claim(ctx, os.path.join(shm.SHM_DIR, f"{prefix}claim-w{wid}i{incarnation}"))
         self.proc = ctx.Process(target=worker_main, args=(child, self.prefix, allow_pickle, os.getpid(), cpu_slots,
-                                                          self.progress, self.claim, memory_fraction, slab_lease),
+                                                          self.progress, self.claim, memory_fraction, slab_lease,
+                                                          nice),
                                 name=f"helix-worker-{wid}", daemon=True)
         self.proc.start()
         child.close()
