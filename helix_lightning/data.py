@@ -7,6 +7,8 @@ names itself and the valid values.
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
 import inspect
 import os
 import warnings
@@ -24,9 +26,9 @@ LOADERS = ("helix", "torch")
 _NOT_OPTIONS = {"self", "dataset", "batch_size", "rank", "world_size", "coordinator", "token"}
 #: ``DistributedDataLoader`` keyword arguments a config may set (``loader_options``).
 LOADER_OPTIONS = tuple(p for p in inspect.signature(hx.DistributedDataLoader.__init__).parameters
-                       if p not in _NOT_OPTIONS)
+                       if p not in _NOT_OPTIONS) + ("worker_nice",)
 #: The options a plain torch DataLoader understands too; the others are Helix's own.
-_TORCH_OPTIONS = ("shuffle", "seed", "drop_last", "collate_fn", "pin_memory", "num_workers")
+_TORCH_OPTIONS = ("shuffle", "seed", "drop_last", "collate_fn", "pin_memory", "num_workers", "worker_nice")
 
 _DATASET_KEYS = {"manifest", "workload", "clips", "scale", "model", "num_frames", "size", "kind", "profiles", "seed",
                  "random_flip", "tokenizer", "max_text_len"}
@@ -126,13 +128,25 @@ class DatasetConfig:
         return hx.VideoTextDataset(manifest, **kwargs)
 
 
+def _nice_worker(nice: int, worker_id: int) -> None:
+    os.nice(nice)
+
+
 def build_loader(loader: str, dataset, batch_size: int, rank: int, world_size: int, *,
                  coordinator: str | None = None, options: Mapping | None = None):
     """This rank's loader: ``"helix"`` (``DistributedDataLoader``) or ``"torch"`` (a torch
     ``DataLoader`` with ``DistributedSampler(shuffle, seed)`` and the same collate: the baseline at
-    the same CPU budget; Helix's own options are ignored there, with a warning)."""
+    the same CPU budget; Helix's own options are ignored there, with a warning). ``worker_nice``:
+    the decoding workers' added niceness — for ``"helix"`` the ``ClusterConfig.worker_nice`` of the
+    cluster it starts (default +10), for ``"torch"`` its workers' (default 0, as a plain DataLoader)."""
     options = dict(options or {})
+    nice = options.pop("worker_nice", None)
+    if nice is not None and (isinstance(nice, bool) or not isinstance(nice, int) or not 0 <= nice <= 19):
+        raise ValueError(f"worker_nice is a niceness in 0..19, got {nice!r}")
     if loader == "helix":
+        base = options.get("config") or hx.ClusterConfig()
+        if nice is not None and isinstance(base, hx.ClusterConfig):  # the workers of the cluster it starts
+            options["config"] = dataclasses.replace(base, worker_nice=nice)
         return hx.DistributedDataLoader(dataset, batch_size, rank=rank, world_size=world_size,
                                         coordinator=coordinator, **options)
     if loader != "torch":
@@ -149,7 +163,8 @@ def build_loader(loader: str, dataset, batch_size: int, rank: int, world_size: i
     return torch.utils.data.DataLoader(dataset, batch_size, sampler=sampler, collate_fn=options.get("collate_fn"),
                                        num_workers=workers, pin_memory=bool(options.get("pin_memory", False)),
                                        persistent_workers=workers > 0, drop_last=bool(options.get("drop_last", False)),
-                                       multiprocessing_context="spawn" if workers > 0 else None)
+                                       multiprocessing_context="spawn" if workers > 0 else None,
+                                       worker_init_fn=functools.partial(_nice_worker, nice) if nice else None)
 
 
 def dataset_length_error(lengths: list[int], key: str = "dataset") -> str | None:

@@ -27,6 +27,8 @@ ROOT = Path(__file__).resolve().parents[1]
 def run_one(config: Path, loader: str, args, out: Path) -> dict:
     cfg = yaml.safe_load(config.read_text())
     cfg["data"]["loader"] = loader
+    if loader == "torch" and args.torch_worker_nice:
+        cfg["data"].setdefault("loader_options", {})["worker_nice"] = args.torch_worker_nice
     out.mkdir(parents=True, exist_ok=True)
     tmp = out / f"{config.stem}-{loader}.yaml"
     tmp.write_text(yaml.safe_dump(cfg))
@@ -76,9 +78,14 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--processes", type=int, default=2)
     p.add_argument("--repeats", type=int, default=1, help="pairs per config, in alternating order")
     p.add_argument("--out", type=Path, default=Path("helix-runs/compare"))
+    p.add_argument("--torch-worker-nice", type=int, default=0,
+                   help="torch's workers at this added niceness, as Helix's decoding workers run (default 0: a plain "
+                        "DataLoader); shows how much of a gain is the scheduling priority")
     args = p.parse_args(argv)
     if args.repeats < 1 or args.steps < 1 or args.warmup < 0:
         p.error("--repeats and --steps must be >= 1, --warmup >= 0")
+    if not 0 <= args.torch_worker_nice <= 19:
+        p.error(f"--torch-worker-nice is a niceness in 0..19, got {args.torch_worker_nice}")
     args.out.mkdir(parents=True, exist_ok=True)
     rows = []
     with Progress() as bar:
@@ -92,8 +99,9 @@ def main(argv=None) -> list[dict]:
                     bar.advance(task)
                 pairs.append(pair)
             rows.append(summarise(config.stem, pairs))
+    niced = f", torch's workers at niceness +{args.torch_worker_nice}" if args.torch_worker_nice else ""
     table = Table(title=f"recipes: {args.steps} steps after {args.warmup} warm-up, {args.processes} processes, "
-                        f"median of {args.repeats} pair(s)")
+                        f"median of {args.repeats} pair(s){niced}")
     cols = ("config", "torch_steps_per_s", "helix_steps_per_s", "speedup", "speedups", "torch_input_wait_s",
             "helix_input_wait_s")
 

@@ -113,3 +113,37 @@ def test_the_loader_comparison_alternates_the_order_and_takes_the_median_of_pair
     row = summarise("wan", pairs)
     assert row["speedups"] == [1.3, 0.9, 1.25] and row["speedup"] == 1.25  # not 13 / 10, the ratio of medians
     assert row["torch_steps_per_s"] == 10.0 and row["helix_steps_per_s"] == 13.0 and row["repeats"] == 3
+
+
+class NiceOfTheWorker:
+    """Each sample is the niceness of the process that loads it."""
+
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, i):
+        import os
+
+        return {"index": i, "nice": os.nice(0)}
+
+
+def test_worker_nice_sets_the_niceness_of_either_loaders_decoding_workers():
+    import os
+
+    from dataplane import CFG, helix_children
+
+    from helix_core.testing import IndexDataset
+    from helix_lightning.data import build_loader, check_loader_options
+
+    base = os.nice(0)
+    options = check_loader_options({"worker_nice": 3, "num_workers": 1})  # a config may set it
+    torch_loader = build_loader("torch", NiceOfTheWorker(), 2, 0, 1, options=options)
+    assert [int(n) for b in torch_loader for n in b["nice"]] == [min(19, base + 3)] * 4
+    assert [int(n) for b in build_loader("torch", NiceOfTheWorker(), 2, 0, 1, options={"num_workers": 1})
+            for n in b["nice"]] == [base] * 4  # a plain DataLoader's, by default
+    with build_loader("helix", IndexDataset(4), 2, 0, 1, options={**options, "config": CFG}) as ld:
+        list(ld)
+        workers = [w for s in helix_children() for w in s.children() if "resource_tracker" not in " ".join(w.cmdline())]
+        assert workers and {w.nice() for w in workers} == {min(19, base + 3)}  # CFG's own is 10
+    with pytest.raises(ValueError, match="worker_nice"):
+        build_loader("torch", NiceOfTheWorker(), 2, 0, 1, options={"worker_nice": 20})
