@@ -144,9 +144,10 @@ def build_loader(loader: str, dataset, batch_size: int, rank: int, world_size: i
     if nice is not None and (isinstance(nice, bool) or not isinstance(nice, int) or not 0 <= nice <= 19):
         raise ValueError(f"worker_nice is a niceness in 0..19, got {nice!r}")
     if loader == "helix":
-        base = options.get("config") or hx.ClusterConfig()
-        if nice is not None and isinstance(base, hx.ClusterConfig):  # the workers of the cluster it starts
-            options["config"] = dataclasses.replace(base, worker_nice=nice)
+        if nice is not None:  # the decoding workers of the cluster it starts
+            config = options.get("config") or hx.ClusterConfig()
+            if isinstance(config, hx.ClusterConfig):  # anything else: the loader refuses it, naming `config`
+                options["config"] = dataclasses.replace(config, worker_nice=nice)
         return hx.DistributedDataLoader(dataset, batch_size, rank=rank, world_size=world_size,
                                         coordinator=coordinator, **options)
     if loader != "torch":
