@@ -187,3 +187,33 @@ def test_a_sigkilled_client_has_its_load_and_slabs_released_within_a_few_heartbe
                 child.kill()
             child.stdout.close()
     assert segments(cluster) == []
+
+
+def test_the_watchdog_looks_again_at_a_worker_whose_sample_has_not_begun():
+    """Unit test of the watchdog's timer (pure: no processes). A worker that was handed a task but
+    has not stamped its first sample yet (waiting for a decode slot, say) must bring the supervisor
+    back within a limit: it was the only event left when a lone worker then hung on that sample
+    (the supervisor slept for ever and the rank waited out the batch deadline)."""
+    from types import SimpleNamespace
+
+    from helix_core.runtime.deaths import WorkerDeaths
+
+    class Progress:
+        started = None
+
+        def get_started(self):
+            return self.started
+
+    killed = []
+    w = SimpleNamespace(task={"indices": [6, 7], "predicted_cpu_s": 0.0}, timed_out=None, progress=Progress(), wid=0,
+                        kill=lambda: killed.append(True))
+    pool = WorkerDeaths()
+    pool._workers, pool.config, pool.latency_per_cost = [w], WATCHDOG, 1.0
+    assert pool._watchdog() == WATCHDOG.sample_timeout_s and not killed  # not begun: look again within a limit
+    w.progress.started = (7, "index://7", time.monotonic() - 0.5)
+    assert 0 < pool._watchdog() <= WATCHDOG.sample_timeout_s - 0.5 and not killed
+    w.progress.started = (7, "index://7", time.monotonic() - WATCHDOG.sample_timeout_s - 0.1)
+    pool._watchdog()
+    assert killed and "timed out" in w.timed_out[2]  # past its limit: killed, the sample named
+    w.task = None
+    assert pool._watchdog() is None  # nothing to watch: the supervisor sleeps until an event

@@ -32,15 +32,23 @@ class WorkerDeaths:
 
     def _watchdog(self) -> float | None:
         """Kill every worker whose sample ran past its limit (the sample fails: ``_on_death``);
-        seconds until the next limit runs out (None: no sample in progress)."""
+        seconds until it must look again (None: no worker has a task).
+
+        A worker with a task but no sample begun (loading a spec, waiting for a decode slot, or
+        between two samples) is looked at again within a limit: nothing else may wake the
+        supervisor (its only worker, hung on the sample it began meanwhile, and a queue that waits
+        behind it), so without that a hung sample would never be found."""
         now, nxt = time.monotonic(), None  # Progress stamps samples with the host's monotonic clock
         for w in self._workers:
             task = w.task
-            got = w.progress.get_started() if task is not None and w.timed_out is None else None
+            if task is None or w.timed_out is not None:
+                continue
+            limit = self._sample_limit_s(task)
+            got = w.progress.get_started()
             if got is None:
+                nxt = limit if nxt is None else min(nxt, limit)
                 continue
             index, path, started = got
-            limit = self._sample_limit_s(task)
             left = started + limit - now
             if left > 0:
                 nxt = left if nxt is None else min(nxt, left)
