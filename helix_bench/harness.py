@@ -9,6 +9,7 @@ measures where each system's CPU went (``cpu_s_by_role``).
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 from dataclasses import replace
@@ -24,6 +25,10 @@ from .results import RAY_MODES, system_result
 from .systemrun import _run_system
 
 __all__ = ["run_bench", "run_one"]
+
+
+#: capacity probes before the first system runs (their median calibrates the regime)
+CALIBRATION_PROBES = 3
 
 
 def _free_port() -> int:
@@ -83,7 +88,7 @@ def run_one(cfg: BenchConfig, console=None, live=None) -> dict:
 
     from .metrics import Bound
     from .samples import round_to_windows, window_spans
-    from .timed import TimedClipDataset, measure_capacity
+    from .timed import CapacityProbe, TimedClipDataset
 
     say = console.print if console is not None else (lambda *a, **k: None)
     live = live or (lambda *a: None)
@@ -100,23 +105,31 @@ def run_one(cfg: BenchConfig, console=None, live=None) -> dict:
     decode = measure_decode(ds, flat)
     cores = os.cpu_count() or 1
     slots = min(cfg.budget, cores)
-    capacity = measure_capacity(ds.helix_spec(), sorted(decode), slots, decode) if slots > 1 else 1.0
-    capacity = min(capacity, float(slots))
-    tokens = {i: ds.estimate_cost(i).tokens for i in decode}
-    cost = GPU_COSTS[cfg.model]
-    if cfg.gpu_cost == "linear":  # the attention term off: native's ranks wait on each other less
-        cost = GpuCost(a=cost.a, b=0.0, c=cost.c)
-    scale = cfg.window_scale or regime_window_scale(cfg.regime, [decode[i] for i in flat], [tokens[i] for i in flat],
-                                                    cfg.batch_size, cfg.ranks, capacity, cost)
-    bound = Bound(decode_s=sum(decode[i] for i in flat), gpu_s=measured_gpu_s(expected, tokens, cost, scale),
-                  cpu_slots=slots, samples=len(flat), capacity=capacity)
-    plan = RankPlan(system="", ranks=cfg.ranks, port=0, dataset=ds.helix_spec(), batch_size=cfg.batch_size,
-                    warmup=warmup, steps=steps, window_scale=scale, cost=(cost.a, cost.b, cost.c),
-                    workers_per_rank=max(1, cfg.budget // cfg.ranks), prefetch=cfg.prefetch, seed=cfg.seed,
-                    compute=cfg.compute, device=cfg.device, window=cfg.window)
-    units = {i: float(cost.sample_units(t)) for i, t in tokens.items()}
-    systems = {}
-    with tempfile.TemporaryDirectory(prefix="helix-bench-") as logs:
+
+    with contextlib.ExitStack() as stack:  # the probe's decoders and the decode logs, until the results are made
+        prober = stack.enter_context(CapacityProbe(ds.helix_spec(), sorted(decode), slots, decode)) if slots > 1 else None
+
+        def probe() -> float:  # decoders' worth of work the machine does at once, now
+            return min(prober.measure(), float(slots)) if prober is not None else 1.0
+
+        # The machine's speed drifts from minute to minute, and one probe set both the regime and the
+        # bound: the regime is calibrated on the median of a few probes, the bound on the median of
+        # those and one after each system (each run is judged against the machine's speed around it).
+        probes = [probe() for _ in range(CALIBRATION_PROBES)]
+        capacity = float(np.median(probes))
+        tokens = {i: ds.estimate_cost(i).tokens for i in decode}
+        cost = GPU_COSTS[cfg.model]
+        if cfg.gpu_cost == "linear":  # the attention term off: native's ranks wait on each other less
+            cost = GpuCost(a=cost.a, b=0.0, c=cost.c)
+        scale = cfg.window_scale or regime_window_scale(cfg.regime, [decode[i] for i in flat], [tokens[i] for i in flat],
+                                                        cfg.batch_size, cfg.ranks, capacity, cost)
+        plan = RankPlan(system="", ranks=cfg.ranks, port=0, dataset=ds.helix_spec(), batch_size=cfg.batch_size,
+                        warmup=warmup, steps=steps, window_scale=scale, cost=(cost.a, cost.b, cost.c),
+                        workers_per_rank=max(1, cfg.budget // cfg.ranks), prefetch=cfg.prefetch, seed=cfg.seed,
+                        compute=cfg.compute, device=cfg.device, window=cfg.window)
+        units = {i: float(cost.sample_units(t)) for i, t in tokens.items()}
+        systems, ran = {}, {}
+        logs = stack.enter_context(tempfile.TemporaryDirectory(prefix="helix-bench-"))
         for system in cfg.systems:
             if system in RAY_MODES:
                 from .raypool import ray_available
@@ -129,9 +142,14 @@ def run_one(cfg: BenchConfig, console=None, live=None) -> dict:
             spec = TimedClipDataset(ds.manifest_path, model=cfg.model, decode_log=Path(logs) / system,
                                     profiles=None if cfg.profiles else False, estimate_noise=cfg.estimate_noise,
                                     noise_seed=cfg.seed).helix_spec()
-            got, m = _run_system(system, cfg, replace(plan, system=system, port=_free_port(), dataset=spec), live)
+            ran[system] = _run_system(system, cfg, replace(plan, system=system, port=_free_port(), dataset=spec), live)
+            probes.append(probe())
+        bound = Bound(decode_s=sum(decode[i] for i in flat), gpu_s=measured_gpu_s(expected, tokens, cost, scale),
+                      cpu_slots=slots, samples=len(flat), capacity=float(np.median(probes)))
+        for system, (got, m) in ran.items():
             systems[system] = system_result(system, cfg, got, m, expected, spans, bound, decode, units,
                                              Path(logs) / system)
+        systems = {name: systems[name] for name in cfg.systems}  # the order asked for (skipped ones too)
     return {"workload": cfg.workload, "model": cfg.model, "regime": cfg.regime, "window_scale": scale,
             "gpu_cost": cfg.gpu_cost, "profiles": cfg.profiles, "prefetch": cfg.prefetch,
             "estimate_noise": cfg.estimate_noise,
@@ -139,7 +157,8 @@ def run_one(cfg: BenchConfig, console=None, live=None) -> dict:
             "warmup": warmup, "window": cfg.window, "steps_per_epoch": spe, "ddl_tolerance_s": cfg.ddl_tolerance_s,
             "remote_servers": cfg.remote_servers, "compute": cfg.compute,
             "cores": cores, "label": f"{cfg.workload} b{cfg.batch_size} rd{cfg.remote_servers} {cfg.regime}",
-            "bound": {**bound.as_dict(), "decode_s_per_sample_mean": float(np.mean(list(decode.values())))},
+            "bound": {**bound.as_dict(), "decode_s_per_sample_mean": float(np.mean(list(decode.values()))),
+                      "capacity_probes": probes, "calibration_capacity": capacity},
             "systems": systems}
 
 

@@ -40,8 +40,11 @@ def _bound_line(bound: Mapping) -> str:
     limited = bound.get("limited_by")
     if limited is None and capacity:
         limited = "cpu" if decode / capacity > gpu else "gpu"
+    probes = bound.get("capacity_probes") or []
     if capacity:
-        cpu = (f"decode {decode:.2f} CPU-s / {capacity:.2f} decoders' capacity measured on {slots} slots = "
+        spread = (f" (median of {len(probes)} probes, {min(probes):.2f}–{max(probes):.2f})"
+                  if len(probes) > 1 else "")
+        cpu = (f"decode {decode:.2f} CPU-s / {capacity:.2f} decoders' capacity{spread} measured on {slots} slots = "
                f"{decode / capacity:.2f} s")
     else:
         cpu = f"decode {decode:.2f} CPU-s"

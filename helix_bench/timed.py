@@ -3,7 +3,7 @@
 ``TimedClipDataset`` is a ``VideoClipDataset`` whose every ``fetch`` logs the thread CPU-seconds
 of the decode to ``<decode_log>/decode-<pid>.log`` — in whichever process decodes it: a torch
 DataLoader worker, a Ray actor or a DataServer worker (the log folder travels in ``helix_spec()``).
-``read_decode_log`` sums a time window of those lines. ``measure_capacity`` measures how many
+``read_decode_log`` sums a time window of those lines. ``CapacityProbe`` measures how many
 single-threaded decoders' worth of work the machine really does at once (DESIGN.md "Metrics":
 two vCPUs gave 1.75–1.97x one decoder here, not 2x), the denominator of the physical bound.
 """
@@ -18,7 +18,7 @@ from pathlib import Path
 
 from helix_core.datasets import VideoClipDataset
 
-__all__ = ["TimedClipDataset", "capacity_from_spans", "measure_capacity", "read_decode_log"]
+__all__ = ["CapacityProbe", "TimedClipDataset", "capacity_from_spans", "measure_capacity", "read_decode_log"]
 
 
 class TimedClipDataset(VideoClipDataset):
@@ -123,10 +123,11 @@ def _environ(**values: str):
                 os.environ[k] = v
 
 
-def _capacity_main(spec: dict, order: list[int], barrier, results) -> None:
-    """One decoder of ``measure_capacity``: build, warm up, wait for the others, decode ``order``
-    and report ``(index, start, end)`` of every sample: ``time.monotonic()`` seconds, one clock
-    for every process of the machine."""
+def _capacity_main(spec: dict, order: list[int], barrier, orders, results) -> None:
+    """One decoder of ``CapacityProbe``: build, warm up, then for each ``"go"`` it reads from
+    ``orders`` wait for the others, decode ``order`` and report ``(index, start, end)`` of every
+    sample (``time.monotonic()`` seconds, one clock for every process of the machine); ``"stop"``
+    ends it."""
     try:
         import torch
 
@@ -135,13 +136,15 @@ def _capacity_main(spec: dict, order: list[int], barrier, results) -> None:
         torch.set_num_threads(1)
         ds = resolve(spec["target"])(**spec["kwargs"])
         ds[order[0]]  # codec set-up and imports are not decode work
-        barrier.wait(timeout=120)
-        spans = []
-        for i in order:
-            s = time.monotonic()
-            ds[i]
-            spans.append((i, s, time.monotonic()))
-        results.put(("ok", spans))
+        results.put(("ready", None))
+        while orders.get() == "go":
+            barrier.wait(timeout=120)
+            spans = []
+            for i in order:
+                s = time.monotonic()
+                ds[i]
+                spans.append((i, s, time.monotonic()))
+            results.put(("ok", spans))
     except BaseException as e:  # noqa: BLE001 - reported to the parent, which raises it
         results.put(("error", f"{type(e).__name__}: {e}"))
 
@@ -165,52 +168,88 @@ def capacity_from_spans(spans: list[list[tuple[int, float, float]]], yardstick: 
     return work / (hi - lo)
 
 
-def measure_capacity(dataset_spec: dict, indices: list[int], decoders: int, yardstick: dict[int, float],
-                     timeout_s: float = 600.0) -> float:
-    """Decode capacity of this machine in single-decoder units (e.g. 1.85 on two busy vCPUs).
+class CapacityProbe:
+    """This machine's decode capacity in single-decoder units (e.g. 1.85 on two busy vCPUs), as
+    often as asked: ``measure()`` once per probe, ``close()`` (or ``with``) at the end.
 
-    ``decoders`` spawned processes (``OMP_NUM_THREADS=1``, one torch thread) each decode every
-    sample of ``indices``, each starting at a different offset, released together by a barrier
-    with nothing else of ours running. ``yardstick[i]``: single-decoder CPU-seconds of sample
-    ``i`` (``emulate.measure_decode``). Returns yardstick-seconds decoded per wall second while
+    ``decoders`` spawned processes (``OMP_NUM_THREADS=1``, one torch thread), kept between probes
+    so a probe costs its decodes, not a start: each decodes every sample of ``indices``, each
+    starting at a different offset, released together by a barrier with nothing else of ours
+    running. ``yardstick[i]``: single-decoder CPU-seconds of sample ``i``
+    (``emulate.measure_decode``). A probe returns yardstick-seconds decoded per wall second while
     all decoders ran (:func:`capacity_from_spans`)."""
-    indices = [int(i) for i in indices]
-    if decoders < 1 or not indices:
-        raise ValueError(f"measure_capacity needs decoders >= 1 and some indices, got {decoders} and {len(indices)}")
-    missing = sorted(set(indices) - set(yardstick))
-    if missing:
-        raise ValueError(f"no yardstick for samples {missing[:8]}")
-    ctx = mp.get_context("spawn")
-    barrier, results = ctx.Barrier(decoders), ctx.Queue()
-    step = max(1, len(indices) // decoders)
-    orders = [indices[p * step % len(indices):] + indices[:p * step % len(indices)] for p in range(decoders)]
-    procs = [ctx.Process(target=_capacity_main, args=(dataset_spec, orders[p], barrier, results), daemon=True)
-             for p in range(decoders)]
-    try:
-        with _environ(OMP_NUM_THREADS="1"):  # spawned children read it before torch is imported
-            for p in procs:
-                p.start()
-        spans, deadline = [], time.monotonic() + timeout_s
-        while len(spans) < decoders:
+
+    def __init__(self, dataset_spec: dict, indices: list[int], decoders: int, yardstick: dict[int, float],
+                 timeout_s: float = 600.0):
+        indices = [int(i) for i in indices]
+        if decoders < 1 or not indices:
+            raise ValueError(f"measure_capacity needs decoders >= 1 and some indices, got {decoders} and {len(indices)}")
+        missing = sorted(set(indices) - set(yardstick))
+        if missing:
+            raise ValueError(f"no yardstick for samples {missing[:8]}")
+        self.yardstick, self.timeout_s, self.decoders = yardstick, timeout_s, decoders
+        ctx = mp.get_context("spawn")
+        self._barrier, self._results = ctx.Barrier(decoders), ctx.Queue()
+        self._orders = [ctx.Queue() for _ in range(decoders)]
+        step = max(1, len(indices) // decoders)
+        orders = [indices[p * step % len(indices):] + indices[:p * step % len(indices)] for p in range(decoders)]
+        self._procs = [ctx.Process(target=_capacity_main, daemon=True,
+                                   args=(dataset_spec, orders[p], self._barrier, self._orders[p], self._results))
+                       for p in range(decoders)]
+        try:
+            with _environ(OMP_NUM_THREADS="1"):  # spawned children read it before torch is imported
+                for p in self._procs:
+                    p.start()
+            self._gather("ready")
+        except BaseException:
+            self.close()
+            raise
+
+    def _gather(self, want: str) -> list:
+        got, deadline = [], time.monotonic() + self.timeout_s
+        while len(got) < self.decoders:
             try:
-                status, got = results.get(timeout=0.5)
+                status, item = self._results.get(timeout=0.5)
             except queue.Empty:
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"measure_capacity: decoders did not finish in {timeout_s:g} s") from None
-                if not any(p.is_alive() for p in procs) and results.empty():
+                    raise TimeoutError(f"measure_capacity: decoders did not finish in {self.timeout_s:g} s") from None
+                if not all(p.is_alive() for p in self._procs) and self._results.empty():
                     raise RuntimeError("measure_capacity: a decoder process died without a result") from None
                 continue
-            if status != "ok":
-                raise RuntimeError(f"measure_capacity: a decoder failed: {got}")
-            spans.append(got)
-        return capacity_from_spans(spans, yardstick)
-    finally:
-        barrier.abort()  # a decoder still waiting for one that failed stops waiting
-        for p in procs:
+            if status == "error":
+                raise RuntimeError(f"measure_capacity: a decoder failed: {item}")
+            if status == want:
+                got.append(item)
+        return got
+
+    def measure(self) -> float:
+        for q in self._orders:
+            q.put("go")
+        return capacity_from_spans(self._gather("ok"), self.yardstick)
+
+    def close(self) -> None:
+        self._barrier.abort()  # a decoder still waiting for one that failed stops waiting
+        for q in self._orders:
+            q.put("stop")
+        for p in self._procs:
             if p.pid is not None:
                 p.join(timeout=10)
                 if p.is_alive():
                     p.kill()
                     p.join(timeout=10)
-        results.close()
-        results.join_thread()
+        for q in (self._results, *self._orders):
+            q.close()
+            q.join_thread()
+
+    def __enter__(self) -> "CapacityProbe":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def measure_capacity(dataset_spec: dict, indices: list[int], decoders: int, yardstick: dict[int, float],
+                     timeout_s: float = 600.0) -> float:
+    """One probe of :class:`CapacityProbe`: decoders started, measured once, stopped."""
+    with CapacityProbe(dataset_spec, indices, decoders, yardstick, timeout_s) as probe:
+        return probe.measure()

@@ -30,6 +30,11 @@ def test_tiny_run_writes_results_for_each_system(tmp_path, monkeypatch):
     assert results["systems"]["helix"]["imbalance_ratio"] <= results["systems"]["native"]["imbalance_ratio"]
     assert runs[0]["bound"]["decode_s"] > 0 and results["bound"]["throughput_sps"] > 0
     assert 0.5 < results["bound"]["decode_capacity"] <= 2
+    probes = results["bound"]["capacity_probes"]  # 3 before the systems, one after each that ran (not ray)
+    assert len(probes) == harness.CALIBRATION_PROBES + 4
+    assert results["bound"]["decode_capacity"] == pytest.approx(sorted(probes)[len(probes) // 2])
+    assert list(results["systems"]) == ["native", "ray", "helix-pool", "helix", "helix-tier2"]
+    assert f"median of {len(probes)} probes" in (tmp_path / "out" / "report.md").read_text()
     assert "Ray is not installed" in (tmp_path / "out" / "report.md").read_text()
     helix = results["systems"]["helix"]
     assert 0 < helix["decode_slots_busy"] <= 1 and helix["decode_slots"] == 2 and helix["decode_timeline"]

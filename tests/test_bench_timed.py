@@ -9,6 +9,7 @@ from helix_bench.emulate import measure_decode
 from helix_bench.timed import (
     TimedClipDataset,
     capacity_from_spans,
+    CapacityProbe,
     measure_capacity,
     read_decode_log,
 )
@@ -65,5 +66,16 @@ def test_measure_capacity_on_two_decoders(kmix):
     # two decoders against one decoder's yardstick: about 2, but both are timed on a shared machine
     # whose speed drifts between the two measurements (a fresh-clone CI run here saw 2.71)
     assert 0.5 < capacity <= 3.0
+    import psutil
+
+    def children() -> set[int]:
+        return {c.pid for c in psutil.Process().children()}
+
+    before = children()  # (multiprocessing's resource tracker stays)
+    with CapacityProbe(ds.helix_spec(), indices, 2, yardstick) as probe:  # probed again and again by the same decoders
+        decoders = children() - before
+        assert all(0.5 < probe.measure() <= 3.0 for _ in range(2))
+        assert children() - before == decoders and len(decoders) == 2
+    assert children() <= before  # closed: its decoders are gone
     with pytest.raises(ValueError, match="yardstick"):
         measure_capacity(ds.helix_spec(), [0, 99], 1, yardstick)
