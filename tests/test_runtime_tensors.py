@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from helix_core.runtime import shm
+from helix_core.runtime import chunks, shm
 from helix_core.runtime import tensors as T
 from helix_core.runtime.merge import merge_batches
 from helix_core.runtime.reader import SlabReader
@@ -194,18 +194,18 @@ def test_read_tensors_checks_the_buffer_size():
 
 def test_chunks_roundtrip_and_overflow():
     data = secrets.token_bytes(10_000)
-    chunks = list(T.iter_chunks(memoryview(data), 9_999, chunk_bytes=4096))
-    assert [len(c) for c in chunks] == [4096, 4096, 1807] and all(type(c) is memoryview for c in chunks)
+    parts = list(chunks.iter_chunks(memoryview(data), 9_999, chunk_bytes=4096))
+    assert [len(c) for c in parts] == [4096, 4096, 1807] and all(type(c) is memoryview for c in parts)
     target = bytearray(9_999)
-    writer = T.ChunkWriter(memoryview(target), 9_999)
-    for c in chunks:
+    writer = chunks.ChunkWriter(memoryview(target), 9_999)
+    for c in parts:
         assert not writer.done
         writer.write(c)
     assert writer.done and bytes(target) == data[:9_999]
     with pytest.raises(ValueError, match="overflow"):
         writer.write(b"x")
     with pytest.raises(ValueError):
-        list(T.iter_chunks(memoryview(data), 10_001))
+        list(chunks.iter_chunks(memoryview(data), 10_001))
 
 
 def test_merge_batches_concatenates_and_pads():

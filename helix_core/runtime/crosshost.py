@@ -25,17 +25,17 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
-import torch
 
 from ..errors import ClusterError
 from .auth import call_metadata
-from .collective import ExchangeGroup, open_store
 from .delivery import DeliveryFailed, metas_to_pb
-from .merge import take_rows
 from .proto import helix_pb2 as pb
 from .proto import helix_pb2_grpc as pbg
 from .rpc import connect
-from .tensors import flatten, layout, read_tensors, unflatten, write_tensors
+
+# torch and what is built on it (``tensors``, ``merge``, ``collective``) are imported where rows are
+# read, packed or written: every DataServer holds an ``ExchangeMember``, and one that never moves
+# rows across hosts never loads torch (a server's start is ~2 s of CPU shorter without it).
 
 __all__ = ["ExchangeMember", "HostExchange", "meta_dicts", "read_rows", "TRANSPORTS"]
 
@@ -57,6 +57,9 @@ def read_rows(reader, b: pb.BatchHandle, rows, n: int, pickle_allowed: bool, vie
     if the slab was handed out again while they were read. The slab stays held. ``view``: rows
     that follow each other are a view of the slab instead (the caller copies them, and checks
     ``held`` after, before it releases the slab)."""
+    from .merge import take_rows
+    from .tensors import read_tensors, unflatten
+
     if b.tree_pickle and not pickle_allowed:
         raise ClusterError("a DataServer sent a pickled batch structure to a peer that accepts none")
     handle = _handle(b)
@@ -70,6 +73,8 @@ def read_rows(reader, b: pb.BatchHandle, rows, n: int, pickle_allowed: bool, vie
 
 
 def _header(batch, pickle_allowed: bool) -> tuple[pb.StreamHeader, list, list[dict], int]:
+    from .tensors import flatten, layout
+
     tree_json, tree_pickle, flat = flatten(batch, allow_pickle=pickle_allowed)
     metas, total = layout(flat)
     return pb.StreamHeader(tree_json=tree_json, tree_pickle=tree_pickle, total_bytes=total), flat, metas, total
@@ -110,6 +115,10 @@ class ExchangeMember:
             return reply
 
     def _by_grpc(self, req, rows) -> pb.ExchangeReply:
+        import torch
+
+        from .tensors import write_tensors
+
         reply = pb.ExchangeReply()
         for s, batch in rows:
             header, flat, metas, total = _header(batch, self.pickle_allowed)
@@ -135,7 +144,9 @@ class ExchangeMember:
             except (grpc.RpcError, DeliveryFailed):
                 pass  # that member is gone: its slabs went with it
 
-    def _join(self, req, store) -> ExchangeGroup:
+    def _join(self, req, store):
+        from .collective import ExchangeGroup
+
         key = (req.store, req.generation)
         if self._group is not None and self._group[0] == key:
             return self._group[1]
@@ -171,6 +182,8 @@ class ExchangeMember:
 
     def _write(self, batch) -> pb.BatchHandle:
         """``batch`` into one of this server's slabs."""
+        from .tensors import write_tensors
+
         header, flat, metas, total = _header(batch, self.pickle_allowed)
         slab = self.inbound.take(header)  # Refused: a full /dev/shm
         try:
@@ -188,6 +201,8 @@ class ExchangeMember:
 
 def batch_bytes(batch) -> int:
     """The payload bytes of a batch's tensors."""
+    from .tensors import flatten
+
     return sum(t.numel() * t.element_size() for t in flatten(batch, allow_pickle=True)[2])
 
 
@@ -243,6 +258,8 @@ class HostExchange:
                 pass  # that member is gone, and its slabs with it
 
     def _run(self, name, members, sends, transport, timeout_s) -> dict[int, pb.BatchHandle]:
+        from .collective import open_store
+
         store = None
         if transport == "collective":
             if self._store is None or self._store_for != members:

@@ -31,7 +31,7 @@ from .bulkrecv import BulkListener
 from .linkserver import LocalListener
 from .locallink import link_name
 from .delivery import DeliveryFailed, Inbound, Outbound, Refused, metas_to_pb, moved_bytes
-from .tensors import ChunkWriter
+from .chunks import ChunkWriter
 from .wire import add_servicer
 from .cpuslots import HostSlots
 from .pool import WorkerPool

@@ -26,7 +26,7 @@ from .proto import helix_pb2 as pb
 from .proto import helix_pb2_grpc as pbg
 from .rpc import connect
 from .slabpool import SlabPool
-from .tensors import iter_chunks
+from .chunks import iter_chunks
 from .wire import deliver_callable
 
 log = logging.getLogger("helix.delivery")

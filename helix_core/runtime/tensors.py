@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import weakref
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -19,8 +19,7 @@ import torch
 from ..errors import PICKLING
 from .hostmem import fresh_tensor
 
-__all__ = ["INLINE_BYTES", "ChunkWriter", "copy_tensors", "flatten", "iter_chunks", "layout", "read_tensors",
-           "unflatten", "write_tensors"]
+__all__ = ["INLINE_BYTES", "copy_tensors", "flatten", "layout", "read_tensors", "unflatten", "write_tensors"]
 
 INLINE_BYTES = 4096  # tensors smaller than this (bytes) travel inside the message
 _ALIGN = 64  # payload offsets of non-inline tensors (bytes): cache-line and any dtype's alignment
@@ -264,34 +263,3 @@ def copy_tensors(buffer, metas: list[dict]) -> list[torch.Tensor]:
     """Owned copies of the tensors (e.g. to pin or stage on a device); the caller may release the
     slab as soon as this returns."""
     return [t if m["is_inline"] else fresh_tensor(t.shape, t.dtype).copy_(t) for t, m in zip(read_tensors(buffer, metas), metas)]
-
-
-def iter_chunks(payload: memoryview, nbytes: int, chunk_bytes: int = 4 << 20) -> Iterator[memoryview]:
-    """The first `nbytes` of `payload` as chunks of at most `chunk_bytes`: views, no copies (for a
-    gRPC stream, whose serializer makes the one copy)."""
-    if not 0 <= nbytes <= len(payload):
-        raise ValueError(f"iter_chunks: {nbytes} bytes asked, the payload has {len(payload)}")
-    if chunk_bytes <= 0:
-        raise ValueError(f"iter_chunks(chunk_bytes={chunk_bytes}): must be > 0")
-    for start in range(0, nbytes, chunk_bytes):
-        yield payload[start:min(nbytes, start + chunk_bytes)]
-
-
-class ChunkWriter:
-    """Appends stream chunks to `payload` until `total` bytes have arrived."""
-
-    def __init__(self, payload: memoryview, total: int):
-        if not 0 <= total <= len(payload):
-            raise ValueError(f"ChunkWriter: {total} bytes announced, the payload has {len(payload)}")
-        self._payload, self.total, self.written = payload, total, 0
-
-    def write(self, chunk: bytes) -> None:
-        end = self.written + len(chunk)
-        if end > self.total:
-            raise ValueError(f"stream overflow: {end} bytes received, {self.total} announced")
-        self._payload[self.written:end] = chunk
-        self.written = end
-
-    @property
-    def done(self) -> bool:
-        return self.written == self.total
