@@ -213,3 +213,23 @@ def test_a_resumed_rank_never_trades_with_a_rank_still_on_the_run_before(cluster
         assert sorted(i for r in range(2) for i in got[r][k]["index"].tolist()) == \
             sorted(i for r in range(2) for i in want[r][k]["index"].tolist())
     wait_for(lambda: not busy_segments(cluster), what="every slab released")
+
+
+def test_a_dataserver_on_loopback_never_loads_torch_tier_2_or_not():
+    """A DataServer relays slabs as bytes: one that listens on loopback (no other host can reach it,
+    so no Tier-2 row crosses hosts through it) never loads torch — seconds of CPU and ~180 MB less
+    per server. One that listens beyond loopback loads it in the background at start
+    (``test_hosts.py``)."""
+    def torch_loaded(pid: int) -> bool:
+        with open(f"/proc/{pid}/maps") as f:
+            return "libtorch" in f.read()
+
+    with hx.LocalCluster(local_servers=1, workers_per_server=1, config=CFG, token=True) as c:
+        server = c.servers[0].pid
+        with hx.DistributedDataLoader(IndexDataset(8, shape=(4,)), batch_size=2, rank=0, world_size=1,
+                                      coordinator=c.address, token=c.token, config=CFG) as ld:
+            assert len(list(ld)) == 4
+        assert all(torch_loaded(pid) for pid in c.worker_pids(0))  # the workers decode: they have it
+        got, stats = run_ranks(c, skewed(8), 2, {"args": {"seconds_per_unit": 1.0}})  # rounds that trade slabs
+        assert sum(stats[r]["rebalance"].get("moved", 0) for r in range(2)) > 0
+        assert not torch_loaded(server)

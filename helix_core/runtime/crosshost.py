@@ -43,6 +43,10 @@ log = logging.getLogger("helix.crosshost")
 TRANSPORTS = ("collective", "grpc")
 
 
+def _load_row_code() -> None:
+    from . import collective, merge  # noqa: F401  (torch and tensors with them)
+
+
 def meta_dicts(metas) -> list[dict]:
     return [{"dtype": m.dtype, "shape": list(m.shape), "offset": m.offset, "nbytes": m.nbytes,
              "is_inline": m.is_inline, "inline_data": m.inline_data} for m in metas]
@@ -59,7 +63,6 @@ def read_rows(reader, b: pb.BatchHandle, rows, n: int, pickle_allowed: bool, vie
     ``held`` after, before it releases the slab)."""
     from .merge import take_rows
     from .tensors import read_tensors, unflatten
-
     if b.tree_pickle and not pickle_allowed:
         raise ClusterError("a DataServer sent a pickled batch structure to a peer that accepts none")
     handle = _handle(b)
@@ -74,7 +77,6 @@ def read_rows(reader, b: pb.BatchHandle, rows, n: int, pickle_allowed: bool, vie
 
 def _header(batch, pickle_allowed: bool) -> tuple[pb.StreamHeader, list, list[dict], int]:
     from .tensors import flatten, layout
-
     tree_json, tree_pickle, flat = flatten(batch, allow_pickle=pickle_allowed)
     metas, total = layout(flat)
     return pb.StreamHeader(tree_json=tree_json, tree_pickle=tree_pickle, total_bytes=total), flat, metas, total
@@ -89,6 +91,13 @@ class ExchangeMember:
         self.pickle_allowed, self.bind = pickle_allowed, bind
         self._lock = threading.Lock()  # one exchange at a time: a gloo group runs one collective at a time
         self._group: tuple | None = None  # ((store, generation), ExchangeGroup)
+        self._warm: threading.Thread | None = None
+
+    def warm(self) -> None:
+        """Load torch and the row code once, in the background (this server is reachable from other hosts)."""
+        if self._warm is None:
+            self._warm = threading.Thread(target=_load_row_code, name="helix-warm-torch", daemon=True)
+            self._warm.start()
 
     def serve(self, req: pb.ExchangeRequest, store=None) -> pb.ExchangeReply:
         """One member's round; ``store``: the leader's own (in process). ClusterError if it failed."""
@@ -116,9 +125,7 @@ class ExchangeMember:
 
     def _by_grpc(self, req, rows) -> pb.ExchangeReply:
         import torch
-
         from .tensors import write_tensors
-
         reply = pb.ExchangeReply()
         for s, batch in rows:
             header, flat, metas, total = _header(batch, self.pickle_allowed)
@@ -146,7 +153,6 @@ class ExchangeMember:
 
     def _join(self, req, store):
         from .collective import ExchangeGroup
-
         key = (req.store, req.generation)
         if self._group is not None and self._group[0] == key:
             return self._group[1]
@@ -183,7 +189,6 @@ class ExchangeMember:
     def _write(self, batch) -> pb.BatchHandle:
         """``batch`` into one of this server's slabs."""
         from .tensors import write_tensors
-
         header, flat, metas, total = _header(batch, self.pickle_allowed)
         slab = self.inbound.take(header)  # Refused: a full /dev/shm
         try:
@@ -202,7 +207,6 @@ class ExchangeMember:
 def batch_bytes(batch) -> int:
     """The payload bytes of a batch's tensors."""
     from .tensors import flatten
-
     return sum(t.numel() * t.element_size() for t in flatten(batch, allow_pickle=True)[2])
 
 
@@ -259,7 +263,6 @@ class HostExchange:
 
     def _run(self, name, members, sends, transport, timeout_s) -> dict[int, pb.BatchHandle]:
         from .collective import open_store
-
         store = None
         if transport == "collective":
             if self._store is None or self._store_for != members:

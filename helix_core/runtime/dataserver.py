@@ -1,11 +1,10 @@
 """The DataServer: a gRPC service in front of a supervised worker pool (the payload plane).
 
-A local server delivers by shared memory: the reply to ``Execute`` is a small handle naming a slab
-that a worker wrote. A remote ("sidecar") server always sends its batch on — header (structure and
-tensor metadata, small tensors inline), then the raw bytes — to the rank's local DataServer, which
-takes them into one of its own slabs and returns the handle (``runtime/delivery.py``: by the bulk
-path, straight into the slab, or by gRPC's ``Deliver`` stream) — so the client always maps local
-shared memory, and ``cross_ds_bytes`` counts what moved between servers.
+A local server delivers by shared memory: the reply to ``Execute`` is a small handle naming a slab that a
+worker wrote. A remote ("sidecar") server always sends its batch on — header (structure and tensor metadata,
+small tensors inline), then the raw bytes — to the rank's local DataServer, which takes them into one of its
+own slabs and returns the handle (``runtime/delivery.py``: by the bulk path, straight into the slab, or by
+gRPC's ``Deliver`` stream) — so the client always maps local shared memory; ``cross_ds_bytes`` counts what moved.
 """
 from __future__ import annotations
 
@@ -70,8 +69,7 @@ class DataServerServicer(pbg.DataServerServicer):
         self.pool, self.slabs, self.config, self.token = pool, slabs, config, token
         self.address, self.kind, self.tls = address, kind, tls
         self.pickle_allowed = bool(token) if pickle_allowed is None else pickle_allowed
-        self.server_id, self.cluster_id = "", ""
-        self.bulk_port = 0  # the bulk listener's port (0: none)
+        self.server_id, self.cluster_id, self.bulk_port = "", "", 0  # bulk_port: the bulk listener's (0: none)
         # maps of the workers' slabs, kept: they are reused, so a delivery never re-faults their pages
         self.reader = SlabReader()
         self.outbound = Outbound(token, config, tls, self.reader)  # remote: batches on to delivering servers
@@ -234,7 +232,7 @@ def serve_dataserver(coordinator: str, kind: str, local_rank: int, workers: int,
     the address to listen on; ``host_id``: this host's identity (default ``hostid.host_id()``);
     ``tls``: a ``Tls`` for its port and its channels; ``insecure``: beyond loopback without TLS;
     ``advertise``: the name peers dial it by (default ``host``, or the FQDN when ``host`` is a wildcard)."""
-    from .auth import pickle_allowed
+    from .auth import is_loopback, pickle_allowed
     from .hostid import host_id as this_host
     from .rpc import check_hello, create_server
     from .tokenfiles import check_listener as check_coordinator, token_path
@@ -264,6 +262,8 @@ def serve_dataserver(coordinator: str, kind: str, local_rank: int, workers: int,
         raise
     servicer = DataServerServicer(pool, slabs, config, token, address, kind, tls, allow_pickle, host_id)
     servicer.cluster_id = hello.cluster_id
+    if not is_loopback(host):  # reachable from other hosts: Tier-2 rows may cross, so torch loads meanwhile
+        servicer.member.warm()
 
     def commit_round(group: str, run: str, step: int, moved: dict, release: dict, age_s: float) -> bool:
         if not connected(coord_channel):  # (re)connecting: never the token to another user's port
