@@ -19,8 +19,6 @@ from helix_core.emulated_hosts import EmulatedHosts, leftovers
 from helix_core.runtime.tls import write_certificates
 from helix_core.testing import IndexDataset
 
-from dataplane import wait_for
-
 pytestmark = pytest.mark.skipif(EmulatedHosts.unavailable() is not None, reason=str(EmulatedHosts.unavailable()))
 
 HERE = Path(__file__).resolve().parent
@@ -175,9 +173,8 @@ def test_tier2_moves_rows_between_hosts_bit_identical_and_leaves_no_slab(hosts, 
     cluster = Cluster(hosts, tmp_path)
     rebalance = {"args": {"shift": 2, "world": 4}, "round_timeout_s": 5.0, "exchange": exchange}
     try:
-        for role in ("local-a", "local-b", "sidecar"):  # reachable from other hosts: torch loads in the background
-            maps = Path(f"/proc/{cluster.info[role]['pid']}/maps")  # at start, before any round needs it (no PID namespace)
-            wait_for(lambda: "libtorch" in maps.read_text(), 30.0, f"{role} to load torch")
+        for role in ("local-a", "local-b", "sidecar"):  # reachable from other hosts: torch loaded before it serves
+            assert "libtorch" in Path(f"/proc/{cluster.info[role]['pid']}/maps").read_text(), role  # (no PID namespace)
         placement = [("a", 0), ("a", 1), ("b", 0), ("b", 1)]
         results = _results(cluster.ranks(placement, ["least-request"], n=32, rebalance=rebalance))
     finally:

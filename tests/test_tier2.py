@@ -218,7 +218,7 @@ def test_a_resumed_rank_never_trades_with_a_rank_still_on_the_run_before(cluster
 def test_a_dataserver_on_loopback_never_loads_torch_tier_2_or_not():
     """A DataServer relays slabs as bytes: one that listens on loopback (no other host can reach it,
     so no Tier-2 row crosses hosts through it) never loads torch — seconds of CPU and ~180 MB less
-    per server. One that listens beyond loopback loads it in the background at start
+    per server. One that listens beyond loopback loads it at start, before it serves
     (``test_hosts.py``)."""
     def torch_loaded(pid: int) -> bool:
         with open(f"/proc/{pid}/maps") as f:

@@ -37,13 +37,14 @@ from .rpc import connect
 # read, packed or written: every DataServer holds an ``ExchangeMember``, and one that never moves
 # rows across hosts never loads torch (a server's start is ~2 s of CPU shorter without it).
 
-__all__ = ["ExchangeMember", "HostExchange", "meta_dicts", "read_rows", "TRANSPORTS"]
+__all__ = ["ExchangeMember", "HostExchange", "load_row_code", "meta_dicts", "read_rows", "TRANSPORTS"]
 
 log = logging.getLogger("helix.crosshost")
 TRANSPORTS = ("collective", "grpc")
 
 
-def _load_row_code() -> None:
+def load_row_code() -> None:
+    """Import torch and the row code: a DataServer reachable from other hosts does it before it serves."""
     from . import collective, merge  # noqa: F401  (torch and tensors with them)
 
 
@@ -91,13 +92,6 @@ class ExchangeMember:
         self.pickle_allowed, self.bind = pickle_allowed, bind
         self._lock = threading.Lock()  # one exchange at a time: a gloo group runs one collective at a time
         self._group: tuple | None = None  # ((store, generation), ExchangeGroup)
-        self._warm: threading.Thread | None = None
-
-    def warm(self) -> None:
-        """Load torch and the row code once, in the background (this server is reachable from other hosts)."""
-        if self._warm is None:
-            self._warm = threading.Thread(target=_load_row_code, name="helix-warm-torch", daemon=True)
-            self._warm.start()
 
     def serve(self, req: pb.ExchangeRequest, store=None) -> pb.ExchangeReply:
         """One member's round; ``store``: the leader's own (in process). ClusterError if it failed."""

@@ -37,7 +37,7 @@ from .pool import WorkerPool
 from .reader import SlabReader
 from .slabpool import SlabPool
 from .steal import handles
-from .crosshost import ExchangeMember, HostExchange
+from .crosshost import ExchangeMember, HostExchange, load_row_code
 from .tier2 import RoundTable
 
 __all__ = ["DataServerServicer", "serve_dataserver"]
@@ -242,6 +242,8 @@ def serve_dataserver(coordinator: str, kind: str, local_rank: int, workers: int,
         raise ValueError(f"no token for the Coordinator at {coordinator}: pass --token-file FILE or set HELIX_TOKEN "
                          f"(a Coordinator this user started on this machine leaves it in {token_path(coordinator)})")
     host_id = this_host(host_id)
+    if not is_loopback(host):  # reachable from other hosts: Tier-2 rows may cross (torch), loaded before it serves
+        load_row_code()  # (in the background it held the GIL for seconds: heartbeats missed, the server marked dead)
     server, bound = create_server(host, port, token, config, threads=config.server_threads, tls=tls, insecure=insecure)
     allow_pickle = pickle_allowed(host, token, tls, config.allow_pickle)
     coord_channel = connect(coordinator, config, tls, keepalive=False)  # heartbeats: short calls with deadlines
@@ -262,8 +264,6 @@ def serve_dataserver(coordinator: str, kind: str, local_rank: int, workers: int,
         raise
     servicer = DataServerServicer(pool, slabs, config, token, address, kind, tls, allow_pickle, host_id)
     servicer.cluster_id = hello.cluster_id
-    if not is_loopback(host):  # reachable from other hosts: Tier-2 rows may cross, so torch loads meanwhile
-        servicer.member.warm()
 
     def commit_round(group: str, run: str, step: int, moved: dict, release: dict, age_s: float) -> bool:
         if not connected(coord_channel):  # (re)connecting: never the token to another user's port
