@@ -18,7 +18,7 @@ from pathlib import Path
 
 from helix_core.datasets import VideoClipDataset
 
-__all__ = ["CapacityProbe", "TimedClipDataset", "capacity_from_spans", "measure_capacity", "read_decode_log"]
+__all__ = ["CapacityProbe", "TimedClipDataset", "capacity_from_spans", "read_decode_log"]
 
 
 class TimedClipDataset(VideoClipDataset):
@@ -183,7 +183,7 @@ class CapacityProbe:
                  timeout_s: float = 600.0):
         indices = [int(i) for i in indices]
         if decoders < 1 or not indices:
-            raise ValueError(f"measure_capacity needs decoders >= 1 and some indices, got {decoders} and {len(indices)}")
+            raise ValueError(f"CapacityProbe needs decoders >= 1 and some indices, got {decoders} and {len(indices)}")
         missing = sorted(set(indices) - set(yardstick))
         if missing:
             raise ValueError(f"no yardstick for samples {missing[:8]}")
@@ -212,12 +212,12 @@ class CapacityProbe:
                 status, item = self._results.get(timeout=0.5)
             except queue.Empty:
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"measure_capacity: decoders did not finish in {self.timeout_s:g} s") from None
+                    raise TimeoutError(f"CapacityProbe: decoders did not finish in {self.timeout_s:g} s") from None
                 if not all(p.is_alive() for p in self._procs) and self._results.empty():
-                    raise RuntimeError("measure_capacity: a decoder process died without a result") from None
+                    raise RuntimeError("CapacityProbe: a decoder process died without a result") from None
                 continue
             if status == "error":
-                raise RuntimeError(f"measure_capacity: a decoder failed: {item}")
+                raise RuntimeError(f"CapacityProbe: a decoder failed: {item}")
             if status == want:
                 got.append(item)
         return got
@@ -247,9 +247,3 @@ class CapacityProbe:
     def __exit__(self, *exc) -> None:
         self.close()
 
-
-def measure_capacity(dataset_spec: dict, indices: list[int], decoders: int, yardstick: dict[int, float],
-                     timeout_s: float = 600.0) -> float:
-    """One probe of :class:`CapacityProbe`: decoders started, measured once, stopped."""
-    with CapacityProbe(dataset_spec, indices, decoders, yardstick, timeout_s) as probe:
-        return probe.measure()

@@ -1,6 +1,6 @@
 """A payload streamed in chunks (pure memoryviews, no torch): ``iter_chunks`` cuts one for a gRPC
 stream, ``ChunkWriter`` puts one back together in a slab. A DataServer relays batches with these
-alone, so it never loads torch unless rows cross hosts (``crosshost``)."""
+alone: one on loopback never loads torch (only Tier-2 rows that cross hosts need it: ``crosshost``)."""
 from __future__ import annotations
 
 from collections.abc import Iterator
