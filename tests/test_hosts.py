@@ -120,7 +120,9 @@ def test_two_hosts_and_a_sidecar_through_the_cli(hosts, tmp_path):
     cluster = Cluster(hosts, tmp_path)
     try:
         placement = [("a", 0), ("a", 1), ("b", 0), ("b", 1)]  # both hosts' local servers have local rank 0
-        results = _results(cluster.ranks(placement, ["least-request", "deadline"]))
+        # 20 ms a sample keeps a local server busy while its ranks ask ahead, so least-request (which
+        # keeps ties local) spills to the sidecar from both hosts; instant samples left it to chance
+        results = _results(cluster.ranks(placement, ["least-request", "deadline"], delay_s=0.02))
         status = cluster.status()
     finally:
         cluster.close()
