@@ -2,7 +2,8 @@
 must stay flat — the process tree's RSS, /dev/shm segments and bytes, open descriptors, threads —
 and what must stay zero: samples lost or repeated (a benchmark, not a test).
 
-Faults, in turn, one every ``fault_every_s``: SIGKILL a DataServer (it is started again), SIGSTOP a
+Faults, in turn, one every ``fault_every_s`` (with ``faults``, only so many, and the soak ends once
+the clients have run as many epochs as there are clients after the last): SIGKILL a DataServer (it is started again), SIGSTOP a
 DataServer for a few seconds, SIGKILL a worker (its pool respawns it), restart the Coordinator,
 SIGKILL a client (a new one takes its place). Each client is a process that runs epochs of a
 ``DistributedDataLoader`` and reports, per epoch, how many of the sampler's samples it missed or
@@ -52,12 +53,16 @@ class SoakConfig:
     fault_every_s: float = 15.0
     clients: int = 2
     samples: int = 512
+    faults: int = 0  # > 0: end once this many faults are in and the clients ran as many epochs after the last
+
 
     def __post_init__(self):
         if not (self.minutes > 0 and self.report_every_s > 0 and self.fault_every_s > 0):
             raise ValueError("--minutes, --report-every and --fault-every must be > 0")
         if self.clients < 1 or self.samples < self.clients * 4:
             raise ValueError("--clients must be >= 1 and --samples at least 4 per client")
+        if self.faults < 0:
+            raise ValueError(f"--faults {self.faults}: 0 (no limit) or more")
 
 
 class _Client:
@@ -79,6 +84,7 @@ class _Client:
             totals["epochs"] += 1
             totals["lost"] += rec["lost"]
             totals["repeated"] += rec["repeated"]
+            totals["epoch_done"].set()
 
     def stop(self, kill: bool = False) -> None:
         if self.proc.poll() is None:
@@ -150,7 +156,8 @@ def run_soak(cfg: SoakConfig, console=None) -> list[dict]:
                               keepalive_s=0.5, keepalive_timeout_s=1.0, rpc_timeout_s=3.0, execute_timeout_s=120.0,
                               sample_timeout_s=60.0, slab_idle_s=20.0)
     config_json = json.dumps(config.to_dict())
-    totals = {"epochs": 0, "lost": 0, "repeated": 0}
+    totals = {"epochs": 0, "lost": 0, "repeated": 0, "epoch_done": threading.Event()}
+    epochs_at_last_fault = None  # with cfg.faults: the epoch count when the last fault went in
     rows: list[dict] = []
     columns = ("minute", "rss_mb", "segments", "shm_mb", "fds", "threads", "epochs", "lost", "repeated", "faults")
 
@@ -170,13 +177,18 @@ def run_soak(cfg: SoakConfig, console=None) -> list[dict]:
             rows.append(_row(cluster, totals, faults, t0))
             show(rows[-1])
             while time.monotonic() < end:
-                time.sleep(max(0.0, min(next_report, next_fault, end) - time.monotonic()))
+                if epochs_at_last_fault is not None and totals["epochs"] >= epochs_at_last_fault + cfg.clients:
+                    end = time.monotonic()  # every kind of fault asked for is in, and epochs ran after the last
+                totals["epoch_done"].wait(max(0.0, min(next_report, next_fault, end) - time.monotonic()))
+                totals["epoch_done"].clear()
                 now = time.monotonic()
-                if now >= next_fault and now < end:
+                if now >= next_fault and now < end and epochs_at_last_fault is None:
                     kind = FAULTS[faults % len(FAULTS)]
                     _inject(kind, cluster, clients, make_client)
                     faults += 1
                     next_fault = time.monotonic() + cfg.fault_every_s
+                    if cfg.faults and faults >= cfg.faults:
+                        epochs_at_last_fault = totals["epochs"]
                 if now >= next_report or now >= end:
                     rows.append(_row(cluster, totals, faults, t0))
                     show(rows[-1])

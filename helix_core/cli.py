@@ -138,7 +138,7 @@ def _cmd_soak(a, console) -> int:
     from helix_bench.soak import SoakConfig, run_soak
 
     rows = run_soak(SoakConfig(minutes=a.minutes, report_every_s=a.report_every, fault_every_s=a.fault_every,
-                               clients=a.clients), console=console)
+                               clients=a.clients, faults=a.faults), console=console)
     return 0 if rows and rows[-1]["lost"] == 0 and rows[-1]["repeated"] == 0 else 1
 
 
@@ -247,6 +247,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--report-every", type=float, default=120.0, help="seconds between rows")
     s.add_argument("--fault-every", type=float, default=15.0, help="seconds between faults")
     s.add_argument("--clients", type=int, default=2, help="loader processes (ranks of one job)")
+    s.add_argument("--faults", type=int, default=0, help="end after this many faults and an epoch a client after "
+                                                        "them (0: run the minutes)")
     s.set_defaults(fn=_cmd_soak)
     s = sub.add_parser("planner", help="Tier-1 planner: GPU-cost imbalance per window size, and planner time")
     s.add_argument("--workload", default="kinetics-mixed,openvid-mixed", help="comma-separated list")

@@ -8,8 +8,8 @@ import pytest
 
 @pytest.mark.slow
 def test_a_short_soak_cycles_every_fault_and_loses_nothing():
-    done = subprocess.run([sys.executable, "-m", "helix_core.cli", "soak", "--minutes", "1.1", "--fault-every", "10",
-                           "--report-every", "30"], capture_output=True, text=True, timeout=300)
+    done = subprocess.run([sys.executable, "-m", "helix_core.cli", "soak", "--minutes", "3", "--fault-every", "4",
+                           "--faults", "5", "--report-every", "30"], capture_output=True, text=True, timeout=300)
     out = done.stdout
     assert done.returncode == 0, out[-3000:] + done.stderr[-3000:]
     assert "helix soak" in out and "faults" in out and "repeated" in out
@@ -27,3 +27,5 @@ def test_bad_soak_input_is_refused_naming_the_flag():
         SoakConfig(minutes=0)
     with pytest.raises(ValueError, match="--clients"):
         SoakConfig(clients=0)
+    with pytest.raises(ValueError, match="--faults"):
+        SoakConfig(faults=-1)
