@@ -85,7 +85,7 @@ def tier2_rows(run: Mapping) -> tuple[list[str], list[list[str]]]:
     imbalance floor that moves within a step could reach on the steps consumed."""
     headers = ["System", "Rounds", "Moved / kept / alone / error", "Projected gain (s)", "Realised gain (s)",
                "Transfer est. (s)", "Samples moved", "MB moved", "Round wait p50 (s)", "Closed by",
-               "Input wait p50 (s)", "Imbalance → floor"]
+               "Input wait p50 (s)", "Kept: projected / floor gain (s)", "Imbalance → floor"]
     rows = []
     for name, m in _ran(run).items():
         t = m.get("tier2_rounds")
@@ -96,5 +96,6 @@ def tier2_rows(run: Mapping) -> tuple[list[str], list[list[str]]]:
                      str(t["moved_samples"]), _fmt(t["moved_bytes"], ".0f", 1e-6), _fmt_s(t["wait_s_p50"]),
                      ", ".join(f"{k} {v}" for k, v in sorted((t.get("closed_by") or {}).items())) or "n/a",
                      _fmt_s(t.get("input_wait_s_p50")),
+                     f"{_fmt(t.get('kept_projected_gain_s'), '.2f')} / {_fmt(t.get('kept_floor_gain_s'), '.2f')}",
                      f"{_fmt(m.get('imbalance_ratio'), '.3f')} → {_fmt(m.get('imbalance_within_step_floor'), '.3f')}"])
     return headers, rows

@@ -99,7 +99,8 @@ def tier2_rounds(stats_by_rank: list[dict], cost, seconds_per_unit: float) -> di
     step) joined: rounds seen by every rank, by outcome; the gain the leader projected for the rounds
     it moved against the gain realised — the slowest rank's GPU cost (``cost(index)``) before the
     round minus after it, in seconds at ``seconds_per_unit`` — the rounds' wait at the ranks, and the
-    ranks' wait for input per step that the default gate discounted from its projection."""
+    ranks' wait for input per step that the default gate discounted from its projection; for the
+    rounds it kept, the gain it projected against the best within-step deal's (what it passed up)."""
     by_step: dict = {}
     for st in stats_by_rank:
         for rec in st.get("rebalance_rounds") or ():
@@ -107,7 +108,7 @@ def tier2_rounds(stats_by_rank: list[dict], cost, seconds_per_unit: float) -> di
             by_step.setdefault(key, {})[rec.get("rank", len(by_step.get(key, {})))] = rec  # a rank's latest view
     out = {"rounds": 0, "moved": 0, "kept": 0, "alone": 0, "error": 0, "partial": 0, "projected_gain_s": 0.0,
            "realised_gain_s": 0.0, "transfer_s": 0.0, "moved_samples": 0, "moved_bytes": 0, "wait_s_p50": None,
-           "input_wait_s_p50": None, "closed_by": {}}
+           "input_wait_s_p50": None, "closed_by": {}, "kept_floor_gain_s": 0.0, "kept_projected_gain_s": 0.0}
     waits, input_waits = [], []
     for views in by_step.values():
         recs = list(views.values())
@@ -122,6 +123,17 @@ def tier2_rounds(stats_by_rank: list[dict], cost, seconds_per_unit: float) -> di
         out[kind if kind in out else "error"] += 1
         if kind in ("kept", "moved"):  # rounds a policy decided: the wait per step the default gate discounted
             input_waits.append(recs[0].get("input_wait_s", 0.0))
+        if kind == "kept" and all(r["before"] and min(r["before"]) >= 0 for r in recs):
+            # what the gate passed up: the slowest rank now against the best within-step deal of the round
+            from helix_core.planning.rebalance import lpt_within_steps
+
+            feats = [{"cost": float(cost(i)), "rank": k, "step": 0} for k, r in enumerate(recs) for i in r["before"]]
+            best = [0.0] * len(recs)
+            for f, to in zip(feats, lpt_within_steps(feats)):
+                best[to] += f["cost"]
+            now = max(sum(cost(i) for i in r["before"]) for r in recs)
+            out["kept_floor_gain_s"] += max(0.0, now - max(best)) * seconds_per_unit
+            out["kept_projected_gain_s"] += recs[0]["gain_s"]
         if kind != "moved" or any(not r["before"] or min(r["before"] + r["after"]) < 0 for r in recs):
             continue  # (a round whose samples a rank did not name cannot be costed)
         slowest = [max(sum(cost(i) for i in r[side]) for r in recs) for side in ("before", "after")]

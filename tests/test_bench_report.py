@@ -135,11 +135,13 @@ def test_tier2_rounds_join_the_ranks_views_and_the_report_shows_projected_agains
                 "moved_bytes": 100 * sum(i not in before for i in after), "crossed_bytes": 0,
                 "before": before, "after": after}
 
-    ranks = [  # step 0: rank 0 held both heavy samples (20 vs 2) and traded one; step 1 kept; step 2 one rank only
+    # step 0: rank 0 held both heavy samples (20 vs 2) and traded one; step 1 kept (10 vs 4, where the best deal
+    # gives 7 and 7: the gate passed up 3 units); step 2 one rank only
+    ranks = [
         {"rebalance_rounds": [view(0, "moved", [0, 2], [0, 3], gain=8.0, input_wait=0.1),
-                              view(1, "kept", [4, 6], [4, 6], input_wait=0.3), view(2, "alone", [0, 1], [0, 1])]},
+                              view(1, "kept", [4, 5], [4, 5], gain=0.4, input_wait=0.3), view(2, "alone", [0, 1], [0, 1])]},
         {"rebalance_rounds": [view(0, "moved", [1, 3], [1, 2], gain=8.0, input_wait=0.1),
-                              view(1, "kept", [5, 7], [5, 7], input_wait=0.3)]},
+                              view(1, "kept", [6, 7], [6, 7], gain=0.4, input_wait=0.3)]},
     ]
     t = tier2_rounds(ranks, cost, seconds_per_unit=0.5)
     assert (t["rounds"], t["moved"], t["kept"], t["partial"]) == (2, 1, 1, 1)
@@ -148,10 +150,11 @@ def test_tier2_rounds_join_the_ranks_views_and_the_report_shows_projected_agains
     assert t["moved_samples"] == 2 and t["moved_bytes"] == 200
     assert t["input_wait_s_p50"] == pytest.approx(0.2)  # the waits the gate discounted in the decided rounds
     assert t["closed_by"] == {"complete": 5}  # each rank's view of each step's round, partial ones too
+    assert t["kept_projected_gain_s"] == pytest.approx(0.4) and t["kept_floor_gain_s"] == pytest.approx(3 * 0.5)
 
     r = run()
     r["systems"]["helix"]["tier2_rounds"] = t
     r["systems"]["helix"]["imbalance_within_step_floor"] = 1.02
     md = write_report(tmp_path, [r])["report.md"].read_text()
     assert "Tier-2 rounds" in md and "| 1 / 1 / 0 / 0 |" in md and "| 8.00 | 4.50 |" in md and "→ 1.020" in md
-    assert "| complete 5 |" in md
+    assert "| complete 5 |" in md and "| 0.40 / 1.50 |" in md

@@ -33,7 +33,8 @@ __all__ = ["STEP_STRIDE", "RoundLost", "Tier2", "policy_spec", "rebalance_group"
 log = logging.getLogger("helix.tier2")
 
 STEP_STRIDE = 1 << 32  # a global step is epoch * STEP_STRIDE + the batch's position in the epoch
-WAIT_STEPS = 16  # a rank's wait for input is the mean of its last this many batches
+WAIT_STEPS = 6  # a rank's wait for input is the mean of its last this many batches (short, so the
+# start-up's waits, before the prefetch window first fills, leave it within a few steps)
 
 
 class RoundLost(Exception):
