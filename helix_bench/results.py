@@ -8,6 +8,8 @@ import os
 
 import numpy as np
 
+from helix_core.planning.rebalance import lpt_within_steps
+
 from .ranks import BALANCED
 
 __all__ = ["RAY_MODES", "system_result", "tier2_rounds"]
@@ -83,15 +85,17 @@ def system_result(system, cfg, got, m, expected, spans, bound, decode, units, lo
         spu = sum(r.compute_s for r in records) / work if work > 0 else 0.0
         out["tier2_rounds"] = tier2_rounds(stats_by_rank, units.__getitem__, spu)
     if system in BALANCED:  # the best any within-step move keeps-batch-size policy could do with these steps
-        from helix_core.planning.rebalance import lpt_within_steps
-
-        best = []
-        for step in steps:
-            feats = [{"cost": float(units[i]), "rank": r, "step": 0, "i": i} for r, b in enumerate(step) for i in b]
-            to = lpt_within_steps(feats)
-            best.append([[f["i"] for f, t in zip(feats, to) if t == r] for r in range(len(step))])
+        best = [_best_deal(step, units.__getitem__) for step in steps]
         out["imbalance_within_step_floor"] = imbalance_ratio(best, units.__getitem__)
     return out
+
+
+def _best_deal(step: list[list[int]], cost) -> list[list[int]]:
+    """One step's samples (a list of indices per rank) dealt again by equal-count LPT of ``cost(index)``:
+    the best a within-step move that keeps every rank's batch size could do."""
+    feats = [{"cost": float(cost(i)), "rank": r, "step": 0, "i": i} for r, b in enumerate(step) for i in b]
+    to = lpt_within_steps(feats)
+    return [[f["i"] for f, t in zip(feats, to) if t == r] for r in range(len(step))]
 
 
 def tier2_rounds(stats_by_rank: list[dict], cost, seconds_per_unit: float) -> dict:
@@ -125,14 +129,9 @@ def tier2_rounds(stats_by_rank: list[dict], cost, seconds_per_unit: float) -> di
             input_waits.append(recs[0].get("input_wait_s", 0.0))
         if kind == "kept" and all(r["before"] and min(r["before"]) >= 0 for r in recs):
             # what the gate passed up: the slowest rank now against the best within-step deal of the round
-            from helix_core.planning.rebalance import lpt_within_steps
-
-            feats = [{"cost": float(cost(i)), "rank": k, "step": 0} for k, r in enumerate(recs) for i in r["before"]]
-            best = [0.0] * len(recs)
-            for f, to in zip(feats, lpt_within_steps(feats)):
-                best[to] += f["cost"]
-            now = max(sum(cost(i) for i in r["before"]) for r in recs)
-            out["kept_floor_gain_s"] += max(0.0, now - max(best)) * seconds_per_unit
+            slowest = [max(sum(cost(i) for i in b) for b in deal)
+                       for deal in ([r["before"] for r in recs], _best_deal([r["before"] for r in recs], cost))]
+            out["kept_floor_gain_s"] += max(0.0, slowest[0] - slowest[1]) * seconds_per_unit
             out["kept_projected_gain_s"] += recs[0]["gain_s"]
         if kind != "moved" or any(not r["before"] or min(r["before"] + r["after"]) < 0 for r in recs):
             continue  # (a round whose samples a rank did not name cannot be costed)

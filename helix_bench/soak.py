@@ -3,8 +3,8 @@ must stay flat — the process tree's RSS, /dev/shm segments and bytes, open des
 and what must stay zero: samples lost or repeated (a benchmark, not a test).
 
 Faults, in turn, one every ``fault_every_s`` (with ``faults``, only so many, and the soak ends once
-the clients have run as many epochs as there are clients after the last): SIGKILL a DataServer (it is started again), SIGSTOP a
-DataServer for a few seconds, SIGKILL a worker (its pool respawns it), restart the Coordinator,
+the clients have run as many epochs as there are clients after the last): SIGKILL a DataServer (it
+is started again), SIGSTOP a DataServer for a few seconds, SIGKILL a worker (its pool respawns it), restart the Coordinator,
 SIGKILL a client (a new one takes its place). Each client is a process that runs epochs of a
 ``DistributedDataLoader`` and reports, per epoch, how many of the sampler's samples it missed or
 saw twice.
@@ -12,6 +12,7 @@ saw twice.
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -54,7 +55,6 @@ class SoakConfig:
     clients: int = 2
     samples: int = 512
     faults: int = 0  # > 0: end once this many faults are in and the clients ran as many epochs after the last
-
 
     def __post_init__(self):
         if not (self.minutes > 0 and self.report_every_s > 0 and self.fault_every_s > 0):
@@ -182,13 +182,14 @@ def run_soak(cfg: SoakConfig, console=None) -> list[dict]:
                 totals["epoch_done"].wait(max(0.0, min(next_report, next_fault, end) - time.monotonic()))
                 totals["epoch_done"].clear()
                 now = time.monotonic()
-                if now >= next_fault and now < end and epochs_at_last_fault is None:
+                if now >= next_fault and now < end:
                     kind = FAULTS[faults % len(FAULTS)]
                     _inject(kind, cluster, clients, make_client)
                     faults += 1
                     next_fault = time.monotonic() + cfg.fault_every_s
                     if cfg.faults and faults >= cfg.faults:
                         epochs_at_last_fault = totals["epochs"]
+                        next_fault = math.inf  # no more: wait for epochs (or a report), not for a fault
                 if now >= next_report or now >= end:
                     rows.append(_row(cluster, totals, faults, t0))
                     show(rows[-1])
