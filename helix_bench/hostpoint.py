@@ -65,7 +65,13 @@ def _routed(hosts, coordinator: str, env: dict) -> dict:
 
 def _run_point(cfg: HostBenchConfig, hosts, system: str, k: int, plan, tmp: Path, env: dict) -> dict:
     """One system at one sidecar count: services (helix), the ranks; their records and stats."""
+    from .hostcpu import HostCpuSampler
+
     services, local_pids = [], []
+    roles: dict[str, dict[str, list[int]]] = {}  # host -> role -> pids (hostcpu.py)
+
+    def role(host: str, name: str, pid: int) -> None:
+        roles.setdefault(host, {}).setdefault(name, []).append(pid)
     try:
         helix = system != "native"
         if helix:
@@ -74,6 +80,7 @@ def _run_point(cfg: HostBenchConfig, hosts, system: str, k: int, plan, tmp: Path
             coord, info = _start_service(hosts, "h0", ["coordinator", "--host", hosts.address("h0"), "--port",
                                                        str(7100 + k)], env)
             services.append(coord)
+            role("h0", "coordinator", info["pid"])
             workers = max(1, math.ceil(cfg.host_cpus))
             for h in range(cfg.hosts):
                 proc, sinfo = _start_service(hosts, f"h{h}", ["dataserver", "--coordinator", info["address"],
@@ -81,11 +88,14 @@ def _run_point(cfg: HostBenchConfig, hosts, system: str, k: int, plan, tmp: Path
                                                               "--host", hosts.address(f"h{h}"), *extra], env)
                 services.append(proc)
                 local_pids.append(sinfo["pid"])
+                role(f"h{h}", "dataserver", sinfo["pid"])
             for s in range(k):
-                services.append(_start_service(hosts, f"s{s}", ["dataserver", "--coordinator", info["address"],
-                                                                 "--remote", "--workers",
-                                                                 str(max(1, math.ceil(cfg.sidecar_cpus))),
-                                                                 "--host", hosts.address(f"s{s}"), *extra], env)[0])
+                proc, sinfo = _start_service(hosts, f"s{s}", ["dataserver", "--coordinator", info["address"],
+                                                              "--remote", "--workers",
+                                                              str(max(1, math.ceil(cfg.sidecar_cpus))),
+                                                              "--host", hosts.address(f"s{s}"), *extra], env)
+                services.append(proc)
+                role(f"s{s}", "dataserver", sinfo["pid"])
             plan = replace(plan, coordinator=info["address"])
         plan = replace(plan, system="helix" if system == "helix-grpc" else system, port=29700 + 10 * k + helix)
         ranks = []
@@ -94,10 +104,14 @@ def _run_point(cfg: HostBenchConfig, hosts, system: str, k: int, plan, tmp: Path
             argv = [sys.executable, "-m", "helix_bench.hostrank", json.dumps(asdict(plan)), str(r), str(out)]
             ranks.append((hosts.popen(f"h{r // cfg.ranks_per_host}", argv,
                                       env={**env, "LOCAL_RANK": str(r % cfg.ranks_per_host)}), out))
+            role(f"h{r // cfg.ranks_per_host}", "ranks", ranks[-1][0].pid)  # sh execs nsenter execs python: one pid
         results = []
-        for proc, out in ranks:
-            proc.wait(timeout=1800)
-            results.append(json.loads(out.read_text()) if out.exists() else {"kind": "error", "payload": "no result"})
+        quotas = {h: (cfg.host_cpus if h.startswith("h") else cfg.sidecar_cpus) for h in roles}
+        # the decode workers are the DataServers' children (helix) or the ranks' (native's DataLoader workers)
+        with HostCpuSampler(hosts, roles, quotas, children_as={"dataserver": "decode", "ranks": "decode"}) as cpu:
+            for proc, out in ranks:
+                proc.wait(timeout=1800)
+                results.append(json.loads(out.read_text()) if out.exists() else {"kind": "error", "payload": "no result"})
         failed = [(r, g) for r, g in enumerate(results) if g["kind"] != "ok"]
         if failed:  # the rank that failed first, not those whose collective lost it as a peer
             rank, got = next(((r, g) for r, g in failed if "closed by peer" not in str(g["payload"])), failed[0])
@@ -121,6 +135,9 @@ def _run_point(cfg: HostBenchConfig, hosts, system: str, k: int, plan, tmp: Path
                     tier2[key] = tier2.get(key, 0) + n
         if tier2:
             routed["tier2"] = tier2
+        spans = [g["extra"].get("measured_monotonic") for g in results if g["extra"].get("measured_monotonic")]
+        if spans:  # the measured steps, from the first rank's start to the last rank's end
+            routed["host_cpu"] = cpu.window(min(a for a, _ in spans), max(b for _, b in spans))
         return {"records": [rec for g in results for rec in g["payload"]], "placement_reasons": reasons, **routed,
                 "cross_ds_bytes": sum(int(g["extra"].get("stats", {}).get("cross_ds_bytes", 0) or 0) for g in results)}
     finally:

@@ -6,6 +6,64 @@ import json
 from pathlib import Path
 
 
+_ROLES = ("decode", "dataserver", "ranks", "coordinator")
+
+
+def _cpu_table(points: list[dict]) -> list[str]:
+    """Where each kind of host's CPU went over the measured steps (``hostcpu.py``): what its quota
+    allowed, what it used and in which role, and how long the quota held it back."""
+    from .hostcpu import summarize
+
+    rows = []
+    for p in points:
+        for kind, name in (("h", "GPU hosts"), ("s", "sidecars")):
+            t = summarize(p.get("host_cpu") or {}, kind)
+            if not t or not t["quota_s"]:
+                continue
+            share = " | ".join(f"{t['roles'].get(r, 0.0):.1f}" for r in _ROLES)
+            rows.append(f"| {p['system']} | {p['sidecars']} | {name} ({t['hosts']}) | {t['quota_s']:.1f} | "
+                        f"{t['used_s']:.1f} ({100 * t['used_s'] / t['quota_s']:.0f} %) | {share} | {t['other_s']:.1f} | "
+                        f"{100 * t['throttled_periods'] / max(1.0, t['periods']):.0f} |")
+    if not rows:
+        return []
+    return [*_factors(points), "", "Where the CPU went over the measured steps (CPU-s; the roles count their children: a DataServer's "
+            "decode workers, a native rank's DataLoader workers, under decode; other is what the host used outside "
+            "those processes: kernel work charged to it, such as moving packets between namespaces; throttled is the share of the quota's 100 ms "
+            "periods in which a host ran out of it):", "",
+            "| System | Sidecars | Hosts | Quota | Used | Decode | DataServer | Ranks | Coordinator | Other "
+            "| Throttled (%) |", "|---|---|---|---|---|---|---|---|---|---|---|", *rows]
+
+
+def _factors(points: list[dict]) -> list[str]:
+    """Each point's throughput against the CPU it may use (its quotas at the yardstick's decode
+    rate), as three factors whose product it is: the share of the quotas used, the share of that
+    spent by the decode workers, and their efficiency (the yardstick's CPU-s per sample over the
+    run's). What is left of 100 % in each says which term holds the point."""
+    from .hostcpu import summarize
+
+    rows = []
+    for p in points:
+        kinds = [summarize(p.get("host_cpu") or {}, k) for k in ("h", "s")]
+        kinds = [t for t in kinds if t and t["quota_s"]]
+        if not kinds or not p.get("cpu_bound_sps"):
+            continue
+        quota, used = sum(t["quota_s"] for t in kinds), sum(t["used_s"] for t in kinds)
+        decode = sum(t["roles"].get("decode", 0.0) for t in kinds)
+        window = kinds[0]["window_s"] / kinds[0]["hosts"]
+        per_sample = p["cpu_bound_sps"] * window / quota  # samples per CPU-s at the yardstick's rate
+        efficiency = p["throughput_sps"] * window / decode / per_sample if decode else 0.0
+        rows.append(f"| {p['system']} | {p['sidecars']} | {p['cpu_bound_sps']:.2f} | {100 * used / quota:.0f} | "
+                    f"{100 * decode / used:.0f} | {100 * efficiency:.0f} | "
+                    f"{100 * p['throughput_sps'] / p['cpu_bound_sps']:.0f} |")
+    if not rows:
+        return []
+    return ["", "Throughput against the CPU each system may use (CPU bound: its quotas at the yardstick's decode "
+            "rate), as the product of three shares over the measured steps: the quotas used, the decode workers' "
+            "part of that, and their efficiency (the yardstick's CPU-s per sample over the run's):", "",
+            "| System | Sidecars | CPU bound (samples/s) | Quota used (%) | Decode workers' part (%) "
+            "| Decode efficiency (%) | Throughput (% of CPU bound) |", "|---|---|---|---|---|---|---|", *rows]
+
+
 def _write(result: dict, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(result, indent=2))
@@ -48,6 +106,7 @@ def _write(result: dict, out: Path) -> None:
             lines.append(f"| {p['sidecars']} | {t.get('asked', 0):.0f} | {t.get('moved', 0):.0f} / {t.get('kept', 0):.0f} | "
                          f"{t.get('moved_in', 0):.0f} | "
                          f"{t.get('moved_bytes', 0) / 1e6:.1f} | {across:.0f} | {t.get('crossed_bytes', 0) / 1e6:.1f} |")
+    lines += _cpu_table(result["points"])
     lines += ["", "![Throughput and bound against sidecars](fig_sidecars.png)", ""]
     (out / "report.md").write_text("\n".join(lines))
     import matplotlib

@@ -172,6 +172,7 @@ def run_hosts_bench(cfg: HostBenchConfig, out_dir, console=None) -> dict:
             points.append({"system": system, "sidecars": k, "round": rnd // len(runs), "cpus": cpus_used,
                            "decode_s": decode_s,
                            "throughput_sps": samples / wall,
+                           "cpu_bound_sps": cpus_used * len(flat) / decode_s,  # one yardstick decoder per CPU
                            "bound_sps": bound_sps, "bound_fraction": samples / wall / bound_sps,
                            "limited_by": bound.limited_by, "cross_ds_bytes": got["cross_ds_bytes"],
                            "link_utilisation": (crossed * 8 / wall / (cfg.link_mbps * 1e6)
@@ -182,7 +183,7 @@ def run_hosts_bench(cfg: HostBenchConfig, out_dir, console=None) -> dict:
                            "placement_reasons": got["placement_reasons"],
                            **{k: got[k] for k in ("routed", "routed_remote", "server_cross_ds_bytes", "bulk_bytes",
                                                   "local_dataserver_cpu_s", "deadline_p50_s", "window_s_per_unit",
-                                                  "tier2")
+                                                  "tier2", "host_cpu")
                                                   if k in got}})
             say(f"    {points[-1]['throughput_sps']:.2f} samples/s, {points[-1]['bound_fraction']:.0%} of the bound")
     result = {"config": {**asdict(cfg), "sidecars": list(cfg.sidecars), "systems": list(cfg.systems)},

@@ -132,7 +132,10 @@ def rank_main(rank: int, plan: RankPlan, results, progress) -> None:
                 device = f"cuda:{rank % max(torch.cuda.device_count(), 1)}"
             model = ModelCompute(device, seed=plan.seed)
         records, it = [], _batches(loader, set_epoch)
+        measured = [0.0, 0.0]  # time.monotonic at the measured steps' start and end (hostcpu.py's window)
         for step in range(plan.warmup + plan.steps):
+            if step == plan.warmup:
+                measured[0] = time.monotonic()
             t0 = time.perf_counter()
             batch = next(it)
             t1 = time.perf_counter()
@@ -154,7 +157,8 @@ def rank_main(rank: int, plan: RankPlan, results, progress) -> None:
                                 "indices": batch["index"].tolist()})
             progress.put((plan.system, rank, step + 1))
             del batch
-        extra = {"stats": loader.stats() if hasattr(loader, "stats") else {},
+        measured[1] = time.monotonic()
+        extra = {"stats": loader.stats() if hasattr(loader, "stats") else {}, "measured_monotonic": measured,
                  "batch_ready_s": loader.batch_ready_s()[plan.warmup:plan.warmup + plan.steps] if hasattr(loader, "batch_ready_s") else []}
         dist.barrier()
         results.put(("ok", rank, records, extra))

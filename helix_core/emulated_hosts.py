@@ -25,7 +25,8 @@ from collections.abc import Mapping, Sequence
 
 __all__ = ["EmulatedHosts", "leftovers"]
 
-_CGROUP_CPU = "/sys/fs/cgroup/cpu"
+_CGROUP_CPU = "/sys/fs/cgroup/cpu"  # the quota (cfs_quota_us) and its throttling (cpu.stat)
+_CGROUP_ACCT = "/sys/fs/cgroup/cpuacct"  # the CPU a host used (cpuacct.usage), every host
 _NAME = re.compile(r"^[a-z][a-z0-9-]{0,19}$")
 _PREFIX = "hx"  # every namespace and cgroup made here: hx<tag>-<name>
 
@@ -42,8 +43,9 @@ def leftovers(tag: str) -> list[str]:
     left = []
     netns = _sh("ip", "netns", "list", check=False).stdout.split()
     left += [f"netns {n}" for n in netns if n.startswith(f"{_PREFIX}{tag}-")]
-    if os.path.isdir(_CGROUP_CPU):
-        left += [f"cgroup {n}" for n in os.listdir(_CGROUP_CPU) if n.startswith(f"{_PREFIX}{tag}-")]
+    for root in (_CGROUP_CPU, _CGROUP_ACCT):
+        if os.path.isdir(root):
+            left += [f"cgroup {root}/{n}" for n in os.listdir(root) if n.startswith(f"{_PREFIX}{tag}-")]
     ps = _sh("ps", "-eo", "pid,args", check=False).stdout.splitlines()
     left += [f"process {line.strip()}" for line in ps if f"helix-host-{tag}-" in line]
     return left
@@ -145,6 +147,10 @@ class EmulatedHosts:
                 burst = max(16_384, int(rate * 1e6 / 8 / 100))  # 10 ms of the rate, at least 16 KiB
                 _sh("ip", "netns", "exec", where, "tc", "qdisc", "add", "dev", dev, "root", "tbf",
                     "rate", f"{rate}mbit", "burst", str(burst), "latency", "100ms")
+        if os.path.isdir(_CGROUP_ACCT):  # what the host's processes use, quota or not
+            acct = os.path.join(_CGROUP_ACCT, ns)
+            os.mkdir(acct)
+            self._cgroups.append(acct)
         if name in self.cpus:
             cg = os.path.join(_CGROUP_CPU, ns)
             os.mkdir(cg)
@@ -168,10 +174,32 @@ class EmulatedHosts:
         if name not in self._holders:
             raise ValueError(f"EmulatedHosts: no host {name!r}; hosts: {self.names}")
         enter = ["nsenter", "-t", str(self._holders[name].pid), "-n", "-m", "-u", "--", *map(str, argv)]
-        if name in self.cpus:  # join the host's cgroup first, so every child inherits the quota
-            procs = os.path.join(_CGROUP_CPU, self.ns(name), "cgroup.procs")
-            return ["sh", "-c", f'echo $$ > {procs} && exec "$@"', "sh", *enter]
+        # join the host's cgroups first, so every child inherits the quota and is counted
+        joins = [os.path.join(root, self.ns(name), "cgroup.procs") for root in (_CGROUP_CPU, _CGROUP_ACCT)
+                 if (root == _CGROUP_ACCT or name in self.cpus) and os.path.isdir(os.path.join(root, self.ns(name)))]
+        if joins:
+            return ["sh", "-c", "".join(f"echo $$ > {p} && " for p in joins) + 'exec "$@"', "sh", *enter]
         return enter
+
+    def cpu_seconds(self, name: str) -> dict[str, float]:
+        """CPU-seconds the processes started on host ``name`` used so far (``used_s``, kernel time
+        charged to them included); with a quota, the time it held them back (``throttled_s``, summed
+        over the CPUs), its periods with work (``periods``) and those that ran out of quota
+        (``throttled_periods``); 0 without one. Counters: read them before and after what you measure."""
+        if name not in self._holders:
+            raise ValueError(f"EmulatedHosts: no host {name!r}; hosts: {self.names}")
+        used = throttled = periods = held = 0.0
+        acct = os.path.join(_CGROUP_ACCT, self.ns(name), "cpuacct.usage")
+        if os.path.exists(acct):
+            with open(acct) as f:
+                used = int(f.read()) / 1e9
+        stat = os.path.join(_CGROUP_CPU, self.ns(name), "cpu.stat")
+        if name in self.cpus and os.path.exists(stat):
+            with open(stat) as f:
+                fields = dict(line.split() for line in f if line.strip())
+            throttled = int(fields.get("throttled_time", 0)) / 1e9  # summed over the CPUs' run queues
+            periods, held = float(fields.get("nr_periods", 0)), float(fields.get("nr_throttled", 0))
+        return {"used_s": used, "throttled_s": throttled, "periods": periods, "throttled_periods": held}
 
     def popen(self, name: str, argv: Sequence[str], **kwargs) -> subprocess.Popen:
         """Start ``argv`` on host ``name`` (its own session; killed, with its group, at ``close()``)."""

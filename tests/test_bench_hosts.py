@@ -108,3 +108,35 @@ def test_sigterm_to_the_host_bench_stops_its_hosts_and_services(tmp_path):
     ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
     assert str(tmp_path) not in ps and "helix_bench.hostrank" not in ps
     assert not (tmp_path / "out" / "results.json").exists()  # no half-written report
+
+
+def test_the_cpu_of_the_measured_steps_is_read_between_samples_and_added_up_by_kind_of_host(tmp_path):
+    """hostcpu.py: counters interpolated at the measured steps' ends; the report's table says
+    what each kind of host's quota allowed, used, spent per role and how long it was held back."""
+    from helix_bench.hostcpu import HostCpuSampler, summarize
+    from helix_bench.hostreport import _cpu_table
+
+    sampler = HostCpuSampler(hosts=None, roles={}, quotas={"h0": 0.5, "h1": 0.5, "s0": 0.5})
+
+    def row(used, throttled, decode):
+        return {"used_s": used, "throttled_s": throttled, "periods": 10 * used, "throttled_periods": throttled,
+                "roles": {"decode": decode, "ranks": used / 10}}
+    sampler.samples = [(10.0, {h: row(0.0, 0.0, 0.0) for h in ("h0", "h1", "s0")}),
+                       (20.0, {h: row(5.0, 4.0, 4.0) for h in ("h0", "h1", "s0")}),
+                       (30.0, {**{h: row(10.0, 8.0, 8.0) for h in ("h0", "h1")}, "s0": row(6.0, 4.0, 4.5)})]
+    got = sampler.window(15.0, 25.0)  # halfway into the first interval, halfway into the second
+    assert got["h0"] == {"window_s": 10.0, "quota_s": 5.0, "used_s": 5.0, "throttled_s": 4.0, "periods": 50.0,
+                         "throttled_periods": 4.0, "roles": {"decode": 4.0, "ranks": 0.5}, "other_s": 0.5}
+    assert got["s0"]["used_s"] == 0.5 * 5.0 + 0.5 * 1.0  # 2.5 -> 5.5: the sidecar slowed down
+    gpu = summarize(got, "h")
+    assert gpu["hosts"] == 2 and gpu["quota_s"] == 10.0 and gpu["used_s"] == 10.0 and gpu["roles"]["decode"] == 8.0
+    assert summarize(got, "s")["hosts"] == 1 and summarize(got, "x") is None
+    # 1.5 CPUs at the yardstick's 0.1 CPU-s per sample: 15 samples/s; the run's 9 took 15 CPU-s of 13 used
+    point = {"system": "helix", "sidecars": 1, "cpus": 1.5, "host_cpu": got, "cpu_bound_sps": 15.0, "throughput_sps": 9.0}
+    table = "\n".join(_cpu_table([point]))
+    assert "| helix | 1 | GPU hosts (2) | 10.0 | 10.0 (100 %) | 8.0 | 0.0 | 1.0 | 0.0 | 1.0 | 8 |" in table
+    assert "| helix | 1 | sidecars (1) | 5.0 | 3.0 (60 %) |" in table
+    # the three shares whose product is the throughput against the CPU bound: 13 of 15 CPU-s used, 10.25 of
+    # them decoding, at 90 samples / 10.25 CPU-s against the yardstick's 10 per CPU-s
+    assert "| helix | 1 | 15.00 | 87 | 79 | 88 | 60 |" in table
+    assert _cpu_table([{"system": "helix", "sidecars": 0, "cpus": 1.0}]) == []  # no counters: no table
