@@ -1,12 +1,15 @@
 """Where the emulated hosts' CPU went during a point's measured steps (``helix bench --hosts``).
 
 A sampler thread reads, twice a second, each host's counters (``EmulatedHosts.cpu_seconds``: the
-CPU its processes used, kernel time charged to them included, and the time its quota held them
-back) and the CPU time of the processes of each role on it (decode workers, the DataServer, the
-ranks, the Coordinator; a role's children are counted with it). ``window(t0, t1)`` interpolates
-them at the measured steps' start and end (``time.monotonic``, which the ranks share), so start-up
-and imports stay out. What a host used beyond its roles is ``other``: kernel work charged to it
-(forwarding between namespaces, most of it) and short-lived helpers.
+CPU its processes used and how often its quota held them back) and the CPU time of the processes
+of each role on it (the DataServer, the ranks, the Coordinator; the children of a DataServer or a
+rank count as ``decode``: its decode workers, or a native rank's DataLoader workers).
+``window(t0, t1)`` interpolates them at the measured steps' start and end (``time.monotonic``,
+which the ranks share), so start-up and imports stay out. What a host used beyond its roles is
+``other``: processes not tracked, children that exited after their last sample, and the skew of
+reading the counters a moment before the processes. Kernel work done in a process's own context
+(sending and receiving through the namespaces' veths, mostly) counts in its role; work in
+``ksoftirqd`` counts in no host's.
 """
 from __future__ import annotations
 
@@ -37,6 +40,7 @@ class HostCpuSampler:
         self._seen: dict[tuple[str, str, int], float] = {}  # (host, role, pid) -> its last CPU time
         self._procs: dict[int, object] = {}
         self._stop = threading.Event()
+        self.error: BaseException | None = None  # what stopped the sampling early (window() is then empty)
         self._thread = threading.Thread(target=self._run, name="helix-hostcpu", daemon=True)
 
     def __enter__(self) -> "HostCpuSampler":
@@ -46,13 +50,20 @@ class HostCpuSampler:
     def __exit__(self, *exc) -> None:
         self._stop.set()
         self._thread.join(timeout=10)
-        self._sample()
+        if not self._thread.is_alive() and self.error is None:
+            self._run_once()  # the last reading: the measured steps' end lies before it
 
     def _run(self) -> None:
-        while True:
+        while self._run_once() and not self._stop.wait(PERIOD_S):
+            pass
+
+    def _run_once(self) -> bool:
+        try:
             self._sample()
-            if self._stop.wait(PERIOD_S):
-                return
+            return True
+        except Exception as e:  # a counter that can't be read: no figures, rather than wrong ones
+            self.error = e
+            return False
 
     def _proc(self, pid: int):
         import psutil
@@ -91,13 +102,15 @@ class HostCpuSampler:
     def window(self, t0: float, t1: float) -> dict[str, dict]:
         """Per host over ``[t0, t1]``: ``window_s`` (``t1 - t0``), ``quota_s`` (its quota times the window; None without one),
         the counters' growth (``EmulatedHosts.cpu_seconds``), ``roles`` (CPU-s per role) and ``other_s``."""
-        if len(self.samples) < 2 or t1 <= t0:
+        if self.error is not None or len(self.samples) < 2 or t1 <= t0:
             return {}
         a, b = self._at(t0), self._at(t1)
         out = {}
         for host in b:
             roles = {r: b[host]["roles"].get(r, 0.0) - a.get(host, {}).get("roles", {}).get(r, 0.0)
                      for r in b[host]["roles"]}
+            if b[host]["used_s"] is None:  # no cpuacct controller here
+                continue
             used = b[host]["used_s"] - a[host]["used_s"]
             quota = self.quotas.get(host)
             out[host] = {"window_s": t1 - t0, "quota_s": quota * (t1 - t0) if quota else None, "used_s": used,
@@ -112,8 +125,8 @@ class HostCpuSampler:
         (ta, ra), (tb, rb) = self.samples[k - 1], self.samples[k]
         w = min(1.0, max(0.0, (t - ta) / (tb - ta))) if tb > ta else 1.0
 
-        def mix(x: float, y: float) -> float:
-            return x + w * (y - x)
+        def mix(x: float | None, y: float | None) -> float | None:
+            return None if x is None or y is None else x + w * (y - x)
 
         return {h: {**{k: mix(ra[h][k], rb[h][k]) for k in _COUNTERS},
                     "roles": {r: mix(ra[h]["roles"].get(r, 0.0), v) for r, v in rb[h]["roles"].items()}}

@@ -135,7 +135,8 @@ def _run_point(cfg: HostBenchConfig, hosts, system: str, k: int, plan, tmp: Path
                     tier2[key] = tier2.get(key, 0) + n
         if tier2:
             routed["tier2"] = tier2
-        spans = [g["extra"].get("measured_monotonic") for g in results if g["extra"].get("measured_monotonic")]
+        spans = [g["extra"]["measured_monotonic"] for g in results
+                 if (g["extra"].get("measured_monotonic") or [0.0])[0] > 0]  # a rank with measured steps
         if spans:  # the measured steps, from the first rank's start to the last rank's end
             routed["host_cpu"] = cpu.window(min(a for a, _ in spans), max(b for _, b in spans))
         return {"records": [rec for g in results for rec in g["payload"]], "placement_reasons": reasons, **routed,

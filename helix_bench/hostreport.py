@@ -18,7 +18,7 @@ def _cpu_table(points: list[dict]) -> list[str]:
     for p in points:
         for kind, name in (("h", "GPU hosts"), ("s", "sidecars")):
             t = summarize(p.get("host_cpu") or {}, kind)
-            if not t or not t["quota_s"]:
+            if not t or not t["quota_s"] or not t["used_s"]:
                 continue
             share = " | ".join(f"{t['roles'].get(r, 0.0):.1f}" for r in _ROLES)
             rows.append(f"| {p['system']} | {p['sidecars']} | {name} ({t['hosts']}) | {t['quota_s']:.1f} | "
@@ -28,8 +28,9 @@ def _cpu_table(points: list[dict]) -> list[str]:
         return []
     return [*_factors(points), "", "Where the CPU went over the measured steps (CPU-s; the roles count their children: a DataServer's "
             "decode workers, a native rank's DataLoader workers, under decode; other is what the host used outside "
-            "those processes: kernel work charged to it, such as moving packets between namespaces; throttled is the share of the quota's 100 ms "
-            "periods in which a host ran out of it):", "",
+            "those processes: untracked processes and the skew of reading the counters (kernel work in a process's own "
+            "context, such as moving packets between namespaces, counts in its role); throttled is the share of the "
+            "quota's 100 ms periods with work in which a host ran out of it):", "",
             "| System | Sidecars | Hosts | Quota | Used | Decode | DataServer | Ranks | Coordinator | Other "
             "| Throttled (%) |", "|---|---|---|---|---|---|---|---|---|---|---|", *rows]
 
@@ -44,7 +45,7 @@ def _factors(points: list[dict]) -> list[str]:
     rows = []
     for p in points:
         kinds = [summarize(p.get("host_cpu") or {}, k) for k in ("h", "s")]
-        kinds = [t for t in kinds if t and t["quota_s"]]
+        kinds = [t for t in kinds if t and t["quota_s"] and t["used_s"]]
         if not kinds or not p.get("cpu_bound_sps"):
             continue
         quota, used = sum(t["quota_s"] for t in kinds), sum(t["used_s"] for t in kinds)

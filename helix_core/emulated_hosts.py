@@ -43,7 +43,7 @@ def leftovers(tag: str) -> list[str]:
     left = []
     netns = _sh("ip", "netns", "list", check=False).stdout.split()
     left += [f"netns {n}" for n in netns if n.startswith(f"{_PREFIX}{tag}-")]
-    for root in (_CGROUP_CPU, _CGROUP_ACCT):
+    for root in dict.fromkeys(os.path.realpath(r) for r in (_CGROUP_CPU, _CGROUP_ACCT)):  # often one mount
         if os.path.isdir(root):
             left += [f"cgroup {root}/{n}" for n in os.listdir(root) if n.startswith(f"{_PREFIX}{tag}-")]
     ps = _sh("ps", "-eo", "pid,args", check=False).stdout.splitlines()
@@ -147,14 +147,12 @@ class EmulatedHosts:
                 burst = max(16_384, int(rate * 1e6 / 8 / 100))  # 10 ms of the rate, at least 16 KiB
                 _sh("ip", "netns", "exec", where, "tc", "qdisc", "add", "dev", dev, "root", "tbf",
                     "rate", f"{rate}mbit", "burst", str(burst), "latency", "100ms")
-        if os.path.isdir(_CGROUP_ACCT):  # what the host's processes use, quota or not
-            acct = os.path.join(_CGROUP_ACCT, ns)
-            os.mkdir(acct)
-            self._cgroups.append(acct)
-        if name in self.cpus:
-            cg = os.path.join(_CGROUP_CPU, ns)
+        cgroups = self._host_cgroups(name)
+        for cg in dict.fromkeys(cgroups.values()):  # one directory where cpu and cpuacct share a mount
             os.mkdir(cg)
             self._cgroups.append(cg)
+        if "cpu" in cgroups:
+            cg = cgroups["cpu"]
             with open(os.path.join(cg, "cpu.cfs_period_us"), "w") as f:
                 f.write("100000")
             with open(os.path.join(cg, "cpu.cfs_quota_us"), "w") as f:
@@ -175,26 +173,37 @@ class EmulatedHosts:
             raise ValueError(f"EmulatedHosts: no host {name!r}; hosts: {self.names}")
         enter = ["nsenter", "-t", str(self._holders[name].pid), "-n", "-m", "-u", "--", *map(str, argv)]
         # join the host's cgroups first, so every child inherits the quota and is counted
-        joins = [os.path.join(root, self.ns(name), "cgroup.procs") for root in (_CGROUP_CPU, _CGROUP_ACCT)
-                 if (root == _CGROUP_ACCT or name in self.cpus) and os.path.isdir(os.path.join(root, self.ns(name)))]
+        joins = [os.path.join(cg, "cgroup.procs") for cg in dict.fromkeys(self._host_cgroups(name).values())]
         if joins:
             return ["sh", "-c", "".join(f"echo $$ > {p} && " for p in joins) + 'exec "$@"', "sh", *enter]
         return enter
 
-    def cpu_seconds(self, name: str) -> dict[str, float]:
+    def _host_cgroups(self, name: str) -> dict[str, str]:
+        """``{"acct": dir}`` (where the cpuacct controller is mounted) and ``{"cpu": dir}`` (with a
+        quota) of host ``name``: the same directory where the two controllers share a mount."""
+        out = {}
+        if os.path.isdir(_CGROUP_ACCT):
+            out["acct"] = os.path.join(os.path.realpath(_CGROUP_ACCT), self.ns(name))
+        if name in self.cpus:
+            out["cpu"] = os.path.join(os.path.realpath(_CGROUP_CPU), self.ns(name))
+        return out
+
+    def cpu_seconds(self, name: str) -> dict[str, float | None]:
         """CPU-seconds the processes started on host ``name`` used so far (``used_s``, kernel time
-        charged to them included); with a quota, the time it held them back (``throttled_s``, summed
-        over the CPUs), its periods with work (``periods``) and those that ran out of quota
-        (``throttled_periods``); 0 without one. Counters: read them before and after what you measure."""
+        spent on their behalf included; None where no cpuacct controller is mounted); with a quota,
+        the time it held them back (``throttled_s``, summed over the CPUs), its periods with work
+        (``periods``) and those that ran out of quota (``throttled_periods``); 0 without one.
+        Counters: read them before and after what you measure."""
         if name not in self._holders:
             raise ValueError(f"EmulatedHosts: no host {name!r}; hosts: {self.names}")
-        used = throttled = periods = held = 0.0
-        acct = os.path.join(_CGROUP_ACCT, self.ns(name), "cpuacct.usage")
-        if os.path.exists(acct):
+        used, throttled, periods, held = None, 0.0, 0.0, 0.0
+        cgroups = self._host_cgroups(name)
+        acct = os.path.join(cgroups.get("acct", ""), "cpuacct.usage")
+        if "acct" in cgroups and os.path.exists(acct):
             with open(acct) as f:
                 used = int(f.read()) / 1e9
-        stat = os.path.join(_CGROUP_CPU, self.ns(name), "cpu.stat")
-        if name in self.cpus and os.path.exists(stat):
+        stat = os.path.join(cgroups.get("cpu", ""), "cpu.stat")
+        if "cpu" in cgroups and os.path.exists(stat):
             with open(stat) as f:
                 fields = dict(line.split() for line in f if line.strip())
             throttled = int(fields.get("throttled_time", 0)) / 1e9  # summed over the CPUs' run queues
@@ -259,6 +268,12 @@ class EmulatedHosts:
             except subprocess.TimeoutExpired:
                 pass
         for cg in self._cgroups:
+            try:  # whatever left the hosts' namespaces but not their cgroups
+                with open(os.path.join(cg, "cgroup.procs")) as f:
+                    for pid in f.read().split():
+                        os.kill(int(pid), signal.SIGKILL)
+            except (OSError, ValueError):
+                pass
             for _ in range(50):
                 try:
                     os.rmdir(cg)
