@@ -67,7 +67,7 @@ def _run_point(cfg: HostBenchConfig, hosts, system: str, k: int, plan, tmp: Path
     """One system at one sidecar count: services (helix), the ranks; their records and stats."""
     from .hostcpu import HostCpuSampler
 
-    services, local_pids = [], []
+    services = []
     roles: dict[str, dict[str, list[int]]] = {}  # host -> role -> pids (hostcpu.py)
 
     def role(host: str, name: str, pid: int) -> None:
@@ -87,7 +87,6 @@ def _run_point(cfg: HostBenchConfig, hosts, system: str, k: int, plan, tmp: Path
                                                               "--local-rank", "0", "--workers", str(workers),
                                                               "--host", hosts.address(f"h{h}"), *extra], env)
                 services.append(proc)
-                local_pids.append(sinfo["pid"])
                 role(f"h{h}", "dataserver", sinfo["pid"])
             for s in range(k):
                 proc, sinfo = _start_service(hosts, f"s{s}", ["dataserver", "--coordinator", info["address"],
@@ -118,8 +117,9 @@ def _run_point(cfg: HostBenchConfig, hosts, system: str, k: int, plan, tmp: Path
             raise RuntimeError(f"{system} with {k} sidecars: ranks {[r for r, _ in failed]} failed; rank {rank}: "
                                f"{got['payload']}")
         routed = _routed(hosts, plan.coordinator, env) if helix else {}
-        if local_pids:  # the GPU hosts' DataServer processes themselves (serving, receiving streams), not their workers
-            routed["local_dataserver_cpu_s"] = sum(_cpu_s(pid) for pid in local_pids)
+        local = [pid for host, by_role in roles.items() if host.startswith("h") for pid in by_role.get("dataserver", ())]
+        if local:  # the GPU hosts' DataServer processes themselves (serving, receiving streams), not their workers
+            routed["local_dataserver_cpu_s"] = sum(_cpu_s(pid) for pid in local)
         reasons: dict[str, int] = {}
         for g in results:
             for why, n in (g["extra"].get("stats", {}).get("placement_reasons") or {}).items():

@@ -129,8 +129,8 @@ def tier2_rounds(stats_by_rank: list[dict], cost, seconds_per_unit: float) -> di
             input_waits.append(recs[0].get("input_wait_s", 0.0))
         if kind == "kept" and all(r["before"] and min(r["before"]) >= 0 for r in recs):
             # what the gate passed up: the slowest rank now against the best within-step deal of the round
-            slowest = [max(sum(cost(i) for i in b) for b in deal)
-                       for deal in ([r["before"] for r in recs], _best_deal([r["before"] for r in recs], cost))]
+            before = [r["before"] for r in recs]
+            slowest = [max(sum(cost(i) for i in b) for b in deal) for deal in (before, _best_deal(before, cost))]
             out["kept_floor_gain_s"] += max(0.0, slowest[0] - slowest[1]) * seconds_per_unit
             out["kept_projected_gain_s"] += recs[0]["gain_s"]
         if kind != "moved" or any(not r["before"] or min(r["before"] + r["after"]) < 0 for r in recs):

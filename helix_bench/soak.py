@@ -177,10 +177,10 @@ def run_soak(cfg: SoakConfig, console=None) -> list[dict]:
             rows.append(_row(cluster, totals, faults, t0))
             show(rows[-1])
             while time.monotonic() < end:
+                totals["epoch_done"].clear()  # before the count is read: an epoch after it wakes the wait below
                 if epochs_at_last_fault is not None and totals["epochs"] >= epochs_at_last_fault + cfg.clients:
                     end = time.monotonic()  # every kind of fault asked for is in, and epochs ran after the last
                 totals["epoch_done"].wait(max(0.0, min(next_report, next_fault, end) - time.monotonic()))
-                totals["epoch_done"].clear()
                 now = time.monotonic()
                 if now >= next_fault and now < end:
                     kind = FAULTS[faults % len(FAULTS)]
