@@ -243,8 +243,9 @@ class VideoClipDataset(torch.utils.data.Dataset):
         if self.transform is not None:
             kwargs["transform"] = function_path(self.transform)
             if kwargs["transform"] is None:
-                raise SpecError(name, f"transform={self.transform!r}",
-                                "make it a module-level function of an importable module, or use " + PICKLING)
+                from .runtime.specs import why_not_json
+
+                raise SpecError(name, f"transform={self.transform!r}", why_not_json(self.transform))
         return {"target": f"{type(self).__module__}.{type(self).__qualname__}", "kwargs": kwargs}
 
 

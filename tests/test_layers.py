@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-MAX_LINES = 320  # "files under ~300 lines": the generated protobuf stubs are exempt
+MAX_LINES = 800  # past ~800 lines look for the second idea (STYLE): the generated protobuf stubs are exempt
 
 
 def _imports(path: Path) -> set[str]:

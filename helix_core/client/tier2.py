@@ -24,8 +24,9 @@ from ..planning.rebalance import Rebalance
 from ..runtime.crosshost import read_rows
 from ..runtime.merge import merge_batches
 from ..runtime.proto import helix_pb2 as pb
-from ..runtime.specs import function_path
+from ..runtime.specs import function_path, why_not_json
 from ..runtime.tier2_outcome import EXCHANGE_TIMEOUT_S
+from ..runtime.usercode import dumps
 from .transport import RoundStopped, RoundUnknown
 
 __all__ = ["STEP_STRIDE", "RoundLost", "Tier2", "policy_spec", "rebalance_group", "run_name"]
@@ -64,23 +65,23 @@ def rebalance_group(rebalance: Rebalance | None, rank: int, world_size: int) -> 
 
 def policy_spec(rebalance: Rebalance, pickle_allowed: bool) -> tuple[str, bytes, str]:
     """``(policy_id, payload, format)`` of ``sort_fn`` and its ``args``: JSON when ``sort_fn`` is the
-    default or an importable function and ``args`` is JSON, else cloudpickle where the cluster takes
-    it, else ``ValueError`` naming what cannot travel."""
+    default or a function the servers can import and ``args`` is JSON, else cloudpickle (the
+    script's own modules by value) where the cluster takes it, else ``ValueError`` naming what
+    cannot travel and the fix."""
     from dataclasses import asdict, is_dataclass
 
     args = asdict(rebalance.args) if is_dataclass(rebalance.args) else rebalance.args
     path = None if rebalance.sort_fn is None else function_path(rebalance.sort_fn)
     try:
         if rebalance.sort_fn is not None and path is None:
-            raise TypeError("sort_fn is not an importable module-level function")
+            raise TypeError(f"sort_fn {rebalance.sort_fn!r}: {why_not_json(rebalance.sort_fn)}")
         payload, fmt = json.dumps({"sort_fn": path, "args": args}, sort_keys=True).encode(), "json"
     except TypeError as e:
         if not pickle_allowed:
-            raise ValueError(f"Rebalance: {e} (or its args are not JSON) and this cluster takes no cloudpickle: "
-                             "use a module-level sort_fn and JSON args, or a token") from None
-        import cloudpickle
-
-        payload, fmt = cloudpickle.dumps({"sort_fn": rebalance.sort_fn, "args": rebalance.args}), "cloudpickle"
+            raise ValueError(f"Rebalance: {e} (or its args are not JSON), and this cluster takes no cloudpickle: "
+                             "use a module-level sort_fn of an installed module and JSON args, or a cluster that "
+                             "takes cloudpickle (a token, and TLS beyond loopback)") from None
+        payload, fmt = dumps({"sort_fn": rebalance.sort_fn, "args": rebalance.args}), "cloudpickle"
     return hashlib.sha256(fmt.encode() + payload).hexdigest()[:16], payload, fmt
 
 
@@ -94,6 +95,8 @@ class Tier2:
         self.step_units = step_units  # a batch's fixed GPU cost units, beside its samples'
         self.deadlines, self.stats, self.pad = deadlines, stats, pad
         self.name = f"{spec_id}:{','.join(map(str, group))}"
+        # on a TLS cluster rows cross hosts by gRPC over TLS only (ValueError for an asked collective)
+        self.transport = rebalance.transport(tls=getattr(client, "tls", None) is not None)
         self.policy = policy_spec(rebalance, client.pickle_allowed)
         self._leader: str | None = None
         self.run = run_name()  # what every rank of a run shares (``resume``): rounds never mix runs
@@ -146,7 +149,7 @@ class Tier2:
             timeout_s=r.wait_s(self.deadlines.deadline(task.seq)), policy_id=self.policy[0], policy=self.policy[1], policy_format=self.policy[2],
             client_id=self.client.client_id, seconds_per_unit=self.deadlines.seconds_per_unit or 0.0,
             input_wait_s=self._input_wait_s(),
-            indices=indices if len(indices) == sum(rows) else (), exchange=r.exchange,
+            indices=indices if len(indices) == sum(rows) else (), exchange=self.transport,
             delivery=self.client.servers.delivery[1] if self.client.servers.delivery else "")
         # the round's wait, then its exchange (the collective, then maybe gRPC), then the reply
         self.stats.rebalance["asked"] += 1  # batches sent to a round

@@ -24,6 +24,7 @@ from ..errors import ClusterError
 from . import shm
 from .auth import load_token, new_token
 from .tokenfiles import remove_token, token_path
+from .usercode import server_environ
 from .tls import ENV
 
 __all__ = ["LocalCluster", "ServerHandle", "host_layout", "wait_ready"]
@@ -135,7 +136,8 @@ class LocalCluster:
 
     # ---- lifecycle ---------------------------------------------------------------------------------
     def _spawn(self, args: list[str]) -> tuple[subprocess.Popen, dict]:
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        # the client's sys.path (as torch's spawned workers get it): a JSON spec's transform beside the script imports
+        env = dict(server_environ(), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
         env["HELIX_TOKEN"] = self.token
         env = {k: v for k, v in env.items() if k not in ENV.values()} if self._tls_env else env
         env.update(self._tls_env)

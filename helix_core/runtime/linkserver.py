@@ -99,12 +99,18 @@ class _Conn:
 
 class LocalListener:
     """A local DataServer's end: serves ``execute(request, context)`` (the servicer's ``Execute``)
-    to the rank processes of its host on ``link_name(cluster_id, address)``."""
+    to the rank processes of its host on ``link_name(cluster_id, address)``.
 
-    def __init__(self, name: str, token: str, execute, timeout_s: float, threads: int, unsent=lambda reply: None):
+    A connection is taken only from a process of this user (``SO_PEERCRED``, asked in the accept
+    thread before anything else: another user's connection is closed and starts no thread), and
+    must present the token within ``handshake_s`` seconds, however slowly its bytes come."""
+
+    def __init__(self, name: str, token: str, execute, timeout_s: float, threads: int, unsent=lambda reply: None,
+                 handshake_s: float = 5.0):
         """``unsent(reply)``: a reply whose link closed before it went (its slabs are nobody's)."""
         self.name, self.token, self.execute, self.timeout_s = name, token.encode(), execute, timeout_s
-        self.unsent = unsent
+        self.unsent, self.handshake_s = unsent, handshake_s
+        self.refused = 0  # connections of another user, closed at accept
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._sock.bind(name)
         self._sock.listen(64)
@@ -120,18 +126,30 @@ class LocalListener:
                 sock, _ = self._sock.accept()
             except OSError:
                 return  # closed
+            try:
+                uid = _peer_uid(sock)
+            except OSError:
+                uid = None
+            if uid != os.getuid():  # another user's process: nothing read, no thread
+                self.refused += 1
+                (log.warning if self.refused == 1 else log.debug)(  # (a flood of them writes one line)
+                    "local link %r: a connection of uid %s refused (not this user's)", self.name[1:], uid)
+                sock.close()
+                continue
             threading.Thread(target=self._serve, args=(sock,), name="helix-link-conn", daemon=True).start()
 
     def _serve(self, sock) -> None:
         conn = _Conn(sock)
         try:
-            sock.settimeout(5.0)  # the handshake only
-            if _peer_uid(sock) != os.getuid() or _recv_exact(sock, 4) != MAGIC:
+            until = time.monotonic() + self.handshake_s  # the whole handshake, however slowly it comes
+            if _recv_exact(sock, 4, until) != MAGIC:
                 return
-            n, = struct.unpack("<H", _recv_exact(sock, 2))
-            if not hmac.compare_digest(_recv_exact(sock, n), self.token):
+            n, = struct.unpack("<H", _recv_exact(sock, 2, until))
+            if not hmac.compare_digest(_recv_exact(sock, n, until), self.token):
+                sock.settimeout(self.handshake_s)
                 sock.sendall(b"\1")
                 return
+            sock.settimeout(self.handshake_s)
             sock.sendall(b"\0")
             sock.settimeout(None)
             with self._lock:
@@ -186,22 +204,26 @@ class _AioContext:
         raise _Abort(code, details)
 
 
-async def serve_call_link(name: str, token: str, handle, request_cls):
+async def serve_call_link(name: str, token: str, handle, request_cls, handshake_s: float = 5.0):
     """The Coordinator's end of a link (``locallink.CallLink``), on its event loop:
     ``await handle(request, context)`` for each request, answered in order. Returns the
-    ``asyncio.Server`` (``close()`` it)."""
+    ``asyncio.Server`` (``close()`` it). As ``LocalListener``: only this user's processes, and
+    the token within ``handshake_s`` seconds."""
     import asyncio
 
     expected = token.encode()
 
     async def serve(reader, writer):
         try:
-            if _peer_uid(writer.get_extra_info("socket")) != os.getuid() or await reader.readexactly(4) != MAGIC:
-                return
-            n, = struct.unpack("<H", await reader.readexactly(2))
-            if not hmac.compare_digest(await reader.readexactly(n), expected):
-                writer.write(b"\1")
-                return
+            if _peer_uid(writer.get_extra_info("socket")) != os.getuid():
+                return  # another user's process: nothing read
+            async with asyncio.timeout(handshake_s):
+                if await reader.readexactly(4) != MAGIC:
+                    return
+                n, = struct.unpack("<H", await reader.readexactly(2))
+                if not hmac.compare_digest(await reader.readexactly(n), expected):
+                    writer.write(b"\1")
+                    return
             writer.write(b"\0")
             while True:
                 n, kind = _FRAME.unpack(await reader.readexactly(_FRAME.size))
@@ -213,6 +235,8 @@ async def serve_call_link(name: str, token: str, handle, request_cls):
                 except _Abort as e:
                     body, kind = _ERROR.pack(0, e.code.value[0]) + str(e.details).encode(), ERROR
                 writer.write(_FRAME.pack(len(body), kind) + body)
+        except asyncio.CancelledError:  # the Coordinator stops: Python 3.11's StreamReaderProtocol would log a
+            pass  # cancelled handler as an error (a traceback at the training script's exit)
         except Exception as e:  # noqa: BLE001 - a peer gone or bad input ends its connection, never the server
             log.debug("local link: %s", e)
         finally:

@@ -185,7 +185,8 @@ def _run_task(task: dict, specs: dict, pool, progress, allow_pickle: bool, may_s
     t0 = time.perf_counter()
     spec = specs.get(task["spec_id"])
     if spec is None or isinstance(spec, Exception):
-        return {"error_kind": ErrorKind.SPEC, "error": f"cannot load dataset spec {task['spec_id']}: {spec!r}"}
+        detail = str(spec) if isinstance(spec, ValueError) else repr(spec)  # ours name the argument
+        return {"error_kind": ErrorKind.SPEC, "error": f"cannot load dataset spec {task['spec_id']}: {detail}"}
     dataset, collate, feature_fn = spec
     want_features = bool(task.get("features"))
     if isinstance(dataset, Epochs):
