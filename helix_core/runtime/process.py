@@ -14,6 +14,7 @@ import os
 import signal
 import sys
 import threading
+import time
 
 from ..config import ClusterConfig
 from ..errors import ClusterError
@@ -43,6 +44,54 @@ def _ready(info: dict) -> None:
     sys.stdout.flush()
 
 
+def await_coordinator(coordinator: str, token_file: str | None, timeout_s: float, config: ClusterConfig, tls,
+                      stop: threading.Event, clock=time.monotonic) -> str | None:
+    """The token for the Coordinator at ``coordinator``, once that Coordinator can be reached — up to
+    ``timeout_s`` seconds of waiting for it (and for the token file it writes) when it is not up
+    yet, saying once on stderr what it waits for; then what ``load_token`` has (None, or a
+    ``ValueError``), so the caller fails with the error it would give at once. Sends no token while
+    it waits: it only connects."""
+    import grpc
+
+    from .rpc import connect
+    from .tokenfiles import token_path
+
+    deadline, said = clock() + timeout_s, set()
+
+    def say(what: str) -> None:
+        if what not in said:
+            said.add(what)
+            print(f"waiting up to {timeout_s:g} s for {what}", file=sys.stderr, flush=True)
+
+    while True:  # the token: a file that appears (nothing to block on: looked at 5 times a second)
+        try:
+            token = load_token(token_file=token_file, coordinator=coordinator)
+        except ValueError:
+            if token_file is None or clock() >= deadline:
+                raise
+            token = None
+        if token or clock() >= deadline or stop.is_set():
+            break
+        say(f"the token file {token_file}" if token_file else
+            f"the Coordinator at {coordinator} to write its token ({token_path(coordinator)})")
+        stop.wait(0.2)
+    if not token or stop.is_set():
+        return token
+    channel = connect(coordinator, config, tls, keepalive=False)
+    try:  # the Coordinator itself (gRPC connects, and reconnects, by itself)
+        ready = grpc.channel_ready_future(channel)
+        while not stop.is_set() and clock() < deadline:
+            try:
+                ready.result(timeout=min(0.5, max(0.0, deadline - clock())))
+                break
+            except grpc.FutureTimeoutError:
+                say(f"the Coordinator at {coordinator} to answer")
+        ready.cancel()
+    finally:
+        channel.close()
+    return token
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="helix")
     sub = p.add_subparsers(dest="role", required=True)
@@ -61,6 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--port", type=int, default=0)
     d.add_argument("--advertise", default=None,
                    help="the host name or address peers dial this server by (default: --host; its FQDN for 0.0.0.0)")
+    d.add_argument("--connect-timeout-s", type=float, default=60.0,
+                   help="how long to wait for the Coordinator (and the token file it writes) when it is not up yet: "
+                        "services may start in any order")
     d.add_argument("--host-id", default=None,
                    help="this host's identity (default: HELIX_HOST_ID, else hostname + boot id); "
                         "local servers serve the ranks of their own host only")
@@ -82,20 +134,26 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level, stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    try:
-        token = load_token(token_file=args.token_file,
-                           coordinator=args.coordinator if args.role == "dataserver" else None)
-        config = ClusterConfig(**json.loads(args.config_json)) if args.config_json else ClusterConfig()
-        tls = Tls.from_files(args.tls_cert, args.tls_key, args.tls_ca) if (args.tls_cert or args.tls_key or args.tls_ca) \
-            else Tls.from_env()
-    except (ValueError, TypeError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     if args.owned:
         _watch_parent(stop)
+    try:
+        config = ClusterConfig(**json.loads(args.config_json)) if args.config_json else ClusterConfig()
+        tls = Tls.from_files(args.tls_cert, args.tls_key, args.tls_ca) if (args.tls_cert or args.tls_key or args.tls_ca) \
+            else Tls.from_env()
+        if args.role == "dataserver":
+            if not args.connect_timeout_s >= 0:
+                raise ValueError(f"--connect-timeout-s must be >= 0 seconds, got {args.connect_timeout_s}")
+            token = await_coordinator(args.coordinator, args.token_file, args.connect_timeout_s, config, tls, stop)
+        else:
+            token = load_token(token_file=args.token_file)
+    except (ValueError, TypeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if stop.is_set():
+        return 0
     try:
         if args.role == "coordinator":
             from .coordinator import serve_coordinator
