@@ -105,7 +105,8 @@ def add_cluster_commands(sub) -> None:
     s.add_argument("--token-file", default=None, help="file holding the cluster's token (or set HELIX_TOKEN; default: "
                                                       "the one this user's Coordinator left in the private Helix folder)")
     s.add_argument("--resources", default=None, help='extra Ray resources per sidecar as JSON, e.g. {"cpu_node": 1}')
-    s.add_argument("--host", default=None, help="address each sidecar listens on (default: its Ray node's IP)")
+    s.add_argument("--host", default=None, help="address each sidecar listens on (default: its node's interface toward "
+                   "the Coordinator: loopback for a loopback Coordinator)")
     s.add_argument("--insecure", action="store_true", help="listen beyond loopback without TLS (see --tls-* of dataserver)")
     s.set_defaults(fn=_cmd_sidecars)
     s = sub.add_parser("certs", help="make a CA and a certificate for a cluster's hosts (TLS across hosts)")

@@ -23,13 +23,14 @@ __all__ = ["RaySidecars", "ray_sidecars"]
 class _Sidecar:
     """A Ray actor that owns one remote DataServer process (started in ``__init__``)."""
 
-    def __init__(self, coordinator: str, workers: int, token: str | None, env: dict, config_json: str,
+    def __init__(self, coordinator: str, workers: int, token_ref: list, env: dict, config_json: str,
                  host: str | None, insecure: bool, startup_timeout_s: float):
         import ray
 
         from .runtime.cluster import wait_ready
 
-        host = host or ray.util.get_node_ip_address()
+        token = ray.get(token_ref[0]) if token_ref else None  # from the object store: no actor argument shows it
+        host = host or toward(coordinator)
         argv = [sys.executable, "-m", "helix_core.runtime.process", "dataserver", "--coordinator", coordinator,
                 "--remote", "--workers", str(workers), "--host", host, "--owned", "--config-json", config_json]
         if insecure:
@@ -69,8 +70,9 @@ class _Sidecar:
 class RaySidecars:
     """Handle of ``ray_sidecars``: ``actors`` (Ray actor handles), ``describe()``, ``close()``."""
 
-    def __init__(self, actors: list, owns_ray: bool):
+    def __init__(self, actors: list, owns_ray: bool, keep: tuple = ()):
         self.actors, self._owns_ray, self._closed = actors, owns_ray, False
+        self._keep = keep  # what a restarted actor gets again (the token's object), held while the actors live
 
     def describe(self) -> list[dict]:
         """Each sidecar's DataServer (address, server id, pid) as it runs now."""
@@ -105,6 +107,19 @@ class RaySidecars:
         self.close()
 
 
+def toward(coordinator: str) -> str:
+    """The address of this node's interface toward the Coordinator at ``coordinator`` (loopback for
+    a loopback Coordinator): what a sidecar binds, so the Coordinator's ranks reach it and no one
+    else needs to."""
+    from .client.rendezvous import node_address
+
+    host = coordinator.rpartition(":")[0].strip("[]")
+    try:
+        return node_address(host)
+    except ClusterError:
+        raise ClusterError(f"cannot resolve the Coordinator's host in {coordinator!r}") from None
+
+
 def _check_reachable(address: str, timeout_s: float = 5.0) -> None:
     """Ray retries an address that does not answer for minutes: look first (one TCP connect)."""
     import socket
@@ -123,7 +138,9 @@ def ray_sidecars(coordinator: str, count: int, workers: int, token: str | None =
     """Start ``count`` sidecars (remote DataServers of ``workers`` workers each) as Ray actors that
     join the Coordinator at ``coordinator``. ``ray_address``: the Ray cluster to join (default: the
     one this process is connected to, else ``ray.init()``'s default); ``host``: the address each
-    DataServer listens on (default: its Ray node's IP); ``tls_env``: ``HELIX_TLS_*`` paths as the
+    DataServer listens on (default: its node's interface toward the Coordinator, ``toward``:
+    loopback for a loopback Coordinator); beyond loopback it needs ``tls_env`` or ``insecure=True``;
+    ``tls_env``: ``HELIX_TLS_*`` paths as the
     Ray nodes see them (default: this process's); ``actor_options``: Ray's (``resources=``, ...)."""
     if isinstance(count, bool) or not isinstance(count, int) or count < 1:
         raise ValueError(f"--count must be an int >= 1 (sidecars to start), got {count!r}")
@@ -135,7 +152,17 @@ def ray_sidecars(coordinator: str, count: int, workers: int, token: str | None =
         raise ClusterError("sidecars on Ray need Ray: pip install 'ray>=2.40'") from None
     from .runtime.auth import load_token
 
+    from .runtime.auth import is_loopback
+
     config, token = config or ClusterConfig(), load_token(token, coordinator=coordinator)  # the actors may run elsewhere
+    env = {k: v for k, v in os.environ.items() if k.startswith("HELIX_TLS_")} if tls_env is None else dict(tls_env)
+    beyond = host if host is not None else coordinator.rpartition(":")[0].strip("[]")
+    if not is_loopback(beyond) and not insecure and not env:
+        where = f"host={host!r}" if host is not None else f"the interface toward the Coordinator at {coordinator}"
+        raise ValueError(f"ray_sidecars: the sidecars would listen on {where}, beyond loopback, which needs TLS: pass "
+                         "tls_env={'HELIX_TLS_CERT': ..., 'HELIX_TLS_KEY': ..., 'HELIX_TLS_CA': ...} (paths as the Ray "
+                         "nodes see them; default: this process's HELIX_TLS_* environment), or insecure=True (no "
+                         "pickled data then)")
     owns = not ray.is_initialized()
     if owns and ray_address and ray_address != "auto" and not ray_address.startswith("ray://"):
         _check_reachable(ray_address)
@@ -144,11 +171,11 @@ def ray_sidecars(coordinator: str, count: int, workers: int, token: str | None =
             ray.init(address=ray_address, logging_level="ERROR", log_to_driver=False)
         except Exception as e:  # noqa: BLE001 - ConnectionError, TimeoutError, ...: name the address
             raise ClusterError(f"cannot join the Ray cluster at --ray {ray_address or 'auto'}: {e}") from None
-    env = {k: v for k, v in os.environ.items() if k.startswith("HELIX_TLS_")} if tls_env is None else dict(tls_env)
+    token_ref = [ray.put(token)] if token else []  # nested: the actor gets it with ray.get, never as an argument
     cls = ray.remote(_Sidecar).options(num_cpus=workers, max_restarts=max_restarts, **actor_options)
-    actors = [cls.remote(coordinator, workers, token, env, json.dumps(config.to_dict()), host, insecure,
+    actors = [cls.remote(coordinator, workers, token_ref, env, json.dumps(config.to_dict()), host, insecure,
                          config.startup_timeout_s) for _ in range(count)]
-    handle = RaySidecars(actors, owns)
+    handle = RaySidecars(actors, owns, keep=tuple(token_ref))
     try:
         handle.describe()  # every sidecar's DataServer is up (and registered) before this returns
     except BaseException as e:

@@ -51,8 +51,8 @@ def main() -> dict:
     out["ray_nodes"] = len([n for n in ray.nodes() if n["Alive"]])
     try:
         with hx.LocalCluster(local_servers=1, workers_per_server=1, token=True, config=CFG) as cluster:
-            sidecars = hx.ray_sidecars(cluster.address, count=2, workers=1, token=cluster.token, config=CFG,
-                                       host="127.0.0.1")
+            # no host=: a loopback Coordinator's sidecars listen on loopback (and need no TLS)
+            sidecars = hx.ray_sidecars(cluster.address, count=2, workers=1, token=cluster.token, config=CFG)
             try:
                 first = sidecars.describe()
                 out["first"] = first

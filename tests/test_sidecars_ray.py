@@ -33,6 +33,7 @@ def test_ray_sidecars_register_serve_restart_after_a_kill_and_close_completely()
     assert got["ray_nodes"] == 2
     first = got["first"]
     assert len({s["server_id"] for s in first}) == 2 and all(s["alive"] for s in first)
+    assert all(s["address"].startswith("127.0.0.1:") for s in first)  # toward the loopback Coordinator
     assert got["exact"]  # the epoch ended exactly once, one sidecar killed mid-way
     assert got["cross_ds_bytes"] > 0  # sidecars streamed batches to the rank's local server
     assert got["after"] is not None, "Ray did not restart the killed sidecar"
@@ -49,6 +50,22 @@ def test_ray_sidecars_bad_counts_are_named():
         hx.ray_sidecars("127.0.0.1:1", count=0, workers=1)
     with pytest.raises(ValueError, match="--workers"):
         hx.ray_sidecars("127.0.0.1:1", count=1, workers=0)
+
+
+def test_ray_sidecars_beyond_loopback_without_tls_name_the_python_parameters(monkeypatch):
+    for k in [k for k in os.environ if k.startswith("HELIX_TLS_")]:
+        monkeypatch.delenv(k)
+    with pytest.raises(ValueError, match=r"ray_sidecars: .*host='192\.0\.2\.7'.*tls_env=.*insecure=True") as err:
+        hx.ray_sidecars("127.0.0.1:1", count=1, workers=1, token="t", host="192.0.2.7")
+    assert "--tls" not in str(err.value)
+    with pytest.raises(ValueError, match=r"toward the Coordinator at 192\.0\.2\.8:1.*tls_env="):
+        hx.ray_sidecars("192.0.2.8:1", count=1, workers=1, token="t")
+
+
+def test_a_sidecar_binds_the_interface_toward_its_coordinator():
+    from helix_core.sidecars import toward
+
+    assert toward("127.0.0.1:7070") == "127.0.0.1" and toward("localhost:7070") in ("127.0.0.1", "::1")
 
 
 def test_helix_sidecars_command_names_a_ray_address_that_does_not_answer():
