@@ -27,11 +27,10 @@ TOKEN = "t" * 32
 class Receiver:
     """A listener writing into a real slab pool, as a DataServer's does."""
 
-    def __init__(self, tls=None, refuse=None, config=CFG, max_connections=64):
+    def __init__(self, tls=None, refuse=None, config=CFG, **sizes):
         self.pool = SlabPool(f"helix-test-bulk-{id(self):x}")
         self.refuse, self.got = refuse, []
-        self.listener = BulkListener("127.0.0.1", TOKEN, config, tls=tls, receive=self.receive,
-                                     max_connections=max_connections)
+        self.listener = BulkListener("127.0.0.1", TOKEN, config, tls=tls, receive=self.receive, **sizes)
 
     def receive(self, header):
         if self.refuse is not None:
@@ -146,11 +145,11 @@ def test_a_cluster_delivers_remote_batches_by_the_bulk_path_or_by_grpc_identical
 
 def test_an_unauthenticated_trickle_is_cut_off_and_full_slots_send_senders_to_grpc():
     cfg = ClusterConfig.for_tests()  # handshake deadline: keepalive 0.5 + 1.0 s
-    rx = Receiver(config=cfg, max_connections=1)
+    rx = Receiver(config=cfg, max_connections=1, max_pending=1)
     try:
         with socket.create_connection(("127.0.0.1", rx.listener.port)) as trickle:
             t0 = time.monotonic()
-            with pytest.raises(BulkError) as e:  # the one slot is the trickler's: the sender is told at once
+            with pytest.raises(BulkError) as e:  # the one pending place is the trickler's: the sender is told at once
                 BulkSender(TOKEN, cfg).send("127.0.0.1", rx.listener.port, _header(3), memoryview(b"abc"))
             assert e.value.connected is False and time.monotonic() - t0 < 1.0
             trickle.settimeout(10)

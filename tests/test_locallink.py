@@ -189,3 +189,115 @@ def test_the_coordinators_call_link_answers_in_order_and_fails_as_grpc_would():
 
         asyncio.run_coroutine_threadsafe(shutdown(), loop).result(10)
         loop.call_soon_threadsafe(loop.stop)
+
+
+def _link_threads() -> int:
+    return sum(t.name == "helix-link-conn" and t.is_alive() for t in threading.enumerate())
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to connect as another user")
+def test_a_connection_of_another_user_is_refused_before_a_thread_starts():
+    """Another user's process reaches the abstract name (it lives in the network namespace), even
+    with the token: the listener asks SO_PEERCRED at accept and closes it, reading nothing and
+    starting no thread; the DataServer's own user is served as before."""
+    calls = []
+    server = _listener(lambda request, context: calls.append(request) or pb.ExecuteReply(task_id=request.task_id))
+    got_r, got_w = multiprocessing.get_context("fork").Pipe(duplex=False)
+    hold_r, hold_w = multiprocessing.get_context("fork").Pipe(duplex=False)
+
+    def other_user():
+        os.setgid(65534)
+        os.setuid(65534)
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.settimeout(10.0)
+        s.connect(server.name)
+        data = b""
+        try:
+            s.sendall(b"HXL1" + len(b"secret").to_bytes(2, "little") + b"secret")
+            while chunk := s.recv(1024):
+                data += chunk
+        except OSError:
+            pass
+        got_w.send(data)
+        hold_r.poll(10)  # keep the process (its socket closed) until the test has looked
+
+    before = _link_threads()
+    p = multiprocessing.get_context("fork").Process(target=other_user, daemon=True)
+    p.start()
+    try:
+        assert got_r.poll(15) and got_r.recv() == b""  # closed at once: not even the refusal byte
+        assert server.refused == 1 and _link_threads() == before and calls == []
+        link = LocalLink.connect(server.name, "secret")  # this user's own rank: served
+        assert link is not None and link.execute(pb.ExecuteRequest(task_id=5)).result(10).task_id == 5
+        link.close()
+    finally:
+        hold_w.send(True)
+        p.join(10)
+        if p.is_alive():
+            p.kill()
+        server.close()
+
+
+def test_a_silent_or_trickling_connection_is_closed_at_the_handshake_deadline():
+    import time
+
+    server = LocalListener(_name(), "secret", lambda r, c: pb.ExecuteReply(), timeout_s=30.0, threads=2,
+                           handshake_s=0.5)
+    try:
+        for trickle in (False, True):
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.connect(server.name)
+            s.settimeout(0.2)
+            t0, closed = time.monotonic(), None
+            payload = iter(b"HXL1\x06\x00secr")  # a byte every 0.2 s: each read is quick, the whole is not
+            while time.monotonic() - t0 < 5.0:
+                try:
+                    if trickle:
+                        s.sendall(bytes((next(payload),)))
+                    if s.recv(1) == b"":
+                        closed = time.monotonic() - t0
+                        break
+                except TimeoutError:
+                    continue
+                except OSError:
+                    closed = time.monotonic() - t0
+                    break
+            s.close()
+            assert closed is not None and 0.4 < closed < 2.0, (trickle, closed)
+        link = LocalLink.connect(server.name, "secret")  # and the listener keeps serving
+        assert link is not None
+        link.close()
+    finally:
+        server.close()
+
+
+def test_the_coordinators_call_link_closes_a_silent_connection_at_the_handshake_deadline():
+    import asyncio
+    import time
+
+    from helix_core.runtime.linkserver import serve_call_link
+    from helix_core.runtime.locallink import CallLink
+
+    async def route(request, context):
+        return pb.RouteReply(exec_server_id="s")
+
+    name, loop = _name(), asyncio.new_event_loop()
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+    server = asyncio.run_coroutine_threadsafe(serve_call_link(name, "secret", route, pb.RouteRequest, handshake_s=0.5),
+                                              loop).result(10)
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.connect(name)
+            s.settimeout(5.0)
+            t0 = time.monotonic()
+            assert s.recv(1) == b"" and 0.4 < time.monotonic() - t0 < 2.0  # closed at the deadline
+        link = CallLink.connect(name, "secret")  # and it keeps serving
+        assert link.call(pb.RouteRequest(), pb.RouteReply, 5.0).exec_server_id == "s"
+        link.close()
+    finally:
+        async def shutdown():
+            server.close()
+            await server.wait_closed()
+
+        asyncio.run_coroutine_threadsafe(shutdown(), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)

@@ -133,3 +133,59 @@ def test_a_release_reaches_a_waiter_whose_fifo_was_made_anew(tmp_path):
         assert bells.ring(pid) is False  # and once it is gone, the ring passes to the next in line
     finally:
         bells.close()
+
+
+def _plant_symlink(target: str, path: str) -> None:
+    """A symlink at ``path`` made by another user (nobody) where the test runs as root."""
+    import subprocess
+
+    if os.geteuid() == 0:
+        subprocess.run(["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups", "ln", "-s", target, path],
+                       check=True, timeout=30)
+    else:
+        os.symlink(target, path)
+
+
+def test_a_symlink_planted_at_a_slot_path_is_refused_and_not_followed(tmp_path):
+    import pytest
+
+    from helix_core.runtime.cpuslots import HostSlots
+
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"keep")
+    prefix = f"helix-test-{os.getpid()}-sym"
+    planted = [os.path.join(shm.SHM_DIR, f"{prefix}{name}") for name in ("0", "m")]
+    for path in planted:
+        _plant_symlink(str(victim), path)
+    try:
+        with pytest.raises(PermissionError, match="symlink"):
+            CpuSlots(prefix, 2)  # its first slot file is the planted link
+        with pytest.raises(PermissionError, match="symlink"):
+            HostSlots(prefix)  # the membership file too
+        assert victim.read_bytes() == b"keep" and os.stat(victim).st_size == 4  # never opened through the link
+        assert shm.sweep(prefix) >= 0 and all(os.path.islink(p) for p in planted)  # cleanup leaves them
+    finally:
+        for path in planted:
+            os.unlink(path)
+        shm.sweep(prefix)
+    assert shm.list_segments(prefix) == []
+
+
+def test_a_slot_file_of_another_user_is_refused():
+    import subprocess
+
+    import pytest
+
+    if os.geteuid() != 0:
+        pytest.skip("needs root to plant a file as another user")
+    prefix = f"helix-test-{os.getpid()}-foreign"
+    path = os.path.join(shm.SHM_DIR, f"{prefix}q")
+    subprocess.run(["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups", "sh", "-c",
+                    f"umask 0; : > {path}"], check=True, timeout=30)
+    try:
+        with pytest.raises(PermissionError, match="not this user's"):
+            CpuSlots(prefix, 1)  # its waiting table would be another user's to rewrite
+    finally:
+        os.unlink(path)
+        shm.sweep(prefix)
+    assert shm.list_segments(prefix) == []

@@ -288,3 +288,68 @@ def test_a_slab_shared_by_three_readers_is_free_only_after_the_last_release(pref
         assert r1.release(again.handle(100)) and again.free  # one holder again: the first release frees it
         for r in (leader, r1, r2):
             r.close()
+
+
+def _as_nobody(*argv: str) -> None:
+    """Run ``argv`` as another user (nobody), as a second local user would."""
+    import subprocess
+
+    subprocess.run(["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups", *argv], check=True, timeout=30)
+
+
+def _sweep_as(uid: int, prefix: str, planted: str, out) -> None:
+    """A cluster's cleanup run by a user who is not root (so another user's file cannot be unlinked)."""
+    try:
+        os.setgid(uid)
+        os.setuid(uid)
+        for i in range(2):
+            os.close(os.open(os.path.join(shm.SHM_DIR, f"{prefix}own-{i}"), os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600))
+        gone = shm.unlink_if_free(planted)  # (a dead worker's slabs are buried the same way)
+        out.send(("ok", shm.sweep(prefix), gone))
+    except BaseException as e:  # noqa: BLE001 - what the parent asserts on
+        out.send(("error", repr(e), None))
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as two other users")
+def test_cleanup_leaves_another_users_file_under_the_prefix_and_removes_its_own(prefix):
+    planted = f"{prefix}planted"
+    path = os.path.join(shm.SHM_DIR, planted)
+    _as_nobody("touch", path)
+    try:
+        ctx = mp.get_context("fork")
+        got, out = ctx.Pipe(duplex=False)
+        p = ctx.Process(target=_sweep_as, args=(65533, prefix, planted, out))
+        p.start()
+        assert got.poll(30)
+        status, swept, gone = got.recv()
+        p.join(10)
+        assert status == "ok", swept  # it used to raise PermissionError and stop half-way
+        assert swept == 2 and gone is True  # its own two, and nothing of its own to wait for in the planted one
+        assert shm.list_segments(prefix) == [planted] and os.stat(path).st_uid == 65534
+        assert shm.sweep(prefix) == 0 and os.path.exists(path)  # root too leaves another user's file
+    finally:
+        os.unlink(path)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to plant files as another user")
+def test_a_cluster_stops_cleanly_past_files_another_user_planted_under_its_prefix(tmp_path):
+    import helix_core as hx
+    from helix_core.testing import IndexDataset
+
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"keep")
+    cfg = hx.ClusterConfig.for_tests()
+    with hx.LocalCluster(local_servers=1, workers_per_server=1, config=cfg) as cluster:
+        prefix = f"helix-{cluster.cluster_id}-"
+        planted = [os.path.join(shm.SHM_DIR, f"{prefix}planted"), os.path.join(shm.SHM_DIR, f"{prefix}link")]
+        _as_nobody("touch", planted[0])
+        _as_nobody("ln", "-s", str(victim), planted[1])
+        with hx.DistributedDataLoader(IndexDataset(8, shape=(4,)), 2, rank=0, world_size=1,
+                                      coordinator=cluster.address, config=cfg) as loader:
+            assert len(list(loader)) == 4
+    try:
+        assert sorted(shm.list_segments(prefix)) == sorted(os.path.basename(p) for p in planted)
+        assert victim.read_bytes() == b"keep"
+    finally:
+        for p in planted:
+            os.unlink(p)

@@ -7,8 +7,8 @@ certificates when it has them) carries the same ``StreamHeader`` and then the pa
 receiver reads with ``recv_into`` directly into one of its slabs: no per-chunk object, no copy.
 
 Wire form (little-endian). A connection opens with ``b"HXB2"`` (``HXB1`` carried the payload on TLS
-itself), the token's length (u16) and the token; the receiver answers one status byte (0: accepted)
-and, if refused, a reason. Then any number of transfers, one at a time: ``u32`` header length, the
+itself), the token's length (u16) and the token; the receiver answers one status byte (0: accepted; 4, busy:
+every connection slot carries a transfer) and, if refused, a reason. Then any number of transfers, one at a time: ``u32`` header length, the
 ``StreamHeader`` (protobuf), the ``total_bytes`` of payload; the answer is a status byte and ``u32``
 length, then a ``DeliverReply`` (status 0) or the reason (UTF-8). Nothing is unpickled here: a
 header whose batch structure is pickled is refused where the server takes no pickles, exactly as
@@ -16,8 +16,18 @@ header whose batch structure is pickled is refused where the server takes no pic
 
 Every read and write of a transfer has a deadline (``keepalive_s + keepalive_timeout_s``): a
 stopped or vanished peer fails the transfer in seconds, and the sender's caller treats it like a
-lost delivery server (the client resubmits). The gRPC ``Deliver`` stays as the path for a peer
-that offers no bulk port.
+lost delivery server (the client resubmits). A transfer's header (at most ``MAX_HEADER`` bytes;
+a larger one goes by gRPC) must arrive within that deadline too, and its payload within
+``execute_timeout_s``, however slowly the bytes trickle. The gRPC ``Deliver`` stays as the path
+for a peer that offers no bulk port.
+
+Slots (``bulkrecv.py``): a connection that has not yet presented the token (TLS handshake, magic,
+token) holds one of a few pending places, for at most the handshake deadline; only then does it
+take one of the listener's connection slots, evicting the longest-idle connection when all are
+taken. A listener that cannot take a connection says so (``BUSY``) or closes it before accepting
+the token, and the sender reads any end of a connection before that point — a busy answer, a
+close, a reset, a failed TLS handshake — as "not connected": the batch goes by gRPC, never as a
+lost delivery. Only a peer that falls silent (a timeout) is "connected and stopped".
 
 With TLS, the handshake (certificates, then the token) runs on TLS, and the sender then hands
 the receiver two fresh AES-128-GCM keys (one per direction) inside it; both sides close the TLS
@@ -44,18 +54,19 @@ import time
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-__all__ = ["BulkError", "OK", "NO_ROOM", "REFUSED", "BAD", "BUSY"]
+__all__ = ["BAD", "BUSY", "MAX_HEADER", "NO_ROOM", "OK", "REFUSED", "BulkError"]
 
 MAGIC = b"HXB2"  # 2: sealed records after the TLS handshake; a receiver of 1 refuses it (the sender uses gRPC)
 OK, NO_ROOM, REFUSED, BAD, BUSY = 0, 1, 2, 3, 4  # BUSY: every connection slot taken (the sender uses gRPC)
 _U16, _U32, _ANSWER = struct.Struct("<H"), struct.Struct("<I"), struct.Struct("<BI")
-_MAX_HEADER = 64 << 20
+MAX_HEADER = 4 << 20  # a StreamHeader's bytes (inline tensors are < 4 KiB each): larger ones go by gRPC
 _MAX_TOKEN = 1024
 _CHUNK = 4 << 20  # sends go in pieces of this, each with the progress deadline
 _RECORD = 1 << 20  # a Sealed record's most plaintext bytes
 _TAG = 16
-_IDLE_S = 120.0  # a receiver closes a connection idle this long; senders drop theirs sooner
-_SENDER_IDLE_S = 60.0
+_IDLE_S = 30.0  # a receiver closes a connection idle this long (and evicts idle ones sooner when full)
+_SENDER_IDLE_S = 15.0  # senders drop theirs sooner, so they rarely send on one the receiver just closed
+_KEEP_PER_PEER = 4  # connections a sender keeps per receiver between batches (more are closed after use)
 
 
 class BulkError(Exception):
@@ -88,12 +99,19 @@ def _contexts(tls) -> tuple[ssl.SSLContext, ssl.SSLContext]:
 
 def _recv_exact(sock, view: memoryview, until: float | None = None) -> None:
     """Fill ``view``; each ``recv`` has the socket's timeout (progress), and the whole read ends
-    by ``until`` (``time.monotonic``), so a peer that trickles bytes cannot hold it for ever."""
+    by ``until`` (``time.monotonic``): the last ``recv`` waits no longer than what is left, so a
+    peer that trickles bytes cannot hold it past the deadline. (The socket's timeout may be left
+    lowered: callers set it afresh for each phase.)"""
+    sealed = isinstance(sock, Sealed)  # it keeps the deadline on each of its records' reads
     got = 0
     while got < len(view):
-        if until is not None and time.monotonic() > until:
-            raise TimeoutError(f"{got} of {len(view)} bytes within the transfer's deadline")
-        n = sock.recv_into(view[got:])
+        if until is not None and not sealed:
+            left = until - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"{got} of {len(view)} bytes within the transfer's deadline")
+            if left < (sock.gettimeout() or float("inf")):
+                sock.settimeout(left)
+        n = sock.recv_into(view[got:], until) if sealed else sock.recv_into(view[got:])
         if n == 0:
             raise ConnectionError(f"peer closed the connection after {got} of {len(view)} bytes")
         got += n
@@ -109,9 +127,9 @@ def _send_all(sock, data, until: float) -> None:
         sock.sendall(view[start:start + _CHUNK])
 
 
-def _recv(sock, n: int) -> bytes:
+def _recv(sock, n: int, until: float | None = None) -> bytes:
     buf = bytearray(n)
-    _recv_exact(sock, memoryview(buf))
+    _recv_exact(sock, memoryview(buf), until)
     return bytes(buf)
 
 
@@ -143,14 +161,15 @@ class Sealed:
             self._sent += 1
             self._raw.sendall(self._out[:4 + n + _TAG])
 
-    def recv_into(self, view) -> int:
+    def recv_into(self, view, until: float | None = None) -> int:
+        """Plaintext into ``view`` (a record at a time); the record's reads end by ``until``."""
         if not self._left:
             head = bytearray(4)
-            _recv_exact(self._raw, memoryview(head))
+            _recv_exact(self._raw, memoryview(head), until)
             (n,) = _U32.unpack(head)
             if not 0 < n <= _RECORD:
                 raise ConnectionError(f"a bulk record of {n} bytes (at most {_RECORD})")
-            _recv_exact(self._raw, self._in[:n + _TAG])
+            _recv_exact(self._raw, self._in[:n + _TAG], until)
             direct = len(view) >= n  # the payload's records land in the slab at once
             if not direct and self._plain is None:
                 self._plain = memoryview(bytearray(_RECORD))
@@ -170,6 +189,9 @@ class Sealed:
 
     def settimeout(self, seconds) -> None:
         self._raw.settimeout(seconds)
+
+    def gettimeout(self):
+        return self._raw.gettimeout()
 
     def shutdown(self, how) -> None:
         self._raw.shutdown(how)

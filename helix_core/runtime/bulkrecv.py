@@ -1,76 +1,184 @@
 """The receiving side of the bulk path (``bulk.py``: the wire form): a DataServer's
-``BulkListener``, which reads each transfer's payload straight into the slab it names."""
+``BulkListener``, which reads each transfer's payload straight into the slab it names.
+
+Who may hold a connection: a peer that has not yet presented the token holds one of
+``max_pending`` places, for at most the handshake deadline (TLS handshake, magic, token), however
+slowly it sends — the accept thread cuts it off then, so nobody without the token holds more than
+those few places for more than that. A peer that presented the token takes one of
+``max_connections`` slots; when all are taken, the longest-idle connection (between two transfers,
+after its first) is closed for it, and only when every slot carries a transfer is the newcomer told
+``BUSY``. A full listener is thus always "not connected" to the sender (``bulk.py``), never a lost
+delivery, and a sender's kept connections never keep another sender out.
+"""
 from __future__ import annotations
 
 import hmac
+import logging
 import socket
 import threading
 import time
 
-from .bulk import (_ANSWER, _IDLE_S, _MAX_HEADER, _MAX_TOKEN, _U16, _U32, BAD, BUSY, MAGIC, OK, REFUSED, _contexts,
+from .bulk import (_ANSWER, _IDLE_S, _MAX_TOKEN, _U16, _U32, BAD, BUSY, MAGIC, MAX_HEADER, OK, REFUSED, _contexts,
                    _recv, _recv_exact, _send_all, seal_receiver)
 from .proto import helix_pb2 as pb
 
 __all__ = ["BulkListener"]
 
+log = logging.getLogger("helix.bulk")
+
+
+class _Conn:
+    """One accepted connection, as the listener's threads share it (under the listener's lock)."""
+
+    __slots__ = ("dropped", "fd", "idle_since", "pending_until", "slot")
+
+    def __init__(self, fd: int, pending_until: float):
+        self.fd = fd  # stays this connection's while it is registered: its thread closes it only after
+        self.pending_until: float | None = pending_until  # handshake deadline (monotonic); None: authenticated
+        self.idle_since: float | None = None  # waiting for its next transfer since (None: busy, or no transfer yet)
+        self.slot = False  # holds one of the listener's connection slots
+        self.dropped = False  # shut down by the listener (deadline, eviction, close)
+
+
+def _shut_fd(fd: int) -> None:
+    """Shut down the socket of ``fd`` from any thread: a thread blocked on it wakes at once."""
+    try:
+        s = socket.socket(fileno=fd)
+    except OSError:
+        return
+    try:
+        s.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    finally:
+        s.detach()  # the fd stays its thread's to close
+
 
 class BulkListener:
     """The receiving side, in a DataServer: accepts connections on ``host`` (``port``: the free
     one it bound) from senders that present the token, and hands each transfer's header to
-    ``receive`` (see ``_transfer``), which names the slab to read the payload into."""
+    ``receive`` (see ``_transfer``), which names the slab to read the payload into.
+    ``handshake_s``: a new connection's deadline to present the token (seconds; default
+    ``keepalive_s + keepalive_timeout_s``)."""
 
-    def __init__(self, host: str, token: str, config, tls=None, receive=None, max_connections: int = 64):
+    def __init__(self, host: str, token: str, config, tls=None, receive=None, max_connections: int = 64,
+                 max_pending: int = 16, handshake_s: float | None = None):
         if not token:
             raise ValueError("a bulk listener needs the cluster's token")
+        if max_connections < 1 or max_pending < 1:
+            raise ValueError(f"BulkListener(max_connections={max_connections}, max_pending={max_pending}): "
+                             "each must be at least 1")
         self.token, self.config, self.receive = token.encode(), config, receive
+        self.max_connections, self.max_pending = max_connections, max_pending
+        self._progress = config.keepalive_s + config.keepalive_timeout_s
+        self.handshake_s = self._progress if handshake_s is None else handshake_s
         self._ctx = _contexts(tls)[0] if tls is not None else None
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._sock = socket.socket(family, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._sock.bind((host, 0))
-        self._sock.listen(max_connections)
+        self._sock.listen(max_connections + max_pending)
         self.port = self._sock.getsockname()[1]
-        self._slots = threading.BoundedSemaphore(max_connections)
-        self._conns: set = set()
+        self._conns: set[_Conn] = set()  # every connection whose thread runs (its fd open)
+        self._pending: dict[_Conn, None] = {}  # not yet authenticated, oldest (earliest deadline) first
+        self._slots_taken = 0
         self._lock = threading.Lock()
         self._closed = False
         self.received_bytes = 0
-        self.connections = 0  # connections accepted (a sender keeps its own for many transfers)
+        self.connections = 0  # connections that presented the token (a sender keeps its own for many transfers)
+        self.turned_away = 0  # connections closed at once: every pending place taken, or every slot busy
         self._thread = threading.Thread(target=self._accept, name="helix-bulk-accept", daemon=True)
         self._thread.start()
 
+    # ---- who holds a connection ------------------------------------------------------------------------
     def _accept(self) -> None:
-        while not self._closed:
+        while True:
+            with self._lock:
+                if self._closed:
+                    return
+                wait = self._reap(time.monotonic())
             try:
-                conn, _ = self._sock.accept()
+                self._sock.settimeout(wait)  # wake at the oldest pending connection's deadline
+                raw, _ = self._sock.accept()
+            except TimeoutError:
+                continue
             except OSError:
                 return  # closed
-            if self._closed:
-                conn.close()
-                return
-            if not self._slots.acquire(blocking=False):  # every slot taken: say so, the sender uses gRPC
-                try:
-                    conn.setblocking(False)
-                    conn.send(bytes((BUSY,))) if self._ctx is None else None  # (with TLS: the handshake fails)
-                except OSError:
-                    pass
-                conn.close()
+            c = _Conn(raw.fileno(), time.monotonic() + self.handshake_s)
+            with self._lock:
+                admit = not self._closed and len(self._pending) < self.max_pending
+                if admit:
+                    self._pending[c] = None
+                    self._conns.add(c)
+            if not admit:
+                self._turn_away(raw)
                 continue
-            self.connections += 1
-            threading.Thread(target=self._serve, args=(conn,), name="helix-bulk-conn", daemon=True).start()
+            threading.Thread(target=self._serve, args=(raw, c), name="helix-bulk-conn", daemon=True).start()
 
-    def _wrap(self, raw: socket.socket):
-        raw.settimeout(self.config.keepalive_s + self.config.keepalive_timeout_s)
-        raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        conn = self._ctx.wrap_socket(raw, server_side=True) if self._ctx is not None else raw
+    def _reap(self, now: float) -> float | None:
+        """(Under the lock.) Cut off pending connections past their handshake deadline; the
+        seconds until the next one's (None: none pending)."""
+        for c in list(self._pending):
+            if c.pending_until > now:
+                return c.pending_until - now
+            log.debug("bulk: a connection did not present the token within %.1f s: closed", self.handshake_s)
+            self._drop(c)
+        return None
+
+    def _drop(self, c: _Conn) -> None:
+        """(Under the lock.) Shut ``c`` down; its thread ends and closes it."""
+        c.dropped = True
+        self._pending.pop(c, None)
+        _shut_fd(c.fd)
+
+    def _turn_away(self, raw: socket.socket) -> None:
         with self._lock:
-            self._conns.add(conn)
-        return conn
+            self.turned_away += 1
+        try:
+            if self._ctx is None:  # (with TLS a plain byte would not parse: the close says it)
+                raw.setblocking(False)
+                raw.send(bytes((BUSY,)))
+        except OSError:
+            pass
+        raw.close()
 
-    def _handshake(self, conn):
-        """Magic and token within one deadline (an unauthenticated peer holds a slot at most that
-        long); the connection to read transfers from (``Sealed`` with TLS), or None: refused."""
-        until = time.monotonic() + self.config.keepalive_s + self.config.keepalive_timeout_s
+    def _admit(self, c: _Conn) -> bool:
+        """A connection presented the token: give it a slot — a free one, or the longest-idle
+        connection's (which is closed). False: every slot carries a transfer (or ``c`` was cut off)."""
+        with self._lock:
+            self._pending.pop(c, None)
+            if c.dropped or self._closed:
+                return False
+            c.pending_until = None
+            if self._slots_taken < self.max_connections:
+                self._slots_taken += 1
+            else:
+                idle = [o for o in self._conns if o.slot and o.idle_since is not None and not o.dropped]
+                if not idle:
+                    self.turned_away += 1
+                    return False
+                victim = min(idle, key=lambda o: o.idle_since)
+                victim.slot = False  # its slot passes to c
+                self._drop(victim)
+                log.debug("bulk: every slot taken: the longest-idle connection was closed for a new one")
+            c.slot = True
+            self.connections += 1
+            return True
+
+    def _release(self, c: _Conn) -> None:
+        with self._lock:
+            self._pending.pop(c, None)
+            self._conns.discard(c)
+            if c.slot:
+                c.slot = False
+                self._slots_taken -= 1
+
+    # ---- one connection ------------------------------------------------------------------------------------
+    def _handshake(self, conn, c: _Conn):
+        """Magic and token, after TLS (the accept thread cuts them off at ``c``'s deadline, however
+        slowly bytes come); the connection to read transfers from (``Sealed`` with TLS), or None:
+        refused, turned away or cut off."""
+        until = c.pending_until
         head = bytearray(6)
         _recv_exact(conn, memoryview(head), until)
         (n,) = _U16.unpack(head[4:])
@@ -82,45 +190,72 @@ class BulkListener:
             reason = b"wrong or missing token"
             conn.sendall(bytes((REFUSED,)) + _U16.pack(len(reason)) + reason)
             return None
+        if not self._admit(c):
+            conn.sendall(bytes((BUSY,)))
+            return None
         conn.sendall(bytes((OK,)))
         return seal_receiver(conn, until) if self._ctx is not None else conn
 
-    def _serve(self, raw: socket.socket) -> None:
-        progress = self.config.keepalive_s + self.config.keepalive_timeout_s
-        wrapped = raw
+    def _next(self, conn, c: _Conn, first: bool) -> int | None:
+        """Wait for the next transfer's header length; None: the connection ends (closed by the
+        sender, idle past ``_IDLE_S``, evicted). A new connection's first transfer comes at once
+        (its sender connected to send it) and it cannot be evicted before; afterwards, while it
+        waits, it may."""
+        with self._lock:
+            if c.dropped or self._closed:
+                return None
+            if not first:
+                c.idle_since = time.monotonic()
+        conn.settimeout(self._progress if first else _IDLE_S)
         try:
-            wrapped = self._wrap(raw)  # a failed TLS handshake raises here
-            conn = self._handshake(wrapped)
-            if conn is None:
+            (hlen,) = _U32.unpack(_recv(conn, 4))
+        except (ConnectionError, TimeoutError, OSError):
+            return None
+        with self._lock:
+            if c.dropped:  # evicted as its sender began: the sender retries on a new connection
+                return None
+            c.idle_since = None
+        return hlen
+
+    def _serve(self, raw: socket.socket, c: _Conn) -> None:
+        conn = raw
+        try:
+            raw.settimeout(self._progress)
+            raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if self._ctx is not None:  # the TLS handshake in our hands: a failed one leaves the fd open until our close
+                conn = self._ctx.wrap_socket(raw, server_side=True, do_handshake_on_connect=False)
+                conn.do_handshake()
+            stream = self._handshake(conn, c)
+            if stream is None:
                 return
-            while not self._closed:
-                conn.settimeout(_IDLE_S)
-                try:
-                    (hlen,) = _U32.unpack(_recv(conn, 4))
-                except (ConnectionError, TimeoutError, OSError):
-                    return  # closed by the sender, or idle
-                conn.settimeout(progress)
-                until = time.monotonic() + self.config.execute_timeout_s
-                if hlen > _MAX_HEADER:
+            first = True
+            while (hlen := self._next(stream, c, first)) is not None:
+                first = False
+                stream.settimeout(self._progress)
+                now = time.monotonic()
+                until = now + self.config.execute_timeout_s
+                if hlen > MAX_HEADER:  # a sender of this version never does: a peer to stop reading
+                    reason = f"a transfer header of {hlen} bytes (at most {MAX_HEADER})".encode()
+                    _send_all(stream, _ANSWER.pack(BAD, len(reason)) + reason, until)
                     return
-                header = pb.StreamHeader.FromString(_recv(conn, hlen))
-                status, body, abort = self._transfer(conn, header, until)
+                buf = bytearray(hlen)
+                _recv_exact(stream, memoryview(buf), min(until, now + self._progress))  # small: it comes at once
+                header = pb.StreamHeader.FromString(buf)
+                status, body, abort = self._transfer(stream, header, until)
+                stream.settimeout(self._progress)
                 try:
-                    _send_all(conn, _ANSWER.pack(status, len(body)) + body, until)
+                    _send_all(stream, _ANSWER.pack(status, len(body)) + body, until)
                 except BaseException:
                     abort()  # the sender never learns of the slab: it resubmits, nobody would release it
                     raise
                 if status == BAD:
                     return  # the stream's position is unknown: start over on a new connection
-        except Exception:  # a stopped or vanished sender, a bad header: its transfer fails on its side
+        except Exception as e:  # noqa: BLE001 - a stopped or vanished sender, a bad header: its transfer fails on its side
+            log.debug("bulk: a connection ended: %s: %s", type(e).__name__, e)
             return
         finally:
-            with self._lock:
-                self._conns.discard(wrapped)
-            try:
-                wrapped.close()  # (a Sealed connection's socket: the same one, unwrapped)
-            finally:
-                self._slots.release()
+            self._release(c)  # before the close: the fd is never shut down once it may be another's
+            conn.close()  # (a Sealed connection's socket: the same one, unwrapped)
 
     def _transfer(self, conn, header, until: float):
         """One transfer: ``receive(header) -> (status, reason, view, done, abort)``. Accepted
@@ -145,25 +280,19 @@ class BulkListener:
     def _drain(conn, n: int, until: float) -> None:
         buf = memoryview(bytearray(min(n, 1 << 20) or 1))
         while n > 0:
-            if time.monotonic() > until:
-                raise TimeoutError("a refused payload was not drained within the transfer's deadline")
-            k = conn.recv_into(buf[:min(n, len(buf))])
-            if k == 0:
-                raise ConnectionError("peer closed the connection")
+            k = min(n, len(buf))
+            _recv_exact(conn, buf[:k], until)
             n -= k
 
     def close(self) -> None:
-        self._closed = True
+        with self._lock:
+            self._closed = True
         try:
             self._sock.shutdown(socket.SHUT_RDWR)  # wakes the thread in accept() (close alone does not)
         except OSError:
             pass
-        self._sock.close()
         self._thread.join(timeout=5.0)
+        self._sock.close()
         with self._lock:
-            conns = list(self._conns)
-        for c in conns:
-            try:
-                c.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+            for c in list(self._conns):
+                self._drop(c)

@@ -8,9 +8,8 @@ import threading
 import time
 
 from .auth import is_loopback
-from .bulk import (_ANSWER, _SENDER_IDLE_S, _U16, _U32, BAD, BUSY, MAGIC, OK, REFUSED, BulkError, _contexts, _recv,
-                   _send_all,
-                   seal_sender)
+from .bulk import (_ANSWER, _KEEP_PER_PEER, _SENDER_IDLE_S, _U16, _U32, BAD, BUSY, MAGIC, MAX_HEADER, OK, REFUSED,
+                   BulkError, _contexts, _recv, _send_all, seal_sender)
 from .proto import helix_pb2 as pb
 from .tokenfiles import check_listener
 
@@ -29,8 +28,10 @@ class BulkSender:
 
     def _connect(self, host: str, port: int) -> socket.socket:
         """A new connection, token accepted. ``BulkError`` with ``connected`` False where the
-        caller may fall back to gRPC (nothing listens there, or the TLS certificates don't fit),
-        True where the peer took the connection and then fell silent (stopped: gRPC would wait too)."""
+        caller may fall back to gRPC: the connection ended before the receiver accepted the token
+        (nothing listens there, its slots are full — a ``BUSY`` answer, a close or a reset —, it is
+        closing, or the TLS certificates don't fit; no byte of a batch went); True where the peer
+        took the connection and then fell silent (stopped: gRPC would wait too)."""
         deadline = self.config.keepalive_s + self.config.keepalive_timeout_s
         try:
             if is_loopback(host):  # never this user's token to a port another user took meanwhile
@@ -56,34 +57,50 @@ class BulkSender:
                                 REFUSED)
             if self._ctx is not None:
                 sock = seal_sender(sock)  # the payload in large AES-GCM records (bulk.py)
-        except ssl.SSLError as e:  # (before OSError, its base) a certificate mismatch: gRPC's own TLS decides
-            sock.close()
-            raise BulkError(f"TLS with the bulk port {host}:{port} failed: {e}", connected=False) from None
-        except (ConnectionError, TimeoutError, OSError) as e:
+        except TimeoutError as e:  # (before OSError, its base) silent: a stopped receiver
             sock.close()
             raise BulkError(f"the bulk port {host}:{port} took the connection and stopped answering: "
                             f"{type(e).__name__}: {e}") from None
+        except OSError as e:  # ssl.SSLError among them: a reset, a close or a TLS failure before it took us
+            sock.close()
+            raise BulkError(f"the bulk port {host}:{port} did not take the connection: {type(e).__name__}: {e}",
+                            connected=False) from None
         except BaseException:
             sock.close()
             raise
         return sock
 
+    def _expire(self, now: float) -> list:
+        """(Under the lock.) Take out every kept connection idle past ``_SENDER_IDLE_S`` (to close):
+        a receiver closes idle ones later, and must not find them holding its slots meanwhile."""
+        stale = []
+        for key in list(self._idle):
+            pool = self._idle[key]
+            fresh = [(s, since) for s, since in pool if now - since < _SENDER_IDLE_S]
+            stale += [s for s, since in pool if now - since >= _SENDER_IDLE_S]
+            if fresh:
+                self._idle[key] = fresh
+            else:
+                del self._idle[key]
+        return stale
+
     def _take(self, key) -> socket.socket | None:
-        now = time.monotonic()
         with self._lock:
-            pool = self._idle.get(key, [])
-            while pool:
-                sock, since = pool.pop()
-                if now - since < _SENDER_IDLE_S:
-                    return sock
-                sock.close()
-        return None
+            stale = self._expire(time.monotonic())
+            pool = self._idle.get(key)
+            sock = pool.pop()[0] if pool else None  # the most recently used: the others may expire
+        for s in stale:
+            s.close()
+        return sock
 
     def send(self, host: str, port: int, header: pb.StreamHeader, payload: memoryview) -> pb.DeliverReply:
         """Send one batch (``header.total_bytes`` of ``payload``); the receiver's ``DeliverReply``.
         ``BulkError``: refused or failed (``status`` None: the connection; the batch did not arrive)."""
         key = (host, port)
         head = header.SerializeToString()
+        if len(head) > MAX_HEADER:  # the receiver would refuse it: gRPC carries it (64 MiB messages)
+            raise BulkError(f"a transfer header of {len(head)} bytes is over the bulk path's {MAX_HEADER}",
+                            connected=False)
         for attempt in (0, 1):  # a kept connection the receiver closed meanwhile: once more on a new one
             sock = self._take(key) if attempt == 0 else None
             fresh = sock is None
@@ -110,11 +127,17 @@ class BulkSender:
         raise AssertionError("unreachable")
 
     def _keep(self, key, sock) -> None:
+        now, stale = time.monotonic(), [sock]
         with self._lock:
-            if not self._closed:
-                self._idle.setdefault(key, []).append((sock, time.monotonic()))
-                return
-        sock.close()  # closed meanwhile: nobody would take it again
+            if not self._closed:  # (closed meanwhile: nobody would take it again)
+                stale = self._expire(now)
+                pool = self._idle.setdefault(key, [])
+                if len(pool) < _KEEP_PER_PEER:
+                    pool.append((sock, now))
+                else:
+                    stale.append(sock)  # a burst's extra connections: not held at the receiver for nothing
+        for s in stale:
+            s.close()
 
     def close(self) -> None:
         with self._lock:

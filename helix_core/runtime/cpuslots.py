@@ -24,18 +24,29 @@ The files have one owner: the host's DataServers hold a shared lock on a members
 (``HostSlots``), and the last one to leave unlinks them — so one server stopping among several
 never removes the slots the others' workers use (a respawned worker would re-create them, and
 the host's decode cap would double).
+
+/dev/shm is every user's: each file is created with ``O_EXCL`` or else opened with ``O_NOFOLLOW``
+and kept only if it is this user's (``_open_own``), so a symlink or file another user planted
+under the names is refused, never followed or written; cleanup leaves another user's files.
 """
 from __future__ import annotations
 
+import errno
 import fcntl
+import logging
 import mmap
 import os
 import select
+import stat
 import time
 
 import numpy as np
 
+from .shm import owned
+
 __all__ = ["CpuSlots", "HostSlots", "notify"]
+
+log = logging.getLogger("helix.cpuslots")
 
 _ENTRIES = 128  # waiters a host can list (more wait unranked, after the listed ones)
 _ENTRY = np.dtype([("pid", "<i8"), ("key", "<f8"), ("eligible", "<i8")])  # eligible: among the n earliest
@@ -45,8 +56,35 @@ def _fifo(shm_dir: str, prefix: str, pid: int) -> str:
     return os.path.join(shm_dir, f"{prefix}w{pid}")
 
 
+def _open_own(path: str, kind: int = stat.S_IFREG) -> int:
+    """Open ``path`` read-write, creating it (``O_EXCL``) if absent; an existing one only if it is
+    this user's file of that ``kind`` and not a symlink (``O_NOFOLLOW``). ``PermissionError``
+    otherwise: the name was taken by someone else (another user planted it), and nothing was
+    written through it."""
+    for _ in range(8):  # a file unlinked between the two opens (its last owner left): once more
+        try:
+            if kind == stat.S_IFREG:
+                return os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        except FileExistsError:
+            pass
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | (os.O_NONBLOCK if kind == stat.S_IFIFO else 0))
+        except FileNotFoundError:
+            continue
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise PermissionError(f"{path} is a symlink (planted by another user?): refused, not followed") from None
+            raise
+        st = os.fstat(fd)
+        if st.st_uid != os.geteuid() or stat.S_IFMT(st.st_mode) != kind:
+            os.close(fd)
+            raise PermissionError(f"{path} is not this user's (uid {st.st_uid}, mode {oct(st.st_mode)}): refused")
+        return fd
+    raise FileNotFoundError(f"{path} kept vanishing while it was opened")
+
+
 def _table(shm_dir: str, prefix: str) -> tuple[int, mmap.mmap, np.ndarray]:
-    fd = os.open(os.path.join(shm_dir, f"{prefix}q"), os.O_RDWR | os.O_CREAT, 0o600)
+    fd = _open_own(os.path.join(shm_dir, f"{prefix}q"))
     size = _ENTRIES * _ENTRY.itemsize
     if os.fstat(fd).st_size < size:
         os.posix_fallocate(fd, 0, size)  # zero-filled: every entry empty (pid 0)
@@ -78,8 +116,12 @@ class _Doorbells:
                 if len(self._fds) > 2 * _ENTRIES:  # waiters come and go (respawned workers): start over
                     self.close()
                 try:
-                    fd = os.open(_fifo(self.shm_dir, self.prefix, pid), os.O_WRONLY | os.O_NONBLOCK)
+                    fd = os.open(_fifo(self.shm_dir, self.prefix, pid), os.O_WRONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
                 except OSError:  # gone (it got a slot and left, or died)
+                    return False
+                st = os.fstat(fd)
+                if not stat.S_ISFIFO(st.st_mode) or st.st_uid != os.geteuid():  # not a waiter of ours
+                    os.close(fd)
                     return False
                 self._fds[pid] = fd
             try:
@@ -99,6 +141,19 @@ class _Doorbells:
     def close(self) -> None:
         for pid in list(self._fds):
             self._forget(pid)
+
+
+def _unlink_own(path: str) -> bool:
+    """Unlink ``path`` if it is this user's (not a symlink); another user's is left and logged."""
+    if not owned(path):
+        if os.path.lexists(path):
+            log.warning("%s is not this user's: left in place", path)
+        return False
+    try:
+        os.unlink(path)
+        return True
+    except (FileNotFoundError, PermissionError):
+        return False
 
 
 def _wake(bells: _Doorbells, table: np.ndarray, n: int, skip: int = 0) -> None:
@@ -128,10 +183,7 @@ def notify(prefix: str, n: int, shm_dir: str = "/dev/shm") -> None:
 
 def forget(prefix: str, pid: int, shm_dir: str = "/dev/shm") -> None:
     """A waiter died (SIGKILL: it could not delist): drop its entry and unlink its FIFO."""
-    try:
-        os.unlink(_fifo(shm_dir, prefix, pid))
-    except FileNotFoundError:
-        pass
+    _unlink_own(_fifo(shm_dir, prefix, pid))
     if not os.path.exists(os.path.join(shm_dir, f"{prefix}q")):
         return
     fd, m, table = _table(shm_dir, prefix)
@@ -150,18 +202,29 @@ class CpuSlots:
         if n < 1:
             raise ValueError(f"CpuSlots(n={n}): need at least one slot")
         self.prefix, self.shm_dir, self.patience_s = prefix, shm_dir, patience_s
-        self._fds = [os.open(os.path.join(shm_dir, f"{prefix}{k}"), os.O_RDWR | os.O_CREAT, 0o600) for k in range(n)]
-        self._qfd, self._map, self._table = _table(shm_dir, prefix)
-        self._pids, self._keys, self._eligible = self._table["pid"], self._table["key"], self._table["eligible"]
-        self._bells = _Doorbells(shm_dir, prefix)
         self._pid = os.getpid()
         self._fifo_path = _fifo(shm_dir, prefix, self._pid)
+        opened: list[int] = []  # closed again if a name turns out to be another user's (PermissionError)
         try:
-            os.unlink(self._fifo_path)  # a dead process of the same pid left it
-        except FileNotFoundError:
-            pass
-        os.mkfifo(self._fifo_path, 0o600)
-        self._wakeup = os.open(self._fifo_path, os.O_RDWR | os.O_NONBLOCK)  # read-write: never at EOF
+            for k in range(n):
+                opened.append(_open_own(os.path.join(shm_dir, f"{prefix}{k}")))
+            _unlink_own(self._fifo_path)  # a dead process of the same pid left it
+            try:
+                os.mkfifo(self._fifo_path, 0o600)  # (never follows a symlink: EEXIST)
+            except FileExistsError:
+                pass  # another user's name there: _open_own refuses it
+            self._wakeup = _open_own(self._fifo_path, stat.S_IFIFO)  # read-write: never at EOF
+            opened.append(self._wakeup)
+            self._qfd, self._map, self._table = _table(shm_dir, prefix)
+        except BaseException:
+            for fd in opened:
+                os.close(fd)
+            if len(opened) > n:  # the FIFO was ours
+                _unlink_own(self._fifo_path)
+            raise
+        self._fds = opened[:n]
+        self._pids, self._keys, self._eligible = self._table["pid"], self._table["key"], self._table["eligible"]
+        self._bells = _Doorbells(shm_dir, prefix)
         self._held: int | None = None
         self._entry: int | None = None
         self._next = self._pid % n  # processes start their search at different slots
@@ -268,10 +331,7 @@ class CpuSlots:
         for fd in (*self._fds, self._qfd, self._wakeup):
             os.close(fd)
         self._fds = []
-        try:
-            os.unlink(self._fifo_path)
-        except FileNotFoundError:
-            pass
+        _unlink_own(self._fifo_path)
 
 
 class HostSlots:
@@ -283,7 +343,7 @@ class HostSlots:
         self.prefix, self.shm_dir = prefix, shm_dir
         self._path = os.path.join(shm_dir, f"{prefix}m")
         while True:
-            fd = os.open(self._path, os.O_RDWR | os.O_CREAT, 0o600)
+            fd = _open_own(self._path)
             fcntl.flock(fd, fcntl.LOCK_SH)  # waits while a last member is unlinking
             try:
                 if os.stat(self._path).st_ino == os.fstat(fd).st_ino:
@@ -307,10 +367,7 @@ class HostSlots:
         if last:
             for name in os.listdir(self.shm_dir):
                 if name.startswith(self.prefix) and name != os.path.basename(self._path):
-                    try:
-                        os.unlink(os.path.join(self.shm_dir, name))
-                    except FileNotFoundError:
-                        pass
-            os.unlink(self._path)  # last: a server that opened it meanwhile sees another inode and retries
+                    _unlink_own(os.path.join(self.shm_dir, name))  # (another user's is left, logged)
+            _unlink_own(self._path)  # last: a server that opened it meanwhile sees another inode and retries
         os.close(fd)
         return last

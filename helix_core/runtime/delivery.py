@@ -20,7 +20,7 @@ from ..config import PROTOCOL_VERSION
 from ..errors import PICKLING
 from . import shm
 from .auth import call_metadata
-from .bulk import NO_ROOM, OK, REFUSED, BulkError
+from .bulk import MAX_HEADER, NO_ROOM, OK, REFUSED, BulkError
 from .bulksend import BulkSender
 from .proto import helix_pb2 as pb
 from .proto import helix_pb2_grpc as pbg
@@ -116,7 +116,8 @@ class Outbound:
         deliver, port, _ = self._peer(address)
         total = header.total_bytes
         t0, reply, bulk = time.perf_counter(), None, False
-        if port and time.monotonic() >= self._bulk_off.get(address, 0.0):
+        # (a header over the bulk path's bound, rare: many small tensors inline, goes by gRPC alone)
+        if port and time.monotonic() >= self._bulk_off.get(address, 0.0) and header.ByteSize() <= MAX_HEADER:
             try:
                 reply, bulk = self._sender.send(address.rsplit(":", 1)[0].strip("[]"), port, header, payload), True
             except BulkError as e:

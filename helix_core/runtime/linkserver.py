@@ -213,17 +213,21 @@ async def serve_call_link(name: str, token: str, handle, request_cls, handshake_
 
     expected = token.encode()
 
+    async def handshake(reader, writer) -> bool:
+        if await reader.readexactly(4) != MAGIC:
+            return False
+        n, = struct.unpack("<H", await reader.readexactly(2))
+        if not hmac.compare_digest(await reader.readexactly(n), expected):
+            writer.write(b"\1")
+            return False
+        return True
+
     async def serve(reader, writer):
         try:
             if _peer_uid(writer.get_extra_info("socket")) != os.getuid():
                 return  # another user's process: nothing read
-            async with asyncio.timeout(handshake_s):
-                if await reader.readexactly(4) != MAGIC:
-                    return
-                n, = struct.unpack("<H", await reader.readexactly(2))
-                if not hmac.compare_digest(await reader.readexactly(n), expected):
-                    writer.write(b"\1")
-                    return
+            if not await asyncio.wait_for(handshake(reader, writer), handshake_s):  # TimeoutError past it
+                return
             writer.write(b"\0")
             while True:
                 n, kind = _FRAME.unpack(await reader.readexactly(_FRAME.size))

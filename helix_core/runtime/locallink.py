@@ -57,10 +57,17 @@ def _peer_uid(sock) -> int:
     return _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))[1]
 
 
-def _recv_exact(sock, n: int) -> bytes:
+def _recv_exact(sock, n: int, until: float | None = None) -> bytes:
+    """``n`` bytes; with ``until`` (``time.monotonic``), all of them by then however slowly they
+    come (``TimeoutError``), else each read within the socket's timeout."""
     buf = bytearray(n)
     view, got = memoryview(buf), 0
     while got < n:
+        if until is not None:
+            left = until - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"{got} of {n} bytes within the deadline")
+            sock.settimeout(left)
         k = sock.recv_into(view[got:])
         if not k:
             raise EOFError("link closed")

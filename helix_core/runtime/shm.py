@@ -25,15 +25,19 @@ sweep, unlink a dead producer's); the pool that owns them is ``slabpool.py``.
 from __future__ import annotations
 
 import errno
+import logging
 import mmap
 import os
+import stat
 import struct
 import time
 
 from .lease import holder_alive
 
 __all__ = ["ALIGN", "BUSY", "FREE", "HEADER_BYTES", "MAGIC", "SHM_DIR", "ShmCapacityError", "Slab",
-           "list_segments", "release_segment", "sweep", "unlink_if_free"]
+           "list_segments", "owned", "release_segment", "sweep", "unlink_if_free"]
+
+log = logging.getLogger("helix.shm")
 
 SHM_DIR = "/dev/shm"
 HEADER_BYTES = 64
@@ -58,6 +62,16 @@ def _path(name: str) -> str:
     if not name or "/" in name or name in (".", ".."):
         raise ValueError(f"not a /dev/shm segment name: {name!r}")
     return os.path.join(SHM_DIR, name)
+
+
+def owned(path: str) -> bool:
+    """Whether ``path`` is a file of this user (a symlink is nobody's: never followed). /dev/shm is
+    every user's: a name with a cluster's prefix may be another user's file, which cleanup leaves."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return False
+    return st.st_uid == os.geteuid() and not stat.S_ISLNK(st.st_mode)
 
 
 def _space() -> tuple[int, int]:
@@ -173,9 +187,13 @@ def release_segment(handle: dict) -> bool:
     without mapping it: the header is read and the state written through the file); returns
     whether it did. A stale handle or a vanished segment is ignored."""
     try:
-        fd = os.open(_path(handle["segment"]), os.O_RDWR)
-    except FileNotFoundError:
+        fd = os.open(_path(handle["segment"]), os.O_RDWR | os.O_NOFOLLOW)
+    except (FileNotFoundError, PermissionError):
         return False
+    except OSError as e:
+        if e.errno == errno.ELOOP:  # a symlink planted in its place: not followed
+            return False
+        raise
     try:
         head = os.pread(fd, HEADER_BYTES, 0)
         if len(head) < HEADER_BYTES or head[:8] != MAGIC or _U64.unpack_from(head, _GEN_AT)[0] != handle["generation"]:
@@ -192,18 +210,28 @@ def list_segments(prefix: str) -> list[str]:
 
 
 def sweep(prefix: str) -> int:
-    """Unlink every /dev/shm file whose name starts with `prefix` (e.g. "helix-<cluster>-");
-    returns how many. Used after killed processes, whose pools never ran close()."""
+    """Unlink every /dev/shm file of this user whose name starts with `prefix` (e.g.
+    "helix-<cluster>-"); returns how many. Used after killed processes, whose pools never ran
+    close(). Another user's files (or symlinks) under the prefix are left and logged, never an error."""
     if len(prefix) < 8 or not prefix.startswith("helix-"):
         raise ValueError(f"sweep({prefix!r}): the prefix must start with 'helix-' and have at least "
                          f"8 characters, so it can only match one cluster's segments")
-    count = 0
+    count, foreign = 0, []
     for name in list_segments(prefix):
+        path = os.path.join(SHM_DIR, name)
+        if not owned(path):
+            foreign.append(name)
+            continue
         try:
-            os.unlink(os.path.join(SHM_DIR, name))
+            os.unlink(path)
             count += 1
         except FileNotFoundError:
             pass
+        except PermissionError:  # (owned a moment ago: replaced meanwhile)
+            foreign.append(name)
+    if foreign:
+        log.warning("sweep(%r): left %d file(s) that are not this user's: %s", prefix, len(foreign),
+                    ", ".join(foreign[:5]) + (" ..." if len(foreign) > 5 else ""))
     return count
 
 
@@ -214,17 +242,24 @@ def unlink_if_free(name: str, orphan_s: float | None = None) -> bool:
     already handed to a client must survive until it has mapped and released them; one it was
     writing when it died is never mapped, and goes after ``orphan_s``."""
     path = os.path.join(SHM_DIR, name)
+    if not owned(path):  # gone, or another user's file under the prefix: nothing of ours to wait for
+        if os.path.lexists(path):
+            log.warning("a /dev/shm file %s that is not this user's is left in place", name)
+        return True
     try:
-        with open(path, "rb") as f:
-            head = f.read(HEADER_BYTES)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
     except FileNotFoundError:
         return True
+    try:
+        head = os.pread(fd, HEADER_BYTES, 0)
+    finally:
+        os.close(fd)
     if len(head) == HEADER_BYTES and head[:8] == MAGIC and _U64.unpack_from(head, _STATE_AT)[0] != FREE:
         pid, start, handed = _LEASE.unpack_from(head, _LEASE_AT)
         if holder_alive(pid, start) if pid else (orphan_s is None or time.monotonic() - handed <= orphan_s):
             return False  # held, or not mapped yet: it must stay readable
     try:
         os.unlink(path)
-    except FileNotFoundError:
+    except (FileNotFoundError, PermissionError):
         pass
     return True
