@@ -3,6 +3,7 @@ cluster for each placement policy asked, compare with torch's DataLoader + Distr
 write what it saw as JSON. Usage: python hosts_rank.py '<json arguments>'"""
 import json
 import os
+import signal
 import sys
 import traceback
 
@@ -17,7 +18,10 @@ from helix_core.testing import IndexDataset
 
 
 def main(a: dict) -> dict:
-    ds = IndexDataset(a["n"], delays={i: a.get("delay_s", 0.0) for i in range(a["n"])} if a.get("delay_s") else None)
+    ds = IndexDataset(a["n"], shape=a.get("shape", (4,)),
+                      delays={i: a.get("delay_s", 0.0) for i in range(a["n"])} if a.get("delay_s") else None)
+    if a.get("die_rank") == a["rank"]:  # SIGKILLed once its first round that moved rows answered it
+        _die_after_round()
     sampler = DistributedSampler(ds, num_replicas=a["world"], rank=a["rank"], shuffle=False)
     want = list(DataLoader(ds, batch_size=a["batch"], sampler=sampler))
     out = {"host": host_id(), "runs": {}}
@@ -50,6 +54,20 @@ def main(a: dict) -> dict:
             run["error"] = f"{type(e).__name__}: {e}"
             run["trace"] = traceback.format_exc()
     return out
+
+
+def _die_after_round() -> None:
+    from helix_core.client.transport import ClusterClient
+
+    rebalance = ClusterClient.rebalance
+
+    def then_die(self, *args, **kwargs):
+        reply = rebalance(self, *args, **kwargs)
+        if reply is not None and reply.moved_out:  # the round's exchange is over: the rank holds its answer
+            os.kill(os.getpid(), signal.SIGKILL)
+        return reply
+
+    ClusterClient.rebalance = then_die
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ pytestmark = pytest.mark.skipif(EmulatedHosts.unavailable() is not None, reason=
 HERE = Path(__file__).resolve().parent
 CFG = json.dumps(ClusterConfig.for_tests().to_dict())
 TOKEN = "emulated-hosts-token"
+EVERY = {"00000000", "0" * 32}  # 0.0.0.0 and :: in /proc/net/tcp{,6}: a socket on every interface
 
 
 @pytest.fixture(scope="module")
@@ -35,12 +36,14 @@ def hosts():
 class Cluster:
     """A Coordinator on host a, one local DataServer (local rank 0) on each of a and b, and a
     remote sidecar on c: each started with the ``helix`` command on its own host, with a token and
-    TLS (``helix certs``-style certificates for the hosts' addresses; ``tls=False``: --insecure)."""
+    TLS (``helix certs``-style certificates for the hosts' addresses; ``tls=False``: --insecure);
+    ``config``: the services' ``ClusterConfig`` as JSON."""
 
-    def __init__(self, hosts: EmulatedHosts, tmp: Path, tls: bool = True, more_locals: tuple = ()):
-        self.hosts, self.tmp = hosts, tmp
+    def __init__(self, hosts: EmulatedHosts, tmp: Path, tls: bool = True, more_locals: tuple = (), config: str = CFG):
+        self.hosts, self.tmp, self.config = hosts, tmp, config
         self.token_file = tmp / "token"
         self.token_file.write_text(TOKEN + "\n")
+        self.token_file.chmod(0o600)  # a token file others may read is refused
         self.procs, self.info = {}, {}
         self.env = dict(os.environ)
         if tls:
@@ -60,7 +63,7 @@ class Cluster:
 
     def _start(self, role: str, host: str, args: list[str]) -> dict:
         proc = self.hosts.popen(host, [sys.executable, "-m", "helix_core.cli", *args, "--token-file",
-                                       str(self.token_file), "--config-json", CFG, *self.flags],
+                                       str(self.token_file), "--config-json", self.config, *self.flags],
                                 stdout=subprocess.PIPE, text=True, env=self.env)
         line = proc.stdout.readline()
         assert line.startswith("HELIX_READY "), f"{role} on host {host}: {line!r}"
@@ -170,17 +173,24 @@ def test_a_hosts_last_local_server_killed_its_ranks_get_an_error_naming_it_other
 def test_tier2_moves_rows_between_hosts_bit_identical_and_leaves_no_slab(hosts, tmp_path, exchange):
     """Ranks 0, 1 on host a and 2, 3 on host b; the policy sends every sample to rank + 2: each
     step's rows all cross hosts — through one gloo all_to_all of the hosts' DataServers, or by
-    one gRPC stream per slab — into slabs on the taker's host."""
+    one gRPC stream per slab — into slabs on the taker's host. gloo has no TLS: the collective runs
+    on an --insecure cluster only (on a TLS one it is refused: test_tier2_security.py)."""
     before = {name: set(_busy_slabs(hosts, name)) for name in hosts.names}  # a SIGKILLed server's, from an earlier test
-    cluster = Cluster(hosts, tmp_path)
+    cluster = Cluster(hosts, tmp_path, tls=exchange != "collective")
     rebalance = {"args": {"shift": 2, "world": 4}, "round_timeout_s": 5.0, "exchange": exchange}
     try:
         for role in ("local-a", "local-b", "sidecar"):  # reachable from other hosts: torch loaded before it serves
             assert "libtorch" in Path(f"/proc/{cluster.info[role]['pid']}/maps").read_text(), role  # (no PID namespace)
         placement = [("a", 0), ("a", 1), ("b", 0), ("b", 1)]
-        results = _results(cluster.ranks(placement, ["least-request"], n=32, rebalance=rebalance))
+        started = cluster.ranks(placement, ["least-request"], n=32, rebalance=rebalance)
+        listening = set()
+        while any(proc.poll() is None for proc, _ in started):  # the collective's store among them
+            listening.update((name, *x) for name in ("a", "b") for x in _listeners(hosts, name))
+            time.sleep(0.2)
+        results = _results(started)
     finally:
         cluster.close()
+    assert not [x for x in listening if x[1] in EVERY], sorted(listening)  # each on its host's address
     for rank, res in enumerate(results):
         run = res["runs"]["least-request"]
         assert "error" not in run, run.get("trace")
@@ -222,6 +232,18 @@ def test_a_hosts_member_killed_mid_epoch_its_rounds_keep_and_every_sample_comes_
         seen.update(i for b in got for i in b)
     assert seen == Counter(range(64))
     assert sum(run["rebalance"].get("moved", 0) for run in runs) > 0  # rounds crossed hosts
+
+
+def _listeners(hosts, name: str) -> list[tuple[str, int]]:
+    """``(address hex, port)`` of every TCP socket listening in host ``name``'s network namespace."""
+    done = hosts.run(name, ["cat", "/proc/net/tcp", "/proc/net/tcp6"])
+    out = []
+    for line in done.stdout.splitlines():
+        parts = line.split()
+        if len(parts) > 3 and parts[3] == "0A":  # LISTEN
+            addr, port = parts[1].split(":")
+            out.append((addr, int(port, 16)))
+    return out
 
 
 def _busy_slabs(hosts, name: str) -> list[str]:

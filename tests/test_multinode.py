@@ -1,9 +1,11 @@
 """One cluster per job across nodes: ``torchrun --nnodes 2`` on two emulated hosts (own address,
 /dev/shm and hostname each), no coordinator given — Lightning's ``HelixDataModule`` and the
 Accelerate plugin. Global rank 0 starts the Coordinator, each node's local rank 0 its node's
-DataServers; every rank finds the cluster (address, token, the job's own CA) in the job's store."""
+DataServers; every rank finds the cluster's address in the job's store (sealed with the job's
+secret, from which every rank derives the token and the job's own CA)."""
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -32,6 +34,7 @@ def hosts():
 def _torchrun(hosts: EmulatedHosts, mode: str, out: Path) -> list[dict]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("HELIX_")}
     env.update(PYTHONPATH=str(ROOT), GLOO_SOCKET_IFNAME="eth0")  # gloo: the bridge, not loopback
+    env["HELIX_JOB_SECRET"] = secrets.token_urlsafe(32)  # the job's secret, out of band like MASTER_ADDR
     procs = []
     for node, host in enumerate(("a", "b")):
         argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",

@@ -25,6 +25,7 @@ def _start(args, env=None):
 def test_standalone_coordinator_and_dataserver(tmp_path):
     token_file = tmp_path / "token"
     token_file.write_text("standalone-token\n")
+    token_file.chmod(0o600)  # a token file others may read is refused
     coord, info = _start(["coordinator", "--port", "0", "--token-file", str(token_file)])
     server = None
     try:

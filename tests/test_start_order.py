@@ -104,3 +104,19 @@ def test_a_dataserver_with_a_token_waits_for_a_coordinator_that_answers(tmp_path
     finally:
         _stop(server, coord)
     assert server.stderr.read().count(f"waiting up to 60 s for the Coordinator at {address} to answer") == 1
+
+
+def test_a_token_file_others_may_read_is_refused_at_once_not_waited_for(tmp_path):
+    token_file = tmp_path / "token"
+    token_file.write_text("t0ken\n")
+    token_file.chmod(0o644)
+    env = dict(os.environ, HELIX_RUNTIME_DIR=str(tmp_path / "runtime"))
+    t0 = time.monotonic()
+    server = _helix("dataserver", "--coordinator", f"127.0.0.1:{_free_port()}", "--local-rank", "0",
+                    "--token-file", str(token_file), env=env)
+    try:
+        _, err = server.communicate(timeout=60)
+    finally:
+        _stop(server)
+    assert server.returncode == 2 and time.monotonic() - t0 < 30 and "chmod 600" in err, err
+

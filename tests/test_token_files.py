@@ -227,7 +227,7 @@ def test_a_port_another_user_took_never_gets_this_users_token(tmp_path):
 
 def test_a_dataserver_without_a_token_for_its_coordinator_names_where_it_looked():
     done = subprocess.run([sys.executable, "-m", "helix_core.cli", "dataserver", "--coordinator",
-                           f"127.0.0.1:{_free_port()}", "--local-rank", "0"],
+                           f"127.0.0.1:{_free_port()}", "--local-rank", "0", "--connect-timeout-s", "0.5"],
                           capture_output=True, text=True, env=_env(), timeout=60)
     assert done.returncode == 2
     assert "no token for the Coordinator at 127.0.0.1:" in done.stderr

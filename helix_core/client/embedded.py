@@ -5,17 +5,21 @@ datasets work) and shares it between its loaders (train and val), closing it whe
 closes. In a torch.distributed job (torchrun, Lightning, Accelerate) there is one cluster per job,
 found through the job's own store (``rendezvous.py``):
 
-- on one node, local rank 0 starts it on loopback and the other ranks read address and token;
+- on one node, local rank 0 starts it on loopback and publishes its address; the other ranks
+  read it and find the token, by that address, in the user's private Helix folder (``tokenfiles``),
+  where its Coordinator left it: the store, open to every local user, never carries it;
 - on several nodes, global rank 0 starts the Coordinator (and its node's DataServers) on the
-  address this node reaches ``MASTER_ADDR`` by, with a fresh token and a throwaway CA
-  (``Tls.for_job``), each other node's local rank 0 starts that node's DataServers joining it, and
-  every rank reads address, token and certificates. A job whose cluster sidecars should join sets
-  ``HELIX_TOKEN`` and ``HELIX_TLS_*`` (the sidecars get the same), and they are used instead.
+  address this node reaches ``MASTER_ADDR`` by, each other node's local rank 0 starts that node's
+  DataServers joining it, and every rank reads the address. Token and TLS never cross the store:
+  every rank derives them from the job's secret (``HELIX_JOB_SECRET``, which also seals the
+  store's entries: ``rendezvous.py``), or takes them from ``HELIX_TOKEN`` and ``HELIX_TLS_*``
+  where the job sets them (as the deploy recipes do, and a job whose sidecars should join must).
 
 A cluster a rank shares with others lives until the process that started it exits.
 """
 from __future__ import annotations
 
+import base64
 import ipaddress
 import os
 import threading
@@ -32,6 +36,10 @@ class Embedded(NamedTuple):
     address: str
     token: str | None
     tls: object  # the Tls of the job's channels, or None
+
+    def __repr__(self) -> str:  # never the token
+        return (f"Embedded(cluster={self.cluster!r}, address={self.address!r}, "
+                f"token={'<redacted>' if self.token else None}, tls={self.tls!r})")
 
 
 _SHARED: dict = {"embedded": None, "refs": 0, "shared": False}
@@ -96,18 +104,52 @@ def embedded_cluster(world_size: int, num_workers: int | None, config: ClusterCo
     if world_size <= local_world:  # one node: local rank 0 starts it all on loopback
         if local_rank == 0:
             cluster = LocalCluster(local_servers=servers, workers_per_server=per_server, token=True, config=config)
-            job.publish("cluster", {"address": cluster.address, "token": cluster.token})
+            job.publish("cluster", {"address": cluster.address})
             return Embedded(cluster, cluster.address, cluster.token, None)
-        info = job.wait("cluster", config.startup_timeout_s)
-        return Embedded(None, info["address"], info["token"], None)
+        address = job.wait("cluster", config.startup_timeout_s)["address"]
+        return Embedded(None, address, _private_token(address), None)
     return _several_nodes(job, servers, per_server, local_rank, config)
 
 
+def _private_token(address) -> str:
+    """The token of this user's Coordinator at ``address`` (the job's store gave the address),
+    from the user's private Helix folder; ``ClusterError`` if there is none."""
+    from ..runtime.tokenfiles import find_token, token_path
+
+    try:
+        token = find_token(address) if isinstance(address, str) else None
+    except ValueError as e:  # a file not private, or a port another user listens on
+        raise ClusterError(f"the job's store gives the Helix cluster's address as {address}: {e}") from None
+    if not token:
+        raise ClusterError(f"the job's store gives the Helix cluster's address as {address!r}, but this user's private "
+                           f"Helix folder holds no token for it ({token_path(address) if isinstance(address, str) else '-'})"
+                           ": local rank 0 of this job did not start it (an entry planted in the store?), or the ranks "
+                           "see different HELIX_RUNTIME_DIR / HOME; refusing it")
+    return token
+
+
+def _job_credentials(job) -> tuple[str, object]:
+    """The token and TLS of a job on several nodes, the same on every rank and never from the
+    store: ``HELIX_TOKEN`` / ``HELIX_TLS_*`` where set, else derived from the job's secret."""
+    from ..runtime.tls import Tls
+    from .rendezvous import JOB_SECRET, derive, job_secret
+
+    token, tls, secret = os.environ.get("HELIX_TOKEN") or None, Tls.from_env(), job_secret()
+    if secret is None and (token is None or tls is None):
+        raise ClusterError(f"a Helix cluster for a job on several nodes needs {JOB_SECRET}: the same random value in "
+                           f"every rank's environment, passed out of band like MASTER_ADDR (e.g. export {JOB_SECRET}="
+                           "$(head -c 32 /dev/urandom | base64) in the batch script, or a Kubernetes Secret). The "
+                           "job's store is open to anyone who reaches it, so the cluster's token and keys never go "
+                           "there. Or set HELIX_TOKEN and HELIX_TLS_CA / _CERT / _KEY on every rank, or pass "
+                           "coordinator='host:port' (HELIX_COORDINATOR) to use a cluster of your own")
+    if token is None:
+        token = base64.urlsafe_b64encode(derive(secret, "token", job.label)).decode().rstrip("=")
+    return token, tls or Tls.from_secret(derive(secret, "tls", job.label), job.label)
+
+
 def _several_nodes(job, servers: int, per_server: int, local_rank: int, config: ClusterConfig) -> Embedded:
-    from ..runtime.auth import new_token
     from ..runtime.cluster import LocalCluster
     from ..runtime.hostid import host_id
-    from ..runtime.tls import Tls
     from .rendezvous import node_address
 
     master = os.environ.get("MASTER_ADDR", "127.0.0.1")
@@ -116,21 +158,20 @@ def _several_nodes(job, servers: int, per_server: int, local_rank: int, config: 
     # toward the master — or, on the master when its name resolves to loopback here (Debian's
     # 127.0.1.1 line in /etc/hosts), every interface, dialled by MASTER_ADDR
     bind, advertise = (here, None) if not ipaddress.ip_address(here).is_loopback else ("0.0.0.0", master)
+    token, tls = _job_credentials(job)
     cluster = None
     if int(os.environ.get("RANK", 0)) == 0:
-        token, tls = os.environ.get("HELIX_TOKEN") or new_token(), Tls.from_env() or Tls.for_job()
         cluster = LocalCluster(local_servers=servers, workers_per_server=per_server, token=token, host=bind,
                                tls=tls, config=config, advertise=advertise)
         address = f"{advertise}:{cluster.address.rsplit(':', 1)[1]}" if advertise else cluster.address
-        job.publish("cluster", {"address": address, "token": token, "tls": tls.to_dict()})
-    info = job.wait("cluster", config.startup_timeout_s)
-    tls = Tls.from_dict(info["tls"])
+        job.publish("cluster", {"address": address})
+    address = job.wait("cluster", config.startup_timeout_s)["address"]
     node = f"node/{host_id()}"
     if local_rank == 0:
         if cluster is None:
-            cluster = LocalCluster(local_servers=servers, workers_per_server=per_server, token=info["token"],
-                                   host=bind, tls=tls, config=config, coordinator=info["address"], advertise=advertise)
+            cluster = LocalCluster(local_servers=servers, workers_per_server=per_server, token=token,
+                                   host=bind, tls=tls, config=config, coordinator=address, advertise=advertise)
         job.publish(node, {"servers": len(cluster.servers)})
     else:
         job.wait(node, config.startup_timeout_s)  # this node's DataServers are registered
-    return Embedded(cluster, info["address"], info["token"], tls)
+    return Embedded(cluster, address, token, tls)

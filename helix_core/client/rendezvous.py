@@ -3,13 +3,19 @@
 Under torchrun, Lightning or Accelerate the job already has a key-value store (the TCPStore that
 ``init_process_group`` made, or torchrun's agent store at ``MASTER_ADDR:MASTER_PORT``). The rank
 that starts a part of the cluster publishes it there under ``helix/<run id>/<restart count>/``;
-the others wait for the key. Every entry also carries the run id and restart count, and a reader
-refuses one that does not match its own: an entry of an earlier attempt of an elastic job (or of
-another job sharing the store) is never trusted. The store is the job's: whoever can reach
-``MASTER_PORT`` can read the token and certificates in it, as they could join the process group.
+the others wait for the key.
+
+The store has no authentication: any local user (and anyone who reaches ``MASTER_PORT``) reads
+and writes it. So it carries nothing that grants access, only where the cluster is: on one node
+the address (the token stays in the user's private Helix folder, found by that address); on
+several nodes the address sealed with the job's secret (``HELIX_JOB_SECRET``, passed to every rank
+out of band like ``MASTER_ADDR``): AES-GCM under a key derived (HKDF) from the secret, the run id
+and the restart count, bound to the entry's name, so a planted entry, one of another job or
+attempt, or one moved to another name is refused with an error that says so.
 """
 from __future__ import annotations
 
+import base64
 import datetime
 import json
 import os
@@ -17,22 +23,62 @@ import socket
 
 from ..errors import ClusterError
 
-__all__ = ["JobRendezvous", "job_rendezvous", "node_address"]
+__all__ = ["JOB_SECRET", "JobRendezvous", "derive", "job_rendezvous", "job_secret", "node_address"]
+
+JOB_SECRET = "HELIX_JOB_SECRET"
+MIN_SECRET_CHARS = 16
+
+
+def job_secret() -> bytes | None:
+    """The job's secret from ``HELIX_JOB_SECRET`` (None when unset); ``ClusterError`` if it is too short."""
+    value = os.environ.get(JOB_SECRET, "")
+    if not value:
+        return None
+    if len(value) < MIN_SECRET_CHARS:
+        raise ClusterError(f"{JOB_SECRET} has {len(value)} characters: give at least {MIN_SECRET_CHARS} random ones, "
+                           f"the same for every rank (e.g. {JOB_SECRET}=$(head -c 32 /dev/urandom | base64))")
+    return value.encode()
+
+
+def derive(secret: bytes, purpose: str, label: str, length: int = 32) -> bytes:
+    """``length`` bytes that follow from the job's ``secret`` for one ``purpose`` and ``label`` (HKDF-SHA256)."""
+    from cryptography.hazmat.primitives import hashes
+    from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
+    return HKDF(hashes.SHA256(), length, salt=b"helix-job", info=f"{purpose}\0{label}".encode()).derive(secret)
 
 
 class JobRendezvous:
-    """Entries of one job attempt in a store (anything with ``set``, ``get`` and ``wait``)."""
+    """Entries of one job attempt in a store (anything with ``set``, ``get`` and ``wait``), sealed
+    with the job's ``secret`` when there is one."""
 
-    def __init__(self, store, run_id: str, attempt: str):
+    def __init__(self, store, run_id: str, attempt: str, secret: bytes | None = None):
         self.store, self.run_id, self.attempt = store, str(run_id), str(attempt)
         self.prefix = f"helix/{self.run_id}/{self.attempt}/"
+        self.label = f"{self.run_id}/{self.attempt}"
+        self._aead = None
+        if secret is not None:
+            from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+            self._aead = AESGCM(derive(secret, "store", self.label))
+
+    @property
+    def sealed(self) -> bool:
+        return self._aead is not None
 
     def publish(self, name: str, info: dict) -> None:
-        self.store.set(self.prefix + name, json.dumps({"run_id": self.run_id, "attempt": self.attempt, **info}))
+        entry = {"run_id": self.run_id, "attempt": self.attempt}
+        if self._aead is None:
+            entry.update(info)
+        else:
+            nonce = os.urandom(12)
+            sealed = self._aead.encrypt(nonce, json.dumps(info).encode(), (self.prefix + name).encode())
+            entry["sealed"] = base64.b64encode(nonce + sealed).decode()
+        self.store.set(self.prefix + name, json.dumps(entry))
 
     def wait(self, name: str, timeout_s: float) -> dict:
-        """The entry ``name`` once some rank published it; ``ClusterError`` after ``timeout_s``, or
-        for an entry of another run or attempt."""
+        """The entry ``name`` once some rank published it; ``ClusterError`` after ``timeout_s``, for
+        an entry of another run or attempt, or (sealed) for one the job's secret does not open."""
         key = self.prefix + name
         try:
             self.store.wait([key], datetime.timedelta(seconds=timeout_s))
@@ -49,7 +95,22 @@ class JobRendezvous:
                                f"({info.get('run_id') if isinstance(info, dict) else '?'}/"
                                f"{info.get('attempt') if isinstance(info, dict) else '?'}, this job is "
                                f"{self.run_id}/{self.attempt}): refusing it")
-        return info
+        return self._open(key, info)
+
+    def _open(self, key: str, info: dict) -> dict:
+        if self._aead is None:
+            return info
+        try:
+            raw = base64.b64decode(info["sealed"], validate=True)
+            opened = json.loads(self._aead.decrypt(raw[:12], raw[12:], key.encode()))
+        except Exception:  # noqa: BLE001 - no field, bad base64, InvalidTag, not JSON: all one answer
+            opened = None
+        if not isinstance(opened, dict):
+            raise ClusterError(f"the job's store holds a Helix entry at {key} that this job's {JOB_SECRET} does not "
+                               "open: written by someone without the secret (planted), by another job or attempt, or "
+                               f"the ranks were given different secrets; refusing it (give every rank the same "
+                               f"{JOB_SECRET})")
+        return {"run_id": self.run_id, "attempt": self.attempt, **opened}
 
 
 def job_rendezvous(timeout_s: float) -> JobRendezvous | None:
@@ -64,9 +125,9 @@ def job_rendezvous(timeout_s: float) -> JobRendezvous | None:
     if "TORCHELASTIC_RUN_ID" in os.environ and "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ:
         store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
                               timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
-        return JobRendezvous(store, run_id, attempt)
+        return JobRendezvous(store, run_id, attempt, job_secret())
     if dist.is_available() and dist.is_initialized():
-        return JobRendezvous(dist.distributed_c10d._get_default_store(), run_id, attempt)
+        return JobRendezvous(dist.distributed_c10d._get_default_store(), run_id, attempt, job_secret())
     return None
 
 

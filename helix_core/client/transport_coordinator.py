@@ -14,7 +14,6 @@ import grpc
 
 from ..errors import ClusterError
 from ..runtime.locallink import CallLink, link_name
-from ..runtime.tokenfiles import check_listener
 from ..runtime.proto import helix_pb2 as pb
 from ..protocol import Route, route_request
 
@@ -47,17 +46,6 @@ class CoordinatorCalls:
                 raise ClusterError("loader stopped")
             delay = min(delay * 2, 0.5)
 
-    @staticmethod
-    def _ours(address: str) -> bool:
-        """Whether ``address`` may get this client's token: not a loopback port another user took
-        (a Coordinator "back" after an outage may be someone else's listener)."""
-        try:
-            check_listener(address)
-        except ValueError as e:
-            log.warning("%s", e)
-            return False
-        return True
-
     def _register(self) -> None:
         reply = self._call(self.coordinator.RegisterClient,
                            pb.RegisterClientRequest(rank=self.rank, world_size=self.world_size, host=self.host,
@@ -75,8 +63,9 @@ class CoordinatorCalls:
         the client routes by itself among the servers it knows (``_fallback``) and tries the
         Coordinator again whenever its channel is ready; when one answers (restarted on the same
         address, or back from a stall), the client registers again and placement resumes."""
-        if self._outage is not None and (self._channel_state() != grpc.ChannelConnectivity.READY
-                                         or not self._ours(self.address)):
+        # (a Coordinator "back" on a loopback port another user took gets no token: the channel's
+        # guard fails the call as UNAVAILABLE, and the outage goes on)
+        if self._outage is not None and self._channel_state() != grpc.ChannelConnectivity.READY:
             return self._fallback(part)
         with self._lock:
             done, self._completed = self._completed, []

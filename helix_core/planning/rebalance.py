@@ -28,6 +28,7 @@ __all__ = ["Exchange", "GateArgs", "Rebalance", "balance_cost", "check_assignmen
            "plan_exchange", "projected_gain_s", "step_loads", "transfer_s"]
 
 Features = Sequence[dict]
+EXCHANGES = (None, "grpc", "collective")  # Rebalance.exchange: None picks by the cluster (``transport``)
 
 
 @dataclass(frozen=True)
@@ -44,8 +45,12 @@ class Rebalance:
     has waited its limit: ``round_timeout_s``, or — for a batch its rank will not need for a while
     (its deadline) — until ``round_timeout_s`` before it is needed, at most ``max_wait_s``. So no
     rank waits on another's requests beyond that, and a batch waits only while it is not needed.
-    ``exchange``: how rows move between hosts — ``"collective"`` (one gloo ``all_to_all`` among
-    the hosts' DataServers; gRPC if it fails) or ``"grpc"`` (one stream per slab's rows).
+    ``exchange``: how rows move between hosts — ``"grpc"`` (one stream per slab's rows, on
+    Helix's own channels: the token and, on a TLS cluster, TLS) or ``"collective"`` (one gloo
+    ``all_to_all`` among the hosts' DataServers, gRPC if it fails: faster, but gloo and its
+    rendezvous store carry neither a token nor TLS). ``None`` (the default) picks by the cluster
+    (:meth:`transport`): ``"grpc"`` on a TLS cluster, ``"collective"`` on one without TLS. On a TLS
+    cluster ``"collective"`` is refused (``ValueError``): no Tier-2 row leaves TLS.
     """
 
     feature_fn: Callable[[dict], dict] | None = None
@@ -55,7 +60,7 @@ class Rebalance:
     args: Any = None
     round_timeout_s: float = 0.05
     max_wait_s: float = 30.0
-    exchange: str = "collective"
+    exchange: str | None = None
 
     def __post_init__(self):
         for name in ("feature_fn", "sort_fn"):
@@ -68,10 +73,23 @@ class Rebalance:
             t = getattr(self, name)
             if isinstance(t, bool) or not isinstance(t, (int, float)) or not (math.isfinite(t) and t > 0):
                 raise ValueError(f"Rebalance.{name} must be a finite positive number of seconds, got {t!r}")
-        if self.exchange not in ("collective", "grpc"):
-            raise ValueError(f"Rebalance.exchange must be 'collective' or 'grpc', got {self.exchange!r}")
+        if self.exchange not in EXCHANGES:
+            raise ValueError(f"Rebalance.exchange must be None, 'grpc' or 'collective', got {self.exchange!r}")
         if self.client_ranks is not None:
             object.__setattr__(self, "client_ranks", _groups(self.client_ranks))
+
+    def transport(self, tls: bool) -> str:
+        """How this group's rows cross hosts on a cluster with (``tls``) or without TLS: ``exchange``,
+        or by default ``"grpc"`` with TLS and ``"collective"`` without. ``ValueError`` naming
+        ``Rebalance.exchange`` for ``"collective"`` with TLS: gloo would carry decoded rows, and its
+        store the group's rendezvous, in clear text beside the TLS channels."""
+        if self.exchange is None:
+            return "grpc" if tls else "collective"
+        if self.exchange == "collective" and tls:
+            raise ValueError("Rebalance.exchange='collective' on a TLS cluster: gloo and its rendezvous store have "
+                             "no TLS and no token, so rows would cross hosts in clear text; use exchange='grpc' "
+                             "(or None, the default: gRPC over TLS)")
+        return self.exchange
 
     def wait_s(self, deadline_s: float | None) -> float:
         """How long a batch may wait for its round, its rank needing it in ``deadline_s`` (None: unknown)."""

@@ -13,6 +13,7 @@ import ipaddress
 import logging
 import os
 import secrets
+import stat
 
 import grpc
 
@@ -35,6 +36,10 @@ def load_token(token: str | None = None, token_file: str | None = None, coordina
     if token_file:
         try:
             with open(token_file) as f:
+                mode = os.fstat(f.fileno()).st_mode
+                if mode & 0o077:  # as the private Helix folder's files: a token others may read is no secret
+                    raise ValueError(f"token file {token_file} is open to other users (mode {stat.filemode(mode)}): "
+                                     f"chmod 600 {token_file}")
                 value = f.read().strip()
         except OSError as e:
             raise ValueError(f"cannot read token file {token_file}: {e.strerror or e}") from None

@@ -10,8 +10,8 @@ import time
 from .auth import is_loopback
 from .bulk import (_ANSWER, _KEEP_PER_PEER, _SENDER_IDLE_S, _U16, _U32, BAD, BUSY, MAGIC, MAX_HEADER, OK, REFUSED,
                    BulkError, _contexts, _recv, _send_all, seal_sender)
+from .listeners import check_socket
 from .proto import helix_pb2 as pb
-from .tokenfiles import check_listener
 
 __all__ = ["BulkSender"]
 
@@ -34,11 +34,15 @@ class BulkSender:
         took the connection and then fell silent (stopped: gRPC would wait too)."""
         deadline = self.config.keepalive_s + self.config.keepalive_timeout_s
         try:
-            if is_loopback(host):  # never this user's token to a port another user took meanwhile
-                check_listener(f"{host}:{port}")
             sock = socket.create_connection((host, port), timeout=deadline)
         except (OSError, ValueError) as e:
             raise BulkError(f"cannot connect to the bulk port {host}:{port}: {e}", connected=False) from None
+        if is_loopback(host):  # never this user's token to a port another user took: the socket that accepted us
+            try:
+                check_socket(sock)
+            except ValueError as e:
+                sock.close()
+                raise BulkError(f"cannot connect to the bulk port {host}:{port}: {e}", connected=False) from None
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if self._ctx is not None:

@@ -12,7 +12,10 @@ has a timeout (``timeout_s``): a peer that dies mid-round fails the round with `
 """
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import socket
 import struct
 from datetime import timedelta
 
@@ -95,13 +98,26 @@ def unpack(buf: torch.Tensor) -> list:
     return out
 
 
-def open_store(host: str, world: int, timeout_s: float = 30.0):
-    """A group's rendezvous, hosted in this process on a free port of ``host`` (its ``.port``)."""
+def open_store(host: str, world: int, timeout_s: float = 30.0, port: int = 0):
+    """A group's rendezvous, hosted in this process on ``port`` of ``host`` (0: a free one; its ``.port``).
+
+    It listens on ``host`` alone: a ``TCPStore`` left to itself binds every interface, so the
+    socket is bound here and handed over (``master_listen_fd``)."""
     import torch.distributed as dist
 
+    fd = -1
     try:
-        return dist.TCPStore(host, 0, world, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s))
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        with socket.socket(family, kind, proto) as sock:
+            sock.bind(addr[:2] if family == socket.AF_INET else addr)
+            sock.listen(max(16, 2 * world))
+            fd = sock.detach()  # the store's now: it closes it with itself
+        return dist.TCPStore(host, port, world, is_master=True, wait_for_workers=False,
+                             timeout=timedelta(seconds=timeout_s), master_listen_fd=fd, use_libuv=True)
     except (RuntimeError, OSError) as e:
+        if fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(fd)
         raise ClusterError(f"redistribution rendezvous on {host}: {e}") from None
 
 
@@ -120,8 +136,10 @@ class ExchangeGroup:
             raise ValueError(f"ExchangeGroup backend {backend!r}: only gloo is built (NCCL needs a GPU per server)")
         self.rank, self.world, self.timeout_s = rank, world, timeout_s
         try:
-            if store is None:
-                store = dist.TCPStore(host, port, world, is_master=rank == 0, timeout=timedelta(seconds=timeout_s))
+            if store is None and rank == 0:
+                store = open_store(bind or host, world, timeout_s, port)
+            elif store is None:
+                store = dist.TCPStore(host, port, world, is_master=False, timeout=timedelta(seconds=timeout_s))
             opts = dist.ProcessGroupGloo._Options()
             opts._timeout = timedelta(seconds=timeout_s)
             gloo = dist.ProcessGroupGloo

@@ -5,14 +5,19 @@ rows must. The round's leader has one member per host of the group — itself fo
 and the delivery server of that host's lowest rank elsewhere — move them (``Exchange``), then
 answers every rank with takes of the rows' new slabs, on the rank's own host:
 
-- ``collective`` (the default): the members form a gloo group of their own (the rendezvous is a
-  TCPStore the leader hosts, made again under a new generation after a failure); each reads its
-  rows to send out of its host's slabs, packs them per destination (``collective.pack_many``: a
-  JSON tree plus tensor descriptors, never pickle) and all members do one ``all_to_all``; each
-  writes what it received into slabs of its own.
-- ``grpc`` (the fallback, when a collective fails or is not asked for): each member with rows to
-  send streams them, one slab's rows at a time, into the receiving member (``Deliver``, or the
-  bulk path) — what a remote server does with a batch.
+- ``grpc`` (the default on a TLS cluster, and the fallback): each member with rows to send
+  streams them, one slab's rows at a time, into the receiving member (``Deliver``, or the bulk
+  path) — what a remote server does with a batch, on Helix's channels (token, TLS).
+- ``collective`` (the default without TLS): the members form a gloo group of their own (the
+  rendezvous is a TCPStore the leader hosts on its own address only, made again under a new
+  generation after a failure); each reads its rows to send out of its host's slabs, packs them per
+  destination (``collective.pack_many``: a JSON tree plus tensor descriptors, never pickle) and
+  all members do one ``all_to_all``; each writes what it received into slabs of its own. gloo and
+  its store have neither TLS nor a token: a server with TLS never joins or hosts one (whatever a
+  rank asks), so on a TLS cluster no row and no rendezvous leaves TLS.
+
+A member only reads a rank's slab (no lease: the rank, or the slab's own timeout, stays its
+holder), so a rank that dies after its round leaves nothing its producer cannot take back.
 
 A round whose exchange fails anywhere keeps every batch where it is: the slabs received so far are
 dropped, none of the senders' slabs was released (their ranks release those only once answered).
@@ -22,6 +27,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -57,17 +63,18 @@ def _handle(b: pb.BatchHandle) -> dict:
     return {"segment": b.slab.segment, "generation": b.slab.generation, "nbytes": b.slab.nbytes}
 
 
-def read_rows(reader, b: pb.BatchHandle, rows, n: int, pickle_allowed: bool, view: bool = False):
+def read_rows(reader, b: pb.BatchHandle, rows, n: int, pickle_allowed: bool, view: bool = False, lease: bool = True):
     """Rows ``rows`` of the ``n``-row batch in ``b``'s slab, copied out (``take_rows``); ValueError
     if the slab was handed out again while they were read. The slab stays held. ``view``: rows
     that follow each other are a view of the slab instead (the caller copies them, and checks
-    ``held`` after, before it releases the slab)."""
+    ``held`` after, before it releases the slab). ``lease``: this process becomes the slab's
+    holder (a rank's read; a server reading a rank's slab takes none)."""
     from .merge import take_rows
     from .tensors import read_tensors, unflatten
     if b.tree_pickle and not pickle_allowed:
         raise ClusterError("a DataServer sent a pickled batch structure to a peer that accepts none")
     handle = _handle(b)
-    buf = reader.view(handle) if b.slab.segment else memoryview(b"")
+    buf = reader.view(handle, lease=lease) if b.slab.segment else memoryview(b"")
     batch = unflatten(b.tree_json, b.tree_pickle, read_tensors(buf, meta_dicts(b.tensors)))
     del buf
     out = take_rows(batch, list(rows), n, view)
@@ -83,15 +90,35 @@ def _header(batch, pickle_allowed: bool) -> tuple[pb.StreamHeader, list, list[di
     return pb.StreamHeader(tree_json=tree_json, tree_pickle=tree_pickle, total_bytes=total), flat, metas, total
 
 
+MAX_GROUPS = 8  # gloo groups a member keeps (one per leader it serves); the least recently used goes
+
+
+class _Group:
+    """A member's gloo group for one leader's store: one collective at a time (``lock``)."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.generation: int | None = None
+        self.group = None  # ExchangeGroup
+
+    def close(self) -> None:
+        group, self.group, self.generation = self.group, None, None
+        if group is not None:
+            group.close()
+
+
 class ExchangeMember:
     """A DataServer's part in cross-host exchanges (its ``Exchange`` RPC): ``reader`` maps its
-    host's slabs, ``inbound`` takes rows into its own, ``outbound`` streams to other members."""
+    host's slabs, ``inbound`` takes rows into its own, ``outbound`` streams to other members.
+    ``secure``: the server has TLS, so it takes part in no collective (gloo has no TLS)."""
 
-    def __init__(self, reader, inbound, outbound, pickle_allowed: bool, bind: str):
+    def __init__(self, reader, inbound, outbound, pickle_allowed: bool, bind: str, secure: bool = False):
         self.reader, self.inbound, self.outbound = reader, inbound, outbound
-        self.pickle_allowed, self.bind = pickle_allowed, bind
-        self._lock = threading.Lock()  # one exchange at a time: a gloo group runs one collective at a time
-        self._group: tuple | None = None  # ((store, generation), ExchangeGroup)
+        self.pickle_allowed, self.bind, self.secure = pickle_allowed, bind, secure
+        self._lock = threading.Lock()  # guards _groups
+        # a group per leader (its store's address): two leaders that are each other's members never
+        # share a group, nor wait on each other's lock
+        self._groups: OrderedDict[str, _Group] = OrderedDict()
 
     def serve(self, req: pb.ExchangeRequest, store=None) -> pb.ExchangeReply:
         """One member's round; ``store``: the leader's own (in process). ClusterError if it failed."""
@@ -107,15 +134,43 @@ class ExchangeMember:
             return pb.ExchangeReply()
         if req.transport not in TRANSPORTS:
             raise ValueError(f"Exchange transport {req.transport!r}; valid: {', '.join(TRANSPORTS)}")
+        if req.transport == "collective" and self.secure:
+            raise ClusterError(f"Tier-2 round {req.round}: this DataServer has TLS and joins no gloo collective "
+                               "(no TLS there): rows cross hosts by gRPC")
+        t0 = time.perf_counter()
+        if req.transport == "grpc":
+            reply = self._by_grpc(req, self._rows(req))
+        else:
+            slot = self._slot(req.store)
+            with slot.lock:  # a gloo group runs one collective at a time
+                reply = self._by_collective(req, self._rows(req), store, slot)
+        reply.seconds = time.perf_counter() - t0
+        return reply
+
+    def _rows(self, req) -> list:
+        """The rows this member sends, read out of its host's slabs (no lease: the ranks hold them)."""
+        return [(s, read_rows(self.reader, s.batch, s.rows, s.batch_rows, self.pickle_allowed, lease=False))
+                for s in req.sends]
+
+    def _slot(self, where: str) -> _Group:
+        """The group of the leader whose store is at ``where``, made if new (past ``MAX_GROUPS``, the
+        least recently used idle one is closed)."""
         with self._lock:
-            t0 = time.perf_counter()
-            rows = [(s, read_rows(self.reader, s.batch, s.rows, s.batch_rows, self.pickle_allowed)) for s in req.sends]
-            if req.transport == "grpc":
-                reply = self._by_grpc(req, rows)
-            else:
-                reply = self._by_collective(req, rows, store)
-            reply.seconds = time.perf_counter() - t0
-            return reply
+            slot = self._groups.get(where)
+            if slot is None:
+                slot = self._groups[where] = _Group()
+                for old in list(self._groups)[:-1]:
+                    if len(self._groups) <= MAX_GROUPS:
+                        break
+                    idle = self._groups[old]
+                    if idle.lock.acquire(blocking=False):  # one in a collective stays
+                        del self._groups[old]
+                        try:
+                            idle.close()
+                        finally:
+                            idle.lock.release()
+            self._groups.move_to_end(where)
+            return slot
 
     def _by_grpc(self, req, rows) -> pb.ExchangeReply:
         import torch
@@ -145,29 +200,28 @@ class ExchangeMember:
             except (grpc.RpcError, DeliveryFailed):
                 pass  # that member is gone: its slabs went with it
 
-    def _join(self, req, store):
+    def _join(self, req, store, slot: _Group):
+        """(Under ``slot.lock``.) The leader's group at ``req.generation``, joined if new."""
         from .collective import ExchangeGroup
-        key = (req.store, req.generation)
-        if self._group is not None and self._group[0] == key:
-            return self._group[1]
-        if self._group is not None:
-            self._group[1].close()
-            self._group = None
+        if slot.group is not None and slot.generation == req.generation:
+            return slot.group
+        slot.close()
         host, port = req.store.rsplit(":", 1)
-        group = ExchangeGroup(req.member, len(req.members), host.strip("[]"), int(port), timeout_s=req.timeout_s or 30.0,
-                              store=store, bind=self.bind, prefix=f"tier2-{req.generation}")
-        self._group = (key, group)
-        return group
+        slot.group = ExchangeGroup(req.member, len(req.members), host.strip("[]"), int(port),
+                                   timeout_s=req.timeout_s or 30.0, store=store, bind=self.bind,
+                                   prefix=f"tier2-{req.generation}")
+        slot.generation = req.generation
+        return slot.group
 
-    def _by_collective(self, req, rows, store) -> pb.ExchangeReply:
+    def _by_collective(self, req, rows, store, slot: _Group) -> pb.ExchangeReply:
         try:
-            group = self._join(req, store)
+            group = self._join(req, store, slot)
             outgoing = [[] for _ in req.members]
             for s, batch in rows:
                 outgoing[s.to].append({"key": int(s.key), "rows": batch})
             incoming = group.exchange(outgoing)
         except (ClusterError, TypeError) as e:  # a dead peer, a timeout, a structure JSON cannot carry
-            self.leave()
+            slot.close()
             raise ClusterError(f"Tier-2 round {req.round}: all_to_all: {e}") from None
         reply = pb.ExchangeReply(bytes=sum(batch_bytes(b) for _, b in rows))
         try:
@@ -192,10 +246,16 @@ class ExchangeMember:
             raise
         return self.inbound.reply(slab, header).batch
 
-    def leave(self) -> None:
-        if self._group is not None:
-            self._group[1].close()
-            self._group = None
+    def leave(self, where: str | None = None) -> None:
+        """Close the group of the leader whose store is at ``where`` (None: every group)."""
+        with self._lock:
+            slots = list(self._groups.values()) if where is None else [self._groups.get(where)]
+            for k in list(self._groups) if where is None else [where]:
+                self._groups.pop(k, None)
+        for slot in slots:
+            if slot is not None:
+                with slot.lock:
+                    slot.close()
 
 
 def batch_bytes(batch) -> int:
@@ -206,7 +266,8 @@ def batch_bytes(batch) -> int:
 
 class HostExchange:
     """The leader's side: runs a round's cross-host moves through each host's member (``member``
-    is the leader's own), falling back from the collective to gRPC; ``counts`` by transport."""
+    is the leader's own), falling back from the collective to gRPC; ``counts`` by transport. With
+    ``tls`` it never opens a store nor asks for a collective: rows go by gRPC over TLS."""
 
     def __init__(self, member: ExchangeMember, token: str | None, config, tls):
         self.member, self.token, self.config, self.tls = member, token, config, tls
@@ -218,7 +279,9 @@ class HostExchange:
 
     def run(self, name: str, members: list[str], sends: dict[int, list[pb.ExchangeSend]], transport: str,
             timeout_s: float) -> tuple[dict[int, pb.BatchHandle], str]:
-        """``({key: new slab}, transport used)``; ClusterError when both ways failed."""
+        """``({key: new slab}, transport used)``; ClusterError when both ways failed. ``transport``:
+        what the group asked ("" for the cluster's default, :meth:`transport`)."""
+        transport = self.transport(transport)
         with self._lock:  # the leader's rounds cross hosts one at a time (one gloo group)
             if transport == "collective":
                 try:
@@ -231,6 +294,15 @@ class HostExchange:
             except ClusterError:
                 self.counts["failed"] += 1
                 raise
+
+    def transport(self, asked: str) -> str:
+        """The transport of a round whose group asked ``asked``: gRPC where this server has TLS
+        (gloo would carry rows and rendezvous in clear text), else ``asked`` or the collective."""
+        if self.tls is not None:
+            if asked == "collective":
+                log.warning("a Tier-2 group asked for exchange='collective' on a TLS cluster: by gRPC over TLS")
+            return "grpc"
+        return asked or "collective"
 
     def share(self, name: str, members: list[str], shares: dict[int, list[tuple]]) -> None:
         """Slabs read by several ranks of a member's host get their reader counts there
@@ -304,7 +376,8 @@ class HostExchange:
         self.drop(members, held)
 
     def _close_store(self) -> None:
-        self.member.leave()
+        if self._store is not None:
+            self.member.leave(f"{self.member.bind}:{self._store.port}")
         self._store, self._store_for = None, None
 
     def close(self) -> None:

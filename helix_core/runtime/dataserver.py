@@ -24,7 +24,7 @@ from ..protocol import ErrorKind
 from .proto import helix_pb2 as pb
 from .proto import helix_pb2_grpc as pbg
 from .heartbeats import Beats, heartbeats
-from .rpc import connect, connected
+from .rpc import connect
 from .bulk import NO_ROOM
 from .bulkrecv import BulkListener
 from .linkserver import LocalListener
@@ -38,7 +38,7 @@ from .reader import SlabReader
 from .slabpool import SlabPool
 from .steal import handles
 from .crosshost import ExchangeMember, HostExchange, load_row_code
-from .tier2 import RoundTable
+from .tier2 import RoundTable, bad_timeout
 
 __all__ = ["DataServerServicer", "serve_dataserver"]
 
@@ -77,9 +77,10 @@ class DataServerServicer(pbg.DataServerServicer):
         self.beats = Beats(config)  # work that arrives wakes an idle server's heartbeats
         # Tier 2: its part in moving rows between hosts, and the rounds it leads
         self.member = ExchangeMember(self.reader, self.inbound, self.outbound, self.pickle_allowed,
-                                     address.rsplit(":", 1)[0].strip("[]"))
+                                     address.rsplit(":", 1)[0].strip("[]"), secure=tls is not None)
+        # held Rebalance calls take at most half the handler threads: control RPCs always find one
         self.rounds = RoundTable(self.pickle_allowed, exchange=HostExchange(self.member, token, config, tls),
-                                 address=address, host=host_id)
+                                 address=address, host=host_id, max_held=max(1, config.server_threads // 2))
 
     def _no_pickle_why(self) -> str:
         return "runs with ClusterConfig(allow_pickle=False)" if not self.config.allow_pickle \
@@ -203,9 +204,15 @@ class DataServerServicer(pbg.DataServerServicer):
         return pb.Ack(ok=True)
 
     def Rebalance(self, request, context):  # Tier 2: held until the round closes (runtime/tier2.py)
+        why = bad_timeout(request.timeout_s, "RebalanceRequest.timeout_s")
+        if why:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, why)
         return self.rounds.rebalance(request, context)
 
     def LeaveRound(self, request, context):  # Tier 2: who owns a batch whose call will not be answered
+        why = bad_timeout(request.timeout_s, "LeaveRoundRequest.timeout_s")
+        if why:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, why)
         return self.rounds.leave(request)
 
     def AskRound(self, request, context):  # Tier 2: a rank waits for a batch held in its round
@@ -266,8 +273,7 @@ def serve_dataserver(coordinator: str, kind: str, local_rank: int, workers: int,
     servicer.cluster_id = hello.cluster_id
 
     def commit_round(group: str, run: str, step: int, moved: dict, release: dict, age_s: float) -> bool:
-        if not connected(coord_channel):  # (re)connecting: never the token to another user's port
-            check_coordinator(coordinator)
+        # (a port another user took once the Coordinator stopped gets no token: rpc.connect's guard)
         ranks = [pb.RankSamples(rank=r, indices=v, release=[pb.SlabHandle(segment=s, generation=g) for s, g in
                                                             release.get(r, ())]) for r, v in moved.items()]
         return coord.CommitRound(pb.CommitRoundRequest(group=group, run=run, step=step, ranks=ranks, age_s=age_s),
@@ -296,8 +302,7 @@ def serve_dataserver(coordinator: str, kind: str, local_rank: int, workers: int,
 
     try:
         register()
-        hb = threading.Thread(target=heartbeats, args=(servicer, coord, coord_channel, coordinator, token, config, stop,
-                                                        register),
+        hb = threading.Thread(target=heartbeats, args=(servicer, coord, token, config, stop, register),
                               name="helix-heartbeat", daemon=True)
         hb.start()
         if on_ready is not None:

@@ -1,8 +1,9 @@
 """A DataServer's heartbeats to its Coordinator: its load for placement, and its liveness.
 
 They follow the server's state: every ``heartbeat_interval_s`` while it changes; idle, ever
-further apart (``Beats``), each beat promising the next, until work arrives. The channel's
-connectivity is asked once per beat (``rpc.connected``), never followed by a polling thread.
+further apart (``Beats``), each beat promising the next, until work arrives. No thread follows
+the channel's connectivity. A beat goes to a loopback Coordinator only while this user listens
+there (``rpc.connect``'s guard, asked before every call, so after every reconnect).
 """
 from __future__ import annotations
 
@@ -14,8 +15,6 @@ import grpc
 from ..config import ClusterConfig
 from .auth import call_metadata
 from .proto import helix_pb2 as pb
-from .rpc import connected
-from .tokenfiles import check_listener
 
 __all__ = ["Beats", "heartbeats"]
 
@@ -67,8 +66,7 @@ class Beats:
         return True
 
 
-def heartbeats(servicer, coord, channel, coordinator: str, token, config: ClusterConfig,
-               stop: threading.Event, register) -> None:
+def heartbeats(servicer, coord, token, config: ClusterConfig, stop: threading.Event, register) -> None:
     """The heartbeat thread of a DataServer (``servicer``): until ``stop`` or ``Beats.close``."""
     beats, last = servicer.beats, None
     while beats.sleep() and not stop.is_set():
@@ -81,14 +79,10 @@ def heartbeats(servicer, coord, channel, coordinator: str, token, config: Cluste
         changed, last = req != last, pb.HeartbeatRequest()
         last.CopyFrom(req)
         req.next_beat_s = beats.next(changed)
-        try:
-            if not connected(channel):  # about to connect: if its Coordinator stopped and another user took
-                check_listener(coordinator)  # the port, the token must not go there (/proc/net/tcp: ~5 ms, not every beat)
+        try:  # (a port another user took once the Coordinator stopped gets no token: rpc.connect's guard)
             reply = coord.Heartbeat(req, timeout=config.rpc_timeout_s, metadata=call_metadata(token))
             if not reply.known:
                 register()
         except grpc.RpcError as e:
             log.debug("heartbeat failed: %s", e.code())
             beats.failed()
-        except ValueError as e:
-            log.warning("heartbeat withheld: %s", e)

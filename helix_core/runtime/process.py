@@ -66,8 +66,8 @@ def await_coordinator(coordinator: str, token_file: str | None, timeout_s: float
     while True:  # the token: a file that appears (nothing to block on: looked at 5 times a second)
         try:
             token = load_token(token_file=token_file, coordinator=coordinator)
-        except ValueError:
-            if token_file is None or clock() >= deadline:
+        except ValueError:  # a file not written yet is waited for; one we may not use is an error at once
+            if token_file is None or os.path.lexists(token_file) or clock() >= deadline:
                 raise
             token = None
         if token or clock() >= deadline or stop.is_set():

@@ -8,6 +8,7 @@ import fcntl
 import mmap
 import os
 import threading
+import time
 
 from .lease import holder_stamp
 from .shm import _GEN_AT, _LEASE, _LEASE_AT, _READERS_AT, _STATE_AT, _U64, FREE, HEADER_BYTES, MAGIC, SHM_DIR, _close_map, _path
@@ -76,11 +77,18 @@ class SlabReader:
 
     def share(self, handle: dict, readers: int) -> bool:
         """Tier 2: ``readers`` ranks will each release this slab once (it is FREE after the last);
-        False if the handle is stale (the round keeps the batch then)."""
+        False if the handle is stale (the round keeps the batch then).
+
+        A shared slab's lease names no process (no one reader may stand for the others, nor a dead
+        one free it under a live one): it is the time of the share, so its producer takes it back
+        once every reader released it or, if one died first, ``orphan_s`` after the share. Readers
+        copy its rows at once and check its generation after (``crosshost.read_rows``)."""
         mm = self.attach(handle["segment"])
         with self._locked(handle["segment"]):
             if _U64.unpack_from(mm, _GEN_AT)[0] != handle["generation"] or _U64.unpack_from(mm, _STATE_AT)[0] == FREE:
                 return False
+            if readers > 1:
+                _LEASE.pack_into(mm, _LEASE_AT, 0, 0, time.monotonic())  # the producer's clock (one host)
             _U64.pack_into(mm, _READERS_AT, readers if readers > 1 else 0)
         return True
 
@@ -102,10 +110,13 @@ class SlabReader:
         finally:
             os.close(fd)
 
-    def view(self, handle: dict) -> memoryview:
-        """The used payload bytes, [HEADER_BYTES, HEADER_BYTES + nbytes) of the file."""
+    def view(self, handle: dict, lease: bool = True) -> memoryview:
+        """The used payload bytes, [HEADER_BYTES, HEADER_BYTES + nbytes) of the file. ``lease``: this
+        process becomes the slab's holder (its producer takes it back if this process dies) —
+        unless the slab is shared (``share``); a DataServer reading a rank's slab passes False."""
         mm = self.attach(handle["segment"])
-        if "generation" in handle and _U64.unpack_from(mm, _GEN_AT)[0] == handle["generation"]:
+        if lease and "generation" in handle and _U64.unpack_from(mm, _GEN_AT)[0] == handle["generation"] \
+                and not _U64.unpack_from(mm, _READERS_AT)[0]:
             pid, start = holder_stamp()  # the lease: its producer takes it back if this process dies
             _LEASE.pack_into(mm, _LEASE_AT, pid, start, _LEASE.unpack_from(mm, _LEASE_AT)[2])
         end = HEADER_BYTES + handle["nbytes"]

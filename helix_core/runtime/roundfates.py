@@ -53,7 +53,12 @@ class RoundFates:
         """The leader's moved round ``key`` (open ``age_s`` at the leader; ``release``: rank -> the
         ``(segment, generation)`` of the slabs its answer has it release). False if a rank has already been told
         it kept (the leader must then keep every batch). An empty ``moved`` withdraws the leader's
-        commit: False if a rank has already learned the committed round (it must then go ahead)."""
+        commit: False if a rank has already learned the committed round (it must then go ahead).
+        A round open ``kept_s`` (less the slack) or longer (``age_s``; ``inf``: unknown) is never committed: a rank's refusal is
+        remembered that long, so a leader slower than that could otherwise commit a round a rank
+        was told it kept."""
+        if moved and age_s != math.inf and not age_s + SLACK_S < self.kept_s:  # (a NaN too)
+            return False  # a refusal of it may be forgotten already: too old to commit, it keeps
         with self._lock:
             got = self._get(key, age_s)
             if not moved:

@@ -8,6 +8,7 @@ import grpc
 from ..config import PROTOCOL_VERSION, ClusterConfig
 from ..errors import ClusterError
 from .auth import AioTokenInterceptor, TokenInterceptor, call_metadata, check_bind
+from .listeners import guard
 from .proto import helix_pb2 as pb
 
 __all__ = ["channel_options", "check_hello", "connect", "connected", "create_aio_server", "create_server", "server_options"]
@@ -85,11 +86,15 @@ def create_aio_server(host: str, port: int, token: str | None, config: ClusterCo
 
 def connect(address: str, config: ClusterConfig, tls=None, keepalive: bool = True) -> grpc.Channel:
     """A channel to ``address``: TLS checked against ``tls.ca`` when ``tls`` is given; keepalive
-    pings while calls are in flight unless ``keepalive=False`` (``channel_options``)."""
+    pings while calls are in flight unless ``keepalive=False`` (``channel_options``). On loopback,
+    a call that carries the token goes only while this user (or root) listens there
+    (``listeners.TokenGuard``: asked at every call, so at every reconnect)."""
     options = channel_options(config, keepalive)
     if tls is not None:
-        return grpc.secure_channel(address, tls.channel_credentials(), options=options + tls.channel_options())
-    return grpc.insecure_channel(address, options=options)
+        channel = grpc.secure_channel(address, tls.channel_credentials(), options=options + tls.channel_options())
+    else:
+        channel = grpc.insecure_channel(address, options=options)
+    return guard(channel, address)
 
 
 def connected(channel: grpc.Channel) -> bool:
@@ -99,6 +104,8 @@ def connected(channel: grpc.Channel) -> bool:
     idle DataServer's CPU); the core's own check is one call. Without it: False (the caller then
     takes the careful path)."""
     core = getattr(channel, "_channel", None)
+    if core is not None and not hasattr(core, "check_connectivity_state"):  # a guarded channel (listeners.py)
+        core = getattr(core, "_channel", None)
     check = getattr(core, "check_connectivity_state", None)
     if check is None:
         return False

@@ -31,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import threading
 import time
 from collections import Counter, OrderedDict
@@ -41,11 +42,20 @@ from .reader import SlabReader
 from .tier2_outcome import EXCHANGE_TIMEOUT_S, RoundOutcome
 from .tier2_policy import RoundPolicy
 
-__all__ = ["RoundTable"]
+__all__ = ["RoundTable", "bad_timeout"]
 
 log = logging.getLogger("helix.tier2")
 
 KEPT_CALLS = 1024  # answered calls a LeaveRound may still ask about (and calls left before they came)
+MAX_TIMEOUT_S = 86400.0  # the longest wait a call may ask for (a day): a wait past it is a client's error
+
+
+def bad_timeout(value: float, name: str) -> str | None:
+    """Why ``value`` (seconds, 0: the default) is not a wait a call may ask for, or None: it must be
+    finite and in [0, ``MAX_TIMEOUT_S``] (a NaN would hold its call for ever)."""
+    if not (math.isfinite(value) and 0.0 <= value <= MAX_TIMEOUT_S):
+        return f"{name} must be a finite number of seconds in [0, {MAX_TIMEOUT_S:g}], got {value!r}"
+    return None
 
 
 @dataclasses.dataclass(eq=False)
@@ -78,8 +88,11 @@ class RoundTable(RoundOutcome, RoundPolicy):
     call runs on its own gRPC thread; the one whose batch closes a round (or finds it due) runs it."""
 
     def __init__(self, allow_pickle: bool, clock=time.monotonic, exchange=None, address: str = "", host: str = "",
-                 commit=None):
+                 commit=None, max_held: int = 32):
         self.allow_pickle, self.clock = allow_pickle, clock
+        # calls held at once (each takes a gRPC handler thread): one past it keeps its batch at once
+        # ("busy"), so held rounds never take the threads the server's other RPCs need
+        self.max_held, self._held = max_held, 0
         # commit(group, run, step, {rank: indices}, {rank: [(segment, generation)]}, age_s) -> bool: a
         # moved round recorded at the Coordinator before a rank sees it (None: no Coordinator)
         self.commit = commit
@@ -87,7 +100,7 @@ class RoundTable(RoundOutcome, RoundPolicy):
         self.reader = SlabReader()
         self._cond = threading.Condition()
         self._buffers: dict[str, RoundBuffer] = {}
-        self._policies: dict[str, tuple] = {}
+        self._policies: OrderedDict[str, tuple] = OrderedDict()  # by the hash of the policy's bytes
         self._calls: OrderedDict[tuple, _Call] = OrderedDict()  # (group, run, step, rank, client): its call
         self._left: OrderedDict[tuple, None] = OrderedDict()  # calls that left before they came
         self.counts: Counter = Counter()  # rounds by outcome
@@ -97,6 +110,9 @@ class RoundTable(RoundOutcome, RoundPolicy):
         call's gRPC context): a call that ends first (its loader stopped, its process died) leaves
         its open round at once, and a round that closes after it leaves it out."""
         try:
+            why = bad_timeout(request.timeout_s, "RebalanceRequest.timeout_s")
+            if why:
+                raise ValueError(why)
             features = json.loads(request.features_json or "[]")
             if not isinstance(features, list) or len(features) != sum(request.batch_rows) or \
                     len(request.batches) != len(request.batch_rows):
@@ -120,6 +136,8 @@ class RoundTable(RoundOutcome, RoundPolicy):
                 return self._keep(call, "cancelled")
             if call.ended:
                 return self._keep(call, "cancelled")
+            if self._held >= self.max_held:  # every call it may hold waits already: this one keeps
+                return self._keep(call, "busy")
             self._remember(self._calls, name, call)
             buf = self._buffers.get(key)
             if buf is None:
@@ -133,26 +151,35 @@ class RoundTable(RoundOutcome, RoundPolicy):
             except ValueError as e:
                 return self._keep(call, f"error: {e}")
             call.added = True
-            while call.reply is None:
-                if closed is None and not call.closed and buf.due_in() is not None and buf.due_in() <= 0:
-                    closed = buf.expire()
-                if closed is not None:
-                    self._mark(closed)
-                    self._cond.release()
-                    try:
-                        self._run(closed)  # outside the lock: other groups' calls go on meanwhile
-                    except Exception as e:  # no call of the round may wait for a reply that never comes
-                        log.exception("Tier-2 round of %s failed", request.group)
-                        for c in {it.key[0] for it in closed.items if it.key[0].reply is None}:
-                            self._keep(c, f"error: the round failed: {type(e).__name__}: {e}")
-                    finally:
-                        self._cond.acquire()
-                    self._cond.notify_all()
-                    closed = None
-                    if not len(buf) and self._buffers.get(key) is buf:
-                        del self._buffers[key]  # the step's round is over (a late batch opens a new one)
-                    continue
-                self._cond.wait(None if call.closed else buf.due_in())
+            self._held += 1
+            try:
+                return self._hold(call, buf, key, closed)
+            finally:
+                self._held -= 1
+
+    def _hold(self, call: _Call, buf, key: tuple, closed) -> pb.RebalanceReply:
+        """(Under the lock.) Wait for ``call``'s round, running it if this call closes it or finds it due."""
+        request = call.request
+        while call.reply is None:
+            if closed is None and not call.closed and buf.due_in() is not None and buf.due_in() <= 0:
+                closed = buf.expire()
+            if closed is not None:
+                self._mark(closed)
+                self._cond.release()
+                try:
+                    self._run(closed)  # outside the lock: other groups' calls go on meanwhile
+                except Exception as e:  # no call of the round may wait for a reply that never comes
+                    log.exception("Tier-2 round of %s failed", request.group)
+                    for c in {it.key[0] for it in closed.items if it.key[0].reply is None}:
+                        self._keep(c, f"error: the round failed: {type(e).__name__}: {e}")
+                finally:
+                    self._cond.acquire()
+                self._cond.notify_all()
+                closed = None
+                if not len(buf) and self._buffers.get(key) is buf:
+                    del self._buffers[key]  # the step's round is over (a late batch opens a new one)
+                continue
+            self._cond.wait(None if call.closed else buf.due_in())
         return call.reply
 
     def ask(self, request: pb.AskRoundRequest) -> pb.AskRoundReply:
@@ -180,7 +207,8 @@ class RoundTable(RoundOutcome, RoundPolicy):
                 self._remember(self._left, (*key, request.rank, request.client_id), None)
                 return pb.LeaveRoundReply(left=True)
             self._leave_open(call, key)  # a round that closed but has not begun leaves it out too
-            self._cond.wait_for(lambda: call.reply is not None, request.timeout_s or 2 * EXCHANGE_TIMEOUT_S)
+            wait = request.timeout_s if not bad_timeout(request.timeout_s, "") else 0.0
+            self._cond.wait_for(lambda: call.reply is not None, wait or 2 * EXCHANGE_TIMEOUT_S)
             reply = call.reply
         if reply is None:  # its round has run past any exchange's limit: nobody can say yet
             return pb.LeaveRoundReply()

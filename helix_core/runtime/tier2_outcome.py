@@ -201,7 +201,7 @@ class RoundOutcome:
                 batch=src.request.batches[b], rows=[r for r, _ in got], batch_rows=src.request.batch_rows[b],
                 to=at[to.request.host], key=n))
         name = f"{calls[0].request.group}@{calls[0].request.step}"
-        new, transport = self.exchange.run(name, members, sends, calls[0].request.exchange or "collective",
+        new, transport = self.exchange.run(name, members, sends, calls[0].request.exchange,
                                            EXCHANGE_TIMEOUT_S)
         crossed: dict = {}
         for n, ((src, b, to), _) in enumerate(crossing):

@@ -7,6 +7,7 @@ A base class of ``RoundTable`` (``runtime/tier2.py``), which holds the policies 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 from typing import NamedTuple
 
@@ -16,6 +17,8 @@ from .proto import helix_pb2 as pb
 from .specs import resolve_function
 
 __all__ = ["Decision", "RoundPolicy", "load_policy"]
+
+KEPT_POLICIES = 64  # policies a leader keeps loaded (the least recently used goes)
 
 
 class Decision(NamedTuple):
@@ -54,7 +57,8 @@ def load_policy(payload: bytes, fmt: str, allow_pickle: bool):
 
 
 class RoundPolicy:
-    """Which rank takes each row of a closed round (``RoundTable``'s ``_policies``, under its ``_cond``)."""
+    """Which rank takes each row of a closed round (``RoundTable``'s ``_policies``: an ``OrderedDict``
+    under its ``_cond``)."""
 
     def _decide(self, rnd: Round, calls: list) -> Decision:
         if not rnd.movable:
@@ -97,10 +101,18 @@ class RoundPolicy:
         return Decision("moved", assignment, gain, cost, waited)
 
     def _policy(self, req: pb.RebalanceRequest):
+        """The request's policy, loaded once per content: cached by the hash of its format and bytes
+        (never by the id a client chose, which another client could reuse for other code)."""
+        fmt = req.policy_format or "json"
+        key = hashlib.sha256(fmt.encode() + b"\0" + req.policy).hexdigest()
         with self._cond:
-            got = self._policies.get(req.policy_id)
+            got = self._policies.get(key)
+            if got is not None:
+                self._policies.move_to_end(key)
         if got is None:
-            got = load_policy(req.policy, req.policy_format or "json", self.allow_pickle)
+            got = load_policy(req.policy, fmt, self.allow_pickle)
             with self._cond:
-                self._policies[req.policy_id] = got
+                self._policies[key] = got
+                while len(self._policies) > KEPT_POLICIES:
+                    self._policies.popitem(last=False)
         return got

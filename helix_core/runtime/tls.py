@@ -5,7 +5,9 @@ With TLS, services listen on TLS ports and every channel checks its peer against
 that has a certificate presents it (mutual TLS). The token still authenticates every call: TLS
 keeps it (and the data) off the wire and proves the server is the cluster's. A job's own CA
 (``Tls.for_job``) signs one certificate for the name ``helix-cluster``, which every channel checks
-instead of the address, so one certificate serves every host of the job.
+instead of the address, so one certificate serves every host of the job; a job on several nodes
+derives its CA and certificate on every node from the job's secret (``Tls.from_secret``), so no
+private key crosses the network. ``repr`` never shows a private key.
 """
 from __future__ import annotations
 
@@ -33,7 +35,7 @@ def _read(path: str, where: str) -> bytes:
     return data
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class Tls:
     """PEM bytes: ``ca`` (required: the peers' CA), ``cert`` + ``key`` (this side's certificate
     chain and key: needed to serve, optional for a client — then it is not mutual). ``names``:
@@ -98,11 +100,28 @@ class Tls:
 
     @classmethod
     def for_job(cls) -> "Tls":
-        """A throwaway CA and one certificate (for ``JOB_SERVER_NAME``) that every process of a job
-        shares: made by the job's first process, handed to the others beside the token."""
+        """A throwaway CA and one certificate (for ``JOB_SERVER_NAME``) for the processes of one
+        machine (a ``LocalCluster`` and its children)."""
         ca_pem, ca_key, ca_cert = _make_ca()
         cert_pem, key_pem = _make_leaf(ca_key, ca_cert, [JOB_SERVER_NAME, "localhost", "127.0.0.1"])
         return cls(ca_pem, cert_pem, key_pem, server_name=JOB_SERVER_NAME)
+
+    @classmethod
+    def from_secret(cls, secret: bytes, label: str) -> "Tls":
+        """The TLS of a job on several nodes, which every node derives by itself from the job's
+        secret (``HELIX_JOB_SECRET``) and ``label`` (its run id and attempt), so no private key is
+        ever handed from node to node: the CA's key and the certificate's key follow from the
+        secret (HKDF), each node signs its own copy of the CA and of the certificate (for
+        ``JOB_SERVER_NAME``), and every copy checks against every other (same key, same name)."""
+        ca_key, leaf_key = (_derived_key(secret, f"{label}/{what}") for what in ("ca", "leaf"))
+        ca_pem, ca_key, ca_cert = _make_ca(key=ca_key)
+        cert_pem, key_pem = _make_leaf(ca_key, ca_cert, [JOB_SERVER_NAME, "localhost", "127.0.0.1"], key=leaf_key)
+        return cls(ca_pem, cert_pem, key_pem, server_name=JOB_SERVER_NAME)
+
+    def __repr__(self) -> str:  # never the private key (a log line or a traceback would carry it)
+        return (f"Tls(ca=<{self.ca.count(b'-----BEGIN ')} certificate(s)>, "
+                f"cert={'<certificate>' if self.cert else None}, key={'<redacted>' if self.key else None}, "
+                f"server_name={self.server_name!r})")
 
     # ---- gRPC ---------------------------------------------------------------------------------
     def server_credentials(self):
@@ -123,16 +142,7 @@ class Tls:
     def channel_options(self) -> list[tuple[str, str]]:
         return [("grpc.ssl_target_name_override", self.server_name)] if self.server_name else []
 
-    # ---- handing it to a child process or another rank ------------------------------------------
-    def to_dict(self) -> dict:
-        return {"ca": self.ca.decode(), "cert": self.cert.decode() if self.cert else None,
-                "key": self.key.decode() if self.key else None, "server_name": self.server_name}
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "Tls":
-        enc = lambda v: v.encode() if v else None  # noqa: E731
-        return cls(d["ca"].encode(), enc(d.get("cert")), enc(d.get("key")), server_name=d.get("server_name"))
-
+    # ---- handing it to a child process ----------------------------------------------------------
     def environ(self, folder: str) -> dict[str, str]:
         """``HELIX_TLS_*`` for a child process: the PEMs written into ``folder``, and the server name."""
         env = {ENV[k]: path for k, path in self.write(folder).items()}
@@ -178,12 +188,23 @@ def _name(common: str):
     return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common)])
 
 
-def _make_ca(days: int = 30):
+def _derived_key(secret: bytes, label: str):
+    """A P-256 private key that follows from ``secret`` and ``label`` alone (HKDF-SHA256)."""
+    from cryptography.hazmat.primitives import hashes
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
+    order = 0xFFFFFFFF00000000FFFFFFFFFFFFFFFFBCE6FAADA7179E84F3B9CAC2FC632551  # of SECP256R1
+    raw = HKDF(hashes.SHA256(), 48, salt=b"helix-job-tls", info=label.encode()).derive(secret)
+    return ec.derive_private_key(int.from_bytes(raw, "big") % (order - 1) + 1, ec.SECP256R1())
+
+
+def _make_ca(days: int = 30, key=None):
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
     from cryptography.hazmat.primitives.asymmetric import ec
 
-    key = ec.generate_private_key(ec.SECP256R1())
+    key = key or ec.generate_private_key(ec.SECP256R1())
     now = datetime.datetime.now(datetime.timezone.utc)
     cert = (x509.CertificateBuilder().subject_name(_name("helix job CA")).issuer_name(_name("helix job CA"))
             .public_key(key.public_key()).serial_number(x509.random_serial_number())
@@ -220,12 +241,12 @@ def write_certificates(folder: str, names: list[str], days: int = 365) -> dict[s
     return Tls(ca_pem, cert_pem, key_pem).write(folder)
 
 
-def _make_leaf(ca_key, ca_cert, names: list[str], days: int = 30):
+def _make_leaf(ca_key, ca_cert, names: list[str], days: int = 30, key=None):
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
     from cryptography.hazmat.primitives.asymmetric import ec
 
-    key = ec.generate_private_key(ec.SECP256R1())
+    key = key or ec.generate_private_key(ec.SECP256R1())
     now = datetime.datetime.now(datetime.timezone.utc)
     san = _san(names)
     cert = (x509.CertificateBuilder().subject_name(_name(names[0])).issuer_name(ca_cert.subject)

@@ -12,8 +12,8 @@ identity, so nodes that share an NFS home never read or remove each other's. Hel
 or file that another user owns or can read, or a symlink (a clear ``ValueError`` naming it),
 rather than trusting or leaking a token through it.
 
-A token is sent only to a loopback port this user (or root) listens on (``check_listener``, from
-``/proc/net/tcp``): a port another user took over after this user's Coordinator stopped never
+A token is sent only to a loopback port this user (or root) listens on (``listeners.py``, asked
+before every call): a port another user took over after this user's Coordinator stopped never
 receives it. Beyond loopback, TLS checks the peer.
 """
 from __future__ import annotations
@@ -22,6 +22,8 @@ import os
 import re
 import stat
 from pathlib import Path
+
+from .listeners import check_listener
 
 RUN_USER = "/run/user"  # systemd-logind makes /run/user/<uid> (XDG_RUNTIME_DIR) for a login session
 
@@ -93,36 +95,6 @@ def token_path(address: str, folder: Path | None = None) -> Path:
     """Where the token of the Coordinator at ``address`` ("host:port") lives."""
     host, port = _split(address)
     return (folder or runtime_dir()) / f"coordinator-{_host_key(host)}-{port}.token"
-
-
-def _listener_uids(port: int) -> set[int] | None:
-    """Uids of the sockets listening on TCP ``port`` in this network namespace (None: unknown)."""
-    uids, known = set(), False
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            with open(table) as f:
-                next(f, None)
-                for line in f:
-                    cols = line.split()
-                    if len(cols) > 7 and cols[3] == "0A" and int(cols[1].rsplit(":", 1)[1], 16) == port:
-                        uids.add(int(cols[7]))
-            known = True
-        except (OSError, ValueError, IndexError):
-            continue
-    return uids if known else None
-
-
-def check_listener(address: str) -> None:
-    """``ValueError`` if a loopback ``address`` is listened on by another user than this one (or
-    root): this user's token must not go there (its Coordinator stopped and someone took the port)."""
-    host, port = _split(address)
-    if not _is_local(host):
-        return
-    uids = _listener_uids(port)
-    foreign = sorted((uids or set()) - {os.getuid(), 0})
-    if foreign:
-        raise ValueError(f"{address} is listened on by uid {foreign[0]}, not this user ({os.getuid()}): "
-                         "refusing to send it this user's Helix token")
 
 
 def write_token(address: str, token: str) -> Path:
