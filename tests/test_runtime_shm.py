@@ -190,6 +190,26 @@ def test_attach_refuses_a_file_that_is_not_a_slab(prefix):
     shm.sweep(prefix)
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="planting another user's file needs root (CI runs as root)")
+def test_a_reader_maps_no_segment_another_user_planted_nor_a_symlink(prefix):
+    """A slab's name, freed by its DataServer, taken by another user (or a link to a file of theirs):
+    the reader refuses it before it maps a byte."""
+    planted = os.path.join(shm.SHM_DIR, f"{prefix}planted")
+    with open(planted, "wb") as f:
+        f.write(shm.MAGIC + b"\0" * 4096)
+    os.chown(planted, 65534, 65534)
+    link = os.path.join(shm.SHM_DIR, f"{prefix}link")
+    os.symlink(planted, link)
+    try:
+        with pytest.raises(PermissionError, match="belongs to uid 65534"):
+            SlabReader().attach(f"{prefix}planted")
+        with pytest.raises(PermissionError, match="symbolic link"):
+            SlabReader().attach(f"{prefix}link")
+    finally:
+        os.unlink(link)
+        os.unlink(planted)
+
+
 def test_the_reader_unmaps_segments_the_pool_unlinked(prefix):
     reader = SlabReader()
     with SlabPool(prefix, max_segments=1) as pool:

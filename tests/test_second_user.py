@@ -4,6 +4,7 @@ port of a Coordinator or DataServer that was SIGKILLed, and the channels connect
 renewal, heartbeats, Execute / Configure / Cancel / LeaveRound) send it nothing. Also: a token
 file others may read is refused, and ``repr`` shows no token and no private key."""
 import contextlib
+import dataclasses
 import datetime
 import json
 import os
@@ -166,6 +167,7 @@ def test_a_second_user_reads_the_job_store_and_finds_no_token_and_no_key(job, tm
 @needs_root
 def test_a_planted_store_entry_is_refused_with_a_clear_error(job, tmp_path, monkeypatch):
     rank, store = job
+    SHORT = dataclasses.replace(CFG, startup_timeout_s=3.0)  # a planted entry is read again until then, then refused
     key = "helix/run-x/0/cluster"
     # one node: an address whose token is not in this user's private folder
     with socket.socket() as elsewhere:
@@ -174,7 +176,7 @@ def test_a_planted_store_entry_is_refused_with_a_clear_error(job, tmp_path, monk
         _store_user(tmp_path, store.port, plant={key: planted})
         rank(1, 1, 2, 2)
         with pytest.raises(hx.ClusterError, match="holds no token for it.*planted"):
-            embedded_cluster(2, 1, CFG)
+            embedded_cluster(2, 1, SHORT)
     # several nodes with the job's secret: unsealed, or sealed with another secret (another job's entry)
     monkeypatch.setenv("HELIX_JOB_SECRET", SECRET)
     rank(1, 0, 2, 1, node=1)
@@ -183,11 +185,11 @@ def test_a_planted_store_entry_is_refused_with_a_clear_error(job, tmp_path, monk
     for entry in (planted, other_job.data[key]):
         _store_user(tmp_path, store.port, plant={key: entry})
         with pytest.raises(hx.ClusterError, match="HELIX_JOB_SECRET does not open.*planted"):
-            embedded_cluster(2, 1, CFG)
+            embedded_cluster(2, 1, SHORT)
     # several nodes and no secret: told what to set
     monkeypatch.delenv("HELIX_JOB_SECRET")
     with pytest.raises(hx.ClusterError, match="needs HELIX_JOB_SECRET.*head -c 32 /dev/urandom"):
-        embedded_cluster(2, 1, CFG)
+        embedded_cluster(2, 1, SHORT)
 
 
 class _DictStore:
@@ -361,3 +363,45 @@ def test_a_new_listener_is_checked_with_every_connection_its_port_still_holds(tm
         guard = listeners.TokenGuard(f"127.0.0.1:{ours.getsockname()[1]}")
         guard.check()
         guard.check()  # (the same listener: one lookup)
+
+
+def test_a_listener_check_that_fails_refuses_the_call_and_never_raises_into_the_caller(monkeypatch):
+    """A lookup the kernel could not answer (a busy netlink socket, EINTR) fails closed, as a gRPC
+    UNAVAILABLE the callers already retry, never as an OSError out of a stub call."""
+    import errno
+
+    from helix_core.runtime import listeners
+
+    def busy(*_a, **_k):
+        raise OSError(errno.ENOBUFS, "No buffer space available")
+
+    for name in ("_lookup", "_dump_owners", "_proc_sockets", "port_owners"):
+        if hasattr(listeners, name):
+            monkeypatch.setattr(listeners, name, busy)
+    refused = listeners.TokenGuard("127.0.0.1:1").refusal((("helix-token", "t"),))
+    assert refused is not None and refused.code() == grpc.StatusCode.UNAVAILABLE
+    assert "cannot be checked" in refused.details() or "No buffer space" in refused.details()
+
+
+def test_ipv4_mapped_loopback_is_loopback():
+    from helix_core.runtime.auth import is_loopback
+
+    assert is_loopback("::ffff:127.0.0.1") and is_loopback("[::ffff:127.0.0.2]") and is_loopback("127.1.2.3")
+    assert not is_loopback("::ffff:192.0.2.1") and not is_loopback("192.0.2.1")
+
+
+def test_an_entry_planted_before_the_jobs_own_is_read_again_until_the_real_one_lands():
+    import threading
+
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=30))
+    job = JobRendezvous(store, "run", "0")
+    store.set(job.prefix + "coordinator", json.dumps({"run_id": "other", "attempt": "0", "address": "x:1"}))
+    threading.Timer(1.0, job.publish, args=("coordinator", {"address": "127.0.0.1:7"})).start()
+    assert job.wait("coordinator", 20)["address"] == "127.0.0.1:7"
+    store.set(job.prefix + "coordinator", b"not json")
+    with pytest.raises(hx.ClusterError, match="malformed"):
+        job.wait("coordinator", 1.0)
+

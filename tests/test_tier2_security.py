@@ -154,7 +154,8 @@ def test_the_collective_is_refused_on_a_tls_cluster_naming_the_parameter():
         with pytest.raises(ValueError, match=r"Rebalance\.exchange='collective' on a TLS cluster"):
             hx.DistributedDataLoader(hx.testing.IndexDataset(8), rebalance={"exchange": "collective"}, **kw)
         hx.DistributedDataLoader(hx.testing.IndexDataset(8), rebalance={"exchange": "grpc"}, **kw).close()
-    assert hx.Rebalance().transport(tls=True) == "grpc" and hx.Rebalance().transport(tls=False) == "collective"
+    assert hx.Rebalance().transport(tls=True) == "grpc" and hx.Rebalance().transport(tls=False) == "grpc"
+    assert hx.Rebalance(exchange="collective").transport(tls=False) == "collective"  # only where asked for
     assert hx.Rebalance(exchange="grpc").transport(tls=False) == "grpc"
 
 
@@ -168,7 +169,7 @@ def test_a_tls_server_never_joins_nor_hosts_a_collective_whatever_a_rank_asks():
     tls, plain = HostExchange(member, "t", CFG, tls=object()), HostExchange(member, "t", CFG, tls=None)
     try:
         assert [tls.transport(t) for t in ("", "grpc", "collective")] == ["grpc"] * 3
-        assert [plain.transport(t) for t in ("", "grpc", "collective")] == ["collective", "grpc", "collective"]
+        assert [plain.transport(t) for t in ("", "grpc", "collective")] == ["grpc", "grpc", "collective"]  # asked for
     finally:
         tls.close()
         plain.close()

@@ -10,8 +10,9 @@ and writes it. So it carries nothing that grants access, only where the cluster 
 the address (the token stays in the user's private Helix folder, found by that address); on
 several nodes the address sealed with the job's secret (``HELIX_JOB_SECRET``, passed to every rank
 out of band like ``MASTER_ADDR``): AES-GCM under a key derived (HKDF) from the secret, the run id
-and the restart count, bound to the entry's name, so a planted entry, one of another job or
-attempt, or one moved to another name is refused with an error that says so.
+and the restart count (and Slurm's job id), bound to the entry's name, so a planted entry, one of
+another attempt, or one moved to another name is refused with an error that says so. Give each job
+a secret of its own: two jobs with one secret and the same run id could open each other's entries.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import datetime
 import json
 import os
 import socket
+import time
 
 from ..errors import ClusterError
 
@@ -55,7 +57,9 @@ class JobRendezvous:
     def __init__(self, store, run_id: str, attempt: str, secret: bytes | None = None):
         self.store, self.run_id, self.attempt = store, str(run_id), str(attempt)
         self.prefix = f"helix/{self.run_id}/{self.attempt}/"
-        self.label = f"{self.run_id}/{self.attempt}"
+        # what tells this job from another that reused its secret, where the launcher says (Slurm's job id)
+        self.label = f"{self.run_id}/{self.attempt}" + (f"/slurm-{os.environ['SLURM_JOB_ID']}"
+                                                         if os.environ.get("SLURM_JOB_ID") else "")
         self._aead = None
         if secret is not None:
             from cryptography.hazmat.primitives.ciphers.aead import AESGCM
@@ -80,12 +84,21 @@ class JobRendezvous:
         """The entry ``name`` once some rank published it; ``ClusterError`` after ``timeout_s``, for
         an entry of another run or attempt, or (sealed) for one the job's secret does not open."""
         key = self.prefix + name
+        deadline = time.monotonic() + timeout_s
         try:
             self.store.wait([key], datetime.timedelta(seconds=timeout_s))
-            raw = self.store.get(key)
         except Exception as e:  # noqa: BLE001 - the store raises RuntimeError / DistStoreError on timeouts
             raise ClusterError(f"no rank published the Helix cluster's {name!r} in the job's store within "
                                f"{timeout_s:.0f} s (key {key}): {e}") from None
+        while True:  # an entry planted before the rank's own is refused, then overwritten: read again until then
+            try:
+                return self._checked(key, self.store.get(key))
+            except ClusterError:
+                if time.monotonic() >= deadline:
+                    raise
+            time.sleep(0.5)
+
+    def _checked(self, key: str, raw: bytes) -> dict:
         try:
             info = json.loads(raw)
         except ValueError:

@@ -28,7 +28,7 @@ __all__ = ["Exchange", "GateArgs", "Rebalance", "balance_cost", "check_assignmen
            "plan_exchange", "projected_gain_s", "step_loads", "transfer_s"]
 
 Features = Sequence[dict]
-EXCHANGES = (None, "grpc", "collective")  # Rebalance.exchange: None picks by the cluster (``transport``)
+EXCHANGES = (None, "grpc", "collective")  # Rebalance.exchange: None is "grpc" (``transport``)
 
 
 @dataclass(frozen=True)
@@ -48,9 +48,9 @@ class Rebalance:
     ``exchange``: how rows move between hosts — ``"grpc"`` (one stream per slab's rows, on
     Helix's own channels: the token and, on a TLS cluster, TLS) or ``"collective"`` (one gloo
     ``all_to_all`` among the hosts' DataServers, gRPC if it fails: faster, but gloo and its
-    rendezvous store carry neither a token nor TLS). ``None`` (the default) picks by the cluster
-    (:meth:`transport`): ``"grpc"`` on a TLS cluster, ``"collective"`` on one without TLS. On a TLS
-    cluster ``"collective"`` is refused (``ValueError``): no Tier-2 row leaves TLS.
+    rendezvous store carry neither a token nor TLS, so any local user could reach them). ``None``
+    (the default) is ``"grpc"``: the collective runs only where the user asks for it, and never on a
+    TLS cluster (``ValueError``, :meth:`transport`): no Tier-2 row leaves TLS.
     """
 
     feature_fn: Callable[[dict], dict] | None = None
@@ -80,11 +80,11 @@ class Rebalance:
 
     def transport(self, tls: bool) -> str:
         """How this group's rows cross hosts on a cluster with (``tls``) or without TLS: ``exchange``,
-        or by default ``"grpc"`` with TLS and ``"collective"`` without. ``ValueError`` naming
+        by default ``"grpc"``; the collective only when asked for. ``ValueError`` naming
         ``Rebalance.exchange`` for ``"collective"`` with TLS: gloo would carry decoded rows, and its
         store the group's rendezvous, in clear text beside the TLS channels."""
         if self.exchange is None:
-            return "grpc" if tls else "collective"
+            return "grpc"
         if self.exchange == "collective" and tls:
             raise ValueError("Rebalance.exchange='collective' on a TLS cluster: gloo and its rendezvous store have "
                              "no TLS and no token, so rows would cross hosts in clear text; use exchange='grpc' "

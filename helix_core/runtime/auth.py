@@ -55,9 +55,11 @@ def is_loopback(host: str) -> bool:
     if host in ("localhost",):
         return True
     try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
+        ip = ipaddress.ip_address(host.strip("[]"))
     except ValueError:
         return False
+    mapped = getattr(ip, "ipv4_mapped", None)  # ::ffff:127.0.0.1 reaches loopback too
+    return ip.is_loopback or (mapped is not None and mapped.is_loopback)
 
 
 def check_bind(host: str, token: str | None, tls=None, insecure: bool = False) -> None:

@@ -297,12 +297,13 @@ class HostExchange:
 
     def transport(self, asked: str) -> str:
         """The transport of a round whose group asked ``asked``: gRPC where this server has TLS
-        (gloo would carry rows and rendezvous in clear text), else ``asked`` or the collective."""
+        (gloo would carry rows and rendezvous in clear text), else ``asked`` (gRPC unless it names
+        the collective: that runs only where a group asked for it)."""
         if self.tls is not None:
             if asked == "collective":
                 log.warning("a Tier-2 group asked for exchange='collective' on a TLS cluster: by gRPC over TLS")
             return "grpc"
-        return asked or "collective"
+        return asked if asked in TRANSPORTS else "grpc"
 
     def share(self, name: str, members: list[str], shares: dict[int, list[tuple]]) -> None:
         """Slabs read by several ranks of a member's host get their reader counts there

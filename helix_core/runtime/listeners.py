@@ -355,11 +355,12 @@ class TokenGuard:
             return None
         try:
             self.check()
-        except ForeignListener as e:
-            if not isinstance(e, _NoListener) and str(e) not in self._warned:  # once per cause, not per call
-                self._warned.add(str(e))
-                log.warning("%s", e)
-            return _Refused(str(e))
+        except (ForeignListener, OSError) as e:  # a lookup that failed (a busy netlink, EINTR) refuses too
+            why = str(e) if isinstance(e, ForeignListener) else str(_refuse(self.address, f"cannot be checked ({e})"))
+            if not isinstance(e, _NoListener) and why not in self._warned:  # once per cause, not per call
+                self._warned.add(why)
+                log.warning("%s", why)
+            return _Refused(why)
         return None
 
 

@@ -16,6 +16,27 @@ from .shm import _GEN_AT, _LEASE, _LEASE_AT, _READERS_AT, _STATE_AT, _U64, FREE,
 __all__ = ["SlabReader"]
 
 
+
+
+def _open_own(segment: str) -> int:
+    """A read-write descriptor of ``segment``'s file: never through a symbolic link, and only a file
+    of this user's (``/dev/shm`` is every user's: a name freed by its DataServer may be taken)."""
+    try:
+        fd = os.open(_path(segment), os.O_RDWR | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        raise FileNotFoundError(errno.ENOENT, f"shared-memory segment {segment} does not exist "
+                                f"(its DataServer closed or was swept)", _path(segment)) from None
+    except OSError as e:
+        if e.errno != errno.ELOOP:
+            raise
+        raise PermissionError(errno.EPERM, f"shared-memory segment {segment} is a symbolic link: not followed",
+                              _path(segment)) from None
+    st = os.fstat(fd)
+    if st.st_uid != os.getuid():
+        os.close(fd)
+        raise PermissionError(errno.EPERM, f"shared-memory segment {segment} belongs to uid {st.st_uid}, not this "
+                              f"user ({os.getuid()}): not read", _path(segment))
+    return fd
 class SlabReader:
     """Client side: maps segments by name (cached) and releases slabs by handle. Thread-safe."""
 
@@ -33,11 +54,7 @@ class SlabReader:
                 return mm
             # A new name means the pool may have unlinked others; unmapping those frees their pages.
             self._prune_unlinked()
-            try:
-                fd = os.open(_path(segment), os.O_RDWR)
-            except FileNotFoundError:
-                raise FileNotFoundError(errno.ENOENT, f"shared-memory segment {segment} does not exist "
-                                        f"(its DataServer closed or was swept)", _path(segment)) from None
+            fd = _open_own(segment)
             try:
                 mm = mmap.mmap(fd, os.fstat(fd).st_size)
             finally:
@@ -103,7 +120,7 @@ class SlabReader:
     @staticmethod
     @contextlib.contextmanager
     def _locked(segment: str):
-        fd = os.open(_path(segment), os.O_RDWR)
+        fd = _open_own(segment)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)  # the kernel drops it if this process dies
             yield

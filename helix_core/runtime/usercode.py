@@ -20,10 +20,12 @@ import os
 import site
 import sys
 import sysconfig
+import threading
 from contextlib import contextmanager
-from pathlib import Path
 
 __all__ = ["dumps", "installed", "local_modules", "server_environ", "why_local"]
+
+_DUMPS = threading.RLock()
 
 
 @functools.lru_cache(maxsize=1)
@@ -141,7 +143,7 @@ def dumps(obj) -> bytes:
     a server rebuilds it without importing the script's folder."""
     import cloudpickle
 
-    with _by_value(local_modules()):
+    with _DUMPS, _by_value(local_modules()):  # cloudpickle's registry is the process's: one dumps at a time
         return cloudpickle.dumps(obj)
 
 
