@@ -181,13 +181,10 @@ def test_an_unauthenticated_trickle_is_cut_off_and_full_slots_send_senders_to_gr
 def test_a_bulk_port_that_cannot_be_reached_sends_batches_by_grpc_and_is_left_alone_a_while(caplog):
     """A firewall that passes only the gRPC port: the first batch finds the bulk port closed and
     goes by gRPC's Deliver; the next ones go by gRPC at once (no connection tried per batch)."""
-    import torch
-
     from helix_core.runtime.dataserver import DataServerServicer
     from helix_core.runtime.delivery import Outbound
     from helix_core.runtime.reader import SlabReader
     from helix_core.runtime.rpc import create_server
-    from helix_core.runtime.tensors import flatten, layout, write_tensors
     from helix_core.runtime.wire import add_servicer
 
     with socket.socket() as s:  # a port nothing listens on
@@ -202,12 +199,7 @@ def test_a_bulk_port_that_cannot_be_reached_sends_batches_by_grpc_and_is_left_al
     server.start()
     out = Outbound(TOKEN, CFG, None, reader)
     try:
-        batch = {"video": torch.arange(1 << 16, dtype=torch.int64)}
-        tree_json, tree_pickle, tensors = flatten(batch)
-        metas, total = layout(tensors)
-        slab = tx_slabs.acquire(total)
-        metas = write_tensors(slab.payload, tensors, metas)
-        result = {"handle": slab.handle(total), "tree_json": tree_json, "tree_pickle": tree_pickle, "metas": metas}
+        result, total = decoded_batch(tx_slabs)
         with caplog.at_level("WARNING", logger="helix.delivery"):
             for task_id in (1, 2, 3):
                 reply = out.send(task_id, result, f"127.0.0.1:{port}")
@@ -225,3 +217,18 @@ def test_a_bulk_port_that_cannot_be_reached_sends_batches_by_grpc_and_is_left_al
         reader.close()
         rx_slabs.close()
         tx_slabs.close()
+
+
+def decoded_batch(tx_slabs) -> tuple[dict, int]:
+    """A DataServer's result for one decoded batch (a 512 KiB tensor) in a slab of ``tx_slabs``:
+    ``(result, payload bytes)``, as a worker leaves it for delivery."""
+    import torch
+
+    from helix_core.runtime.tensors import flatten, layout, write_tensors
+
+    tree_json, tree_pickle, tensors = flatten({"video": torch.arange(1 << 16, dtype=torch.int64)})
+    metas, total = layout(tensors)
+    slab = tx_slabs.acquire(total)
+    metas = write_tensors(slab.payload, tensors, metas)
+    return {"handle": slab.handle(total), "tree_json": tree_json, "tree_pickle": tree_pickle, "metas": metas}, total
+

@@ -10,7 +10,6 @@ import threading
 import time
 
 import pytest
-import torch
 
 from helix_core.config import ClusterConfig
 from helix_core.runtime import shm
@@ -21,11 +20,10 @@ from helix_core.runtime.delivery import Outbound
 from helix_core.runtime.reader import SlabReader
 from helix_core.runtime.rpc import create_server
 from helix_core.runtime.slabpool import SlabPool
-from helix_core.runtime.tensors import flatten, layout, write_tensors
 from helix_core.runtime.tls import Tls
 from helix_core.runtime.wire import add_servicer
 
-from test_bulk import TOKEN, Receiver, _header
+from test_bulk import TOKEN, Receiver, _header, decoded_batch
 
 TLS = pytest.mark.parametrize("tls", [False, True], ids=["plain", "tls"])
 _SQUAT = """import socket, sys
@@ -156,12 +154,7 @@ def test_idle_and_unauthenticated_connections_never_keep_a_batch_from_landing(tl
         assert bulk.connections == 64
         squat.append(Squatter(bulk.port, 5))  # fewer than the pending places
 
-        batch = {"video": torch.arange(1 << 16, dtype=torch.int64)}
-        tree_json, tree_pickle, tensors = flatten(batch)
-        metas, total = layout(tensors)
-        slab = tx_slabs.acquire(total)
-        metas = write_tensors(slab.payload, tensors, metas)
-        result = {"handle": slab.handle(total), "tree_json": tree_json, "tree_pickle": tree_pickle, "metas": metas}
+        result, total = decoded_batch(tx_slabs)
 
         def deliver(task_id: int) -> dict:
             out = Outbound(TOKEN, cfg, job, reader)  # a remote server that has not sent here yet
