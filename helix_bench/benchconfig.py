@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from helix_core.planning.gpu import GPU_COSTS
+
 from .emulate import REGIMES
 from .ranks import HELIX_VARIANTS
 

@@ -100,11 +100,11 @@ def bench_remote(sizes_mb=(64, 256), sample_mb: int = 16, repeats: int = 5, cons
 
     import psutil
 
+    from helix_core.client.transport import ClusterClient
     from helix_core.config import ClusterConfig
     from helix_core.runtime.cluster import LocalCluster
     from helix_core.runtime.specs import make_spec
     from helix_core.testing import IndexDataset
-    from helix_core.client.transport import ClusterClient
 
     rows, ids = [], itertools.count(1)
     paths = ("bulk", "grpc")
@@ -172,10 +172,9 @@ def bench_route(threads=(1, 4, 16), seconds: float = 3.0, candidates: int = 64, 
     """Routed requests/s from N threads sharing one client for ``seconds`` each, against a
     Coordinator with ``candidates`` servers (1 real local one plus placeholders), per placement
     policy (the deadline policy's requests carry a predicted cost and a deadline)."""
-    from helix_core.descriptors import CostProfile
-
-    from helix_core.config import ClusterConfig
     from helix_core.client.transport import ClusterClient
+    from helix_core.config import ClusterConfig
+    from helix_core.descriptors import CostProfile
     from helix_core.protocol import Part
     from helix_core.runtime.cluster import LocalCluster
 

@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from helix_core.planning.gpu import GPU_COSTS, GpuCost
+
 from .benchconfig import BenchConfig
 from .emulate import measure_decode, regime_window_scale
 from .ranks import RankPlan
@@ -52,7 +53,8 @@ def _dataset(cfg: BenchConfig, progress):
 
 def steps_per_epoch(n: int, cfg: BenchConfig) -> int:
     """Global steps of one epoch: DistributedSampler's shard of one rank, in batches."""
-    return -(-(-(-n // cfg.ranks)) // cfg.batch_size)
+    per_rank = -(-n // cfg.ranks)  # ceiling divisions
+    return -(-per_rank // cfg.batch_size)
 
 
 def expected_indices(n: int, cfg: BenchConfig, total_steps: int | None = None) -> list[list[list[int]]]:

@@ -43,7 +43,7 @@ class HostCpuSampler:
         self.error: BaseException | None = None  # what stopped the sampling early (window() is then empty)
         self._thread = threading.Thread(target=self._run, name="helix-hostcpu", daemon=True)
 
-    def __enter__(self) -> "HostCpuSampler":
+    def __enter__(self) -> HostCpuSampler:
         self._thread.start()
         return self
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-
 _ROLES = ("decode", "dataserver", "ranks", "coordinator")
 
 

@@ -92,9 +92,10 @@ def run_hosts_bench(cfg: HostBenchConfig, out_dir, console=None) -> dict:
     import numpy as np
 
     from helix_core.emulated_hosts import EmulatedHosts
-    from helix_core.runtime.auth import new_token
     from helix_core.planning.gpu import GPU_COSTS
+    from helix_core.runtime.auth import new_token
     from helix_core.runtime.tls import write_certificates
+
     from .benchconfig import BenchConfig
     from .emulate import measure_decode, window_scale
     from .harness import _dataset, expected_indices, measured_gpu_s, steps_per_epoch

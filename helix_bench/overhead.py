@@ -17,7 +17,6 @@ import time
 
 import psutil
 
-
 __all__ = ["measure_idle", "measure_per_batch", "measure_wakeup", "run_overhead"]
 
 

@@ -21,6 +21,7 @@ WORKER_ROLE = {"native": "loader-workers", "ray": "ray-decoders", "helix": "work
 def system_result(system, cfg, got, m, expected, spans, bound, decode, units, log_dir) -> dict:
     """One system's metrics: checked samples, step metrics, where the CPU went, planner ratio."""
     from helix_core.planning.balance import imbalance_ratio
+
     from .cpuroles import cpu_by_role, decode_efficiency, split_decode
     from .metrics import StepRecord, system_metrics
     from .samples import check_consumed

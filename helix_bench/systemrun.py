@@ -35,6 +35,7 @@ def _run_system(system: str, cfg: BenchConfig, plan: RankPlan, live) -> tuple[li
 
     from helix_core.config import ClusterConfig
     from helix_core.runtime.cluster import LocalCluster, host_layout
+
     from .cpuroles import snapshot
 
     ctx = mp.get_context("spawn")

@@ -241,7 +241,7 @@ class CapacityProbe:
             q.close()
             q.join_thread()
 
-    def __enter__(self) -> "CapacityProbe":
+    def __enter__(self) -> CapacityProbe:
         return self
 
     def __exit__(self, *exc) -> None:

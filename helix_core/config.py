@@ -80,7 +80,7 @@ class ClusterConfig:
                              f"({self.heartbeat_timeout_s} <= {self.heartbeat_interval_s})")
 
     @classmethod
-    def for_tests(cls, **overrides) -> "ClusterConfig":
+    def for_tests(cls, **overrides) -> ClusterConfig:
         base = dict(heartbeat_interval_s=0.1, heartbeat_timeout_s=0.5, rpc_timeout_s=3.0,
                     coordinator_timeout_s=3.0, execute_timeout_s=120.0, stop_timeout_s=3.0,
                     keepalive_s=0.5, keepalive_timeout_s=1.0, sample_timeout_s=60.0)

@@ -13,8 +13,8 @@ refined online from measured decode times (``CostModel.update``).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Callable
 
 import numpy as np
 

@@ -45,7 +45,7 @@ class SampleDescriptor:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict) -> "SampleDescriptor":
+    def from_dict(cls, d: dict) -> SampleDescriptor:
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in names})
 

@@ -100,7 +100,7 @@ class EmulatedHosts:
         return None
 
     # ---- life cycle ---------------------------------------------------------------------------
-    def __enter__(self) -> "EmulatedHosts":
+    def __enter__(self) -> EmulatedHosts:
         self.start()
         return self
 

@@ -99,7 +99,7 @@ class ProfileTable:
         return path
 
     @classmethod
-    def load(cls, path: str | os.PathLike) -> "ProfileTable":
+    def load(cls, path: str | os.PathLike) -> ProfileTable:
         """Read a table written by ``save`` (columnar; no per-row Python work)."""
         import pyarrow as pa
         import pyarrow.json as pj

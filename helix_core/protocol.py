@@ -45,7 +45,7 @@ class Route:
     decision_us: float
 
     @classmethod
-    def from_pb(cls, r: pb.RouteReply) -> "Route":
+    def from_pb(cls, r: pb.RouteReply) -> Route:
         return cls(r.exec_server_id, r.exec_address, r.exec_kind, r.delivery_server_id, r.delivery_address,
                    r.reason, r.decision_us)
 

@@ -100,7 +100,7 @@ class RaySidecars:
         if self._owns_ray:
             ray.shutdown()
 
-    def __enter__(self) -> "RaySidecars":
+    def __enter__(self) -> RaySidecars:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -150,9 +150,7 @@ def ray_sidecars(coordinator: str, count: int, workers: int, token: str | None =
         import ray
     except ImportError:
         raise ClusterError("sidecars on Ray need Ray: pip install 'ray>=2.40'") from None
-    from .runtime.auth import load_token
-
-    from .runtime.auth import is_loopback
+    from .runtime.auth import is_loopback, load_token
 
     config, token = config or ClusterConfig(), load_token(token, coordinator=coordinator)  # the actors may run elsewhere
     env = {k: v for k, v in os.environ.items() if k.startswith("HELIX_TLS_")} if tls_env is None else dict(tls_env)

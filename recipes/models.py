@@ -20,7 +20,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-
 from .specs import SPECS, Qwen2VLSpec, VideoMAESpec, WanSpec, _check_family, mask_count
 
 __all__ = ["Qwen2VLSpec", "VideoMAESpec", "VideoModel", "WanSpec", "build_model"]

@@ -8,6 +8,7 @@ import pytest
 
 import helix_core as hx
 
+
 def pytest_configure(config):
     """Coordinators leave their tokens in a private folder of this session's (not the user's own)."""
     import tempfile

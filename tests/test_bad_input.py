@@ -3,11 +3,10 @@ import json
 
 import numpy as np
 import pytest
+from conftest import write_manifest
 
 import helix_core as hx
 from helix_core.media import synth
-
-from conftest import write_manifest
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,13 @@ import numpy as np
 import pytest
 
 from helix_bench.metrics import (
-    PER_RANK_KEYS, SYSTEM_METRIC_KEYS, Bound, StepRecord, balanced_gpu_s, percentile, system_metrics,
+    PER_RANK_KEYS,
+    SYSTEM_METRIC_KEYS,
+    Bound,
+    StepRecord,
+    balanced_gpu_s,
+    percentile,
+    system_metrics,
 )
 
 

@@ -7,9 +7,9 @@ import pytest
 
 from helix_bench.emulate import measure_decode
 from helix_bench.timed import (
+    CapacityProbe,
     TimedClipDataset,
     capacity_from_spans,
-    CapacityProbe,
     read_decode_log,
 )
 from helix_core.datasets import VideoClipDataset

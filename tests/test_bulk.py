@@ -7,6 +7,7 @@ import threading
 import time
 
 import pytest
+from dataplane import CFG, assert_same_batches, torch_batches
 
 import helix_core as hx
 from helix_core.config import ClusterConfig
@@ -18,8 +19,6 @@ from helix_core.runtime.proto import helix_pb2 as pb
 from helix_core.runtime.slabpool import SlabPool
 from helix_core.runtime.tls import Tls
 from helix_core.testing import IndexDataset
-
-from dataplane import CFG, assert_same_batches, torch_batches
 
 TOKEN = "t" * 32
 
@@ -199,7 +198,7 @@ def test_a_bulk_port_that_cannot_be_reached_sends_batches_by_grpc_and_is_left_al
     server.start()
     out = Outbound(TOKEN, CFG, None, reader)
     try:
-        result, total = decoded_batch(tx_slabs)
+        result, total, slab = decoded_batch(tx_slabs)
         with caplog.at_level("WARNING", logger="helix.delivery"):
             for task_id in (1, 2, 3):
                 reply = out.send(task_id, result, f"127.0.0.1:{port}")
@@ -219,9 +218,9 @@ def test_a_bulk_port_that_cannot_be_reached_sends_batches_by_grpc_and_is_left_al
         tx_slabs.close()
 
 
-def decoded_batch(tx_slabs) -> tuple[dict, int]:
+def decoded_batch(tx_slabs) -> tuple[dict, int, object]:
     """A DataServer's result for one decoded batch (a 512 KiB tensor) in a slab of ``tx_slabs``:
-    ``(result, payload bytes)``, as a worker leaves it for delivery."""
+    ``(result, payload bytes, the slab)``, as a worker leaves it for delivery."""
     import torch
 
     from helix_core.runtime.tensors import flatten, layout, write_tensors
@@ -230,5 +229,6 @@ def decoded_batch(tx_slabs) -> tuple[dict, int]:
     metas, total = layout(tensors)
     slab = tx_slabs.acquire(total)
     metas = write_tensors(slab.payload, tensors, metas)
-    return {"handle": slab.handle(total), "tree_json": tree_json, "tree_pickle": tree_pickle, "metas": metas}, total
+    result = {"handle": slab.handle(total), "tree_json": tree_json, "tree_pickle": tree_pickle, "metas": metas}
+    return result, total, slab
 

@@ -10,6 +10,7 @@ import threading
 import time
 
 import pytest
+from test_bulk import TOKEN, Receiver, _header, decoded_batch
 
 from helix_core.config import ClusterConfig
 from helix_core.runtime import shm
@@ -22,8 +23,6 @@ from helix_core.runtime.rpc import create_server
 from helix_core.runtime.slabpool import SlabPool
 from helix_core.runtime.tls import Tls
 from helix_core.runtime.wire import add_servicer
-
-from test_bulk import TOKEN, Receiver, _header, decoded_batch
 
 TLS = pytest.mark.parametrize("tls", [False, True], ids=["plain", "tls"])
 _SQUAT = """import socket, sys
@@ -154,7 +153,7 @@ def test_idle_and_unauthenticated_connections_never_keep_a_batch_from_landing(tl
         assert bulk.connections == 64
         squat.append(Squatter(bulk.port, 5))  # fewer than the pending places
 
-        result, total = decoded_batch(tx_slabs)
+        result, total, slab = decoded_batch(tx_slabs)
 
         def deliver(task_id: int) -> dict:
             out = Outbound(TOKEN, cfg, job, reader)  # a remote server that has not sent here yet

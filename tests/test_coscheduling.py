@@ -8,18 +8,17 @@ import time
 
 import pytest
 import torch
+from dataplane import CFG, busy_segments, torch_batches, wait_for
 
 import helix_core as hx
-from helix_core.planning.sampling import steps as sampler_order
 from helix_core.client.transport import ClusterClient
 from helix_core.planning.balance import imbalance_ratio
 from helix_core.planning.batching import TokenPlanner
 from helix_core.planning.gpu import gpu_cost
+from helix_core.planning.sampling import steps as sampler_order
 from helix_core.runtime.proto import helix_pb2 as pb
 from helix_core.runtime.specs import make_spec
 from helix_core.testing import CostedDataset, IndexDataset
-
-from dataplane import CFG, busy_segments, torch_batches, wait_for
 
 
 @pytest.fixture(scope="module")

@@ -4,11 +4,10 @@ import gc
 
 import pytest
 import torch
+from dataplane import CFG, assert_same_batches, busy_segments, helix_children, torch_batches, wait_for
 
 import helix_core as hx
 from helix_core.testing import IndexDataset
-
-from dataplane import CFG, assert_same_batches, busy_segments, helix_children, torch_batches, wait_for
 
 
 @pytest.fixture(scope="module")
@@ -119,10 +118,10 @@ def test_corrupt_clip_raises_sample_error_naming_the_file(cluster, kmix, tmp_pat
 def test_break_cancels_and_frees_slabs(cluster):
     ds = IndexDataset(200, shape=(1 << 16,), delays={i: 0.02 for i in range(200)})
     with loader(ds, cluster, batch_size=4, rank=0, world_size=1, prefetch_depth=8) as ld:
-        for i, batch in enumerate(ld):
+        for i, _batch in enumerate(ld):
             if i == 2:
                 break
-        del batch
+        del _batch
         try:
             wait_for(lambda: not busy_segments(cluster), 15, "every slab to be released after break")
         except AssertionError:

@@ -37,7 +37,7 @@ def test_every_helix_command_in_the_slurm_script_parses():
     text = (DEPLOY / "slurm" / "helix-hetjob.sbatch").read_text()
     commands = [m.group(1) for m in re.finditer(r"(?:^|[\s'])helix\s+([a-z][^\n&']*)", text, re.M)]
     parsed = [_parse(shlex.split(_substitute(c)), "slurm") for c in commands]
-    roles = [getattr(a, "role", None) or getattr(a, "fn").__name__ for a in parsed]
+    roles = [getattr(a, "role", None) or a.fn.__name__ for a in parsed]
     assert roles.count("dataserver") == 2 and "coordinator" in roles and "_cmd_certs" in roles, roles
     local, remote = (a for a in parsed if getattr(a, "role", None) == "dataserver")
     assert local.local_rank == 0 and remote.remote

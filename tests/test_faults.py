@@ -10,12 +10,11 @@ import time
 
 import psutil
 import pytest
+from dataplane import CFG, assert_same_batches, children, helix_children, segments, torch_batches, wait_for
 
 import helix_core as hx
 from helix_core.runtime import shm
 from helix_core.testing import IndexDataset
-
-from dataplane import CFG, assert_same_batches, children, helix_children, segments, torch_batches, wait_for
 
 
 def test_sigkill_dataservers_mid_epoch_loses_nothing():
@@ -180,13 +179,13 @@ def test_a_loader_dropped_without_close_stops_its_embedded_cluster(monkeypatch):
     before = {p.pid for p in helix_children()}
     ld = hx.DistributedDataLoader(ds, batch_size=2, rank=0, world_size=1, num_workers=1, config=CFG)
     prefix = f"helix-{ld.cluster_id}-"
-    for i, batch in enumerate(ld):  # requests still in flight when the loader goes
+    for i, _batch in enumerate(ld):  # requests still in flight when the loader goes
         if i == 2:
             break
     gone = (lambda: not shm.list_segments(prefix) and not [p for p in helix_children() if p.pid not in before])
     gc.disable()  # as a torch DataLoader may simply be dropped: no reference cycle may keep it alive
     try:
-        del ld, batch
+        del ld, _batch
         deadline = time.monotonic() + 20
         while not gone() and time.monotonic() < deadline:  # a condition with a deadline (no collection may run)
             time.sleep(0.05)

@@ -7,12 +7,11 @@ from fractions import Fraction
 
 import numpy as np
 import pytest
+from conftest import write_manifest
 
 import helix_core as hx
 from helix_core.media import synth
 from helix_core.media.decode import decode_frames
-
-from conftest import write_manifest
 
 
 def _vfr_clip(path, frames: int = 240):

@@ -2,13 +2,13 @@
 address, /dev/shm and hostname (helix_core.emulated_hosts). Services start through the CLI as a
 user starts them on each machine; ranks are processes on their own host."""
 import json
-from collections import Counter
-import re
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import pytest

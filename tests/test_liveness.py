@@ -5,10 +5,10 @@ import os
 import signal
 import time
 
+from dataplane import CFG, assert_same_batches, segments, torch_batches
+
 import helix_core as hx
 from helix_core.testing import IndexDataset
-
-from dataplane import CFG, assert_same_batches, segments, torch_batches
 
 
 def test_a_sigstopped_dataserver_costs_seconds_not_the_batch_deadline():

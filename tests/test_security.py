@@ -5,14 +5,13 @@ import dataclasses
 
 import grpc
 import pytest
+from dataplane import CFG, assert_same_batches, torch_batches
 
 import helix_core as hx
 from helix_core.runtime.auth import call_metadata
 from helix_core.runtime.proto import helix_pb2 as pb
 from helix_core.runtime.proto import helix_pb2_grpc as pbg
 from helix_core.testing import IndexDataset
-
-from dataplane import CFG, assert_same_batches, torch_batches
 
 TOKEN = "s3cret-token-for-tests"
 

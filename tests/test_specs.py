@@ -8,12 +8,11 @@ import os
 
 import pytest
 import torch
+from dataplane import CFG
 
 import helix_core as hx
 from helix_core.runtime.specs import make_spec
 from helix_core.testing import flip_video
-
-from dataplane import CFG
 
 CFG_NO_PICKLE = dataclasses.replace(CFG, allow_pickle=False)  # a cluster that takes JSON specs only
 

@@ -4,6 +4,7 @@ import multiprocessing as mp
 
 import pytest
 import torch
+from dataplane import CFG, assert_same_batches, busy_segments, busy_with_prefix, torch_batches, wait_for
 
 import helix_core as hx
 from helix_core.protocol import ErrorKind
@@ -12,8 +13,6 @@ from helix_core.runtime.pool import WorkerPool
 from helix_core.runtime.specs import make_spec
 from helix_core.runtime.steal import Claim, Pieces, handles
 from helix_core.testing import IndexDataset
-
-from dataplane import CFG, assert_same_batches, busy_segments, busy_with_prefix, torch_batches, wait_for
 
 
 # ---- the claim record and the pieces (pure) ------------------------------------------------------------
@@ -301,7 +300,7 @@ def test_a_fanned_out_video_batch_grows_in_its_first_parts_slab_and_equals_pad_c
             assert fanouts > 0
             want = [hx.pad_collate([video[i] for i in range(k, k + 3)]) for k in (0, 3)] * 3
             assert_same_batches(got, want)
-            wait_for(lambda: len(busy_segments(cluster)) == len(got), 10,
-                     f"one slab per batch held ({fanouts} fanned out)")
+            held = len(got)
+            wait_for(lambda: len(busy_segments(cluster)) == held, 10, f"one slab per batch held ({fanouts} fanned out)")
             del got, b
         wait_for(lambda: not busy_segments(cluster), 10, "every slab released once the batches are dropped")

@@ -8,12 +8,11 @@ from collections import Counter
 
 import pytest
 import torch
+from dataplane import CFG, busy_segments, torch_batches, wait_for
+from tier2run import HEAVY, LIGHT, run_ranks, skewed
 
 import helix_core as hx
 from helix_core.testing import IndexDataset
-
-from dataplane import CFG, busy_segments, torch_batches, wait_for
-from tier2run import HEAVY, LIGHT, run_ranks, skewed
 
 
 @pytest.fixture(scope="module")

@@ -6,12 +6,11 @@ import time
 from collections import Counter
 
 import pytest
+from dataplane import CFG, busy_segments, torch_batches, wait_for
+from tier2run import HEAVY, LIGHT, run_ranks, skewed
 
 import helix_core as hx
 from helix_core.testing import CostedDataset
-
-from dataplane import CFG, busy_segments, torch_batches, wait_for
-from tier2run import HEAVY, LIGHT, run_ranks, skewed
 
 
 @pytest.fixture(scope="module")
@@ -123,7 +122,8 @@ def test_a_rank_whose_round_leader_dies_learns_its_rounds_fate_from_the_coordina
     from helix_core.client.transport import ClusterClient, RoundUnknown
     from helix_core.client.waits import Stop
     from helix_core.runtime.auth import call_metadata
-    from helix_core.runtime.proto import helix_pb2 as pb, helix_pb2_grpc as pbg
+    from helix_core.runtime.proto import helix_pb2 as pb
+    from helix_core.runtime.proto import helix_pb2_grpc as pbg
     from helix_core.runtime.rpc import connect
 
     with hx.LocalCluster(local_servers=2, workers_per_server=1, config=CFG, token=True) as c:

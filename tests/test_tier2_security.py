@@ -18,14 +18,13 @@ from pathlib import Path
 
 import grpc
 import pytest
+from dataplane import CFG
 
 import helix_core as hx
 import helix_core.testing
 from helix_core.config import ClusterConfig
 from helix_core.emulated_hosts import EmulatedHosts
 from helix_core.runtime.proto import helix_pb2 as pb
-
-from dataplane import CFG
 
 HERE = Path(__file__).resolve().parent
 needs_hosts = pytest.mark.skipif(EmulatedHosts.unavailable() is not None, reason=str(EmulatedHosts.unavailable()))
@@ -182,7 +181,7 @@ def test_a_collectives_rendezvous_listens_on_its_address_only():
     done = subprocess.run(["cat", "/proc/net/tcp", "/proc/net/tcp6"], capture_output=True, text=True, timeout=10)
     mine = [line.split()[1] for line in done.stdout.splitlines()
             if len(line.split()) > 3 and line.split()[3] == "0A" and line.split()[1].endswith(f":{store.port:04X}")]
-    assert mine == ["0100007F:%04X" % store.port], mine  # 127.0.0.1 (little-endian hex), not 0.0.0.0 or ::
+    assert mine == [f"0100007F:{store.port:04X}"], mine  # 127.0.0.1 (little-endian hex), not 0.0.0.0 or ::
     del store
 
 

@@ -16,14 +16,13 @@ import uuid
 import cloudpickle
 import pytest
 import torch
+from dataplane import CFG, busy_segments, torch_batches, wait_for
+from tier2run import run_ranks, skewed
 
 import helix_core as hx
 from helix_core.runtime.specs import load_spec, make_spec
 from helix_core.runtime.usercode import installed, why_local
 from helix_core.testing import flip_video
-
-from dataplane import CFG, busy_segments, torch_batches, wait_for
-from tier2run import run_ranks, skewed
 
 DS = {"model": "videomae", "num_frames": 2, "size": 32}
 

@@ -2,10 +2,10 @@
 stepping together, each loader on its own thread, as the gradients' all_reduce makes them."""
 import threading
 
+from dataplane import CFG
+
 import helix_core as hx
 from helix_core.testing import CostedDataset
-
-from dataplane import CFG
 
 HEAVY, LIGHT = 1000, 10
 

@@ -3,12 +3,13 @@ planning and deadlines) from the dataset's tokens and the model family's cost, i
 rank because they come from offline profiles only (the online CPU-cost corrections stay out)."""
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 
 from ..dataset import CostArrays, Costed
-from ..planning.gpu import GPU_COSTS, GpuCost, gpu_cost as family_cost
+from ..planning.gpu import GPU_COSTS, GpuCost
+from ..planning.gpu import gpu_cost as family_cost
 
 __all__ = ["PlanCosts", "gpu_units"]
 

@@ -15,7 +15,8 @@ import time
 from torchdata.nodes import BaseNode
 
 from .plan import ShardBatches
-from .waits import END as _END, Outbox, Stop
+from .waits import END as _END
+from .waits import Outbox, Stop
 
 __all__ = ["Dispatch"]
 

@@ -30,10 +30,10 @@ from ..runtime.specs import make_spec
 from ..telemetry import LoaderStats
 from .costing import PlanCosts, gpu_units
 from .deadline import DeadlineEstimator
-from .options import check_loader_options
 from .dispatch import Dispatch
 from .embedded import acquire_embedded, release_embedded
 from .iterator import EpochSampler, LoaderIter
+from .options import check_loader_options
 from .plan import CostTagger, PlannedBatches, ShardBatches
 from .requests import Requests
 from .tier2 import Tier2, rebalance_group
@@ -169,7 +169,7 @@ class DistributedDataLoader:
         if int(epoch) != self._epoch:
             self._epoch, self._resume, self._position = int(epoch), 0, 0
 
-    def __iter__(self) -> "LoaderIter":
+    def __iter__(self) -> LoaderIter:
         if self._closed:
             raise RuntimeError("this DistributedDataLoader is closed")
         self._iteration += 1  # starts no work: the epoch and resume point are read at the first next()
@@ -190,7 +190,7 @@ class DistributedDataLoader:
     batch_sampler = None  # batches are planned by the loader itself (trainers probe this attribute)
 
     @property
-    def sampler(self) -> "EpochSampler":
+    def sampler(self) -> EpochSampler:
         """A sampler-like view (``set_epoch``, ``len``) for trainers that call
         ``loader.sampler.set_epoch(e)`` at each epoch's start, as Lightning does."""
         return EpochSampler(self)

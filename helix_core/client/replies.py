@@ -9,11 +9,11 @@ import math
 import torch
 
 from ..errors import ClusterError, SampleError
-from ..runtime.proto import helix_pb2 as pb
+from ..protocol import ErrorKind
 from ..runtime.crosshost import meta_dicts
 from ..runtime.merge import merge_batches
+from ..runtime.proto import helix_pb2 as pb
 from ..runtime.tensors import copy_tensors, read_tensors, unflatten
-from ..protocol import ErrorKind
 
 __all__ = ["ReplyBatches"]
 

@@ -180,7 +180,7 @@ class Requests:
             reply = self._wait(task, part, stop)
             error = self.client.error_of(reply)
             if error is not None:
-                raise error
+                raise error from None
             batch = self.client.materialize(reply, copy=self.copy, pad=self.pad)
             replies.append(reply)
         if batch is None:

@@ -18,18 +18,18 @@ import grpc
 from ..config import ClusterConfig
 from ..errors import ClusterError
 from ..runtime.auth import call_metadata, load_token, pickle_allowed
+from ..runtime.hostid import host_id
+from ..runtime.locallink import LocalLink, link_name
+from ..runtime.proto import helix_pb2 as pb
+from ..runtime.proto import helix_pb2_grpc as pbg
+from ..runtime.reader import SlabReader
+from ..runtime.registry import TASK_ID_BITS
+from ..runtime.rpc import check_hello, connect
+from ..runtime.tls import Tls
 from ..runtime.tokenfiles import check_listener
 from .fallback import KnownServers
 from .replies import ReplyBatches
 from .transport_coordinator import CoordinatorCalls
-from ..runtime.hostid import host_id
-from ..runtime.proto import helix_pb2 as pb
-from ..runtime.proto import helix_pb2_grpc as pbg
-from ..runtime.rpc import check_hello, connect
-from ..runtime.reader import SlabReader
-from ..runtime.locallink import LocalLink, link_name
-from ..runtime.tls import Tls
-from ..runtime.registry import TASK_ID_BITS
 
 __all__ = ["ClusterClient", "TRANSIENT"]
 

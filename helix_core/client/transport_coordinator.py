@@ -13,9 +13,9 @@ import time
 import grpc
 
 from ..errors import ClusterError
+from ..protocol import Route, route_request
 from ..runtime.locallink import CallLink, link_name
 from ..runtime.proto import helix_pb2 as pb
-from ..protocol import Route, route_request
 
 __all__ = ["CoordinatorCalls"]
 

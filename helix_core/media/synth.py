@@ -141,8 +141,9 @@ def write_clip(path: str | os.PathLike, spec: ClipSpec, container: str | None = 
     stream, ...; by default it follows the file suffix; The file appears atomically (written to a
     temporary name, then renamed), so an interrupted run never leaves a half-written clip.
     """
-    import av
     from fractions import Fraction
+
+    import av
 
     path = Path(path)
     tmp = path.with_name(f".{path.name}.part")

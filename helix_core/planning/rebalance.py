@@ -98,7 +98,7 @@ class Rebalance:
         return min(max(self.round_timeout_s, deadline_s - self.round_timeout_s), max(self.max_wait_s, self.round_timeout_s))
 
     @classmethod
-    def of(cls, value) -> "Rebalance | None":
+    def of(cls, value) -> Rebalance | None:
         """``value`` as a ``Rebalance``: one already, a dict of its keys (``load_balance_config``), or None."""
         if value is None or isinstance(value, Rebalance):
             return value
@@ -247,7 +247,7 @@ class GateArgs:
     same_host: dict = field(default_factory=dict)  # {rank: host}: moves within a host copy no bytes
 
     @classmethod
-    def of(cls, value) -> "GateArgs":
+    def of(cls, value) -> GateArgs:
         if value is None:
             return cls()
         if isinstance(value, GateArgs):

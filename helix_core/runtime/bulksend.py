@@ -8,8 +8,24 @@ import threading
 import time
 
 from .auth import is_loopback
-from .bulk import (_ANSWER, _KEEP_PER_PEER, _SENDER_IDLE_S, _U16, _U32, BAD, BUSY, MAGIC, MAX_HEADER, OK, REFUSED,
-                   BulkError, _contexts, _recv, _send_all, seal_sender)
+from .bulk import (
+    _ANSWER,
+    _KEEP_PER_PEER,
+    _SENDER_IDLE_S,
+    _U16,
+    _U32,
+    BAD,
+    BUSY,
+    MAGIC,
+    MAX_HEADER,
+    OK,
+    REFUSED,
+    BulkError,
+    _contexts,
+    _recv,
+    _send_all,
+    seal_sender,
+)
 from .listeners import check_socket
 from .proto import helix_pb2 as pb
 

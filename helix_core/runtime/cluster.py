@@ -23,9 +23,9 @@ from ..config import ClusterConfig
 from ..errors import ClusterError
 from . import shm
 from .auth import load_token, new_token
+from .tls import ENV
 from .tokenfiles import remove_token, token_path
 from .usercode import server_environ
-from .tls import ENV
 
 __all__ = ["LocalCluster", "ServerHandle", "host_layout", "wait_ready"]
 
@@ -147,7 +147,7 @@ class LocalCluster:
         self._procs.append(proc)
         return proc, wait_ready(proc, " ".join(args[:1]), self.config.startup_timeout_s)
 
-    def start(self) -> "LocalCluster":
+    def start(self) -> LocalCluster:
         if self.address:
             return self
         try:
@@ -199,7 +199,8 @@ class LocalCluster:
     def worker_pids(self, i: int) -> list[int]:
         """The worker process ids of DataServer ``i`` (its ``Health`` reply), for fault injection."""
         from .auth import call_metadata
-        from .proto import helix_pb2 as pb, helix_pb2_grpc as pbg
+        from .proto import helix_pb2 as pb
+        from .proto import helix_pb2_grpc as pbg
         from .rpc import connect
 
         with connect(self.servers[i].address, self.config, self.tls) as ch:
@@ -277,7 +278,7 @@ class LocalCluster:
         if state["tls_dir"] is not None:
             shutil.rmtree(state["tls_dir"], ignore_errors=True)
 
-    def __enter__(self) -> "LocalCluster":
+    def __enter__(self) -> LocalCluster:
         return self.start()
 
     def __exit__(self, *exc) -> None:

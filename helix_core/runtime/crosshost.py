@@ -174,6 +174,7 @@ class ExchangeMember:
 
     def _by_grpc(self, req, rows) -> pb.ExchangeReply:
         import torch
+
         from .tensors import write_tensors
         reply = pb.ExchangeReply()
         for s, batch in rows:

@@ -17,28 +17,28 @@ import threading
 import grpc
 
 from ..config import PROTOCOL_VERSION, ClusterConfig
-from . import shm
-from .auth import call_metadata
 from ..errors import PICKLING, ClusterError, text_of
 from ..protocol import ErrorKind
-from .proto import helix_pb2 as pb
-from .proto import helix_pb2_grpc as pbg
-from .heartbeats import Beats, heartbeats
-from .rpc import connect
+from . import shm
+from .auth import call_metadata
 from .bulk import NO_ROOM
 from .bulkrecv import BulkListener
+from .chunks import ChunkWriter
+from .cpuslots import HostSlots
+from .crosshost import ExchangeMember, HostExchange, load_row_code
+from .delivery import DeliveryFailed, Inbound, Outbound, Refused, metas_to_pb, moved_bytes
+from .heartbeats import Beats, heartbeats
 from .linkserver import LocalListener
 from .locallink import link_name
-from .delivery import DeliveryFailed, Inbound, Outbound, Refused, metas_to_pb, moved_bytes
-from .chunks import ChunkWriter
-from .wire import add_servicer
-from .cpuslots import HostSlots
 from .pool import WorkerPool
+from .proto import helix_pb2 as pb
+from .proto import helix_pb2_grpc as pbg
 from .reader import SlabReader
+from .rpc import connect
 from .slabpool import SlabPool
 from .steal import handles
-from .crosshost import ExchangeMember, HostExchange, load_row_code
 from .tier2 import RoundTable, bad_timeout
+from .wire import add_servicer
 
 __all__ = ["DataServerServicer", "serve_dataserver"]
 
@@ -242,7 +242,8 @@ def serve_dataserver(coordinator: str, kind: str, local_rank: int, workers: int,
     from .auth import is_loopback, pickle_allowed
     from .hostid import host_id as this_host
     from .rpc import check_hello, create_server
-    from .tokenfiles import check_listener as check_coordinator, token_path
+    from .tokenfiles import check_listener as check_coordinator
+    from .tokenfiles import token_path
 
     check_coordinator(coordinator)  # never this user's token to another user's port
     if not token:

@@ -22,11 +22,11 @@ from . import shm
 from .auth import call_metadata
 from .bulk import MAX_HEADER, NO_ROOM, OK, REFUSED, BulkError
 from .bulksend import BulkSender
+from .chunks import iter_chunks
 from .proto import helix_pb2 as pb
 from .proto import helix_pb2_grpc as pbg
 from .rpc import connect
 from .slabpool import SlabPool
-from .chunks import iter_chunks
 from .wire import deliver_callable
 
 log = logging.getLogger("helix.delivery")

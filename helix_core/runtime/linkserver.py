@@ -15,7 +15,20 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
-from .locallink import _ERROR, _FRAME, ERROR, MAGIC, PING, PONG, REPLY, REQUEST, _peer_uid, _recv_exact, _recv_frame, _shut
+from .locallink import (
+    _ERROR,
+    _FRAME,
+    ERROR,
+    MAGIC,
+    PING,
+    PONG,
+    REPLY,
+    REQUEST,
+    _peer_uid,
+    _recv_exact,
+    _recv_frame,
+    _shut,
+)
 from .proto import helix_pb2 as pb
 
 __all__ = ["LocalListener", "serve_call_link"]
@@ -32,7 +45,7 @@ class _Abort(Exception):
 class _Context:
     """What ``DataServerServicer.Execute`` asks of its gRPC context, for one request on a link."""
 
-    def __init__(self, conn: "_Conn", timeout_s: float):
+    def __init__(self, conn: _Conn, timeout_s: float):
         self._conn, self._end = conn, time.monotonic() + timeout_s
         self.callbacks: list = []
 

@@ -137,7 +137,7 @@ class CallLink:
         self._sock, self._lock, self.broken = sock, threading.Lock(), False
 
     @classmethod
-    def connect(cls, name: str, token: str) -> "CallLink | None":
+    def connect(cls, name: str, token: str) -> CallLink | None:
         sock = _handshake(name, token)
         return None if sock is None else cls(sock)
 
@@ -179,7 +179,7 @@ class LocalLink:
 
     @classmethod
     def connect(cls, name: str, token: str, keepalive_s: float = 2.0,
-                keepalive_timeout_s: float = 3.0) -> "LocalLink | None":
+                keepalive_timeout_s: float = 3.0) -> LocalLink | None:
         sock = _handshake(name, token)
         return None if sock is None else cls(sock, keepalive_s, keepalive_timeout_s)
 

@@ -192,7 +192,7 @@ class Registry(Routing):
             self._order = (by_host, [s for locals_ in by_host.values() for s in locals_] + remotes)
         return self._order
 
-    def _live_table(self, host: str) -> "ServerColumns":
+    def _live_table(self, host: str) -> ServerColumns:
         """The placement candidates of a rank on ``host`` — that host's live local servers, then
         the live remote ones — as numpy columns, rebuilt when membership or liveness changes and
         updated in place by routing, completions and heartbeats (never per decision)."""

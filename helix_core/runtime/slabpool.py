@@ -135,7 +135,7 @@ class SlabPool:
             for slab in slabs:
                 slab._close()
 
-    def __enter__(self) -> "SlabPool":
+    def __enter__(self) -> SlabPool:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import json
 import weakref
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch

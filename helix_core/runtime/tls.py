@@ -79,7 +79,7 @@ class Tls:
                              "peers would refuse it")
 
     @classmethod
-    def from_files(cls, cert: str | None, key: str | None, ca: str | None, names: dict = FLAGS) -> "Tls | None":
+    def from_files(cls, cert: str | None, key: str | None, ca: str | None, names: dict = FLAGS) -> Tls | None:
         """TLS from PEM files (None when none is given); ``ValueError`` naming the flag at fault."""
         if not (cert or key or ca):
             return None
@@ -89,7 +89,7 @@ class Tls:
                    _read(key, names["key"]) if key else None, names=(names["cert"], names["key"], names["ca"]))
 
     @classmethod
-    def from_env(cls) -> "Tls | None":
+    def from_env(cls) -> Tls | None:
         """TLS from ``HELIX_TLS_CERT`` / ``HELIX_TLS_KEY`` / ``HELIX_TLS_CA`` (paths), else None;
         ``HELIX_TLS_SERVER_NAME``: the name peers' certificates are checked for, not the address."""
         tls = cls.from_files(*(os.environ.get(ENV[k]) or None for k in ("cert", "key", "ca")), names=ENV)
@@ -99,7 +99,7 @@ class Tls:
         return tls
 
     @classmethod
-    def for_job(cls) -> "Tls":
+    def for_job(cls) -> Tls:
         """A throwaway CA and one certificate (for ``JOB_SERVER_NAME``) for the processes of one
         machine (a ``LocalCluster`` and its children)."""
         ca_pem, ca_key, ca_cert = _make_ca()
@@ -107,7 +107,7 @@ class Tls:
         return cls(ca_pem, cert_pem, key_pem, server_name=JOB_SERVER_NAME)
 
     @classmethod
-    def from_secret(cls, secret: bytes, label: str) -> "Tls":
+    def from_secret(cls, secret: bytes, label: str) -> Tls:
         """The TLS of a job on several nodes, which every node derives by itself from the job's
         secret (``HELIX_JOB_SECRET``) and ``label`` (its run id and attempt), so no private key is
         ever handed from node to node: the CA's key and the certificate's key follow from the
