@@ -1,5 +1,6 @@
 """`helix bench`'s configuration: :class:`BenchConfig` (one configuration, validated) and the
 input :data:`SYSTEMS` it may compare."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -57,9 +58,13 @@ class BenchConfig:
             raise ValueError(f"gpu_cost={self.gpu_cost!r}; valid: family, linear")
         if self.model not in GPU_COSTS:
             raise ValueError(f"model={self.model!r}; valid: {', '.join(GPU_COSTS)}")
-        if min(self.ranks, self.batch_size, self.budget, self.steps, self.prefetch, self.clips, self.window) < 1 \
-                or self.warmup < 0:
+        if (
+            min(self.ranks, self.batch_size, self.budget, self.steps, self.prefetch, self.clips, self.window) < 1
+            or self.warmup < 0
+        ):
             raise ValueError("ranks, batch_size, budget, steps, prefetch, clips and window must be >= 1, warmup >= 0")
         if self.budget < self.ranks + self.remote_servers and "helix" in "".join(self.systems):
-            raise ValueError(f"budget {self.budget} is too small for {self.ranks} local + {self.remote_servers} "
-                             "remote DataServers (each needs at least one worker)")
+            raise ValueError(
+                f"budget {self.budget} is too small for {self.ranks} local + {self.remote_servers} "
+                "remote DataServers (each needs at least one worker)"
+            )

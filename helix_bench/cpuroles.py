@@ -12,6 +12,7 @@ Roles are plain strings. Explicit pids get theirs (``"ranks"``, ``"dataservers"`
 ``"workers"``); every other descendant of the run's root process is ``"other"``.
 Only :func:`snapshot` reads processes; the rest is pure.
 """
+
 from __future__ import annotations
 
 __all__ = ["CpuSnapshot", "assign_roles", "cpu_by_role", "decode_efficiency", "snapshot", "split_decode"]
@@ -23,8 +24,9 @@ OTHER = "other"
 DECODE = "decode"
 
 
-def assign_roles(parents: dict[int, int | None], roles: dict[str, list[int]], child_roles: dict[str, str],
-                 root_pid: int) -> dict[int, str]:
+def assign_roles(
+    parents: dict[int, int | None], roles: dict[str, list[int]], child_roles: dict[str, str], root_pid: int
+) -> dict[int, str]:
     """Role of every pid of ``parents`` (pid -> parent pid) under the rules of the module docstring.
 
     A pid is explicit (its role), else inherits from its nearest explicit ancestor — mapped by

@@ -12,6 +12,7 @@
 
 GB/s means 1e9 bytes per second; times are seconds unless a name ends in ``_us``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -48,9 +49,17 @@ def stream_figures(nbytes: int, remote_s, local_s, remote_exec_s=(), local_exec_
     """
     rm, lm = statistics.median(remote_s), statistics.median(local_s)
     stream_s = rm - lm
-    out = {"size_mb": nbytes / _MIB, "bytes": nbytes, "remote_s": rm, "local_s": lm, "stream_s": stream_s,
-           "stream_gb_s": nbytes / stream_s / 1e9 if stream_s > 0 else math.nan, "e2e_gb_s": nbytes / rm / 1e9,
-           "stream_per_call_gb_s": math.nan, "repeats": len(remote_s)}
+    out = {
+        "size_mb": nbytes / _MIB,
+        "bytes": nbytes,
+        "remote_s": rm,
+        "local_s": lm,
+        "stream_s": stream_s,
+        "stream_gb_s": nbytes / stream_s / 1e9 if stream_s > 0 else math.nan,
+        "e2e_gb_s": nbytes / rm / 1e9,
+        "stream_per_call_gb_s": math.nan,
+        "repeats": len(remote_s),
+    }
     if remote_exec_s and local_exec_s:
         overhead = statistics.median(w - e for w, e in zip(local_s, local_exec_s))
         per_call = statistics.median(w - e - overhead for w, e in zip(remote_s, remote_exec_s))
@@ -63,10 +72,16 @@ def route_figures(threads: int, counts, seconds: float, decision_us, route_us=()
     ``seconds``; the Coordinator's decision time (µs, from the request's arrival at its handler to
     the reply, locks included) p50/p99; the round trip a client sees (µs) p50/p99."""
     n = sum(counts)
-    return {"threads": threads, "requests": n, "seconds": seconds,
-            "requests_per_s": n / seconds if seconds > 0 else 0.0,
-            "scheduler_overhead_us_p50": percentile(decision_us, 50), "scheduler_overhead_us_p99": percentile(decision_us, 99),
-            "route_us_p50": percentile(route_us, 50), "route_us_p99": percentile(route_us, 99)}
+    return {
+        "threads": threads,
+        "requests": n,
+        "seconds": seconds,
+        "requests_per_s": n / seconds if seconds > 0 else 0.0,
+        "scheduler_overhead_us_p50": percentile(decision_us, 50),
+        "scheduler_overhead_us_p99": percentile(decision_us, 99),
+        "route_us_p50": percentile(route_us, 50),
+        "route_us_p99": percentile(route_us, 99),
+    }
 
 
 # ---- remote: one stream between two DataServers -------------------------------------------------------
@@ -75,8 +90,15 @@ def _execute(client, address: str, spec, task_id: int, batch: int, deliver_to: s
     from helix_core.runtime import shm
     from helix_core.runtime.proto import helix_pb2 as pb
 
-    req = pb.ExecuteRequest(task_id=task_id, spec_id=spec[0], indices=list(range(batch)), epoch=0, on_error="raise",
-                            deliver_to=deliver_to, client_id=client.client_id)
+    req = pb.ExecuteRequest(
+        task_id=task_id,
+        spec_id=spec[0],
+        indices=list(range(batch)),
+        epoch=0,
+        on_error="raise",
+        deliver_to=deliver_to,
+        client_id=client.client_id,
+    )
     t = time.perf_counter()
     reply = client.execute(address, spec, req).result(timeout=timeout_s)
     wall = time.perf_counter() - t
@@ -112,12 +134,18 @@ def bench_remote(sizes_mb=(64, 256), sample_mb: int = 16, repeats: int = 5, cons
         sides = {}
         for path in paths:
             config = ClusterConfig(bulk_delivery=path == "bulk")
-            cluster = stack.enter_context(LocalCluster(local_servers=1, remote_servers=1, workers_per_server=1,
-                                                       config=config))
+            cluster = stack.enter_context(
+                LocalCluster(local_servers=1, remote_servers=1, workers_per_server=1, config=config)
+            )
             client = ClusterClient(cluster.address, cluster.token, config, 0, 1)
             stack.callback(client.close)
-            sides[path] = (client, cluster.servers[0].address, cluster.servers[1].address,
-                           psutil.Process(cluster.servers[0].pid), config)
+            sides[path] = (
+                client,
+                cluster.servers[0].address,
+                cluster.servers[1].address,
+                psutil.Process(cluster.servers[0].pid),
+                config,
+            )
         task = progress.add_task("remote stream", total=len(sizes_mb) * (repeats + 1)) if progress else None
         for mb in sizes_mb:
             batch = max(1, mb // sample_mb)
@@ -129,8 +157,12 @@ def bench_remote(sizes_mb=(64, 256), sample_mb: int = 16, repeats: int = 5, cons
                     c0 = sum(receiver.cpu_times()[:2])
                     streamed = _execute(client, remote, spec, next(ids), batch, local, config.execute_timeout_s)
                     recv_cpu = sum(receiver.cpu_times()[:2]) - c0
-                    calls[path].append(streamed[:2] + _execute(client, remote, spec, next(ids), batch, "",
-                                                               config.execute_timeout_s)[:2] + streamed[2:] + (recv_cpu,))
+                    calls[path].append(
+                        streamed[:2]
+                        + _execute(client, remote, spec, next(ids), batch, "", config.execute_timeout_s)[:2]
+                        + streamed[2:]
+                        + (recv_cpu,)
+                    )
                 if progress:
                     progress.advance(task)
             for path in paths:
@@ -138,12 +170,33 @@ def bench_remote(sizes_mb=(64, 256), sample_mb: int = 16, repeats: int = 5, cons
                 row = stream_figures(moved[-1], rs, ls, re_, le)
                 row.update(path=path, recv_ms_per_mb=statistics.median(recv) * 1e3 / (moved[-1] / 1e6))
                 rows.append(row)
-    print_rows(console, f"Remote stream, remote → local DataServer on loopback (medians of {repeats})",
-               ["path", "MiB", "stream GB/s (median diff)", "stream GB/s (per call)", "end-to-end GB/s",
-                "receiver CPU ms/MB", "streamed s", "local s"],
-               [[r["path"], f"{r['size_mb']:.0f}", f"{r['stream_gb_s']:.2f}", f"{r['stream_per_call_gb_s']:.2f}",
-                 f"{r['e2e_gb_s']:.2f}", f"{r['recv_ms_per_mb']:.2f}", f"{r['remote_s']:.3f}", f"{r['local_s']:.3f}"]
-                for r in rows])
+    print_rows(
+        console,
+        f"Remote stream, remote → local DataServer on loopback (medians of {repeats})",
+        [
+            "path",
+            "MiB",
+            "stream GB/s (median diff)",
+            "stream GB/s (per call)",
+            "end-to-end GB/s",
+            "receiver CPU ms/MB",
+            "streamed s",
+            "local s",
+        ],
+        [
+            [
+                r["path"],
+                f"{r['size_mb']:.0f}",
+                f"{r['stream_gb_s']:.2f}",
+                f"{r['stream_per_call_gb_s']:.2f}",
+                f"{r['e2e_gb_s']:.2f}",
+                f"{r['recv_ms_per_mb']:.2f}",
+                f"{r['remote_s']:.3f}",
+                f"{r['local_s']:.3f}",
+            ]
+            for r in rows
+        ],
+    )
     return rows
 
 
@@ -160,15 +213,29 @@ def _add_candidates(cluster, n: int, config) -> None:
     try:
         stub = pbg.CoordinatorStub(channel)
         for i in range(n):
-            stub.RegisterServer(pb.RegisterServerRequest(address=f"192.0.2.{1 + i % 254}:{1 + i // 254}", kind="remote",
-                                                         local_rank=-1, host="bench-placeholder", workers=1),
-                                timeout=config.rpc_timeout_s, metadata=call_metadata(cluster.token))
+            stub.RegisterServer(
+                pb.RegisterServerRequest(
+                    address=f"192.0.2.{1 + i % 254}:{1 + i // 254}",
+                    kind="remote",
+                    local_rank=-1,
+                    host="bench-placeholder",
+                    workers=1,
+                ),
+                timeout=config.rpc_timeout_s,
+                metadata=call_metadata(cluster.token),
+            )
     finally:
         channel.close()
 
 
-def bench_route(threads=(1, 4, 16), seconds: float = 3.0, candidates: int = 64, console=None,
-                progress=None, schedulers=("least-request", "deadline")) -> list[dict]:
+def bench_route(
+    threads=(1, 4, 16),
+    seconds: float = 3.0,
+    candidates: int = 64,
+    console=None,
+    progress=None,
+    schedulers=("least-request", "deadline"),
+) -> list[dict]:
     """Routed requests/s from N threads sharing one client for ``seconds`` each, against a
     Coordinator with ``candidates`` servers (1 real local one plus placeholders), per placement
     policy (the deadline policy's requests carry a predicted cost and a deadline)."""
@@ -203,8 +270,9 @@ def bench_route(threads=(1, 4, 16), seconds: float = 3.0, candidates: int = 64, 
                     except Exception as e:  # re-raised below, naming the thread count
                         errors.append(e)
 
-                pool = [threading.Thread(target=loop, args=(k,), name=f"bench-route-{k}", daemon=True)
-                        for k in range(n)]
+                pool = [
+                    threading.Thread(target=loop, args=(k,), name=f"bench-route-{k}", daemon=True) for k in range(n)
+                ]
                 t0 = time.perf_counter()
                 for t in pool:
                     t.start()
@@ -214,24 +282,54 @@ def bench_route(threads=(1, 4, 16), seconds: float = 3.0, candidates: int = 64, 
                         raise RuntimeError(f"a route thread did not finish within {seconds} s + timeouts")
                 if errors:
                     raise RuntimeError(f"Route failed with {n} threads: {errors[0]!r}") from errors[0]
-                rows.append({"scheduler": sched, **route_figures(n, counts, time.perf_counter() - t0,
-                                                                  [d for ds in decisions for d in ds],
-                                                                  [t for ts in trips for t in ts])})
+                rows.append(
+                    {
+                        "scheduler": sched,
+                        **route_figures(
+                            n,
+                            counts,
+                            time.perf_counter() - t0,
+                            [d for ds in decisions for d in ds],
+                            [t for ts in trips for t in ts],
+                        ),
+                    }
+                )
                 if progress:
                     progress.advance(task)
             tele = client.telemetry()
             for r in rows:
                 r["candidates"] = len(tele["servers"])
             # the Coordinator's own window (its last 10,000 decisions), as a cross-check of the last row
-            rows[-1].update(telemetry_us_p50=tele["scheduler_overhead_us_p50"], telemetry_us_p99=tele["scheduler_overhead_us_p99"])
+            rows[-1].update(
+                telemetry_us_p50=tele["scheduler_overhead_us_p50"], telemetry_us_p99=tele["scheduler_overhead_us_p99"]
+            )
         finally:
             client.close()
-    print_rows(console, f"Coordinator Route, {rows[0]['candidates']} candidate servers ({seconds:g} s per row)",
-                 ["scheduler", "threads", "requests/s", "decision µs p50", "decision µs p99", "client route µs p50",
-                  "client route µs p99"],
-                 [[r["scheduler"], str(r["threads"]), f"{r['requests_per_s']:.0f}", f"{r['scheduler_overhead_us_p50']:.1f}",
-                   f"{r['scheduler_overhead_us_p99']:.1f}", f"{r['route_us_p50']:.0f}", f"{r['route_us_p99']:.0f}"]
-                  for r in rows])
+    print_rows(
+        console,
+        f"Coordinator Route, {rows[0]['candidates']} candidate servers ({seconds:g} s per row)",
+        [
+            "scheduler",
+            "threads",
+            "requests/s",
+            "decision µs p50",
+            "decision µs p99",
+            "client route µs p50",
+            "client route µs p99",
+        ],
+        [
+            [
+                r["scheduler"],
+                str(r["threads"]),
+                f"{r['requests_per_s']:.0f}",
+                f"{r['scheduler_overhead_us_p50']:.1f}",
+                f"{r['scheduler_overhead_us_p99']:.1f}",
+                f"{r['route_us_p50']:.0f}",
+                f"{r['route_us_p99']:.0f}",
+            ]
+            for r in rows
+        ],
+    )
     return rows
 
 
@@ -261,8 +359,11 @@ def main(argv=None) -> dict:
 
     from .transport import bench_local_delivery
 
-    p = argparse.ArgumentParser(prog="python -m helix_bench.dataplane", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m helix_bench.dataplane",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--only", type=_parts, default=list(PARTS), help=f"comma-separated parts of {','.join(PARTS)}")
     p.add_argument("--quick", action="store_true", help="small sizes and counts (a smoke run, not a measurement)")
     p.add_argument("--repeats", type=int, default=5, help="timed repeats per size (local, remote)")
@@ -279,20 +380,35 @@ def main(argv=None) -> dict:
 
     q = args.quick
     console = Console(width=None if sys.stdout.isatty() else 150)
-    figures: dict = {"meta": {"argv": list(sys.argv[1:] if argv is None else argv), "quick": q,
-                              "cpus": os.cpu_count(), "parts": args.only}}
+    figures: dict = {
+        "meta": {
+            "argv": list(sys.argv[1:] if argv is None else argv),
+            "quick": q,
+            "cpus": os.cpu_count(),
+            "parts": args.only,
+        }
+    }
     with Progress(console=console, transient=True) as progress:
         if "local" in args.only:
             figures["local"] = bench_local_delivery((4, 16) if q else (16, 64, 256), 2 if q else args.repeats, console)
         if "remote" in args.only:
-            figures["remote"] = bench_remote((16,) if q else (64, 256), 4 if q else 16, 2 if q else args.repeats,
-                                             console, progress)
+            figures["remote"] = bench_remote(
+                (16,) if q else (64, 256), 4 if q else 16, 2 if q else args.repeats, console, progress
+            )
         if "route" in args.only:
-            figures["route"] = bench_route((1, 4) if q else (1, 4, 16), 0.5 if q else args.route_seconds,
-                                           args.route_candidates, console, progress)
+            figures["route"] = bench_route(
+                (1, 4) if q else (1, 4, 16), 0.5 if q else args.route_seconds, args.route_candidates, console, progress
+            )
         if "e2e" in args.only:
-            figures["e2e"] = bench_e2e((2,) if q else tuple(args.ranks), args.workers, 4 if q else args.clips, 2,
-                                       args.data, console=console, progress=progress)
+            figures["e2e"] = bench_e2e(
+                (2,) if q else tuple(args.ranks),
+                args.workers,
+                4 if q else args.clips,
+                2,
+                args.data,
+                console=console,
+                progress=progress,
+            )
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(_plain(figures), indent=2) + "\n")

@@ -7,6 +7,7 @@ regime means the same on any machine: ``gpu-bound`` makes the average step's win
 pooled decode time of a step (deadlines can be met), ``cpu-bound`` ~0.7x (decode is the
 bottleneck).
 """
+
 from __future__ import annotations
 
 import time
@@ -21,8 +22,9 @@ __all__ = ["GPU_COSTS", "GpuCost", "REGIMES", "measure_decode", "regime_window_s
 REGIMES = {"gpu-bound": 2.0, "cpu-bound": 0.7}
 
 
-def regime_window_scale(regime: str, decode_s: list[float], tokens: list[int], batch_size: int, ranks: int,
-                        cpu_slots: float, cost: GpuCost) -> float:
+def regime_window_scale(
+    regime: str, decode_s: list[float], tokens: list[int], batch_size: int, ranks: int, cpu_slots: float, cost: GpuCost
+) -> float:
     """Seconds per cost unit so that the mean step window = factor x pooled decode time per step.
 
     ``decode_s`` / ``tokens``: measured CPU seconds and tokens of the workload's samples. The pooled
@@ -35,8 +37,15 @@ def regime_window_scale(regime: str, decode_s: list[float], tokens: list[int], b
     return window_scale(REGIMES[regime], decode_s, tokens, batch_size, ranks, cpu_slots, cost)
 
 
-def window_scale(factor: float, decode_s: list[float], tokens: list[int], batch_size: int, ranks: int,
-                 cpu_slots: float, cost: GpuCost) -> float:
+def window_scale(
+    factor: float,
+    decode_s: list[float],
+    tokens: list[int],
+    batch_size: int,
+    ranks: int,
+    cpu_slots: float,
+    cost: GpuCost,
+) -> float:
     """Seconds per cost unit so that the mean step window = ``factor`` x the pooled decode time of
     a step on ``cpu_slots`` decoders (``regime_window_scale`` with the factor given)."""
     if not decode_s or len(decode_s) != len(tokens) or not cpu_slots > 0:
@@ -65,4 +74,3 @@ def measure_decode(dataset, indices, progress=None, repeats: int = 2) -> dict[in
         if progress is not None:
             progress()
     return out
-

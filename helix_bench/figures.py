@@ -4,6 +4,7 @@
 Every function takes the validated runs of ``report`` and a path, draws with matplotlib's
 object API (no global state, no display) and returns the path.
 """
+
 from __future__ import annotations
 
 import math
@@ -14,13 +15,20 @@ from .slots import draw_timeline
 
 __all__ = ["FIGURES", "draw_figures"]
 
-FIGURES = ("fig2_step_time_p95.png", "fig8_wait_breakdown.png", "fig10_throughput.png", "fig_cpu_by_role.png",
-           "fig_decode_slots.png")
-CAPTIONS = {"fig2_step_time_p95.png": "Per-rank step-time p95 (paper Fig. 2)",
-            "fig8_wait_breakdown.png": "Mean step breakdown: input wait, compute, sync wait (paper Fig. 8)",
-            "fig10_throughput.png": "Throughput per run and system against the physical bound (paper Fig. 10)",
-            "fig_cpu_by_role.png": "Where the CPU went over the measured steps: CPU-seconds by role per system",
-            "fig_decode_slots.png": "Decode slots over the measured steps: each decoding process's decodes (gaps: idle CPU)"}
+FIGURES = (
+    "fig2_step_time_p95.png",
+    "fig8_wait_breakdown.png",
+    "fig10_throughput.png",
+    "fig_cpu_by_role.png",
+    "fig_decode_slots.png",
+)
+CAPTIONS = {
+    "fig2_step_time_p95.png": "Per-rank step-time p95 (paper Fig. 2)",
+    "fig8_wait_breakdown.png": "Mean step breakdown: input wait, compute, sync wait (paper Fig. 8)",
+    "fig10_throughput.png": "Throughput per run and system against the physical bound (paper Fig. 10)",
+    "fig_cpu_by_role.png": "Where the CPU went over the measured steps: CPU-seconds by role per system",
+    "fig_decode_slots.png": "Decode slots over the measured steps: each decoding process's decodes (gaps: idle CPU)",
+}
 _SYSTEM_COLORS = {"native": "tab:gray", "ray": "tab:orange", "helix": "tab:blue"}
 _OTHER_COLORS = ("tab:green", "tab:purple", "tab:brown", "tab:pink", "tab:olive", "tab:cyan", "tab:red")
 
@@ -70,8 +78,9 @@ def _save(fig, path: Path) -> Path:
 def _fig2(runs, labels, colors, path: Path) -> Path:
     from matplotlib.figure import Figure
 
-    widest = (max((len(m["per_rank"]) for r in runs for m in _ran(r).values()), default=1)
-              * max(max(len(_ran(r)) for r in runs), 1))
+    widest = max((len(m["per_rank"]) for r in runs for m in _ran(r).values()), default=1) * max(
+        max(len(_ran(r)) for r in runs), 1
+    )
     fig = Figure(layout="constrained")
     for ax, run, label in zip(_grid(fig, runs, (max(7.0, 0.35 * widest + 4.5), 3.4)), runs, labels):
         ran = _ran(run)
@@ -94,8 +103,11 @@ def _fig2(runs, labels, colors, path: Path) -> Path:
     return _save(fig, path)
 
 
-_PARTS = (("input_wait_mean_s", "input wait", "tab:red"), ("compute_mean_s", "compute (GPU window)", "tab:blue"),
-          ("sync_wait_mean_s", "sync wait", "tab:olive"))
+_PARTS = (
+    ("input_wait_mean_s", "input wait", "tab:red"),
+    ("compute_mean_s", "compute (GPU window)", "tab:blue"),
+    ("sync_wait_mean_s", "sync wait", "tab:olive"),
+)
 
 
 def _fig8(runs, labels, path: Path) -> Path:
@@ -142,16 +154,31 @@ def _fig10(runs, labels, colors, path: Path) -> Path:
             if m is None:
                 continue
             if "skipped" in m:
-                ax.annotate("skipped", (x, 0), xytext=(0, 4), textcoords="offset points", rotation=90,
-                            ha="center", va="bottom", fontsize="x-small", color="0.4")
+                ax.annotate(
+                    "skipped",
+                    (x, 0),
+                    xytext=(0, 4),
+                    textcoords="offset points",
+                    rotation=90,
+                    ha="center",
+                    va="bottom",
+                    fontsize="x-small",
+                    color="0.4",
+                )
                 continue
             xs.append(x)
             ys.append(_num(m["throughput_sps"]))
         bars = ax.bar(xs, ys, width, color=colors[name], label=name)
         ax.bar_label(bars, fmt="%.1f", fontsize="x-small")
     for x, run in enumerate(runs):
-        ax.hlines(_num(run["bound"]["throughput_sps"]), x - 0.45, x + 0.45, colors="k", linestyles="--",
-                  label="physical bound" if x == 0 else None)
+        ax.hlines(
+            _num(run["bound"]["throughput_sps"]),
+            x - 0.45,
+            x + 0.45,
+            colors="k",
+            linestyles="--",
+            label="physical bound" if x == 0 else None,
+        )
     ax.set_xticks(range(len(runs)), [textwrap.fill(label, 16) for label in labels])
     ax.set_title("End-to-end throughput per run and system")
     ax.set_xlabel("run")
@@ -162,9 +189,17 @@ def _fig10(runs, labels, colors, path: Path) -> Path:
     return _save(fig, path)
 
 
-_ROLE_COLORS = {"decode": "tab:green", "workers": "tab:olive", "loader-workers": "tab:olive",
-                "ray-decoders": "tab:olive", "dataservers": "tab:purple", "coordinator": "tab:pink",
-                "ranks": "tab:blue", "ray-system": "tab:orange", "other": "tab:gray"}
+_ROLE_COLORS = {
+    "decode": "tab:green",
+    "workers": "tab:olive",
+    "loader-workers": "tab:olive",
+    "ray-decoders": "tab:olive",
+    "dataservers": "tab:purple",
+    "coordinator": "tab:pink",
+    "ranks": "tab:blue",
+    "ray-system": "tab:orange",
+    "other": "tab:gray",
+}
 
 
 def _fig_cpu(runs, labels, path: Path) -> Path:
@@ -179,13 +214,20 @@ def _fig_cpu(runs, labels, path: Path) -> Path:
         base = [0.0] * len(names)
         for role in roles:
             heights = [_num(_ran(run)[n]["cpu_s_by_role"].get(role, 0.0)) for n in names]
-            ax.bar(range(len(names)), heights, 0.6, bottom=base, color=_ROLE_COLORS.get(role, None),
-                   label=role if i == 0 else None)
+            ax.bar(
+                range(len(names)),
+                heights,
+                0.6,
+                bottom=base,
+                color=_ROLE_COLORS.get(role, None),
+                label=role if i == 0 else None,
+            )
             base = [b + h for b, h in zip(base, heights)]
         for x, (n, total) in enumerate(zip(names, base)):
             eff = _ran(run)[n].get("decode_efficiency")
-            ax.annotate(f"{total:.0f} s\neff {_fmt(eff, '.2f')}", (x, total), ha="center", va="bottom",
-                        fontsize="x-small")
+            ax.annotate(
+                f"{total:.0f} s\neff {_fmt(eff, '.2f')}", (x, total), ha="center", va="bottom", fontsize="x-small"
+            )
         ax.set_xticks(range(len(names)), names, fontsize="small", rotation=20)
         if base:
             ax.set_ylim(0, max(base) * 1.25)  # room for the totals above the tallest bar
@@ -198,8 +240,10 @@ def _fig_cpu(runs, labels, path: Path) -> Path:
 def draw_figures(runs: list, labels: list[str], out: Path) -> dict[str, Path]:
     """Draw every figure of ``FIGURES`` into ``out``; ``{file name: path}``."""
     colors = _colors(runs)
-    return {FIGURES[0]: _fig2(runs, labels, colors, out / FIGURES[0]),
-            FIGURES[1]: _fig8(runs, labels, out / FIGURES[1]),
-            FIGURES[2]: _fig10(runs, labels, colors, out / FIGURES[2]),
-            FIGURES[3]: _fig_cpu(runs, labels, out / FIGURES[3]),
-            FIGURES[4]: draw_timeline(runs, labels, out / FIGURES[4])}
+    return {
+        FIGURES[0]: _fig2(runs, labels, colors, out / FIGURES[0]),
+        FIGURES[1]: _fig8(runs, labels, out / FIGURES[1]),
+        FIGURES[2]: _fig10(runs, labels, colors, out / FIGURES[2]),
+        FIGURES[3]: _fig_cpu(runs, labels, out / FIGURES[3]),
+        FIGURES[4]: draw_timeline(runs, labels, out / FIGURES[4]),
+    }

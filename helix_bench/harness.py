@@ -7,6 +7,7 @@ calibrates the emulated GPU window for the regime, then runs each input system w
 processes at the same CPU budget, checks that every system consumed the same samples, and
 measures where each system's CPU went (``cpu_s_by_role``).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -44,8 +45,9 @@ def _dataset(cfg: BenchConfig, progress):
     from helix_core.profiles import profile_dataset
 
     root = Path(cfg.data_dir) / f"{cfg.workload}-{cfg.clips}-s{cfg.scale:g}-seed{cfg.seed}"
-    make_dataset(root, cfg.workload, cfg.clips, seed=cfg.seed, scale=cfg.scale, workers=os.cpu_count() or 1,
-                 progress=progress)
+    make_dataset(
+        root, cfg.workload, cfg.clips, seed=cfg.seed, scale=cfg.scale, workers=os.cpu_count() or 1, progress=progress
+    )
     if cfg.profiles and not (root / "profiles.jsonl").exists():
         profile_dataset(root / "manifest.jsonl", calibrate_per_bucket=1, progress=progress)
     return VideoClipDataset(root / "manifest.jsonl", model=cfg.model, profiles=None if cfg.profiles else False)
@@ -79,8 +81,10 @@ def measured_gpu_s(expected: list, tokens: dict, cost: GpuCost, scale: float) ->
     from .metrics import balanced_gpu_s
 
     ranks, steps = len(expected), len(expected[0])
-    per_step = [[scale * float(cost.sample_units(tokens[i])) for r in range(ranks) for i in expected[r][s]]
-                for s in range(steps)]
+    per_step = [
+        [scale * float(cost.sample_units(tokens[i])) for r in range(ranks) for i in expected[r][s]]
+        for s in range(steps)
+    ]
     return balanced_gpu_s(per_step, ranks, scale * cost.c)
 
 
@@ -102,14 +106,18 @@ def run_one(cfg: BenchConfig, console=None, live=None) -> dict:
     expected = [rank[warmup:] for rank in plan_idx]  # [rank][measured step]: the sampler's
     spans = window_spans(warmup, steps, spe, cfg.window)
     flat = [i for rank in expected for b in rank for i in b]
-    say(f"[bold]{cfg.workload}[/] {cfg.model}: {warmup} warm-up + {steps} measured steps (whole windows of "
-        f"{cfg.window}; {spe} steps an epoch); measuring the decode yardstick and capacity on their samples ...")
+    say(
+        f"[bold]{cfg.workload}[/] {cfg.model}: {warmup} warm-up + {steps} measured steps (whole windows of "
+        f"{cfg.window}; {spe} steps an epoch); measuring the decode yardstick and capacity on their samples ..."
+    )
     decode = measure_decode(ds, flat)
     cores = os.cpu_count() or 1
     slots = min(cfg.budget, cores)
 
     with contextlib.ExitStack() as stack:  # the probe's decoders and the decode logs, until the results are made
-        prober = stack.enter_context(CapacityProbe(ds.helix_spec(), sorted(decode), slots, decode)) if slots > 1 else None
+        prober = (
+            stack.enter_context(CapacityProbe(ds.helix_spec(), sorted(decode), slots, decode)) if slots > 1 else None
+        )
 
         def probe() -> float:  # decoders' worth of work the machine does at once, now
             return min(prober.measure(), float(slots)) if prober is not None else 1.0
@@ -123,12 +131,26 @@ def run_one(cfg: BenchConfig, console=None, live=None) -> dict:
         cost = GPU_COSTS[cfg.model]
         if cfg.gpu_cost == "linear":  # the attention term off: native's ranks wait on each other less
             cost = GpuCost(a=cost.a, b=0.0, c=cost.c)
-        scale = cfg.window_scale or regime_window_scale(cfg.regime, [decode[i] for i in flat], [tokens[i] for i in flat],
-                                                        cfg.batch_size, cfg.ranks, capacity, cost)
-        plan = RankPlan(system="", ranks=cfg.ranks, port=0, dataset=ds.helix_spec(), batch_size=cfg.batch_size,
-                        warmup=warmup, steps=steps, window_scale=scale, cost=(cost.a, cost.b, cost.c),
-                        workers_per_rank=max(1, cfg.budget // cfg.ranks), prefetch=cfg.prefetch, seed=cfg.seed,
-                        compute=cfg.compute, device=cfg.device, window=cfg.window)
+        scale = cfg.window_scale or regime_window_scale(
+            cfg.regime, [decode[i] for i in flat], [tokens[i] for i in flat], cfg.batch_size, cfg.ranks, capacity, cost
+        )
+        plan = RankPlan(
+            system="",
+            ranks=cfg.ranks,
+            port=0,
+            dataset=ds.helix_spec(),
+            batch_size=cfg.batch_size,
+            warmup=warmup,
+            steps=steps,
+            window_scale=scale,
+            cost=(cost.a, cost.b, cost.c),
+            workers_per_rank=max(1, cfg.budget // cfg.ranks),
+            prefetch=cfg.prefetch,
+            seed=cfg.seed,
+            compute=cfg.compute,
+            device=cfg.device,
+            window=cfg.window,
+        )
         units = {i: float(cost.sample_units(t)) for i, t in tokens.items()}
         systems, ran = {}, {}
         logs = stack.enter_context(tempfile.TemporaryDirectory(prefix="helix-bench-"))
@@ -141,27 +163,57 @@ def run_one(cfg: BenchConfig, console=None, live=None) -> dict:
                     say(f"[yellow]{system} skipped:[/] {why}")
                     systems[system] = {"skipped": why}
                     continue
-            spec = TimedClipDataset(ds.manifest_path, model=cfg.model, decode_log=Path(logs) / system,
-                                    profiles=None if cfg.profiles else False, estimate_noise=cfg.estimate_noise,
-                                    noise_seed=cfg.seed).helix_spec()
+            spec = TimedClipDataset(
+                ds.manifest_path,
+                model=cfg.model,
+                decode_log=Path(logs) / system,
+                profiles=None if cfg.profiles else False,
+                estimate_noise=cfg.estimate_noise,
+                noise_seed=cfg.seed,
+            ).helix_spec()
             ran[system] = _run_system(system, cfg, replace(plan, system=system, port=_free_port(), dataset=spec), live)
             probes.append(probe())
-        bound = Bound(decode_s=sum(decode[i] for i in flat), gpu_s=measured_gpu_s(expected, tokens, cost, scale),
-                      cpu_slots=slots, samples=len(flat), capacity=float(np.median(probes)))
+        bound = Bound(
+            decode_s=sum(decode[i] for i in flat),
+            gpu_s=measured_gpu_s(expected, tokens, cost, scale),
+            cpu_slots=slots,
+            samples=len(flat),
+            capacity=float(np.median(probes)),
+        )
         for system, (got, m) in ran.items():
-            systems[system] = system_result(system, cfg, got, m, expected, spans, bound, decode, units,
-                                             Path(logs) / system)
+            systems[system] = system_result(
+                system, cfg, got, m, expected, spans, bound, decode, units, Path(logs) / system
+            )
         systems = {name: systems[name] for name in cfg.systems}  # the order asked for (skipped ones too)
-    return {"workload": cfg.workload, "model": cfg.model, "regime": cfg.regime, "window_scale": scale,
-            "gpu_cost": cfg.gpu_cost, "profiles": cfg.profiles, "prefetch": cfg.prefetch,
-            "estimate_noise": cfg.estimate_noise,
-            "ranks": cfg.ranks, "budget": cfg.budget, "batch_size": cfg.batch_size, "steps": steps,
-            "warmup": warmup, "window": cfg.window, "steps_per_epoch": spe, "ddl_tolerance_s": cfg.ddl_tolerance_s,
-            "remote_servers": cfg.remote_servers, "compute": cfg.compute,
-            "cores": cores, "label": f"{cfg.workload} b{cfg.batch_size} rd{cfg.remote_servers} {cfg.regime}",
-            "bound": {**bound.as_dict(), "decode_s_per_sample_mean": float(np.mean(list(decode.values()))),
-                      "capacity_probes": probes, "calibration_capacity": capacity},
-            "systems": systems}
+    return {
+        "workload": cfg.workload,
+        "model": cfg.model,
+        "regime": cfg.regime,
+        "window_scale": scale,
+        "gpu_cost": cfg.gpu_cost,
+        "profiles": cfg.profiles,
+        "prefetch": cfg.prefetch,
+        "estimate_noise": cfg.estimate_noise,
+        "ranks": cfg.ranks,
+        "budget": cfg.budget,
+        "batch_size": cfg.batch_size,
+        "steps": steps,
+        "warmup": warmup,
+        "window": cfg.window,
+        "steps_per_epoch": spe,
+        "ddl_tolerance_s": cfg.ddl_tolerance_s,
+        "remote_servers": cfg.remote_servers,
+        "compute": cfg.compute,
+        "cores": cores,
+        "label": f"{cfg.workload} b{cfg.batch_size} rd{cfg.remote_servers} {cfg.regime}",
+        "bound": {
+            **bound.as_dict(),
+            "decode_s_per_sample_mean": float(np.mean(list(decode.values()))),
+            "capacity_probes": probes,
+            "calibration_capacity": capacity,
+        },
+        "systems": systems,
+    }
 
 
 def run_bench(configs: list[BenchConfig], out_dir: str | os.PathLike, console=None) -> list[dict]:
@@ -171,16 +223,24 @@ def run_bench(configs: list[BenchConfig], out_dir: str | os.PathLike, console=No
     from .report import print_table, write_report
 
     runs = []
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=console, transient=False) as bar:
+    with Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+        transient=False,
+    ) as bar:
         tasks: dict = {}
 
         def live(system, rank, step):
             key = (len(runs), system)
             if key not in tasks:
                 cfg = configs[len(runs)]
-                tasks[key] = bar.add_task(f"{cfg.workload} {cfg.regime} b{cfg.batch_size} rd{cfg.remote_servers} "
-                                          f"{system} (rank 0)", total=cfg.warmup + cfg.steps)
+                tasks[key] = bar.add_task(
+                    f"{cfg.workload} {cfg.regime} b{cfg.batch_size} rd{cfg.remote_servers} {system} (rank 0)",
+                    total=cfg.warmup + cfg.steps,
+                )
             if rank == 0:
                 bar.update(tasks[key], completed=step)
 
@@ -188,8 +248,10 @@ def run_bench(configs: list[BenchConfig], out_dir: str | os.PathLike, console=No
             runs.append(run_one(cfg, console=bar.console, live=live))
     if any(c.remote_servers for c in configs) and (os.cpu_count() or 1) <= 2:
         for run in runs:
-            run["note"] = ("on a 2-core machine extra remote DataServers add no CPU: this sweep measures their "
-                           "overhead, not added capacity")
+            run["note"] = (
+                "on a 2-core machine extra remote DataServers add no CPU: this sweep measures their "
+                "overhead, not added capacity"
+            )
     paths = write_report(out_dir, runs)
     if console is not None:
         for run in runs:

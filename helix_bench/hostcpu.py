@@ -11,6 +11,7 @@ reading the counters a moment before the processes. Kernel work done in a proces
 (sending and receiving through the namespaces' veths, mostly) counts in its role; work in
 ``ksoftirqd`` counts in no host's.
 """
+
 from __future__ import annotations
 
 import threading
@@ -32,8 +33,13 @@ class HostCpuSampler:
     """``roles``: ``{host: {role: [pid, ...]}}``; ``children_as``: ``{role: role}`` counts the
     children of a role's processes as another role (a DataServer's workers as ``decode``)."""
 
-    def __init__(self, hosts, roles: dict[str, dict[str, list[int]]], quotas: dict[str, float],
-                 children_as: dict[str, str] | None = None):
+    def __init__(
+        self,
+        hosts,
+        roles: dict[str, dict[str, list[int]]],
+        quotas: dict[str, float],
+        children_as: dict[str, str] | None = None,
+    ):
         self.hosts, self.roles, self.quotas = hosts, roles, quotas
         self.children_as = children_as or {}
         self.samples: list[tuple[float, dict]] = []
@@ -107,15 +113,21 @@ class HostCpuSampler:
         a, b = self._at(t0), self._at(t1)
         out = {}
         for host in b:
-            roles = {r: b[host]["roles"].get(r, 0.0) - a.get(host, {}).get("roles", {}).get(r, 0.0)
-                     for r in b[host]["roles"]}
+            roles = {
+                r: b[host]["roles"].get(r, 0.0) - a.get(host, {}).get("roles", {}).get(r, 0.0) for r in b[host]["roles"]
+            }
             if b[host]["used_s"] is None:  # no cpuacct controller here
                 continue
             used = b[host]["used_s"] - a[host]["used_s"]
             quota = self.quotas.get(host)
-            out[host] = {"window_s": t1 - t0, "quota_s": quota * (t1 - t0) if quota else None, "used_s": used,
-                         **{k: b[host][k] - a[host][k] for k in _COUNTERS[1:]},
-                         "roles": roles, "other_s": used - sum(roles.values())}
+            out[host] = {
+                "window_s": t1 - t0,
+                "quota_s": quota * (t1 - t0) if quota else None,
+                "used_s": used,
+                **{k: b[host][k] - a[host][k] for k in _COUNTERS[1:]},
+                "roles": roles,
+                "other_s": used - sum(roles.values()),
+            }
         return out
 
     def _at(self, t: float) -> dict:
@@ -128,9 +140,14 @@ class HostCpuSampler:
         def mix(x: float | None, y: float | None) -> float | None:
             return None if x is None or y is None else x + w * (y - x)
 
-        return {h: {**{k: mix(ra[h][k], rb[h][k]) for k in _COUNTERS},
-                    "roles": {r: mix(ra[h]["roles"].get(r, 0.0), v) for r, v in rb[h]["roles"].items()}}
-                for h in rb if h in ra}
+        return {
+            h: {
+                **{k: mix(ra[h][k], rb[h][k]) for k in _COUNTERS},
+                "roles": {r: mix(ra[h]["roles"].get(r, 0.0), v) for r, v in rb[h]["roles"].items()},
+            }
+            for h in rb
+            if h in ra
+        }
 
 
 def summarize(per_host: dict[str, dict], kind: str) -> dict | None:

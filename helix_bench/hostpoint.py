@@ -1,6 +1,7 @@
 """One point of ``helix bench --hosts`` (``hosts.py``): one system at one sidecar count on the
 emulated hosts — its services (a Coordinator and the DataServers, for helix), its ranks, their
 records and the Coordinator's telemetry."""
+
 from __future__ import annotations
 
 import json
@@ -72,27 +73,55 @@ def _run_point(cfg: HostBenchConfig, hosts, system: str, k: int, plan, tmp: Path
 
     def role(host: str, name: str, pid: int) -> None:
         roles.setdefault(host, {}).setdefault(name, []).append(pid)
+
     try:
         helix = system != "native"
         if helix:
             # helix-grpc: remote batches by gRPC's Deliver stream instead of the bulk path (the A/B of the receive path)
             extra = ["--config-json", json.dumps({"bulk_delivery": False})] if system == "helix-grpc" else []
-            coord, info = _start_service(hosts, "h0", ["coordinator", "--host", hosts.address("h0"), "--port",
-                                                       str(7100 + k)], env)
+            coord, info = _start_service(
+                hosts, "h0", ["coordinator", "--host", hosts.address("h0"), "--port", str(7100 + k)], env
+            )
             services.append(coord)
             role("h0", "coordinator", info["pid"])
             workers = max(1, math.ceil(cfg.host_cpus))
             for h in range(cfg.hosts):
-                proc, sinfo = _start_service(hosts, f"h{h}", ["dataserver", "--coordinator", info["address"],
-                                                              "--local-rank", "0", "--workers", str(workers),
-                                                              "--host", hosts.address(f"h{h}"), *extra], env)
+                proc, sinfo = _start_service(
+                    hosts,
+                    f"h{h}",
+                    [
+                        "dataserver",
+                        "--coordinator",
+                        info["address"],
+                        "--local-rank",
+                        "0",
+                        "--workers",
+                        str(workers),
+                        "--host",
+                        hosts.address(f"h{h}"),
+                        *extra,
+                    ],
+                    env,
+                )
                 services.append(proc)
                 role(f"h{h}", "dataserver", sinfo["pid"])
             for s in range(k):
-                proc, sinfo = _start_service(hosts, f"s{s}", ["dataserver", "--coordinator", info["address"],
-                                                              "--remote", "--workers",
-                                                              str(max(1, math.ceil(cfg.sidecar_cpus))),
-                                                              "--host", hosts.address(f"s{s}"), *extra], env)
+                proc, sinfo = _start_service(
+                    hosts,
+                    f"s{s}",
+                    [
+                        "dataserver",
+                        "--coordinator",
+                        info["address"],
+                        "--remote",
+                        "--workers",
+                        str(max(1, math.ceil(cfg.sidecar_cpus))),
+                        "--host",
+                        hosts.address(f"s{s}"),
+                        *extra,
+                    ],
+                    env,
+                )
                 services.append(proc)
                 role(f"s{s}", "dataserver", sinfo["pid"])
             plan = replace(plan, coordinator=info["address"])
@@ -101,8 +130,14 @@ def _run_point(cfg: HostBenchConfig, hosts, system: str, k: int, plan, tmp: Path
         for r in range(cfg.ranks):
             out = tmp / f"{system}-{k}-rank{r}.json"
             argv = [sys.executable, "-m", "helix_bench.hostrank", json.dumps(asdict(plan)), str(r), str(out)]
-            ranks.append((hosts.popen(f"h{r // cfg.ranks_per_host}", argv,
-                                      env={**env, "LOCAL_RANK": str(r % cfg.ranks_per_host)}), out))
+            ranks.append(
+                (
+                    hosts.popen(
+                        f"h{r // cfg.ranks_per_host}", argv, env={**env, "LOCAL_RANK": str(r % cfg.ranks_per_host)}
+                    ),
+                    out,
+                )
+            )
             role(f"h{r // cfg.ranks_per_host}", "ranks", ranks[-1][0].pid)  # sh execs nsenter execs python: one pid
         results = []
         quotas = {h: (cfg.host_cpus if h.startswith("h") else cfg.sidecar_cpus) for h in roles}
@@ -110,14 +145,19 @@ def _run_point(cfg: HostBenchConfig, hosts, system: str, k: int, plan, tmp: Path
         with HostCpuSampler(hosts, roles, quotas, children_as={"dataserver": "decode", "ranks": "decode"}) as cpu:
             for proc, out in ranks:
                 proc.wait(timeout=1800)
-                results.append(json.loads(out.read_text()) if out.exists() else {"kind": "error", "payload": "no result"})
+                results.append(
+                    json.loads(out.read_text()) if out.exists() else {"kind": "error", "payload": "no result"}
+                )
         failed = [(r, g) for r, g in enumerate(results) if g["kind"] != "ok"]
         if failed:  # the rank that failed first, not those whose collective lost it as a peer
             rank, got = next(((r, g) for r, g in failed if "closed by peer" not in str(g["payload"])), failed[0])
-            raise RuntimeError(f"{system} with {k} sidecars: ranks {[r for r, _ in failed]} failed; rank {rank}: "
-                               f"{got['payload']}")
+            raise RuntimeError(
+                f"{system} with {k} sidecars: ranks {[r for r, _ in failed]} failed; rank {rank}: {got['payload']}"
+            )
         routed = _routed(hosts, plan.coordinator, env) if helix else {}
-        local = [pid for host, by_role in roles.items() if host.startswith("h") for pid in by_role.get("dataserver", ())]
+        local = [
+            pid for host, by_role in roles.items() if host.startswith("h") for pid in by_role.get("dataserver", ())
+        ]
         if local:  # the GPU hosts' DataServer processes themselves (serving, receiving streams), not their workers
             routed["local_dataserver_cpu_s"] = sum(_cpu_s(pid) for pid in local)
         reasons: dict[str, int] = {}
@@ -135,12 +175,17 @@ def _run_point(cfg: HostBenchConfig, hosts, system: str, k: int, plan, tmp: Path
                     tier2[key] = tier2.get(key, 0) + n
         if tier2:
             routed["tier2"] = tier2
-        spans = [g["extra"]["measured_monotonic"] for g in results
-                 if (g["extra"].get("measured_monotonic") or [0.0])[0] > 0]  # a rank with measured steps
+        spans = [
+            g["extra"]["measured_monotonic"] for g in results if (g["extra"].get("measured_monotonic") or [0.0])[0] > 0
+        ]  # a rank with measured steps
         if spans:  # the measured steps, from the first rank's start to the last rank's end
             routed["host_cpu"] = cpu.window(min(a for a, _ in spans), max(b for _, b in spans))
-        return {"records": [rec for g in results for rec in g["payload"]], "placement_reasons": reasons, **routed,
-                "cross_ds_bytes": sum(int(g["extra"].get("stats", {}).get("cross_ds_bytes", 0) or 0) for g in results)}
+        return {
+            "records": [rec for g in results for rec in g["payload"]],
+            "placement_reasons": reasons,
+            **routed,
+            "cross_ds_bytes": sum(int(g["extra"].get("stats", {}).get("cross_ds_bytes", 0) or 0) for g in results),
+        }
     finally:
         for proc in reversed(services):
             if proc.poll() is None:

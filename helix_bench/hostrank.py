@@ -1,6 +1,7 @@
 """One bench rank on an emulated host (``helix bench --hosts``): ``rank_main`` with its result
 written to a JSON file instead of a multiprocessing queue (the rank runs in another host's
 namespaces). Usage: python -m helix_bench.hostrank PLAN_JSON RANK OUT"""
+
 from __future__ import annotations
 
 import json

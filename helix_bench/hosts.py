@@ -14,6 +14,7 @@ quota is a hard cap, so no contention term as on the unquoted machine).
 This module holds the sweep's configuration and its loop; ``hostpoint.py`` runs one point (one
 system at one sidecar count), ``hostreport.py`` writes the report.
 """
+
 from __future__ import annotations
 
 import math
@@ -61,9 +62,11 @@ class HostBenchConfig:
         cores = os.cpu_count() or 1
         need = self.hosts * self.host_cpus + max(self.sidecars) * self.sidecar_cpus
         if need > cores + 1e-9:
-            raise ValueError(f"--hosts {self.hosts} x --host-cpus {self.host_cpus} + {max(self.sidecars)} sidecars x "
-                             f"--sidecar-cpus {self.sidecar_cpus} = {need:g} CPUs, more than this machine's {cores}: "
-                             "the quotas would not hold")
+            raise ValueError(
+                f"--hosts {self.hosts} x --host-cpus {self.host_cpus} + {max(self.sidecars)} sidecars x "
+                f"--sidecar-cpus {self.sidecar_cpus} = {need:g} CPUs, more than this machine's {cores}: "
+                "the quotas would not hold"
+            )
         if not 0.0 <= self.estimate_noise < 10.0:
             raise ValueError(f"--estimate-noise {self.estimate_noise!r}: a log-normal sigma in [0, 10)")
         bad = [s for s in self.systems if s not in SYSTEMS]
@@ -110,35 +113,70 @@ def run_hosts_bench(cfg: HostBenchConfig, out_dir, console=None) -> dict:
     if why:
         raise RuntimeError(f"helix bench --hosts: {why}")
     say = console.print if console is not None else (lambda *a, **k: None)
-    bc = BenchConfig(workload=cfg.workload, model=cfg.model, ranks=cfg.ranks, batch_size=cfg.batch_size,
-                     budget=cfg.ranks, systems=("native",), warmup=cfg.warmup, steps=cfg.steps, prefetch=cfg.prefetch,
-                     clips=cfg.clips, scale=cfg.scale, seed=cfg.seed, data_dir=cfg.data_dir)
+    bc = BenchConfig(
+        workload=cfg.workload,
+        model=cfg.model,
+        ranks=cfg.ranks,
+        batch_size=cfg.batch_size,
+        budget=cfg.ranks,
+        systems=("native",),
+        warmup=cfg.warmup,
+        steps=cfg.steps,
+        prefetch=cfg.prefetch,
+        clips=cfg.clips,
+        scale=cfg.scale,
+        seed=cfg.seed,
+        data_dir=cfg.data_dir,
+    )
     ds = _dataset(bc, progress=console is not None)
     spe = steps_per_epoch(len(ds), bc)
     warmup, steps = round_to_windows(bc.warmup, bc.steps, spe, bc.window)
     bc = replace(bc, warmup=warmup, steps=steps)
     expected = [rank[warmup:] for rank in expected_indices(len(ds), bc)]
     flat = [i for rank in expected for b in rank for i in b]
-    say(f"[bold]hosts bench[/] {cfg.hosts} hosts x {cfg.ranks_per_host} ranks at {cfg.host_cpus} CPU, sidecars "
-        f"{list(cfg.sidecars)} at {cfg.sidecar_cpus} CPU: measuring the decode yardstick ...")
+    say(
+        f"[bold]hosts bench[/] {cfg.hosts} hosts x {cfg.ranks_per_host} ranks at {cfg.host_cpus} CPU, sidecars "
+        f"{list(cfg.sidecars)} at {cfg.sidecar_cpus} CPU: measuring the decode yardstick ..."
+    )
     decode = measure_decode(ds, flat)
     tokens = {i: ds.estimate_cost(i).tokens for i in decode}
     cost = GPU_COSTS[cfg.model]
     cpus_max = cfg.hosts * cfg.host_cpus + max(cfg.sidecars) * cfg.sidecar_cpus
-    scale = window_scale(1.0, [decode[i] for i in flat], [tokens[i] for i in flat], cfg.batch_size, cfg.ranks,
-                         cpus_max, cost)
+    scale = window_scale(
+        1.0, [decode[i] for i in flat], [tokens[i] for i in flat], cfg.batch_size, cfg.ranks, cpus_max, cost
+    )
     decode_s, gpu_s = sum(decode[i] for i in flat), measured_gpu_s(expected, tokens, cost, scale)
-    plan = RankPlan(system="", ranks=cfg.ranks, port=0, dataset=ds.helix_spec(), batch_size=cfg.batch_size,
-                    warmup=warmup, steps=steps, window_scale=scale, cost=(cost.a, cost.b, cost.c),
-                    workers_per_rank=1, prefetch=cfg.prefetch, seed=cfg.seed, window=bc.window)
+    plan = RankPlan(
+        system="",
+        ranks=cfg.ranks,
+        port=0,
+        dataset=ds.helix_spec(),
+        batch_size=cfg.batch_size,
+        warmup=warmup,
+        steps=steps,
+        window_scale=scale,
+        cost=(cost.a, cost.b, cost.c),
+        workers_per_rank=1,
+        prefetch=cfg.prefetch,
+        seed=cfg.seed,
+        window=bc.window,
+    )
     names = [f"h{h}" for h in range(cfg.hosts)] + [f"s{s}" for s in range(max(cfg.sidecars))]
     cpus = {n: (cfg.host_cpus if n.startswith("h") else cfg.sidecar_cpus) for n in names}
     points = []
-    with tempfile.TemporaryDirectory(prefix="helix-hosts-") as tmp, \
-            EmulatedHosts(names, cpus=cpus, link_mbps=cfg.link_mbps) as hosts:
+    with (
+        tempfile.TemporaryDirectory(prefix="helix-hosts-") as tmp,
+        EmulatedHosts(names, cpus=cpus, link_mbps=cfg.link_mbps) as hosts,
+    ):
         certs = write_certificates(os.path.join(tmp, "certs"), [hosts.address(n) for n in names])
-        env = _env({"HELIX_TLS_CERT": certs["cert"], "HELIX_TLS_KEY": certs["key"], "HELIX_TLS_CA": certs["ca"],
-                    "HELIX_TOKEN": new_token()})  # the services and ranks get it by their environment
+        env = _env(
+            {
+                "HELIX_TLS_CERT": certs["cert"],
+                "HELIX_TLS_KEY": certs["key"],
+                "HELIX_TLS_CA": certs["ca"],
+                "HELIX_TOKEN": new_token(),
+            }
+        )  # the services and ranks get it by their environment
         plan = replace(plan, master_addr=hosts.address("h0"))
         runs = [("native", 0)] if "native" in cfg.systems else []
         runs += [(s, k) for k in cfg.sidecars for s in SYSTEMS[1:] if s in cfg.systems]  # A/B pairs per count
@@ -149,20 +187,35 @@ def run_hosts_bench(cfg: HostBenchConfig, out_dir, console=None) -> dict:
                 again = measure_decode(ds, flat)
                 decode_s = sum(again[i] for i in flat)
                 decode_rounds.append(decode_s)
-            say(f"  {system} with {k} sidecar(s)" + (f" (round {rnd // len(runs) + 1} of {cfg.repeats})"
-                                                     if cfg.repeats > 1 else "") + " ...")
+            say(
+                f"  {system} with {k} sidecar(s)"
+                + (f" (round {rnd // len(runs) + 1} of {cfg.repeats})" if cfg.repeats > 1 else "")
+                + " ..."
+            )
             point_plan = plan
             if cfg.estimate_noise > 0:  # estimates the planner sees are off; the decoded samples keep their tokens
-                point_plan = replace(plan, dataset=TimedClipDataset(
-                    ds.manifest_path, model=cfg.model, decode_log=Path(tmp) / f"decode-{system}-{k}-{rnd}",
-                    estimate_noise=cfg.estimate_noise, noise_seed=cfg.seed).helix_spec())
+                point_plan = replace(
+                    plan,
+                    dataset=TimedClipDataset(
+                        ds.manifest_path,
+                        model=cfg.model,
+                        decode_log=Path(tmp) / f"decode-{system}-{k}-{rnd}",
+                        estimate_noise=cfg.estimate_noise,
+                        noise_seed=cfg.seed,
+                    ).helix_spec(),
+                )
             got = _run_point(cfg, hosts, system, k, point_plan, Path(tmp), env)
             rank0 = [r for r in got["records"] if r["rank"] == 0]
             wall = sum(r["step_s"] for r in rank0)
             samples = sum(r["samples"] for r in got["records"])
             cpus_used = cfg.hosts * cfg.host_cpus + (k * cfg.sidecar_cpus if system != "native" else 0.0)
-            bound = Bound(decode_s=decode_s, gpu_s=gpu_s, cpu_slots=max(1, math.ceil(cpus_used)), samples=len(flat),
-                          capacity=cpus_used)
+            bound = Bound(
+                decode_s=decode_s,
+                gpu_s=gpu_s,
+                cpu_slots=max(1, math.ceil(cpus_used)),
+                samples=len(flat),
+                capacity=cpus_used,
+            )
             # the link term: the bytes over the busiest link, all at link_mbps. Each GPU host's link
             # carries its share of the streamed batches and of Tier 2's rows that change host; each
             # sidecar's its share of the streamed batches.
@@ -170,27 +223,53 @@ def run_hosts_bench(cfg: HostBenchConfig, out_dir, console=None) -> dict:
             busiest = max(crossed / cfg.hosts, got["cross_ds_bytes"] / k if k else 0.0)
             link_s = busiest * 8 / (cfg.link_mbps * 1e6) if cfg.link_mbps else 0.0
             bound_sps = len(flat) / max(bound.time_s, link_s)
-            points.append({"system": system, "sidecars": k, "round": rnd // len(runs), "cpus": cpus_used,
-                           "decode_s": decode_s,
-                           "throughput_sps": samples / wall,
-                           "cpu_bound_sps": cpus_used * len(flat) / decode_s,  # one yardstick decoder per CPU
-                           "bound_sps": bound_sps, "bound_fraction": samples / wall / bound_sps,
-                           "limited_by": bound.limited_by, "cross_ds_bytes": got["cross_ds_bytes"],
-                           "link_utilisation": (crossed * 8 / wall / (cfg.link_mbps * 1e6)
-                                                if cfg.link_mbps else None),
-                           "input_wait_mean_s": float(np.mean([r["input_wait_s"] for r in got["records"]])),
-                           # the paper's DDL miss: a rank-step that waited for its batch longer than the tolerance
-                           "miss_rate": float(np.mean([r["input_wait_s"] > MISS_TOLERANCE_S for r in got["records"]])),
-                           "placement_reasons": got["placement_reasons"],
-                           **{k: got[k] for k in ("routed", "routed_remote", "server_cross_ds_bytes", "bulk_bytes",
-                                                  "local_dataserver_cpu_s", "deadline_p50_s", "window_s_per_unit",
-                                                  "tier2", "host_cpu")
-                                                  if k in got}})
+            points.append(
+                {
+                    "system": system,
+                    "sidecars": k,
+                    "round": rnd // len(runs),
+                    "cpus": cpus_used,
+                    "decode_s": decode_s,
+                    "throughput_sps": samples / wall,
+                    "cpu_bound_sps": cpus_used * len(flat) / decode_s,  # one yardstick decoder per CPU
+                    "bound_sps": bound_sps,
+                    "bound_fraction": samples / wall / bound_sps,
+                    "limited_by": bound.limited_by,
+                    "cross_ds_bytes": got["cross_ds_bytes"],
+                    "link_utilisation": (crossed * 8 / wall / (cfg.link_mbps * 1e6) if cfg.link_mbps else None),
+                    "input_wait_mean_s": float(np.mean([r["input_wait_s"] for r in got["records"]])),
+                    # the paper's DDL miss: a rank-step that waited for its batch longer than the tolerance
+                    "miss_rate": float(np.mean([r["input_wait_s"] > MISS_TOLERANCE_S for r in got["records"]])),
+                    "placement_reasons": got["placement_reasons"],
+                    **{
+                        k: got[k]
+                        for k in (
+                            "routed",
+                            "routed_remote",
+                            "server_cross_ds_bytes",
+                            "bulk_bytes",
+                            "local_dataserver_cpu_s",
+                            "deadline_p50_s",
+                            "window_s_per_unit",
+                            "tier2",
+                            "host_cpu",
+                        )
+                        if k in got
+                    },
+                }
+            )
             say(f"    {points[-1]['throughput_sps']:.2f} samples/s, {points[-1]['bound_fraction']:.0%} of the bound")
-    result = {"config": {**asdict(cfg), "sidecars": list(cfg.sidecars), "systems": list(cfg.systems)},
-              "steps": steps, "warmup": warmup, "window_scale": scale, "decode_s": decode_rounds[0],
-              "decode_s_rounds": decode_rounds, "gpu_s": gpu_s,
-              "runs": points, "points": _medians(points)}
+    result = {
+        "config": {**asdict(cfg), "sidecars": list(cfg.sidecars), "systems": list(cfg.systems)},
+        "steps": steps,
+        "warmup": warmup,
+        "window_scale": scale,
+        "decode_s": decode_rounds[0],
+        "decode_s_rounds": decode_rounds,
+        "gpu_s": gpu_s,
+        "runs": points,
+        "points": _medians(points),
+    }
     _write(result, Path(out_dir))
     return result
 

@@ -1,5 +1,6 @@
 """`helix microbench`: decode frames/s per core per kinetics profile, probe ms per file, and the
 time to load a million-row profile table. Prints a table; medians over repeats."""
+
 from __future__ import annotations
 
 import json
@@ -39,16 +40,35 @@ def _probe_ms(paths: list[Path], repeats: int = 5) -> float:
 
 
 def _write_big_table(path: Path, rows: int) -> None:
-    row = {"index": 0, "path": "", "bytes": 123456, "duration_s": 5.0, "fps": 30.0, "frames": 150, "width": 398,
-           "height": 224, "caption_len": 40, "cost_scale": 1.0, "codec": "h264", "locality": "local",
-           "frames_source": "header", "duration_source": "header", "bucket": "128f@224p", "error": None}
+    row = {
+        "index": 0,
+        "path": "",
+        "bytes": 123456,
+        "duration_s": 5.0,
+        "fps": 30.0,
+        "frames": 150,
+        "width": 398,
+        "height": 224,
+        "caption_len": 40,
+        "cost_scale": 1.0,
+        "codec": "h264",
+        "locality": "local",
+        "frames_source": "header",
+        "duration_source": "header",
+        "bucket": "128f@224p",
+        "error": None,
+    }
     head, tail = json.dumps(row).split('"path": ""')
     with open(path, "w") as f:
         f.write(json.dumps({"helix_profiles": 1, "fit": {}}) + "\n")
         step = 100_000
         for start in range(0, rows, step):
-            f.write("".join(head.replace('"index": 0', f'"index": {i}') + f'"path": "clips/{i:07d}.mp4"' + tail + "\n"
-                            for i in range(start, min(rows, start + step))))
+            f.write(
+                "".join(
+                    head.replace('"index": 0', f'"index": {i}') + f'"path": "clips/{i:07d}.mp4"' + tail + "\n"
+                    for i in range(start, min(rows, start + step))
+                )
+            )
 
 
 def run_microbench(out: str, clips: int = 6, rows: int = 1_000_000, console=None) -> dict:
@@ -71,8 +91,14 @@ def run_microbench(out: str, clips: int = 6, rows: int = 1_000_000, console=None
         probe_ms = _probe_ms(sorted(root.glob("*.mp4")))
         spec = rec["spec"]
         results[workload] = {"src_frames_per_s": src_fps, "sampled_frames_per_s": out_fps, "probe_ms": probe_ms}
-        table.add_row(workload, f"{spec['width']}x{spec['height']}", f"{rec['num_frames']}x{rec['size']}²",
-                      f"{src_fps:,.0f}", f"{out_fps:,.0f}", f"{probe_ms:.2f}")
+        table.add_row(
+            workload,
+            f"{spec['width']}x{spec['height']}",
+            f"{rec['num_frames']}x{rec['size']}²",
+            f"{src_fps:,.0f}",
+            f"{out_fps:,.0f}",
+            f"{probe_ms:.2f}",
+        )
     console.print(table)
     big = out / f"profiles-{rows}.jsonl"
     if not big.exists():
@@ -84,6 +110,8 @@ def run_microbench(out: str, clips: int = 6, rows: int = 1_000_000, console=None
         ProfileTable.load(big)
         loads.append(time.perf_counter() - t)
     results["table_load_s"] = statistics.median(loads)
-    console.print(f"load {rows:,}-row profile table ({big.stat().st_size / 1e6:.0f} MB): "
-                  f"median {results['table_load_s']:.2f} s over 3 loads")
+    console.print(
+        f"load {rows:,}-row profile table ({big.stat().st_size / 1e6:.0f} MB): "
+        f"median {results['table_load_s']:.2f} s over 3 loads"
+    )
     return results

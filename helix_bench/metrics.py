@@ -8,6 +8,7 @@ emulated GPU window) + ``sync wait`` (the all_reduce barrier); ``step_s`` is mea
 The physical bound (:class:`Bound`) says how fast the run could finish at best: decode can't beat
 its CPU-seconds spread over the CPU slots, and the GPU can't beat perfectly token-balanced steps.
 """
+
 from __future__ import annotations
 
 import math
@@ -29,13 +30,29 @@ __all__ = [
 
 #: Keys of the dict :func:`system_metrics` returns (``per_rank`` holds dicts with PER_RANK_KEYS).
 SYSTEM_METRIC_KEYS = (
-    "throughput_sps", "input_wait_p50_s", "input_wait_p95_s", "batch_ready_p95_s", "ddl_miss_rate",
-    "step_time_p95_s", "sync_wait_mean_s", "cross_ds_bytes", "scheduler_overhead_us_p99", "cpu_util",
-    "bound_fraction", "steps", "per_rank",
+    "throughput_sps",
+    "input_wait_p50_s",
+    "input_wait_p95_s",
+    "batch_ready_p95_s",
+    "ddl_miss_rate",
+    "step_time_p95_s",
+    "sync_wait_mean_s",
+    "cross_ds_bytes",
+    "scheduler_overhead_us_p99",
+    "cpu_util",
+    "bound_fraction",
+    "steps",
+    "per_rank",
 )
 PER_RANK_KEYS = (
-    "rank", "step_time_p95_s", "input_wait_mean_s", "input_wait_p95_s", "compute_mean_s",
-    "sync_wait_mean_s", "ddl_miss_rate", "samples",
+    "rank",
+    "step_time_p95_s",
+    "input_wait_mean_s",
+    "input_wait_p95_s",
+    "compute_mean_s",
+    "sync_wait_mean_s",
+    "ddl_miss_rate",
+    "samples",
 )
 
 
@@ -108,7 +125,9 @@ class Bound:
             raise ValueError(f"Bound: cpu_slots must be an int >= 1 (min(budget, cores)), got {self.cpu_slots!r}")
         if not _is_count(self.samples) or self.samples < 1:
             raise ValueError(f"Bound: samples must be an int >= 1, got {self.samples!r}")
-        if self.capacity is not None and not (math.isfinite(self.capacity) and 0 < self.capacity <= self.cpu_slots * 1.1):
+        if self.capacity is not None and not (
+            math.isfinite(self.capacity) and 0 < self.capacity <= self.cpu_slots * 1.1
+        ):
             raise ValueError(f"Bound: capacity must be in (0, ~cpu_slots] decoders, got {self.capacity!r}")
         if self.time_s <= 0:
             raise ValueError("Bound: decode_s and gpu_s are both 0, so the bound time is 0 (nothing measured?)")
@@ -141,9 +160,15 @@ class Bound:
     def as_dict(self) -> dict:
         """The fields and the derived values, for ``results.json``'s ``bound``."""
         return {
-            "throughput_sps": self.throughput_sps, "time_s": self.time_s, "limited_by": self.limited_by,
-            "decode_s": self.decode_s, "cpu_time_s": self.cpu_time_s, "gpu_s": self.gpu_s,
-            "cpu_slots": self.cpu_slots, "decode_capacity": self.decoders, "samples": self.samples,
+            "throughput_sps": self.throughput_sps,
+            "time_s": self.time_s,
+            "limited_by": self.limited_by,
+            "decode_s": self.decode_s,
+            "cpu_time_s": self.cpu_time_s,
+            "gpu_s": self.gpu_s,
+            "cpu_slots": self.cpu_slots,
+            "decode_capacity": self.decoders,
+            "samples": self.samples,
         }
 
 
@@ -257,8 +282,10 @@ def system_metrics(
     flat = [r for rs in by_rank.values() for r in rs]
     samples = int(sum(r.samples for r in flat))
     if samples != bound.samples:
-        raise ValueError(f"system_metrics: the records hold {samples} samples but the bound was computed "
-                         f"for {bound.samples}; bound_fraction would compare different work")
+        raise ValueError(
+            f"system_metrics: the records hold {samples} samples but the bound was computed "
+            f"for {bound.samples}; bound_fraction would compare different work"
+        )
     wall_s = max(math.fsum(r.step_s for r in rs) for rs in by_rank.values())
     if wall_s <= 0:
         raise ValueError("system_metrics: measured wall time is 0 (every step_s is 0)")

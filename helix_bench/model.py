@@ -5,6 +5,7 @@ Tubelets of 2x16x16 pixels are embedded, run through a small pre-norm transforme
 classified; gradients are averaged over the ranks with an all_reduce (that is the sync wait). For
 GPU machines (``device="cuda"``); on a CPU it works, slowly, on small clips.
 """
+
 from __future__ import annotations
 
 import time
@@ -23,8 +24,10 @@ class TinyVideoTransformer(nn.Module):
         super().__init__()
         self.embed = nn.Conv3d(3, dim, kernel_size=(2, 16, 16), stride=(2, 16, 16))
         self.pos = nn.Parameter(torch.zeros(1, max_tokens, dim))
-        self.blocks = nn.ModuleList(nn.TransformerEncoderLayer(dim, heads, 2 * dim, dropout=0.0, batch_first=True,
-                                                               norm_first=True) for _ in range(depth))
+        self.blocks = nn.ModuleList(
+            nn.TransformerEncoderLayer(dim, heads, 2 * dim, dropout=0.0, batch_first=True, norm_first=True)
+            for _ in range(depth)
+        )
         self.head = nn.Linear(dim, classes)
 
     def forward(self, video: torch.Tensor) -> torch.Tensor:
@@ -72,6 +75,6 @@ class ModelCompute:
         flat /= dist.get_world_size()
         offset = 0
         for g in grads:
-            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
             offset += g.numel()
         self.opt.step()

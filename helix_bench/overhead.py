@@ -10,6 +10,7 @@
 (c) wake-up: from a reply landing (its done-callback) to ``next()`` returning it, while the rank
     waits for it (p50 / p99).
 """
+
 from __future__ import annotations
 
 import threading
@@ -95,8 +96,12 @@ def measure_idle(seconds: float = 30.0) -> dict:
         time.sleep(seconds)
         elapsed = time.monotonic() - t0
         by_role = {r: 100.0 * _idle_cpu_s(ps, *before[r]) / elapsed for r, ps in roles.items()}
-    return {"idle_pct_of_core": sum(by_role.values()), "idle_pct_by_role": by_role, "seconds": elapsed,
-            "processes": sum(len(ps) for ps in roles.values())}
+    return {
+        "idle_pct_of_core": sum(by_role.values()),
+        "idle_pct_by_role": by_role,
+        "seconds": elapsed,
+        "processes": sum(len(ps) for ps in roles.values()),
+    }
 
 
 def _thread_cpu(names: dict[int, str]) -> dict[str, float]:
@@ -110,8 +115,12 @@ def _thread_cpu(names: dict[int, str]) -> dict[str, float]:
 
 
 def _names() -> dict[int, str]:
-    roles = {"helix-sender": "client-sender (Route, Execute)", "helix-fetcher": "client-fetcher (wait, materialize)",
-             "helix-link-reader": "client-link (Execute replies)", "MainThread": "client-consumer (next)"}
+    roles = {
+        "helix-sender": "client-sender (Route, Execute)",
+        "helix-fetcher": "client-fetcher (wait, materialize)",
+        "helix-link-reader": "client-link (Execute replies)",
+        "MainThread": "client-consumer (next)",
+    }
     return {t.native_id: roles.get(t.name, "client-other") for t in threading.enumerate() if t.native_id}
 
 
@@ -126,12 +135,23 @@ def measure_per_batch(batches: int = 400, rate_hz: float = 50.0, batch_size: int
     with LocalCluster(local_servers=2, workers_per_server=1, token=True) as cluster:
         roles = _cluster_processes(cluster)
         settle([p for ps in roles.values() for p in ps])  # every worker up, not 1 of 2
-        loader = hx.DistributedDataLoader(ds, batch_size, rank=0, world_size=1, coordinator=cluster.address,
-                                          token=cluster.token, prefetch_depth=prefetch)
+        loader = hx.DistributedDataLoader(
+            ds,
+            batch_size,
+            rank=0,
+            world_size=1,
+            coordinator=cluster.address,
+            token=cluster.token,
+            prefetch_depth=prefetch,
+        )
         with loader:
             per_batch, n, elapsed = _per_batch(loader, roles, batches, rate_hz)
-    return {"per_batch_cpu_s": per_batch, "batches": n, "rate_hz": n / elapsed,
-            "total_cpu_s_per_batch": sum(per_batch.values())}
+    return {
+        "per_batch_cpu_s": per_batch,
+        "batches": n,
+        "rate_hz": n / elapsed,
+        "total_cpu_s_per_batch": sum(per_batch.values()),
+    }
 
 
 def _per_batch(loader, roles: dict, batches: int, rate_hz: float) -> tuple[dict, int, float]:
@@ -167,14 +187,21 @@ def measure_wakeup(batches: int = 300, sample_s: float = 0.004) -> dict:
     from helix_core.testing import IndexDataset
 
     ds = IndexDataset(batches * 2, shape=(1 << 12,), delays={i: sample_s for i in range(batches * 2)})
-    with LocalCluster(local_servers=1, workers_per_server=1, token=True) as cluster, \
-            hx.DistributedDataLoader(ds, 2, rank=0, world_size=1, coordinator=cluster.address, token=cluster.token,
-                                     prefetch_depth=1) as loader:
+    with (
+        LocalCluster(local_servers=1, workers_per_server=1, token=True) as cluster,
+        hx.DistributedDataLoader(
+            ds, 2, rank=0, world_size=1, coordinator=cluster.address, token=cluster.token, prefetch_depth=1
+        ) as loader,
+    ):
         for _ in loader:
             pass
         st = loader.stats()
-    return {"wakeup_p50_s": st["wakeup_p50_s"], "wakeup_p99_s": st["wakeup_p99_s"],
-            "input_wait_p50_s": st["input_wait_p50_s"], "batches": st["batches"]}
+    return {
+        "wakeup_p50_s": st["wakeup_p50_s"],
+        "wakeup_p99_s": st["wakeup_p99_s"],
+        "input_wait_p50_s": st["input_wait_p50_s"],
+        "batches": st["batches"],
+    }
 
 
 def run_overhead(out=None, console=None, idle_s: float = 30.0, batches: int = 400) -> dict:
@@ -204,8 +231,10 @@ def run_overhead(out=None, console=None, idle_s: float = 30.0, batches: int = 40
         t.add_row(role, f"{pct:.2f}")
     t.add_row("[bold]all", f"[bold]{idle['idle_pct_of_core']:.2f}")
     console.print(t)
-    t = Table(title=f"(b) CPU per batch outside the decode call, {per['batches']} batches at {per['rate_hz']:.0f}/s "
-                    "(near-free samples)")
+    t = Table(
+        title=f"(b) CPU per batch outside the decode call, {per['batches']} batches at {per['rate_hz']:.0f}/s "
+        "(near-free samples)"
+    )
     t.add_column("role")
     t.add_column("CPU µs / batch", justify="right")
     for role, cpu in sorted(per["per_batch_cpu_s"].items(), key=lambda kv: -kv[1]):
@@ -214,12 +243,18 @@ def run_overhead(out=None, console=None, idle_s: float = 30.0, batches: int = 40
     t.add_row("(of which idle work: heartbeats, sweeps)", f"{hb * 1e6:.0f}")
     t.add_row("[bold]all", f"[bold]{per['total_cpu_s_per_batch'] * 1e6:.0f}")
     console.print(t)
-    console.print("(b) yardstick, one bare call at the same rate (a batch takes two, Route to the Coordinator and "
-                  "Execute to a local server, both by the local link on one host; gRPC to other hosts and sidecars): "
-                  + ", ".join(f"{'gRPC ' + kind if kind != 'link' else 'local link'} server {f['server_cpu_s'] * 1e6:.0f} µs + caller {f['client_cpu_s'] * 1e6:.0f} µs"
-                              for kind, f in floor.items()))
-    console.print(f"(c) wake-up, reply landed -> next() returned: p50 {wake['wakeup_p50_s'] * 1e3:.3f} ms, "
-                  f"p99 {wake['wakeup_p99_s'] * 1e3:.3f} ms over {wake['batches']} batches")
+    console.print(
+        "(b) yardstick, one bare call at the same rate (a batch takes two, Route to the Coordinator and "
+        "Execute to a local server, both by the local link on one host; gRPC to other hosts and sidecars): "
+        + ", ".join(
+            f"{'gRPC ' + kind if kind != 'link' else 'local link'} server {f['server_cpu_s'] * 1e6:.0f} µs + caller {f['client_cpu_s'] * 1e6:.0f} µs"
+            for kind, f in floor.items()
+        )
+    )
+    console.print(
+        f"(c) wake-up, reply landed -> next() returned: p50 {wake['wakeup_p50_s'] * 1e3:.3f} ms, "
+        f"p99 {wake['wakeup_p99_s'] * 1e3:.3f} ms over {wake['batches']} batches"
+    )
     result = {"idle": idle, "per_batch": per, "wakeup": wake, "rpc_floor": floor}
     if out:
         Path(out).parent.mkdir(parents=True, exist_ok=True)

@@ -7,6 +7,7 @@ rank's — of the sampler's own steps ("none") and of the planner's at each wind
 the profile table (tokens per sample, no decoding), so the run takes seconds once the workload
 exists. Every plan is checked: same shape, same samples per window.
 """
+
 from __future__ import annotations
 
 import json
@@ -41,7 +42,9 @@ class PlannerResult:
     windows_planned: dict[int, int]
 
 
-def sampler_steps(n: int, ranks: int, batch_size: int, seed: int, epoch: int, shuffle: bool = True) -> list[list[list[int]]]:
+def sampler_steps(
+    n: int, ranks: int, batch_size: int, seed: int, epoch: int, shuffle: bool = True
+) -> list[list[list[int]]]:
     """``steps[s][r]``: rank r's batch at global step s, exactly as the bench's ranks draw them
     (``helix_core.planning.sampling``: the loader's own order)."""
     from helix_core.planning.sampling import steps
@@ -63,9 +66,17 @@ def sample_costs(manifest: str | os.PathLike, model: str) -> np.ndarray:
     return fill_unknown_costs(np.where(ok, units, np.nan), buckets)
 
 
-def measure_planner(manifest: str | os.PathLike, model: str, windows: Sequence[int], ranks: int, batch_size: int,
-                    epochs: int, seed: int = 0, workload: str = "", clock: Callable[[], float] = time.perf_counter,
-                    ) -> PlannerResult:
+def measure_planner(
+    manifest: str | os.PathLike,
+    model: str,
+    windows: Sequence[int],
+    ranks: int,
+    batch_size: int,
+    epochs: int,
+    seed: int = 0,
+    workload: str = "",
+    clock: Callable[[], float] = time.perf_counter,
+) -> PlannerResult:
     """Replay ``epochs`` epochs of the sampler on ``manifest``'s samples, unplanned and planned at
     each window size; ``clock`` (seconds) times each ``plan_window`` call."""
     if epochs < 1 or ranks < 1 or batch_size < 1 or not windows:
@@ -79,7 +90,7 @@ def measure_planner(manifest: str | os.PathLike, model: str, windows: Sequence[i
         plan, times = [], []
         for steps in epoch_steps:
             for span in planner.windows(len(steps)):
-                window = steps[span.start:span.stop]
+                window = steps[span.start : span.stop]
                 t0 = clock()
                 out = planner.plan_window(window, costs)
                 times.append(clock() - t0)
@@ -89,8 +100,9 @@ def measure_planner(manifest: str | os.PathLike, model: str, windows: Sequence[i
         ratios[int(w)] = imbalance_ratio(plan, costs)
         median_us[int(w)] = float(np.median(times)) * 1e6
         planned[int(w)] = len(times)
-    return PlannerResult(workload, model, len(costs), len(unplanned), imbalance_ratio(unplanned, costs), ratios,
-                         median_us, planned)
+    return PlannerResult(
+        workload, model, len(costs), len(unplanned), imbalance_ratio(unplanned, costs), ratios, median_us, planned
+    )
 
 
 def _shape_and_samples(steps) -> tuple[list, Counter]:
@@ -103,17 +115,33 @@ def _dataset(workload: str, clips: int, seed: int, data_dir: Path) -> Path:
     from helix_core.profiles import profile_dataset
 
     scale = 1.0  # full-size clips: tokens, hence costs, depend on the real geometry
-    root = make_dataset(data_dir / f"{workload}-{clips}-s{scale:g}-seed{seed}", workload, clips, seed=seed,
-                        scale=scale, workers=os.cpu_count() or 1, progress=True)
+    root = make_dataset(
+        data_dir / f"{workload}-{clips}-s{scale:g}-seed{seed}",
+        workload,
+        clips,
+        seed=seed,
+        scale=scale,
+        workers=os.cpu_count() or 1,
+        progress=True,
+    )
     if not (root / "profiles.jsonl").exists():
         profile_dataset(root / "manifest.jsonl", calibrate_per_bucket=1, progress=True)
     return root / "manifest.jsonl"
 
 
-def run_planner_bench(workloads: Sequence[str], models: Sequence[str], windows: Sequence[int], ranks: int = 4,
-                      batch_size: int = 2, clips: int = 48, epochs: int = 20, seed: int = 0,
-                      data_dir: str | os.PathLike | None = None, out: str | os.PathLike | None = None,
-                      console=None) -> list[PlannerResult]:
+def run_planner_bench(
+    workloads: Sequence[str],
+    models: Sequence[str],
+    windows: Sequence[int],
+    ranks: int = 4,
+    batch_size: int = 2,
+    clips: int = 48,
+    epochs: int = 20,
+    seed: int = 0,
+    data_dir: str | os.PathLike | None = None,
+    out: str | os.PathLike | None = None,
+    console=None,
+) -> list[PlannerResult]:
     """Every workload x model: print a table and, with ``out``, write the results as JSON."""
     from helix_core.media.synth import WORKLOADS
 
@@ -123,13 +151,24 @@ def run_planner_bench(workloads: Sequence[str], models: Sequence[str], windows: 
     for m in models:
         gpu_cost(m)  # a bad name fails before any synthesis
     data = Path(data_dir) if data_dir else Path.home() / ".cache" / "helix" / "bench-data"
-    results = [measure_planner(_dataset(wl, clips, seed, data), m, windows, ranks, batch_size, epochs, seed, wl)
-               for wl in workloads for m in models]
+    results = [
+        measure_planner(_dataset(wl, clips, seed, data), m, windows, ranks, batch_size, epochs, seed, wl)
+        for wl in workloads
+        for m in models
+    ]
     if console is not None:
         console.print(_table(results, windows, ranks, batch_size, epochs))
     if out:
-        config = {"workloads": list(workloads), "models": list(models), "windows": [int(w) for w in windows],
-                  "ranks": ranks, "batch_size": batch_size, "clips": clips, "epochs": epochs, "seed": seed}
+        config = {
+            "workloads": list(workloads),
+            "models": list(models),
+            "windows": [int(w) for w in windows],
+            "ranks": ranks,
+            "batch_size": batch_size,
+            "clips": clips,
+            "epochs": epochs,
+            "seed": seed,
+        }
         Path(out).write_text(json.dumps({"config": config, "results": [asdict(r) for r in results]}, indent=2))
     return results
 
@@ -138,9 +177,11 @@ def _table(results: list[PlannerResult], windows: Sequence[int], ranks: int, bat
     from rich.console import Group
     from rich.table import Table
 
-    ratios = Table(title=f"Tier-1 planner, {ranks} ranks x batch {batch_size}, {epochs} epochs: sum over steps of "
-                         "the slowest rank's GPU cost / sum of the mean rank's (none: the sampler's steps; "
-                         "wN: planned N steps at a time)")
+    ratios = Table(
+        title=f"Tier-1 planner, {ranks} ranks x batch {batch_size}, {epochs} epochs: sum over steps of "
+        "the slowest rank's GPU cost / sum of the mean rank's (none: the sampler's steps; "
+        "wN: planned N steps at a time)"
+    )
     times = Table(title="median planner time per window, µs")
     for t, first in ((ratios, ("none",)), (times, ())):
         t.add_column("workload", no_wrap=True)

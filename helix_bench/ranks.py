@@ -6,6 +6,7 @@ then an all_reduce (sync wait). The input systems compared at
 an equal CPU budget are built here: ``native`` (per-rank torch DataLoader with DistributedSampler),
 ``ray`` (a shared Ray actor pool, see ``raypool``) and ``helix`` with its ablation variants.
 """
+
 from __future__ import annotations
 
 import os
@@ -23,7 +24,11 @@ HELIX_VARIANTS = {
     "helix-tier1": {"balance": "tokens"},  # + Tier-1 token planning over a window
     "helix": {"balance": "tokens", "scheduler": "deadline"},  # + deadline placement and server ordering
     "helix-nosteal": {"balance": "tokens", "scheduler": "deadline"},  # helix, its servers without work stealing
-    "helix-tier2": {"balance": "tokens", "scheduler": "deadline", "rebalance": {}},  # helix + Tier-2 rounds (its defaults)
+    "helix-tier2": {
+        "balance": "tokens",
+        "scheduler": "deadline",
+        "rebalance": {},
+    },  # helix + Tier-2 rounds (its defaults)
 }
 
 #: Cluster options of a variant (``ClusterConfig`` fields) where it differs from the default.
@@ -70,10 +75,15 @@ def _native_loader(plan: RankPlan, rank: int, ds):
     sampler = torch.utils.data.DistributedSampler(ds, num_replicas=plan.ranks, rank=rank, shuffle=True, seed=plan.seed)
     kw = {}
     if plan.workers_per_rank > 0:
-        kw = dict(num_workers=plan.workers_per_rank, prefetch_factor=plan.prefetch, persistent_workers=True,
-                  multiprocessing_context="spawn")
-    return torch.utils.data.DataLoader(ds, batch_size=plan.batch_size, sampler=sampler, collate_fn=pad_collate,
-                                       **kw), sampler.set_epoch
+        kw = dict(
+            num_workers=plan.workers_per_rank,
+            prefetch_factor=plan.prefetch,
+            persistent_workers=True,
+            multiprocessing_context="spawn",
+        )
+    return torch.utils.data.DataLoader(
+        ds, batch_size=plan.batch_size, sampler=sampler, collate_fn=pad_collate, **kw
+    ), sampler.set_epoch
 
 
 def _helix_loader(plan: RankPlan, rank: int, ds):
@@ -86,9 +96,18 @@ def _helix_loader(plan: RankPlan, rank: int, ds):
         opts["window"] = plan.window
     from helix_core.planning.gpu import GpuCost
 
-    loader = DistributedDataLoader(ds, batch_size=plan.batch_size, rank=rank, world_size=plan.ranks,
-                                   coordinator=plan.coordinator, shuffle=True, seed=plan.seed,
-                                   collate_fn=pad_collate, gpu_cost=GpuCost(*plan.cost), **opts)
+    loader = DistributedDataLoader(
+        ds,
+        batch_size=plan.batch_size,
+        rank=rank,
+        world_size=plan.ranks,
+        coordinator=plan.coordinator,
+        shuffle=True,
+        seed=plan.seed,
+        collate_fn=pad_collate,
+        gpu_cost=GpuCost(*plan.cost),
+        **opts,
+    )
     return loader, loader.set_epoch
 
 
@@ -151,15 +170,29 @@ def rank_main(rank: int, plan: RankPlan, results, progress) -> None:
                 model.all_reduce_grads()
             t3 = time.perf_counter()
             if step >= plan.warmup:
-                records.append({"rank": rank, "step": step - plan.warmup, "input_wait_s": t1 - t0,
-                                "compute_s": t2 - t1, "sync_wait_s": t3 - t2, "step_s": t3 - t0,
-                                "samples": len(batch["index"]), "tokens": int(tokens.sum()),
-                                "indices": batch["index"].tolist()})
+                records.append(
+                    {
+                        "rank": rank,
+                        "step": step - plan.warmup,
+                        "input_wait_s": t1 - t0,
+                        "compute_s": t2 - t1,
+                        "sync_wait_s": t3 - t2,
+                        "step_s": t3 - t0,
+                        "samples": len(batch["index"]),
+                        "tokens": int(tokens.sum()),
+                        "indices": batch["index"].tolist(),
+                    }
+                )
             progress.put((plan.system, rank, step + 1))
             del batch
         measured[1] = time.monotonic()
-        extra = {"stats": loader.stats() if hasattr(loader, "stats") else {}, "measured_monotonic": measured,
-                 "batch_ready_s": loader.batch_ready_s()[plan.warmup:plan.warmup + plan.steps] if hasattr(loader, "batch_ready_s") else []}
+        extra = {
+            "stats": loader.stats() if hasattr(loader, "stats") else {},
+            "measured_monotonic": measured,
+            "batch_ready_s": loader.batch_ready_s()[plan.warmup : plan.warmup + plan.steps]
+            if hasattr(loader, "batch_ready_s")
+            else [],
+        }
         dist.barrier()
         results.put(("ok", rank, records, extra))
     except BaseException:

@@ -17,6 +17,7 @@ over the actors, whatever they are doing, and torch tensors travel through the o
 Ray binds loopback only (``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` before ``ray.init``) and the
 actors live in a namespace of their own.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -31,8 +32,10 @@ import numpy as np
 __all__ = ["MODES", "RayPool", "ray_available", "ray_loader"]
 
 #: RayPool modes: how a request finds an actor, and what travels back
-MODES = {"idle": "idle-actor dispatch, numpy payloads read zero-copy",
-         "rr": "round-robin per rank, torch payloads (copied)"}
+MODES = {
+    "idle": "idle-actor dispatch, numpy payloads read zero-copy",
+    "rr": "round-robin per rank, torch payloads (copied)",
+}
 _TIMEOUT_S = 600.0
 
 
@@ -129,8 +132,14 @@ class RayPool:
         self.namespace = f"helix-bench-{uuid.uuid4().hex[:8]}"
         me = psutil.Process()
         before = {p.pid for p in me.children()}
-        ray.init(num_cpus=n, include_dashboard=False, namespace=self.namespace, logging_level="ERROR",
-                 log_to_driver=False, _node_ip_address="127.0.0.1")
+        ray.init(
+            num_cpus=n,
+            include_dashboard=False,
+            namespace=self.namespace,
+            logging_level="ERROR",
+            log_to_driver=False,
+            _node_ip_address="127.0.0.1",
+        )
         try:
             # the processes ray.init started (GCS, raylet, ...): Ray's, with all their descendants
             self._ray_roots = [p.pid for p in me.children() if p.pid not in before]
@@ -142,8 +151,9 @@ class RayPool:
             self.dispatcher_name = ""
             if mode == "idle":
                 self.dispatcher_name = "dispatcher"
-                self.dispatcher = ray.remote(num_cpus=0)(_Dispatcher).options(name=self.dispatcher_name).remote(
-                    self.actors)
+                self.dispatcher = (
+                    ray.remote(num_cpus=0)(_Dispatcher).options(name=self.dispatcher_name).remote(self.actors)
+                )
                 ray.get(self.dispatcher.pid.remote(), timeout=300)
         except BaseException:
             ray.shutdown()
@@ -152,8 +162,13 @@ class RayPool:
     def info(self) -> dict:
         """What a rank needs to join (picklable): ``address``, ``namespace``, decoder ``names``,
         ``mode`` and the ``dispatcher`` name ("" in mode ``"rr"``)."""
-        return {"address": self.address, "namespace": self.namespace, "names": self.names, "mode": self.mode,
-                "dispatcher": self.dispatcher_name}
+        return {
+            "address": self.address,
+            "namespace": self.namespace,
+            "names": self.names,
+            "mode": self.mode,
+            "dispatcher": self.dispatcher_name,
+        }
 
     def pids(self) -> dict[str, list[int]]:
         """Process ids by role: ``"ray-decoders"`` (the decoder actors) and ``"ray-system"``
@@ -191,15 +206,17 @@ class _RayLoader:
             raise ValueError(f"plan.ray['mode']={self.mode!r}; valid: {', '.join(MODES)}")
         self._owns_ray = not ray.is_initialized()  # a rank process joins; the pool's own process already is
         if self._owns_ray:
-            ray.init(address=plan.ray["address"], namespace=plan.ray["namespace"], logging_level="ERROR",
-                     log_to_driver=False)
+            ray.init(
+                address=plan.ray["address"], namespace=plan.ray["namespace"], logging_level="ERROR", log_to_driver=False
+            )
         ns = plan.ray["namespace"]
         if self.mode == "idle":
             self.dispatcher = ray.get_actor(plan.ray["dispatcher"], namespace=ns)
         else:
             self.actors = [ray.get_actor(n, namespace=ns) for n in plan.ray["names"]]
-        self.sampler = torch.utils.data.DistributedSampler(ds, num_replicas=plan.ranks, rank=rank, shuffle=True,
-                                                           seed=plan.seed)
+        self.sampler = torch.utils.data.DistributedSampler(
+            ds, num_replicas=plan.ranks, rank=rank, shuffle=True, seed=plan.seed
+        )
         self.batch_size, self.prefetch, self.rank, self.epoch = plan.batch_size, plan.prefetch, rank, 0
         self._sent = rank  # ray-rr: round-robin offset, ranks start on different actors
 
@@ -228,7 +245,7 @@ class _RayLoader:
 
     def __iter__(self):
         idx = list(self.sampler)
-        batches = collections.deque(idx[i:i + self.batch_size] for i in range(0, len(idx), self.batch_size))
+        batches = collections.deque(idx[i : i + self.batch_size] for i in range(0, len(idx), self.batch_size))
         inflight = collections.deque()
         while batches or inflight:
             while batches and len(inflight) < self.prefetch:

@@ -9,6 +9,7 @@ one of bytes; (2) gRPC: the same clips, each in one client-streaming call (4 MiB
 token checked) to the destination's server; (3) handles: an all-gather of the clips' slab handles
 (JSON). A round's time is its slowest member's; the report gives medians, bytes moved and GB/s.
 """
+
 from __future__ import annotations
 
 import json
@@ -51,8 +52,13 @@ def _member(a: dict) -> dict:
 
     bind = a.get("bind", "127.0.0.1")  # on emulated hosts: this host's address (the bench's own token; no TLS)
     server, port = create_server(bind, 0, a["token"], config, threads=8, insecure=True)
-    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler("helix.bench.Redistribute", {
-        "Push": grpc.stream_unary_rpc_method_handler(push)})])
+    server.add_generic_rpc_handlers(
+        [
+            grpc.method_handlers_generic_handler(
+                "helix.bench.Redistribute", {"Push": grpc.stream_unary_rpc_method_handler(push)}
+            )
+        ]
+    )
     server.start()
     group = ExchangeGroup(rank, world, a.get("store_host", "127.0.0.1"), a["store_port"], timeout_s=120)
     try:
@@ -64,8 +70,10 @@ def _member(a: dict) -> dict:
         packed = [pack([s]) for s in mine]
         send_bufs = pack_many(outgoing)  # one buffer, a part per destination
         moved = sum(p.numel() for p, d in zip(packed, dest) if d != rank)
-        handles = [{"segment": f"helix-bench-{rank}-{k}", "generation": k, "nbytes": int(p.numel())}
-                   for k, p in enumerate(packed)]
+        handles = [
+            {"segment": f"helix-bench-{rank}-{k}", "generation": k, "nbytes": int(p.numel())}
+            for k, p in enumerate(packed)
+        ]
         rows = []
         chunk = config.stream_chunk_bytes
         for _ in range(a["repeats"]):
@@ -82,8 +90,11 @@ def _member(a: dict) -> dict:
                 if d == rank:
                     continue
                 mv = memoryview(p.numpy())
-                calls[d](iter([bytes(mv[i:i + chunk]) for i in range(0, len(mv), chunk)]), timeout=300,
-                         metadata=call_metadata(a["token"]))
+                calls[d](
+                    iter([bytes(mv[i : i + chunk]) for i in range(0, len(mv), chunk)]),
+                    timeout=300,
+                    metadata=call_metadata(a["token"]),
+                )
             group.all_gather_json(0)  # every sender's calls returned: everything arrived
             t_grpc = time.perf_counter() - t0
             group.all_gather_json(0)
@@ -110,8 +121,16 @@ def _dests(world: int, clips: int) -> list[tuple[int, int]]:
     return out
 
 
-def run_redistribute(servers: int = 4, clips: int = 64, repeats: int = 5, scale: float = 1.0, model: str = "videomae",
-                     out: Path | None = None, console=None, hosts: int = 0) -> dict:
+def run_redistribute(
+    servers: int = 4,
+    clips: int = 64,
+    repeats: int = 5,
+    scale: float = 1.0,
+    model: str = "videomae",
+    out: Path | None = None,
+    console=None,
+    hosts: int = 0,
+) -> dict:
     """Run the benchmark (``servers`` member processes; ``hosts`` >= 2: spread over that many
     emulated hosts, ``servers / hosts`` each, gloo and gRPC over their bridge); print and return
     the figures."""
@@ -124,8 +143,9 @@ def run_redistribute(servers: int = 4, clips: int = 64, repeats: int = 5, scale:
     if hosts and (hosts < 2 or servers % hosts):
         raise ValueError(f"--hosts {hosts}: two or more, dividing --ranks {servers}")
     if servers < 2 or clips < servers or repeats < 1:
-        raise ValueError(f"--redistribute needs servers >= 2, clips >= servers, repeats >= 1 "
-                         f"(got {servers}, {clips}, {repeats})")
+        raise ValueError(
+            f"--redistribute needs servers >= 2, clips >= servers, repeats >= 1 (got {servers}, {clips}, {repeats})"
+        )
     say = console.print if console is not None else print
     root = cache_dir() / "bench-data" / f"redistribute-kinetics-mixed-{clips}-s{scale}"
     if not (root / "manifest.jsonl").exists():
@@ -148,22 +168,38 @@ def run_redistribute(servers: int = 4, clips: int = 64, repeats: int = 5, scale:
     for f in files:
         f.unlink()
     moved = sum(m["moved_bytes"] for m in members)
-    figures = {"servers": servers, "hosts": hosts or 1, "clips": clips, "repeats": repeats, "scale": scale, "model": model,
-               "moved_bytes": moved, "moved_clips": len(_dests(servers, clips))}
-    rounds = {key: [max(m["rows"][i][key] for m in members) for i in range(repeats)]
-              for key in ("all_to_all_s", "grpc_s", "handles_s")}
+    figures = {
+        "servers": servers,
+        "hosts": hosts or 1,
+        "clips": clips,
+        "repeats": repeats,
+        "scale": scale,
+        "model": model,
+        "moved_bytes": moved,
+        "moved_clips": len(_dests(servers, clips)),
+    }
+    rounds = {
+        key: [max(m["rows"][i][key] for m in members) for i in range(repeats)]
+        for key in ("all_to_all_s", "grpc_s", "handles_s")
+    }
     for key, per_round in rounds.items():
         figures[key] = statistics.median(per_round)
         figures[key.replace("_s", "_gbps")] = moved / figures[key] / 1e9 if key != "handles_s" else None
     # the machine drifts: the ratio is the median of each round's own (the systems alternate in a round)
     figures["grpc_over_all_to_all"] = statistics.median(g / a for g, a in zip(rounds["grpc_s"], rounds["all_to_all_s"]))
     figures["rounds"] = rounds
-    say(f"{figures['moved_clips']} clips ({moved / 1e6:.0f} MB) moved among {servers} processes on {where}, "
-        f"medians of {repeats}:")
+    say(
+        f"{figures['moved_clips']} clips ({moved / 1e6:.0f} MB) moved among {servers} processes on {where}, "
+        f"medians of {repeats}:"
+    )
     say(f"  all_to_all (gloo)      {figures['all_to_all_s']:.3f} s  {figures['all_to_all_gbps']:.2f} GB/s")
-    say(f"  gRPC, one call a clip  {figures['grpc_s']:.3f} s  {figures['grpc_gbps']:.2f} GB/s  "
-        f"(per round, median: {figures['grpc_over_all_to_all']:.2f}x the all_to_all's time)")
-    say(f"  handle exchange        {figures['handles_s'] * 1e6:.0f} µs (its control round: within a host, 0 bytes copied)")
+    say(
+        f"  gRPC, one call a clip  {figures['grpc_s']:.3f} s  {figures['grpc_gbps']:.2f} GB/s  "
+        f"(per round, median: {figures['grpc_over_all_to_all']:.2f}x the all_to_all's time)"
+    )
+    say(
+        f"  handle exchange        {figures['handles_s'] * 1e6:.0f} µs (its control round: within a host, 0 bytes copied)"
+    )
     if out is not None:
         Path(out).mkdir(parents=True, exist_ok=True)
         (Path(out) / f"redistribute{'-hosts' if hosts else ''}.json").write_text(json.dumps(figures, indent=2))
@@ -179,8 +215,17 @@ def _run_members(servers, clips, repeats, model, token, root, store_port, out, e
     for rank in range(servers):
         path = (Path(out).resolve() if out else Path("/tmp")) / f".helix-redistribute-{os.getpid()}-{rank}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
-        args = dict(rank=rank, world=servers, store_port=store_port, manifest=str(root / "manifest.jsonl"), clips=clips,
-                    repeats=repeats, model=model, token=token, out=str(path))
+        args = dict(
+            rank=rank,
+            world=servers,
+            store_port=store_port,
+            manifest=str(root / "manifest.jsonl"),
+            clips=clips,
+            repeats=repeats,
+            model=model,
+            token=token,
+            out=str(path),
+        )
         argv = [sys.executable, "-m", "helix_bench.redistribute"]
         if eh is None:
             procs.append(subprocess.Popen([*argv, json.dumps(args)]))

@@ -3,6 +3,7 @@
 What a *run* is and ``results.json``: ``runs.py``; the tables' rows: ``reportrows.py``. Here: the
 runs' labels and headings, ``report.md``, the console table and :func:`write_report`.
 """
+
 from __future__ import annotations
 
 import json
@@ -15,8 +16,13 @@ from .runs import RUN_KEYS, _prepare, write_results
 
 __all__ = ["FIGURES", "print_table", "run_label", "write_report"]
 
-_LABEL_KEYS = {"regime": "{}", "batch_size": "bs{}", "ranks": "{} ranks", "budget": "budget {}",
-               "remote_servers": "rd{}"}  # how a key that varies across a sweep shows in a label
+_LABEL_KEYS = {
+    "regime": "{}",
+    "batch_size": "bs{}",
+    "ranks": "{} ranks",
+    "budget": "budget {}",
+    "remote_servers": "rd{}",
+}  # how a key that varies across a sweep shows in a label
 
 
 def run_label(run: Mapping, runs: Sequence[Mapping] = ()) -> str:
@@ -42,26 +48,34 @@ def _bound_line(bound: Mapping) -> str:
         limited = "cpu" if decode / capacity > gpu else "gpu"
     probes = bound.get("capacity_probes") or []
     if capacity:
-        spread = (f" (median of {len(probes)} probes, {min(probes):.2f}–{max(probes):.2f})"
-                  if len(probes) > 1 else "")
-        cpu = (f"decode {decode:.2f} CPU-s / {capacity:.2f} decoders' capacity{spread} measured on {slots} slots = "
-               f"{decode / capacity:.2f} s")
+        spread = f" (median of {len(probes)} probes, {min(probes):.2f}–{max(probes):.2f})" if len(probes) > 1 else ""
+        cpu = (
+            f"decode {decode:.2f} CPU-s / {capacity:.2f} decoders' capacity{spread} measured on {slots} slots = "
+            f"{decode / capacity:.2f} s"
+        )
     else:
         cpu = f"decode {decode:.2f} CPU-s"
-    return (f"Physical bound: {_fmt(bound['throughput_sps'], '.2f')} samples/s, limited by "
-            f"{(limited or 'n/a').upper()} ({cpu}; token-balanced GPU {gpu:.2f} s)")
+    return (
+        f"Physical bound: {_fmt(bound['throughput_sps'], '.2f')} samples/s, limited by "
+        f"{(limited or 'n/a').upper()} ({cpu}; token-balanced GPU {gpu:.2f} s)"
+    )
 
 
 def _heading(run: Mapping) -> tuple[str, list[str]]:
-    title = (f"{run['workload']} · {run['regime']} · {run['ranks']} ranks · CPU budget {run['budget']} · "
-             f"batch size {run['batch_size']}")
+    title = (
+        f"{run['workload']} · {run['regime']} · {run['ranks']} ranks · CPU budget {run['budget']} · "
+        f"batch size {run['batch_size']}"
+    )
     facts = [
         f"{run['steps']} measured steps per rank after {run['warmup']} warm-up; DDL tolerance "
         f"{_fmt(run['ddl_tolerance_s'], '.1f', 1e3)} ms; GPU window scale {_fmt(run['window_scale'], '.3g')}",
         _bound_line(run["bound"]),
     ]
-    extras = {k: v for k, v in run.items()
-              if k not in RUN_KEYS and k not in ("note", "label") and not isinstance(v, (Mapping, list))}
+    extras = {
+        k: v
+        for k, v in run.items()
+        if k not in RUN_KEYS and k not in ("note", "label") and not isinstance(v, (Mapping, list))
+    }
     if extras:  # the harness's own settings (remote_servers, ...): say them, they may explain the numbers
         facts.append("Also: " + ", ".join(f"{k} = {v}" for k, v in extras.items()))
     return title, facts
@@ -87,8 +101,11 @@ def _markdown(runs: list[dict], figures: Mapping[str, Path], figure_error: str |
         lines.append("")
         headers, rows = cpu_rows(run)
         if rows:
-            lines += ["Where the CPU went over the measured steps (decode = thread CPU of the decode calls; "
-                      "the decoding processes' role keeps the rest):", ""]
+            lines += [
+                "Where the CPU went over the measured steps (decode = thread CPU of the decode calls; "
+                "the decoding processes' role keeps the rest):",
+                "",
+            ]
             lines += ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
             lines += ["| " + " | ".join(_md_cell(c) for c in row) + " |" for row in rows]
             lines.append("")
@@ -120,8 +137,9 @@ def print_table(console, run: Mapping) -> None:
         for i, header in enumerate(HEADERS):
             table.add_column(header, justify="left" if i == 0 else "right", overflow="fold")
         for row in rows:
-            table.add_row(row[0], f"[dim]{row[1]}[/dim]", *row[2:]) if row[1].startswith("skipped: ") \
-                else table.add_row(*row)
+            table.add_row(row[0], f"[dim]{row[1]}[/dim]", *row[2:]) if row[1].startswith(
+                "skipped: "
+            ) else table.add_row(*row)
     else:  # a narrow terminal: one row per metric, one column per system
         table.add_column("", justify="left")
         for row in rows:

@@ -1,5 +1,6 @@
 """The bench report's tables as rows of strings: the main table (:data:`HEADERS`, one row per
 system), where the CPU went, and Tier 2's rounds; ``report.py`` writes them out."""
+
 from __future__ import annotations
 
 import math
@@ -7,9 +8,24 @@ from collections.abc import Mapping
 
 __all__ = ["HEADERS", "cpu_rows", "table_rows", "tier2_rows"]
 
-HEADERS = ("System", "Throughput (samples/s)", "vs native", "vs ray", "Bound (%)", "Input wait p50 (s)",
-           "Input wait p95 (s)", "Batch ready p95 (s)", "DDL miss (%)", "Step time p95 (s)",
-           "Sync wait mean (s)", "Imbalance", "Decode eff. (%)", "Cross-DS (MB)", "Sched. p99 (µs)", "CPU util (%)")
+HEADERS = (
+    "System",
+    "Throughput (samples/s)",
+    "vs native",
+    "vs ray",
+    "Bound (%)",
+    "Input wait p50 (s)",
+    "Input wait p95 (s)",
+    "Batch ready p95 (s)",
+    "DDL miss (%)",
+    "Step time p95 (s)",
+    "Sync wait mean (s)",
+    "Imbalance",
+    "Decode eff. (%)",
+    "Cross-DS (MB)",
+    "Sched. p99 (µs)",
+    "CPU util (%)",
+)
 _BASELINE = "native"
 
 
@@ -46,14 +62,26 @@ def table_rows(run: Mapping) -> list[list[str]]:
             continue
         ratio = _num(m["throughput_sps"]) / _num(base) if base else math.nan
         vs_ray = _num(m["throughput_sps"]) / _num(ray) if ray else math.nan
-        rows.append([
-            name, _fmt(m["throughput_sps"], ".2f"), _fmt(ratio, ".2f", suffix="x"), _fmt(vs_ray, ".2f", suffix="x"),
-            _fmt(m["bound_fraction"], ".1f", 100), _fmt_s(m["input_wait_p50_s"]), _fmt_s(m["input_wait_p95_s"]),
-            _fmt_s(m["batch_ready_p95_s"]), _fmt(m["ddl_miss_rate"], ".1f", 100), _fmt_s(m["step_time_p95_s"]),
-            _fmt_s(m["sync_wait_mean_s"]), _fmt(m.get("imbalance_ratio"), ".3f"),
-            _fmt(m.get("decode_efficiency"), ".1f", 100), _fmt(m["cross_ds_bytes"], ".1f", 1e-6),
-            _fmt(m["scheduler_overhead_us_p99"], ".1f"), _fmt(m["cpu_util"], ".1f", 100),
-        ])
+        rows.append(
+            [
+                name,
+                _fmt(m["throughput_sps"], ".2f"),
+                _fmt(ratio, ".2f", suffix="x"),
+                _fmt(vs_ray, ".2f", suffix="x"),
+                _fmt(m["bound_fraction"], ".1f", 100),
+                _fmt_s(m["input_wait_p50_s"]),
+                _fmt_s(m["input_wait_p95_s"]),
+                _fmt_s(m["batch_ready_p95_s"]),
+                _fmt(m["ddl_miss_rate"], ".1f", 100),
+                _fmt_s(m["step_time_p95_s"]),
+                _fmt_s(m["sync_wait_mean_s"]),
+                _fmt(m.get("imbalance_ratio"), ".3f"),
+                _fmt(m.get("decode_efficiency"), ".1f", 100),
+                _fmt(m["cross_ds_bytes"], ".1f", 1e-6),
+                _fmt(m["scheduler_overhead_us_p99"], ".1f"),
+                _fmt(m["cpu_util"], ".1f", 100),
+            ]
+        )
     return rows
 
 
@@ -63,16 +91,34 @@ def cpu_rows(run: Mapping) -> tuple[list[str], list[list[str]]]:
     the pieces work stealing split batches into over the run, warm-up included)."""
     ran = {n: m for n, m in _ran(run).items() if m.get("cpu_s_by_role")}
     roles = sorted({k for m in ran.values() for k in m["cpu_s_by_role"]}, key=lambda k: (k != "decode", k))
-    headers = ["System", *[f"{r} (CPU-s)" for r in roles], "total (CPU-s)", "Decode eff. (%)", "Slots busy (%)",
-               "Cost error start → end (%)", "Stolen pieces"]
+    headers = [
+        "System",
+        *[f"{r} (CPU-s)" for r in roles],
+        "total (CPU-s)",
+        "Decode eff. (%)",
+        "Slots busy (%)",
+        "Cost error start → end (%)",
+        "Stolen pieces",
+    ]
     rows = []
     for name, m in ran.items():
         by = m["cpu_s_by_role"]
-        err = (f"{_fmt(m.get('cost_error_start'), '.0f', 100)} → {_fmt(m.get('cost_error_end'), '.0f', 100)}"
-               if m.get("cost_error_start") is not None else "n/a")
-        rows.append([name, *[_fmt(by.get(r, 0.0), ".1f") for r in roles], _fmt(sum(by.values()), ".1f"),
-                     _fmt(m.get("decode_efficiency"), ".1f", 100), _fmt(m.get("decode_slots_busy"), ".1f", 100), err,
-                     str(m["stolen"]) if m.get("stolen") is not None else "n/a"])
+        err = (
+            f"{_fmt(m.get('cost_error_start'), '.0f', 100)} → {_fmt(m.get('cost_error_end'), '.0f', 100)}"
+            if m.get("cost_error_start") is not None
+            else "n/a"
+        )
+        rows.append(
+            [
+                name,
+                *[_fmt(by.get(r, 0.0), ".1f") for r in roles],
+                _fmt(sum(by.values()), ".1f"),
+                _fmt(m.get("decode_efficiency"), ".1f", 100),
+                _fmt(m.get("decode_slots_busy"), ".1f", 100),
+                err,
+                str(m["stolen"]) if m.get("stolen") is not None else "n/a",
+            ]
+        )
     return headers, rows
 
 
@@ -83,19 +129,41 @@ def tier2_rows(run: Mapping) -> tuple[list[str], list[list[str]]]:
     closed (complete, timeout, asked: a rank waited for its batch; full, flush), the median over the rounds
     a policy decided of the wait for input per step that the default gate discounted, and the
     imbalance floor that moves within a step could reach on the steps consumed."""
-    headers = ["System", "Rounds", "Moved / kept / alone / error", "Projected gain (s)", "Realised gain (s)",
-               "Transfer est. (s)", "Samples moved", "MB moved", "Round wait p50 (s)", "Closed by",
-               "Input wait p50 (s)", "Kept: projected / floor gain (s)", "Imbalance → floor"]
+    headers = [
+        "System",
+        "Rounds",
+        "Moved / kept / alone / error",
+        "Projected gain (s)",
+        "Realised gain (s)",
+        "Transfer est. (s)",
+        "Samples moved",
+        "MB moved",
+        "Round wait p50 (s)",
+        "Closed by",
+        "Input wait p50 (s)",
+        "Kept: projected / floor gain (s)",
+        "Imbalance → floor",
+    ]
     rows = []
     for name, m in _ran(run).items():
         t = m.get("tier2_rounds")
         if not t:
             continue
-        rows.append([name, str(t["rounds"]), f"{t['moved']} / {t['kept']} / {t['alone']} / {t['error']}",
-                     _fmt(t["projected_gain_s"], ".2f"), _fmt(t["realised_gain_s"], ".2f"), _fmt(t["transfer_s"], ".3f"),
-                     str(t["moved_samples"]), _fmt(t["moved_bytes"], ".0f", 1e-6), _fmt_s(t["wait_s_p50"]),
-                     ", ".join(f"{k} {v}" for k, v in sorted((t.get("closed_by") or {}).items())) or "n/a",
-                     _fmt_s(t.get("input_wait_s_p50")),
-                     f"{_fmt(t.get('kept_projected_gain_s'), '.2f')} / {_fmt(t.get('kept_floor_gain_s'), '.2f')}",
-                     f"{_fmt(m.get('imbalance_ratio'), '.3f')} → {_fmt(m.get('imbalance_within_step_floor'), '.3f')}"])
+        rows.append(
+            [
+                name,
+                str(t["rounds"]),
+                f"{t['moved']} / {t['kept']} / {t['alone']} / {t['error']}",
+                _fmt(t["projected_gain_s"], ".2f"),
+                _fmt(t["realised_gain_s"], ".2f"),
+                _fmt(t["transfer_s"], ".3f"),
+                str(t["moved_samples"]),
+                _fmt(t["moved_bytes"], ".0f", 1e-6),
+                _fmt_s(t["wait_s_p50"]),
+                ", ".join(f"{k} {v}" for k, v in sorted((t.get("closed_by") or {}).items())) or "n/a",
+                _fmt_s(t.get("input_wait_s_p50")),
+                f"{_fmt(t.get('kept_projected_gain_s'), '.2f')} / {_fmt(t.get('kept_floor_gain_s'), '.2f')}",
+                f"{_fmt(m.get('imbalance_ratio'), '.3f')} → {_fmt(m.get('imbalance_within_step_floor'), '.3f')}",
+            ]
+        )
     return headers, rows

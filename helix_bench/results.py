@@ -1,6 +1,7 @@
 """One system's figures from a bench run: the samples it consumed checked against the sampler's,
 step metrics, where its CPU went (by role, decode split out), how busy the decode slots were,
 and the planner's imbalance ratio."""
+
 from __future__ import annotations
 
 import math
@@ -33,10 +34,19 @@ def system_result(system, cfg, got, m, expected, spans, bound, decode, units, lo
         ready = extra.get("batch_ready_s") or []
         consumed.append([rec["indices"] for rec in sorted(recs, key=lambda r: r["step"])])
         for k, rec in enumerate(recs):
-            records.append(StepRecord(rank=rank, step=rec["step"], input_wait_s=rec["input_wait_s"],
-                                      compute_s=rec["compute_s"], sync_wait_s=rec["sync_wait_s"],
-                                      step_s=rec["step_s"], batch_ready_s=ready[k] if k < len(ready) else None,
-                                      samples=rec["samples"], tokens=rec["tokens"]))
+            records.append(
+                StepRecord(
+                    rank=rank,
+                    step=rec["step"],
+                    input_wait_s=rec["input_wait_s"],
+                    compute_s=rec["compute_s"],
+                    sync_wait_s=rec["sync_wait_s"],
+                    step_s=rec["step_s"],
+                    batch_ready_s=ready[k] if k < len(ready) else None,
+                    samples=rec["samples"],
+                    tokens=rec["tokens"],
+                )
+            )
         stats = extra.get("stats") or {}
         stats_by_rank.append(stats)
         cross += int(stats.get("cross_ds_bytes", 0) or 0)
@@ -44,8 +54,14 @@ def system_result(system, cfg, got, m, expected, spans, bound, decode, units, lo
         if p99 is not None and not math.isnan(p99):  # native and ray make no placement decisions
             overhead.append(float(p99))
     check_consumed(system, consumed, expected, spans, balanced=system in BALANCED)
-    out = system_metrics(records, ddl_tolerance_s=cfg.ddl_tolerance_s, bound=bound, cross_ds_bytes=cross,
-                         scheduler_overhead_us=overhead, cpu_util=_cpu_util(m))
+    out = system_metrics(
+        records,
+        ddl_tolerance_s=cfg.ddl_tolerance_s,
+        bound=bound,
+        cross_ds_bytes=cross,
+        scheduler_overhead_us=overhead,
+        cpu_util=_cpu_util(m),
+    )
     steps = [[consumed[r][s] for r in range(len(consumed))] for s in range(len(consumed[0]))]
     out["imbalance_ratio"] = imbalance_ratio(steps, units.__getitem__)
     waits: dict[int, float] = {}
@@ -111,9 +127,24 @@ def tier2_rounds(stats_by_rank: list[dict], cost, seconds_per_unit: float) -> di
         for rec in st.get("rebalance_rounds") or ():
             key = (rec.get("group"), rec.get("run"), rec["epoch"], rec["position"])
             by_step.setdefault(key, {})[rec.get("rank", len(by_step.get(key, {})))] = rec  # a rank's latest view
-    out = {"rounds": 0, "moved": 0, "kept": 0, "alone": 0, "error": 0, "partial": 0, "projected_gain_s": 0.0,
-           "realised_gain_s": 0.0, "transfer_s": 0.0, "moved_samples": 0, "moved_bytes": 0, "wait_s_p50": None,
-           "input_wait_s_p50": None, "closed_by": {}, "kept_floor_gain_s": 0.0, "kept_projected_gain_s": 0.0}
+    out = {
+        "rounds": 0,
+        "moved": 0,
+        "kept": 0,
+        "alone": 0,
+        "error": 0,
+        "partial": 0,
+        "projected_gain_s": 0.0,
+        "realised_gain_s": 0.0,
+        "transfer_s": 0.0,
+        "moved_samples": 0,
+        "moved_bytes": 0,
+        "wait_s_p50": None,
+        "input_wait_s_p50": None,
+        "closed_by": {},
+        "kept_floor_gain_s": 0.0,
+        "kept_projected_gain_s": 0.0,
+    }
     waits, input_waits = [], []
     for views in by_step.values():
         recs = list(views.values())

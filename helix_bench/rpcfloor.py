@@ -4,6 +4,7 @@ machine at the same rate, with nothing of Helix in it — an echo server in its 
 local link (``runtime/locallink.py``: an echo ``Execute`` on a Unix socket). A batch takes two calls,
 Route to the Coordinator and Execute to a DataServer: both by the local link where the server is
 on the rank's host, by gRPC to other hosts and sidecars."""
+
 from __future__ import annotations
 
 import multiprocessing as mp
@@ -54,8 +55,9 @@ def _serve(kind: str, ports, stop) -> None:
     if kind == "sync":
         from concurrent import futures
 
-        handler = grpc.method_handlers_generic_handler(service, {method: grpc.unary_unary_rpc_method_handler(
-            _echo, _bytes, _bytes)})
+        handler = grpc.method_handlers_generic_handler(
+            service, {method: grpc.unary_unary_rpc_method_handler(_echo, _bytes, _bytes)}
+        )
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=1))
         server.add_generic_rpc_handlers((handler,))
         ports.put(server.add_insecure_port("127.0.0.1:0"))
@@ -66,8 +68,9 @@ def _serve(kind: str, ports, stop) -> None:
     import asyncio
 
     async def main():
-        handler = grpc.method_handlers_generic_handler(service, {method: grpc.unary_unary_rpc_method_handler(
-            _echo_async, _bytes, _bytes)})
+        handler = grpc.method_handlers_generic_handler(
+            service, {method: grpc.unary_unary_rpc_method_handler(_echo_async, _bytes, _bytes)}
+        )
         server = grpc.aio.server()
         server.add_generic_rpc_handlers((handler,))
         ports.put(server.add_insecure_port("127.0.0.1:0"))
@@ -123,8 +126,10 @@ def _timed(call, proc, calls: int, rate_hz: float) -> dict:
         pause = t0 + (i + 1) / rate_hz - time.perf_counter()
         if pause > 0:
             time.sleep(pause)
-    return {"server_cpu_s": (sum(server.cpu_times()[:2]) - s0) / calls,
-            "client_cpu_s": (sum(client.cpu_times()[:2]) - c0) / calls}
+    return {
+        "server_cpu_s": (sum(server.cpu_times()[:2]) - s0) / calls,
+        "client_cpu_s": (sum(client.cpu_times()[:2]) - c0) / calls,
+    }
 
 
 def measure_rpc_floor(calls: int = 400, rate_hz: float = 50.0, payload: int = 256) -> dict:

@@ -7,6 +7,7 @@ the run's heading), ``label`` (the run's name in figures; by default the workloa
 differs between the runs of a sweep, e.g. ``remote_servers``). Times are seconds, bytes are bytes,
 ``*_us`` are microseconds; the report shows MB (1e6 bytes) and percentages.
 """
+
 from __future__ import annotations
 
 import json
@@ -20,8 +21,19 @@ from .metrics import SYSTEM_METRIC_KEYS
 
 __all__ = ["BOUND_KEYS", "RUN_KEYS", "validate_run", "write_results"]
 
-RUN_KEYS = ("workload", "regime", "window_scale", "ranks", "budget", "batch_size", "steps", "warmup",
-            "ddl_tolerance_s", "bound", "systems")
+RUN_KEYS = (
+    "workload",
+    "regime",
+    "window_scale",
+    "ranks",
+    "budget",
+    "batch_size",
+    "steps",
+    "warmup",
+    "ddl_tolerance_s",
+    "bound",
+    "systems",
+)
 BOUND_KEYS = ("throughput_sps", "decode_s", "gpu_s")
 
 

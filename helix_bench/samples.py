@@ -7,6 +7,7 @@ end closes a window), so no system can win by moving heavy samples into the warm
 last measured step. Every system then consumes the same multiset of samples over the measured
 steps, and the bound and the decode yardstick come from exactly those.
 """
+
 from __future__ import annotations
 
 from collections import Counter
@@ -30,8 +31,10 @@ def round_to_windows(warmup: int, steps: int, steps_per_epoch: int, window: int)
     """``(warmup, steps)`` rounded up so that both the warm-up and the measured steps are whole
     windows (``steps`` >= the requested number)."""
     if steps_per_epoch < 1 or window < 1 or warmup < 0 or steps < 1:
-        raise ValueError(f"round_to_windows: steps_per_epoch={steps_per_epoch}, window={window} must be >= 1, "
-                         f"warmup={warmup} >= 0, steps={steps} >= 1")
+        raise ValueError(
+            f"round_to_windows: steps_per_epoch={steps_per_epoch}, window={window} must be >= 1, "
+            f"warmup={warmup} >= 0, steps={steps} >= 1"
+        )
     start = _next_boundary(warmup, steps_per_epoch, window)
     end = _next_boundary(start + steps, steps_per_epoch, window)
     return start, end - start
@@ -53,8 +56,13 @@ def window_spans(first: int, count: int, steps_per_epoch: int, window: int) -> l
     return spans
 
 
-def check_consumed(system: str, consumed: Sequence[Sequence[Sequence[int]]],
-                   expected: Sequence[Sequence[Sequence[int]]], spans: Sequence[range], balanced: bool) -> None:
+def check_consumed(
+    system: str,
+    consumed: Sequence[Sequence[Sequence[int]]],
+    expected: Sequence[Sequence[Sequence[int]]],
+    spans: Sequence[range],
+    balanced: bool,
+) -> None:
     """Raise ``RuntimeError`` naming the system, rank and step unless the run consumed what it must.
 
     ``consumed[r][s]`` / ``expected[r][s]``: the sample indices rank ``r`` consumed / the sampler
@@ -78,5 +86,7 @@ def check_consumed(system: str, consumed: Sequence[Sequence[Sequence[int]]],
         want = Counter(i for rank in expected for s in span for i in rank[s])
         if got != want:
             lost, extra = sorted((want - got).elements()), sorted((got - want).elements())
-            raise RuntimeError(f"{system}: window of measured steps {span.start}..{span.stop - 1} lost samples "
-                               f"{lost} and repeated or added {extra}")
+            raise RuntimeError(
+                f"{system}: window of measured steps {span.start}..{span.stop - 1} lost samples "
+                f"{lost} and repeated or added {extra}"
+            )

@@ -3,6 +3,7 @@
 for its worst batch, and that the epoch is still exactly the sampler's. Once for the rank's own
 delivery server, once for the remote sidecar. (``tests/test_liveness.py`` asserts the same with
 the tests' short timings; this prints what a user with default settings sees.)"""
+
 from __future__ import annotations
 
 import argparse
@@ -19,15 +20,24 @@ def run(bulk: bool = True) -> list[dict]:
 
     cfg = hx.ClusterConfig(bulk_delivery=bulk)
     ds = IndexDataset(48, shape=(64,), delays={i: 0.04 for i in range(48)})
-    expected = [torch.utils.data.default_collate([ds[i] for i in range(k, k + 2)])["index"].tolist()
-                for k in range(0, 48, 2)]
+    expected = [
+        torch.utils.data.default_collate([ds[i] for i in range(k, k + 2)])["index"].tolist() for k in range(0, 48, 2)
+    ]
     rows = []
     for victim in (0, 2):  # the rank's delivery server; the remote sidecar
         with hx.LocalCluster(local_servers=2, remote_servers=1, workers_per_server=1, config=cfg) as cluster:
             pid = None
             try:
-                with hx.DistributedDataLoader(ds, batch_size=2, rank=0, world_size=1, coordinator=cluster.address,
-                                              prefetch_depth=6, config=cfg, scheduler="least-request") as ld:
+                with hx.DistributedDataLoader(
+                    ds,
+                    batch_size=2,
+                    rank=0,
+                    world_size=1,
+                    coordinator=cluster.address,
+                    prefetch_depth=6,
+                    config=cfg,
+                    scheduler="least-request",
+                ) as ld:
                     got, gaps, t0 = [], [], time.monotonic()
                     t = t0
                     for i, b in enumerate(ld):
@@ -38,9 +48,15 @@ def run(bulk: bool = True) -> list[dict]:
                             pid = cluster.servers[victim].pid
                             os.kill(pid, signal.SIGSTOP)
                         t = time.monotonic()
-                    rows.append({"stopped": cluster.servers[victim].kind, "epoch_s": time.monotonic() - t0,
-                                 "longest_wait_s": max(gaps), "resubmits": ld.stats()["resubmits"],
-                                 "exact": got == expected})
+                    rows.append(
+                        {
+                            "stopped": cluster.servers[victim].kind,
+                            "epoch_s": time.monotonic() - t0,
+                            "longest_wait_s": max(gaps),
+                            "resubmits": ld.stats()["resubmits"],
+                            "exact": got == expected,
+                        }
+                    )
             finally:
                 if pid:
                     os.kill(pid, signal.SIGCONT)
@@ -52,8 +68,10 @@ def main(argv=None) -> None:
     p.add_argument("--no-bulk", action="store_true", help="remote batches by gRPC's Deliver (bulk_delivery=False)")
     a = p.parse_args(argv)
     for r in run(bulk=not a.no_bulk):
-        print(f"{r['stopped']} server SIGSTOPped: epoch {r['epoch_s']:.1f} s, longest wait {r['longest_wait_s']:.1f} s, "
-              f"{r['resubmits']} resubmits, exactly the sampler's batches: {'yes' if r['exact'] else 'NO'}")
+        print(
+            f"{r['stopped']} server SIGSTOPped: epoch {r['epoch_s']:.1f} s, longest wait {r['longest_wait_s']:.1f} s, "
+            f"{r['resubmits']} resubmits, exactly the sampler's batches: {'yes' if r['exact'] else 'NO'}"
+        )
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ window: 1.0 means every slot decoded all the time, so any gap — the hand-over 
 worker waiting for a request, an epoch or window edge — shows as a fraction lost. ``timeline`` keeps
 the spans (relative to the window's start) for the figure.
 """
+
 from __future__ import annotations
 
 import os
@@ -42,8 +43,11 @@ def slot_busy(spans: dict[int, list[tuple[float, float]]], slots: int, t0: float
         busy += min(active, slots) * (t - last)
         active, last = active + d, t
     window = max(t1 - t0, 1e-9)
-    return {"slots": slots, "busy_fraction": busy / (slots * window),
-            "by_process": {pid: sum(e - s for s, e in v) / window for pid, v in sorted(spans.items())}}
+    return {
+        "slots": slots,
+        "busy_fraction": busy / (slots * window),
+        "by_process": {pid: sum(e - s for s, e in v) / window for pid, v in sorted(spans.items())},
+    }
 
 
 def timeline(spans: dict[int, list[tuple[float, float]]], t0: float) -> list[list[list[float]]]:
@@ -69,12 +73,19 @@ def draw_timeline(runs: list, labels: list[str], path: Path) -> Path:
             name, m = row[j]
             for lane, spans in enumerate(m["decode_timeline"]):
                 ax.broken_barh([(s, e - s) for s, e in spans], (lane - 0.4, 0.8), color="tab:green")
-            ax.set_yticks(range(len(m["decode_timeline"])), [f"p{k}" for k in range(len(m["decode_timeline"]))],
-                          fontsize="x-small")
+            ax.set_yticks(
+                range(len(m["decode_timeline"])),
+                [f"p{k}" for k in range(len(m["decode_timeline"]))],
+                fontsize="x-small",
+            )
             ax.set_xlabel("seconds into the measured steps", fontsize="x-small")
             busy = m.get("decode_slots_busy")
-            ax.set_title(f"{name} — {label}\nslots busy {busy:.0%} of {m.get('decode_slots')}" if busy is not None
-                         else f"{name} — {label}", fontsize="small")
+            ax.set_title(
+                f"{name} — {label}\nslots busy {busy:.0%} of {m.get('decode_slots')}"
+                if busy is not None
+                else f"{name} — {label}",
+                fontsize="small",
+            )
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     return path

@@ -9,6 +9,7 @@ SIGKILL a client (a new one takes its place). Each client is a process that runs
 ``DistributedDataLoader`` and reports, per epoch, how many of the sampler's samples it missed or
 saw twice.
 """
+
 from __future__ import annotations
 
 import json
@@ -70,8 +71,11 @@ class _Client:
 
     def __init__(self, rank: int, world: int, address: str, cfg: SoakConfig, config_json: str, totals: dict):
         self.rank = rank
-        self.proc = subprocess.Popen([sys.executable, "-c", _CLIENT, address, str(rank), str(world), str(cfg.samples),
-                                      config_json], stdout=subprocess.PIPE, text=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", _CLIENT, address, str(rank), str(world), str(cfg.samples), config_json],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         self._reader = threading.Thread(target=self._read, args=(totals,), daemon=True)
         self._reader.start()
 
@@ -117,9 +121,18 @@ def _row(cluster, totals: dict, faults: int, t0: float) -> dict:
             size += os.stat(os.path.join(shm.SHM_DIR, n)).st_size
         except OSError:
             pass
-    return {"minute": (time.monotonic() - t0) / 60, "rss_mb": rss / 2**20, "segments": len(names),
-            "shm_mb": size / 2**20, "fds": fds, "threads": threads, "epochs": totals["epochs"],
-            "lost": totals["lost"], "repeated": totals["repeated"], "faults": faults}
+    return {
+        "minute": (time.monotonic() - t0) / 60,
+        "rss_mb": rss / 2**20,
+        "segments": len(names),
+        "shm_mb": size / 2**20,
+        "fds": fds,
+        "threads": threads,
+        "epochs": totals["epochs"],
+        "lost": totals["lost"],
+        "repeated": totals["repeated"],
+        "faults": faults,
+    }
 
 
 def _inject(kind: str, cluster, clients: list, make_client) -> None:
@@ -152,9 +165,17 @@ def run_soak(cfg: SoakConfig, console=None) -> list[dict]:
     import helix_core as hx
 
     console = console or Console()
-    config = hx.ClusterConfig(heartbeat_interval_s=0.2, heartbeat_timeout_s=1.0, coordinator_timeout_s=5.0,
-                              keepalive_s=0.5, keepalive_timeout_s=1.0, rpc_timeout_s=3.0, execute_timeout_s=120.0,
-                              sample_timeout_s=60.0, slab_idle_s=20.0)
+    config = hx.ClusterConfig(
+        heartbeat_interval_s=0.2,
+        heartbeat_timeout_s=1.0,
+        coordinator_timeout_s=5.0,
+        keepalive_s=0.5,
+        keepalive_timeout_s=1.0,
+        rpc_timeout_s=3.0,
+        execute_timeout_s=120.0,
+        sample_timeout_s=60.0,
+        slab_idle_s=20.0,
+    )
     config_json = json.dumps(config.to_dict())
     totals = {"epochs": 0, "lost": 0, "repeated": 0, "epoch_done": threading.Event()}
     epochs_at_last_fault = None  # with cfg.faults: the epoch count when the last fault went in
@@ -162,18 +183,25 @@ def run_soak(cfg: SoakConfig, console=None) -> list[dict]:
     columns = ("minute", "rss_mb", "segments", "shm_mb", "fds", "threads", "epochs", "lost", "repeated", "faults")
 
     def show(row: dict) -> None:
-        console.print("  ".join(f"{k} {row[k]:.1f}" if isinstance(row[k], float) else f"{k} {row[k]}" for k in columns),
-                      soft_wrap=True)  # one row per line, whatever the terminal's width
+        console.print(
+            "  ".join(f"{k} {row[k]:.1f}" if isinstance(row[k], float) else f"{k} {row[k]}" for k in columns),
+            soft_wrap=True,
+        )  # one row per line, whatever the terminal's width
 
     with hx.LocalCluster(local_servers=2, remote_servers=1, workers_per_server=1, config=config) as cluster:
+
         def make_client(rank: int) -> _Client:
             return _Client(rank, cfg.clients, cluster.address, cfg, config_json, totals)
 
         clients = [make_client(r) for r in range(cfg.clients)]
         try:
             t0 = time.monotonic()
-            end, next_report, next_fault, faults = t0 + cfg.minutes * 60, t0 + min(30.0, cfg.report_every_s), \
-                t0 + cfg.fault_every_s, 0
+            end, next_report, next_fault, faults = (
+                t0 + cfg.minutes * 60,
+                t0 + min(30.0, cfg.report_every_s),
+                t0 + cfg.fault_every_s,
+                0,
+            )
             rows.append(_row(cluster, totals, faults, t0))
             show(rows[-1])
             while time.monotonic() < end:

@@ -1,6 +1,7 @@
 """One input system's run in `helix bench`: start its shared parts (a ``LocalCluster`` or a Ray
 pool), run the R rank processes, follow their progress and snapshot the CPU by role at the start
 and end of the measured steps; ``harness.py`` calls it once per system."""
+
 from __future__ import annotations
 
 import multiprocessing as mp
@@ -48,16 +49,21 @@ def _run_system(system: str, cfg: BenchConfig, plan: RankPlan, live) -> tuple[li
                 local, per = cfg.ranks, max(1, cfg.budget // (cfg.ranks + cfg.remote_servers))
             else:  # the budget's workers laid out as an embedded cluster lays them out
                 local, per = host_layout(cfg.ranks, cfg.budget)
-            cluster = LocalCluster(local_servers=local, remote_servers=cfg.remote_servers, workers_per_server=per,
-                                   config=ClusterConfig(**CLUSTER_VARIANTS.get(system, {})))
+            cluster = LocalCluster(
+                local_servers=local,
+                remote_servers=cfg.remote_servers,
+                workers_per_server=per,
+                config=ClusterConfig(**CLUSTER_VARIANTS.get(system, {})),
+            )
             plan = replace(plan, coordinator=cluster.address)
         elif system in RAY_MODES:
             from .raypool import RayPool
 
             pool = RayPool(cfg.budget, plan.dataset, mode=RAY_MODES[system])
             plan = replace(plan, ray=pool.info())
-        procs = [ctx.Process(target=rank_main, args=(r, plan, results, progress), daemon=False)
-                 for r in range(cfg.ranks)]
+        procs = [
+            ctx.Process(target=rank_main, args=(r, plan, results, progress), daemon=False) for r in range(cfg.ranks)
+        ]
         for p in procs:
             p.start()
         got, m = [], {}

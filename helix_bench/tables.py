@@ -1,4 +1,5 @@
 """A titled table of already formatted rows, printed with rich (nothing without a console)."""
+
 from __future__ import annotations
 
 __all__ = ["print_rows"]

@@ -7,6 +7,7 @@ DataLoader worker, a Ray actor or a DataServer worker (the log folder travels in
 single-threaded decoders' worth of work the machine really does at once (DESIGN.md "Metrics":
 two vCPUs gave 1.75–1.97x one decoder here, not 2x), the denominator of the physical bound.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -26,8 +27,9 @@ class TimedClipDataset(VideoClipDataset):
     ``"<wall_end> <index> <cpu_s> <wall_start>"`` — ``time.time()`` when the fetch ended and began
     (seconds since the epoch) and the thread CPU-seconds it took (decode, resize, transforms)."""
 
-    def __init__(self, *args, decode_log: str | os.PathLike, estimate_noise: float = 0.0, noise_seed: int = 0,
-                 **kwargs):
+    def __init__(
+        self, *args, decode_log: str | os.PathLike, estimate_noise: float = 0.0, noise_seed: int = 0, **kwargs
+    ):
         super().__init__(*args, **kwargs)
         self.decode_log = str(decode_log)
         self._log = None  # (pid, file): opened once per process, reopened after a fork
@@ -84,7 +86,9 @@ class TimedClipDataset(VideoClipDataset):
 
     def helix_spec(self) -> dict:
         spec = super().helix_spec()
-        spec["kwargs"].update(decode_log=self.decode_log, estimate_noise=self.estimate_noise, noise_seed=self.noise_seed)
+        spec["kwargs"].update(
+            decode_log=self.decode_log, estimate_noise=self.estimate_noise, noise_seed=self.noise_seed
+        )
         return spec
 
 
@@ -179,8 +183,14 @@ class CapacityProbe:
     (``emulate.measure_decode``). A probe returns yardstick-seconds decoded per wall second while
     all decoders ran (:func:`capacity_from_spans`)."""
 
-    def __init__(self, dataset_spec: dict, indices: list[int], decoders: int, yardstick: dict[int, float],
-                 timeout_s: float = 600.0):
+    def __init__(
+        self,
+        dataset_spec: dict,
+        indices: list[int],
+        decoders: int,
+        yardstick: dict[int, float],
+        timeout_s: float = 600.0,
+    ):
         indices = [int(i) for i in indices]
         if decoders < 1 or not indices:
             raise ValueError(f"CapacityProbe needs decoders >= 1 and some indices, got {decoders} and {len(indices)}")
@@ -192,10 +202,15 @@ class CapacityProbe:
         self._barrier, self._results = ctx.Barrier(decoders), ctx.Queue()
         self._orders = [ctx.Queue() for _ in range(decoders)]
         step = max(1, len(indices) // decoders)
-        orders = [indices[p * step % len(indices):] + indices[:p * step % len(indices)] for p in range(decoders)]
-        self._procs = [ctx.Process(target=_capacity_main, daemon=True,
-                                   args=(dataset_spec, orders[p], self._barrier, self._orders[p], self._results))
-                       for p in range(decoders)]
+        orders = [indices[p * step % len(indices) :] + indices[: p * step % len(indices)] for p in range(decoders)]
+        self._procs = [
+            ctx.Process(
+                target=_capacity_main,
+                daemon=True,
+                args=(dataset_spec, orders[p], self._barrier, self._orders[p], self._results),
+            )
+            for p in range(decoders)
+        ]
         try:
             with _environ(OMP_NUM_THREADS="1"):  # spawned children read it before torch is imported
                 for p in self._procs:
@@ -246,4 +261,3 @@ class CapacityProbe:
 
     def __exit__(self, *exc) -> None:
         self.close()
-

@@ -3,6 +3,7 @@ one host. Per tensor size: write_tensors into a reused slab (GB/s), into a fresh
 (GB/s, creating the segment included: tmpfs page allocation is the first-touch cost), and the
 client's attach + read_tensors on an already cached mapping (microseconds). Medians over repeats.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -49,8 +50,11 @@ def _one_size(prefix: str, size_mb: int, repeats: int) -> dict:
             released = []
             t = time.perf_counter()
             mm = reader.attach(handle["segment"])
-            out = read_tensors(memoryview(mm)[shm.HEADER_BYTES:shm.HEADER_BYTES + total], metas,
-                               on_release=lambda: released.append(reader.release(handle)))
+            out = read_tensors(
+                memoryview(mm)[shm.HEADER_BYTES : shm.HEADER_BYTES + total],
+                metas,
+                on_release=lambda: released.append(reader.release(handle)),
+            )
             reads.append(time.perf_counter() - t)
             t = time.perf_counter()
             del out  # no reference cycles: the finalizer runs here, not at a later gc
@@ -65,8 +69,13 @@ def _one_size(prefix: str, size_mb: int, repeats: int) -> dict:
             slab = pool.acquire(total)
             write_tensors(slab.payload, tensors, metas)
             fresh.append(time.perf_counter() - t)
-    return {"size_mb": size_mb, "reused_gb_s": _gbps(nbytes, reused), "fresh_gb_s": _gbps(nbytes, fresh),
-            "read_us": statistics.median(reads) * 1e6, "release_us": statistics.median(releases) * 1e6}
+    return {
+        "size_mb": size_mb,
+        "reused_gb_s": _gbps(nbytes, reused),
+        "fresh_gb_s": _gbps(nbytes, fresh),
+        "read_us": statistics.median(reads) * 1e6,
+        "release_us": statistics.median(releases) * 1e6,
+    }
 
 
 def bench_local_delivery(sizes_mb=(16, 64, 256), repeats: int = 5, console=None) -> list[dict]:
@@ -81,13 +90,20 @@ def bench_local_delivery(sizes_mb=(16, 64, 256), repeats: int = 5, console=None)
         rows = [_one_size(prefix, mb, repeats) for mb in sizes_mb]
     finally:
         shm.sweep(prefix)
-    table = Table(title=f"Helix local delivery through /dev/shm (one uint8 tensor, medians of {repeats}; "
-                        f"torch threads: {torch.get_num_threads()})")
+    table = Table(
+        title=f"Helix local delivery through /dev/shm (one uint8 tensor, medians of {repeats}; "
+        f"torch threads: {torch.get_num_threads()})"
+    )
     for col in ("MiB", "write, reused slab GB/s", "write, fresh slab GB/s", "attach+read µs", "release µs"):
         table.add_column(col, justify="right")
     for r in rows:
-        table.add_row(str(r["size_mb"]), f"{r['reused_gb_s']:.1f}", f"{r['fresh_gb_s']:.1f}",
-                      f"{r['read_us']:.1f}", f"{r['release_us']:.1f}")
+        table.add_row(
+            str(r["size_mb"]),
+            f"{r['reused_gb_s']:.1f}",
+            f"{r['fresh_gb_s']:.1f}",
+            f"{r['read_us']:.1f}",
+            f"{r['release_us']:.1f}",
+        )
     console.print(table)
     return rows
 

@@ -1,4 +1,5 @@
 """Collation for variable-shape video batches."""
+
 from __future__ import annotations
 
 import torch
@@ -34,11 +35,12 @@ def pad_collate(batch: list[dict], pad_token_id: int = 0, video_out: torch.Tenso
             video = vids[0].new_zeros((len(vids), t, c, h, w))
         else:
             got = tuple(video_out.shape)
-            fits = len(got) == 5 and got[0] == len(vids) and got[2] == c and got[1] >= t and got[3] >= h \
-                and got[4] >= w
+            fits = len(got) == 5 and got[0] == len(vids) and got[2] == c and got[1] >= t and got[3] >= h and got[4] >= w
             if not fits or video_out.dtype != vids[0].dtype:
-                raise ValueError(f"pad_collate: video_out is {got} {video_out.dtype}, the batch needs at least "
-                                 f"{(len(vids), t, c, h, w)} {vids[0].dtype}")
+                raise ValueError(
+                    f"pad_collate: video_out is {got} {video_out.dtype}, the batch needs at least "
+                    f"{(len(vids), t, c, h, w)} {vids[0].dtype}"
+                )
             video = video_out
             t = got[1]
         for i, v in enumerate(vids):

@@ -1,4 +1,5 @@
 """Frozen, validated configuration of a Helix cluster (heartbeats, timeouts, limits)."""
+
 from __future__ import annotations
 
 import math
@@ -7,6 +8,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 __all__ = ["PROTOCOL_VERSION", "ClusterConfig", "cache_dir"]
+
 
 def cache_dir() -> Path:
     """``$HELIX_CACHE``, else ``~/.cache/helix``: where synthesized workloads, bench data and
@@ -37,13 +39,17 @@ class ClusterConfig:
     max_message_bytes: int = 64 << 20  # gRPC send/receive limit
     stream_chunk_bytes: int = 4 << 20  # remote delivery chunk size
     slab_idle_s: float = 60.0  # a free shared-memory slab unused this long is unlinked (the pool shrinks)
-    sample_timeout_s: float = 300.0  # one sample's decode past this (and 20x its predicted cost): its worker is killed, the sample fails
+    sample_timeout_s: float = (
+        300.0  # one sample's decode past this (and 20x its predicted cost): its worker is killed, the sample fails
+    )
     worker_memory_fraction: float = 0.5  # each worker's address space: at most this share of the host's RAM (RLIMIT_AS)
     max_task_retries: int = 2  # worker deaths on one sample before it becomes a SampleError
     max_resubmits: int = 8  # client: resubmits of one task after server failures
     server_threads: int = 64  # gRPC handler threads of a DataServer (bounds tasks in flight)
     decode_slots: int = 0  # batches prepared at once per host, by all its workers (0: one per core)
-    worker_nice: int = 10  # decoding workers' niceness (0-19): a rank's or server's thread that wakes takes a core first
+    worker_nice: int = (
+        10  # decoding workers' niceness (0-19): a rank's or server's thread that wakes takes a core first
+    )
     work_stealing: bool = True  # a DataServer worker with nothing queued takes the unstarted tail of a running batch
     allow_pickle: bool = True  # cloudpickled datasets and batches between authenticated peers (False: JSON specs only)
     local_link: bool = True  # Execute and Route to servers of the rank's own host over a Unix socket (runtime/locallink.py); False: gRPC
@@ -68,22 +74,36 @@ class ClusterConfig:
                 if not (math.isfinite(v) and v > 0):
                     raise ValueError(f"{name} must be a finite positive number, got {v!r}")
         if self.worker_memory_fraction > 1:
-            raise ValueError(f"ClusterConfig.worker_memory_fraction is a share of the host's RAM in (0, 1], "
-                             f"got {self.worker_memory_fraction!r}")
+            raise ValueError(
+                f"ClusterConfig.worker_memory_fraction is a share of the host's RAM in (0, 1], "
+                f"got {self.worker_memory_fraction!r}"
+            )
         if self.worker_nice > 19:
             raise ValueError(f"ClusterConfig.worker_nice is a niceness in 0..19, got {self.worker_nice!r}")
         if self.sample_timeout_s >= self.execute_timeout_s:
-            raise ValueError("ClusterConfig.sample_timeout_s must be below execute_timeout_s (a hung sample must fail "
-                             f"before its batch's deadline: {self.sample_timeout_s} >= {self.execute_timeout_s})")
+            raise ValueError(
+                "ClusterConfig.sample_timeout_s must be below execute_timeout_s (a hung sample must fail "
+                f"before its batch's deadline: {self.sample_timeout_s} >= {self.execute_timeout_s})"
+            )
         if self.heartbeat_timeout_s <= self.heartbeat_interval_s:
-            raise ValueError("ClusterConfig.heartbeat_timeout_s must exceed heartbeat_interval_s "
-                             f"({self.heartbeat_timeout_s} <= {self.heartbeat_interval_s})")
+            raise ValueError(
+                "ClusterConfig.heartbeat_timeout_s must exceed heartbeat_interval_s "
+                f"({self.heartbeat_timeout_s} <= {self.heartbeat_interval_s})"
+            )
 
     @classmethod
     def for_tests(cls, **overrides) -> ClusterConfig:
-        base = dict(heartbeat_interval_s=0.1, heartbeat_timeout_s=0.5, rpc_timeout_s=3.0,
-                    coordinator_timeout_s=3.0, execute_timeout_s=120.0, stop_timeout_s=3.0,
-                    keepalive_s=0.5, keepalive_timeout_s=1.0, sample_timeout_s=60.0)
+        base = dict(
+            heartbeat_interval_s=0.1,
+            heartbeat_timeout_s=0.5,
+            rpc_timeout_s=3.0,
+            coordinator_timeout_s=3.0,
+            execute_timeout_s=120.0,
+            stop_timeout_s=3.0,
+            keepalive_s=0.5,
+            keepalive_timeout_s=1.0,
+            sample_timeout_s=60.0,
+        )
         base.update(overrides)
         return cls(**base)
 

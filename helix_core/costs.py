@@ -10,6 +10,7 @@ output pixels. The three coefficients come from a short calibration (a few clips
 bucket, least squares); ``cost_scale`` is the calibration's per-bucket residual; ``correction`` is
 refined online from measured decode times (``CostModel.update``).
 """
+
 from __future__ import annotations
 
 import math
@@ -41,8 +42,11 @@ class CostFit:
 
     def predict(self, decoded_px, output_px):
         """Seconds for arrays (or scalars) of decoded and output pixels."""
-        return (self.intercept_s + self.s_per_decoded_px * np.asarray(decoded_px, dtype=np.float64)
-                + self.s_per_output_px * np.asarray(output_px, dtype=np.float64))
+        return (
+            self.intercept_s
+            + self.s_per_decoded_px * np.asarray(decoded_px, dtype=np.float64)
+            + self.s_per_output_px * np.asarray(output_px, dtype=np.float64)
+        )
 
 
 def profile_bucket(frames, width, height):
@@ -113,8 +117,7 @@ def _calibration_configs(d: SampleDescriptor):
     short = max(min(d.width, d.height), 1)
     s = min(64, short)
     small = (max(2, round(d.height * s / short) // 2 * 2), max(2, round(d.width * s / short) // 2 * 2))
-    return [(uniform_indices(d.frames, 4), small),
-            (uniform_indices(d.frames, min(64, d.frames)), (d.height, d.width))]
+    return [(uniform_indices(d.frames, 4), small), (uniform_indices(d.frames, min(64, d.frames)), (d.height, d.width))]
 
 
 def calibrate(descriptors: list[SampleDescriptor], per_bucket: int = 2, progress=None):
@@ -148,15 +151,23 @@ def calibrate(descriptors: list[SampleDescriptor], per_bucket: int = 2, progress
                 finally:
                     if progress is not None:
                         progress()
-                points.append({"bucket": bucket, "index": d.index, "cpu_s": r.cpu_s,
-                               "decoded_px": r.frames_decoded * d.width * d.height,
-                               "output_px": len(idx) * hw[0] * hw[1]})
+                points.append(
+                    {
+                        "bucket": bucket,
+                        "index": d.index,
+                        "cpu_s": r.cpu_s,
+                        "decoded_px": r.frames_decoded * d.width * d.height,
+                        "output_px": len(idx) * hw[0] * hw[1],
+                    }
+                )
     if len(points) < 3:
         return CostFit(), {}, points
     fit = _least_squares(points)
     ratios: dict[str, list[float]] = {}
     for p in points:
-        ratios.setdefault(p["bucket"], []).append(p["cpu_s"] / max(float(fit.predict(p["decoded_px"], p["output_px"])), 1e-9))
+        ratios.setdefault(p["bucket"], []).append(
+            p["cpu_s"] / max(float(fit.predict(p["decoded_px"], p["output_px"])), 1e-9)
+        )
     return fit, {b: float(np.median(r)) for b, r in ratios.items()}, points
 
 
@@ -173,6 +184,6 @@ def _least_squares(points) -> CostFit:
         active.pop(int(np.argmin(coef)))
     full = np.zeros(3)
     full[active] = np.maximum(coef, 0) / norm[active]
-    return CostFit(intercept_s=float(full[0]), s_per_decoded_px=float(full[1]),
-                   s_per_output_px=float(full[2]), points=len(points))
-
+    return CostFit(
+        intercept_s=float(full[0]), s_per_decoded_px=float(full[1]), s_per_output_px=float(full[2]), points=len(points)
+    )

@@ -16,6 +16,7 @@ and so on (``runtime_checkable``: only the methods' presence is checked), never 
 
 ``VideoClipDataset`` and ``VideoTextDataset`` implement all of them.
 """
+
 from __future__ import annotations
 
 from typing import Protocol, runtime_checkable

@@ -4,6 +4,7 @@ Building a dataset reads the manifest (and ``profiles.jsonl`` when present) and 
 clip, so one bad file in a million cannot stop it: a bad sample fails when it is fetched or costed,
 as ``SampleError`` naming its index, path and cause.
 """
+
 from __future__ import annotations
 
 import os
@@ -52,10 +53,20 @@ class VideoClipDataset(torch.utils.data.Dataset):
     ``sample_generator(seed, epoch, index)``; ``set_epoch`` advances the epoch.
     """
 
-    def __init__(self, manifest: str | os.PathLike, model: str = "videomae", num_frames: int | None = None,
-                 size: int | tuple[int, int] | None = None, *, profiles: str | os.PathLike | bool | None = None,
-                 seed: int = 0, random_flip: float = 0.0, transform=None, max_frame_pixels: int = MAX_FRAME_PIXELS,
-                 max_frames: int = MAX_FRAMES):
+    def __init__(
+        self,
+        manifest: str | os.PathLike,
+        model: str = "videomae",
+        num_frames: int | None = None,
+        size: int | tuple[int, int] | None = None,
+        *,
+        profiles: str | os.PathLike | bool | None = None,
+        seed: int = 0,
+        random_flip: float = 0.0,
+        transform=None,
+        max_frame_pixels: int = MAX_FRAME_PIXELS,
+        max_frames: int = MAX_FRAMES,
+    ):
         if not 0.0 <= random_flip <= 1.0:
             raise ValueError(f"random_flip must be a probability in [0, 1], got {random_flip}")
         for name, v in (("max_frame_pixels", max_frame_pixels), ("max_frames", max_frames)):
@@ -90,9 +101,11 @@ class VideoClipDataset(torch.utils.data.Dataset):
             return None
         table = ProfileTable.load(path)
         if len(table) != len(self.manifest) or list(table.path) != [text_of(p) for p in self.manifest.paths]:
-            raise ValueError(f"profile table {path} does not match manifest {self.manifest_path} "
-                             f"({len(table)} rows for {len(self.manifest)} samples or other paths): "
-                             "re-run `helix profile`")
+            raise ValueError(
+                f"profile table {path} does not match manifest {self.manifest_path} "
+                f"({len(table)} rows for {len(self.manifest)} samples or other paths): "
+                "re-run `helix profile`"
+            )
         return table
 
     def _table_costs(self) -> dict[str, np.ndarray]:
@@ -101,10 +114,17 @@ class VideoClipDataset(torch.utils.data.Dataset):
         geo = self.spec.geometry(t.frames, t.fps, t.height, t.width, *self._hints)
         decoded_px = geo.frames_decoded * t.width * t.height
         output_px = geo.t * geo.resize_h * geo.resize_w
-        return {"cpu_s": self.table.fit.predict(decoded_px, output_px) * t.cost_scale,
-                "out_bytes": geo.t * 3 * geo.out_h * geo.out_w, "tokens": geo.tokens,
-                "t": geo.t, "h": geo.out_h, "w": geo.out_w, "io_bytes": t.columns["bytes"],
-                "bucket": np.asarray(profile_bucket(t.frames, t.width, t.height)), "ok": t.ok()}
+        return {
+            "cpu_s": self.table.fit.predict(decoded_px, output_px) * t.cost_scale,
+            "out_bytes": geo.t * 3 * geo.out_h * geo.out_w,
+            "tokens": geo.tokens,
+            "t": geo.t,
+            "h": geo.out_h,
+            "w": geo.out_w,
+            "io_bytes": t.columns["bytes"],
+            "bucket": np.asarray(profile_bucket(t.frames, t.width, t.height)),
+            "ok": t.ok(),
+        }
 
     # ---- descriptors and costs (never decode) --------------------------------------------------
     def __len__(self) -> int:
@@ -117,9 +137,12 @@ class VideoClipDataset(torch.utils.data.Dataset):
             return self.table.descriptor(index)
         if index not in self._probed:
             rec = self.manifest.records[index]
-            self._probed[index] = probe(self.manifest.paths[index], index=index,
-                                        caption_len=len(rec.get("caption", "") or ""),
-                                        locality=str(rec.get("locality", "local")))
+            self._probed[index] = probe(
+                self.manifest.paths[index],
+                index=index,
+                caption_len=len(rec.get("caption", "") or ""),
+                locality=str(rec.get("locality", "local")),
+            )
         return self._probed[index]
 
     def _geometry(self, d: SampleDescriptor):
@@ -128,8 +151,9 @@ class VideoClipDataset(torch.utils.data.Dataset):
         if g is None:  # a sample's geometry is asked for several times on its way (plan, decode, cost)
             if len(self._geo) >= _GEOMETRY_MEMO:
                 self._geo.clear()
-            g = self._geo[i] = self.spec.geometry(d.frames, d.fps, d.height, d.width,
-                                                  self._hints[0][i:i + 1], self._hints[1][i:i + 1])
+            g = self._geo[i] = self.spec.geometry(
+                d.frames, d.fps, d.height, d.width, self._hints[0][i : i + 1], self._hints[1][i : i + 1]
+            )
         return g
 
     def _work(self, d: SampleDescriptor) -> tuple[float, float]:
@@ -143,14 +167,23 @@ class VideoClipDataset(torch.utils.data.Dataset):
             self.table.descriptor(index)  # raises SampleError for a row that failed to probe
             c = self._costs
             cpu_s = float(c["cpu_s"][index]) * self.cost_model.correction(str(c["bucket"][index]))
-            return CostProfile(cpu_s=cpu_s, io_bytes=int(c["io_bytes"][index]),
-                               out_bytes=int(c["out_bytes"][index]), tokens=int(c["tokens"][index]),
-                               profile=f"{c['t'][index]}x{c['h'][index]}x{c['w'][index]}")
+            return CostProfile(
+                cpu_s=cpu_s,
+                io_bytes=int(c["io_bytes"][index]),
+                out_bytes=int(c["out_bytes"][index]),
+                tokens=int(c["tokens"][index]),
+                profile=f"{c['t'][index]}x{c['h'][index]}x{c['w'][index]}",
+            )
         d = self.descriptor(index)
         g = self._geometry(d)
         t, h, w = int(g.t[0]), int(g.out_h[0]), int(g.out_w[0])
-        return CostProfile(cpu_s=self.cost_model.predict(d), io_bytes=d.bytes, out_bytes=t * 3 * h * w,
-                           tokens=int(g.tokens[0]), profile=f"{t}x{h}x{w}")
+        return CostProfile(
+            cpu_s=self.cost_model.predict(d),
+            io_bytes=d.bytes,
+            out_bytes=t * 3 * h * w,
+            tokens=int(g.tokens[0]),
+            profile=f"{t}x{h}x{w}",
+        )
 
     def cost_arrays(self) -> dict[str, np.ndarray] | None:
         """Every row's ``cpu_s`` (offline, without online corrections), ``io_bytes``,
@@ -189,15 +222,26 @@ class VideoClipDataset(torch.utils.data.Dataset):
         index = self._check(index)
         d = self.descriptor(index)
         if d.width * d.height > self.max_frame_pixels:
-            raise SampleError(index, d.path, f"frames of {d.width}x{d.height} ({d.width * d.height:,} pixels) exceed "
-                                             f"max_frame_pixels={self.max_frame_pixels:,}: not decoded")
+            raise SampleError(
+                index,
+                d.path,
+                f"frames of {d.width}x{d.height} ({d.width * d.height:,} pixels) exceed "
+                f"max_frame_pixels={self.max_frame_pixels:,}: not decoded",
+            )
         if d.frames > self.max_frames:
             raise SampleError(index, d.path, f"{d.frames:,} frames exceed max_frames={self.max_frames:,}: not decoded")
         g = self._geometry(d)
         idx = uniform_indices(d.frames, int(g.t[0]))
         crop = (int(g.out_h[0]), int(g.out_w[0]))
-        r = decode_frames(d.path, idx, (int(g.resize_h[0]), int(g.resize_w[0])), crop,
-                          index=index, exact_count=d.frames_source == "header", out=out)
+        r = decode_frames(
+            d.path,
+            idx,
+            (int(g.resize_h[0]), int(g.resize_w[0])),
+            crop,
+            index=index,
+            exact_count=d.frames_source == "header",
+            out=out,
+        )
         video = torch.from_numpy(r.video)
         rec = self.manifest.records[index]
         sample = {"video": video, "index": index, "tokens": int(g.tokens[0]), "label": int(rec.get("label", -1))}
@@ -232,14 +276,22 @@ class VideoClipDataset(torch.utils.data.Dataset):
 
         name = type(self).__name__
         if "helix_spec" not in type(self).__dict__:
-            raise SpecError(name, f"the fields of subclass {name}",
-                            f"define {name}.helix_spec() (extend super().helix_spec()), or use " + PICKLING)
-        kwargs = {"manifest": str(self.manifest_path), "model": self.spec.model,
-                  "num_frames": self.spec.num_frames,
-                  "size": list(self.spec.size) if isinstance(self.spec.size, tuple) else self.spec.size,
-                  "seed": self.seed, "random_flip": self.random_flip,
-                  "max_frame_pixels": self.max_frame_pixels, "max_frames": self.max_frames,
-                  "profiles": str(self._profiles) if isinstance(self._profiles, Path) else self._profiles}
+            raise SpecError(
+                name,
+                f"the fields of subclass {name}",
+                f"define {name}.helix_spec() (extend super().helix_spec()), or use " + PICKLING,
+            )
+        kwargs = {
+            "manifest": str(self.manifest_path),
+            "model": self.spec.model,
+            "num_frames": self.spec.num_frames,
+            "size": list(self.spec.size) if isinstance(self.spec.size, tuple) else self.spec.size,
+            "seed": self.seed,
+            "random_flip": self.random_flip,
+            "max_frame_pixels": self.max_frame_pixels,
+            "max_frames": self.max_frames,
+            "profiles": str(self._profiles) if isinstance(self._profiles, Path) else self._profiles,
+        }
         if self.transform is not None:
             kwargs["transform"] = function_path(self.transform)
             if kwargs["transform"] is None:
@@ -254,8 +306,17 @@ class VideoTextDataset(VideoClipDataset):
     ``max_text_len``) from ``tokenizer`` — a Hugging Face tokenizer object, a local tokenizer
     folder, or ``None`` for the built-in byte tokenizer (nothing is downloaded)."""
 
-    def __init__(self, manifest, model: str = "qwen2-vl", num_frames=None, size=None, *, tokenizer=None,
-                 max_text_len: int = 128, **kwargs):
+    def __init__(
+        self,
+        manifest,
+        model: str = "qwen2-vl",
+        num_frames=None,
+        size=None,
+        *,
+        tokenizer=None,
+        max_text_len: int = 128,
+        **kwargs,
+    ):
         super().__init__(manifest, model, num_frames, size, **kwargs)
         if max_text_len < 2:
             raise ValueError(f"max_text_len must be >= 2, got {max_text_len}")
@@ -275,10 +336,10 @@ class VideoTextDataset(VideoClipDataset):
         spec = super().helix_spec()
         source = self.tokenizer.source
         if not isinstance(source, (str, os.PathLike, type(None))):
-            raise SpecError(type(self).__name__, "tokenizer (an object)",
-                            "pass its local folder path instead, or use " + PICKLING)
+            raise SpecError(
+                type(self).__name__, "tokenizer (an object)", "pass its local folder path instead, or use " + PICKLING
+            )
         if source is not None and Path(source).exists():
             source = str(Path(source).absolute())
         spec["kwargs"].update(tokenizer=None if source is None else str(source), max_text_len=self.max_text_len)
         return spec
-

@@ -1,4 +1,5 @@
 """Pure data that Helix schedules before any tensor exists (paper §3.2, §4.5)."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -65,4 +66,3 @@ class CostProfile:
     out_bytes: int
     tokens: int
     profile: str
-

@@ -11,6 +11,7 @@ Needs root, ``ip``, ``unshare`` and ``nsenter`` (``EmulatedHosts.unavailable()``
 missing). ``close()`` — also on an exception inside ``with``, and at interpreter exit — kills
 every process it started and removes every namespace, veth and cgroup it made.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -60,9 +61,15 @@ class EmulatedHosts:
     each host's /dev/shm size. Addresses are ``<subnet>.<10 + position>`` (198.51.100.0/24, TEST-NET-2).
     """
 
-    def __init__(self, names: Sequence[str], *, cpus: float | Mapping[str, float] | None = None,
-                 link_mbps: float | Mapping[str, float] | None = None, shm_mb: int = 1024,
-                 subnet: str = "198.51.100"):
+    def __init__(
+        self,
+        names: Sequence[str],
+        *,
+        cpus: float | Mapping[str, float] | None = None,
+        link_mbps: float | Mapping[str, float] | None = None,
+        shm_mb: int = 1024,
+        subnet: str = "198.51.100",
+    ):
         names = list(names)
         bad = [n for n in names if not isinstance(n, str) or not _NAME.match(n)]
         if not names or bad or len(set(names)) != len(names):
@@ -145,8 +152,25 @@ class EmulatedHosts:
             for where, dev in ((ns, "eth0"), (bridge, veth)):
                 rate = self.link_mbps[name]
                 burst = max(16_384, int(rate * 1e6 / 8 / 100))  # 10 ms of the rate, at least 16 KiB
-                _sh("ip", "netns", "exec", where, "tc", "qdisc", "add", "dev", dev, "root", "tbf",
-                    "rate", f"{rate}mbit", "burst", str(burst), "latency", "100ms")
+                _sh(
+                    "ip",
+                    "netns",
+                    "exec",
+                    where,
+                    "tc",
+                    "qdisc",
+                    "add",
+                    "dev",
+                    dev,
+                    "root",
+                    "tbf",
+                    "rate",
+                    f"{rate}mbit",
+                    "burst",
+                    str(burst),
+                    "latency",
+                    "100ms",
+                )
         cgroups = self._host_cgroups(name)
         for cg in dict.fromkeys(cgroups.values()):  # one directory where cpu and cpuacct share a mount
             os.mkdir(cg)
@@ -157,11 +181,30 @@ class EmulatedHosts:
                 f.write("100000")
             with open(os.path.join(cg, "cpu.cfs_quota_us"), "w") as f:
                 f.write(str(max(1000, int(self.cpus[name] * 100_000))))
-        script = (f"mount -t tmpfs -o size={self.shm_mb}m,mode=1777 tmpfs /dev/shm && hostname {name} "
-                  f"&& echo ready && exec -a helix-host-{self.tag}-{name} sleep 1000000")
-        holder = subprocess.Popen(["ip", "netns", "exec", ns, "unshare", "--mount", "--uts", "--propagation",
-                                   "private", "bash", "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                  text=True, start_new_session=True)
+        script = (
+            f"mount -t tmpfs -o size={self.shm_mb}m,mode=1777 tmpfs /dev/shm && hostname {name} "
+            f"&& echo ready && exec -a helix-host-{self.tag}-{name} sleep 1000000"
+        )
+        holder = subprocess.Popen(
+            [
+                "ip",
+                "netns",
+                "exec",
+                ns,
+                "unshare",
+                "--mount",
+                "--uts",
+                "--propagation",
+                "private",
+                "bash",
+                "-c",
+                script,
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
         self._holders[name] = holder
         if holder.stdout.readline().strip() != "ready":
             raise RuntimeError(f"EmulatedHosts: host {name!r} did not start: {holder.stderr.read().strip()}")

@@ -1,4 +1,5 @@
 """Exception types of Helix: every error names the thing it is about."""
+
 from __future__ import annotations
 
 import os
@@ -45,8 +46,10 @@ class ManifestError(ValueError):
 
 
 #: Where a dataset, collate function or batch that needs cloudpickle can go (the fix errors name).
-PICKLING = ("a cluster that accepts cloudpickle (every cluster does over loopback or TLS, unless started "
-            "with ClusterConfig(allow_pickle=False))")
+PICKLING = (
+    "a cluster that accepts cloudpickle (every cluster does over loopback or TLS, unless started "
+    "with ClusterConfig(allow_pickle=False))"
+)
 
 
 class ClusterError(RuntimeError):

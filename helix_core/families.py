@@ -13,6 +13,7 @@ Per-sample manifest hints ``num_frames`` / ``size`` (the synthetic workloads wri
 what the dataset leaves as ``None`` for VideoMAE and Wan, so a mixed workload keeps its S/M/L
 decode profiles. Everything here works on numpy arrays over a whole profile table.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -116,8 +117,7 @@ class VideoSpec:
             tokens = tk.wan(t, rh, rw)
         oh = np.broadcast_to(oh, frames.shape).astype(np.int64)
         ow = np.broadcast_to(ow, frames.shape).astype(np.int64)
-        return Geometry(t, rh, rw, oh, ow, np.atleast_1d(tokens).astype(np.int64),
-                        self._frames_decoded(frames, t))
+        return Geometry(t, rh, rw, oh, ow, np.atleast_1d(tokens).astype(np.int64), self._frames_decoded(frames, t))
 
     def _frames(self, frames, fps, hint):
         if self.is_qwen:

@@ -1,5 +1,6 @@
 """The manifest: JSON lines, one sample each; ``path`` required (absolute or relative to the
 manifest's folder), ``caption`` / ``label`` optional, unknown keys kept and passed through."""
+
 from __future__ import annotations
 
 import json

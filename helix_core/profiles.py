@@ -6,6 +6,7 @@ is one sample's source facts (``SampleDescriptor`` fields), its ``bucket``, its 
 million rows load without a Python loop per row. Tokens and output bytes are not stored: they
 depend on the dataset's model / frames / size and are computed by the dataset, vectorised.
 """
+
 from __future__ import annotations
 
 import json
@@ -74,9 +75,17 @@ class ProfileTable:
         ok = self.ok()
         for b in sorted(set(buckets[ok].tolist())):
             m = (buckets == b) & ok
-            rows.append({"bucket": b, "clips": int(m.sum()), "frames": float(self.frames[m].mean()),
-                         "width": float(self.width[m].mean()), "height": float(self.height[m].mean()),
-                         "mb": float(self.columns["bytes"][m].sum() / 1e6), "cost_scale": float(self.cost_scale[m].mean())})
+            rows.append(
+                {
+                    "bucket": b,
+                    "clips": int(m.sum()),
+                    "frames": float(self.frames[m].mean()),
+                    "width": float(self.width[m].mean()),
+                    "height": float(self.height[m].mean()),
+                    "mb": float(self.columns["bytes"][m].sum() / 1e6),
+                    "cost_scale": float(self.cost_scale[m].mean()),
+                }
+            )
         if (~ok).any():
             rows.append({"bucket": "(failed)", "clips": int((~ok).sum())})
         return rows
@@ -115,8 +124,9 @@ class ProfileTable:
         if version != PROFILE_VERSION:
             raise ValueError(f"{path}: profile table version {version}, this Helix reads {PROFILE_VERSION}")
         body = pa.memory_map(str(path)).read_buffer().slice(len(first))  # no copy of the rows
-        schema = pa.schema([(k, pa.int64()) for k in _INT] + [(k, pa.float64()) for k in _FLOAT]
-                           + [(k, pa.string()) for k in _STR])
+        schema = pa.schema(
+            [(k, pa.int64()) for k in _INT] + [(k, pa.float64()) for k in _FLOAT] + [(k, pa.string()) for k in _STR]
+        )
         if body.size > 0 and bytes(body.slice(0, min(body.size, 4096))).strip():
             try:
                 table = pj.read_json(pa.BufferReader(body), parse_options=pj.ParseOptions(explicit_schema=schema))
@@ -142,8 +152,14 @@ def _probe_row(args):
         return {"index": i, "path": path, "caption_len": caption_len, "locality": locality}, e.cause
 
 
-def profile_dataset(manifest: str | os.PathLike, out: str | os.PathLike | None = None, *,
-                    calibrate_per_bucket: int = 2, workers: int = 1, progress: bool = False) -> ProfileTable:
+def profile_dataset(
+    manifest: str | os.PathLike,
+    out: str | os.PathLike | None = None,
+    *,
+    calibrate_per_bucket: int = 2,
+    workers: int = 1,
+    progress: bool = False,
+) -> ProfileTable:
     """Probe every clip of ``manifest`` (metadata only), calibrate the CPU-cost fit on a few clips
     per bucket, and save ``profiles.jsonl`` beside the manifest (or at ``out``).
 
@@ -152,8 +168,10 @@ def profile_dataset(manifest: str | os.PathLike, out: str | os.PathLike | None =
     from rich.progress import Progress
 
     man = Manifest(manifest)
-    jobs = [(i, p, len(r.get("caption", "") or ""), str(r.get("locality", "local")))
-            for i, (p, r) in enumerate(zip(man.paths, man.records))]
+    jobs = [
+        (i, p, len(r.get("caption", "") or ""), str(r.get("locality", "local")))
+        for i, (p, r) in enumerate(zip(man.paths, man.records))
+    ]
     with Progress(disable=not progress) as bar:
         task = bar.add_task("probe", total=len(jobs))
         results = []
@@ -179,13 +197,24 @@ def profile_dataset(manifest: str | os.PathLike, out: str | os.PathLike | None =
 
 
 def _columns(results) -> dict[str, np.ndarray]:
-    defaults = {"bytes": 0, "duration_s": 0.0, "fps": 0.0, "frames": 0, "width": 0, "height": 0, "codec": "",
-                "frames_source": "header", "duration_source": "header"}
+    defaults = {
+        "bytes": 0,
+        "duration_s": 0.0,
+        "fps": 0.0,
+        "frames": 0,
+        "width": 0,
+        "height": 0,
+        "codec": "",
+        "frames_source": "header",
+        "duration_source": "header",
+    }
     cols: dict[str, list] = {k: [] for k in _INT + _FLOAT + _STR if k not in ("bucket", "cost_scale")}
     for d, err in results:
         for k in cols:
             cols[k].append(err if k == "error" else d.get(k, defaults.get(k)))
-    arrays = {k: np.asarray(v, dtype=object if k in _STR else (np.int64 if k in _INT else np.float64))
-              for k, v in cols.items()}
+    arrays = {
+        k: np.asarray(v, dtype=object if k in _STR else (np.int64 if k in _INT else np.float64))
+        for k, v in cols.items()
+    }
     arrays["bucket"] = np.asarray(profile_bucket(arrays["frames"], arrays["width"], arrays["height"]), dtype=object)
     return arrays

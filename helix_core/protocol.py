@@ -3,6 +3,7 @@ requests it is sent as: itself, or its fan-out / microbatch parts), each placed 
 answered with an ``ExecuteReply`` whose failure is an ``ErrorKind``. The protobuf <-> dataclass
 conversions of the request path live here and nowhere else.
 """
+
 from __future__ import annotations
 
 import enum
@@ -46,8 +47,15 @@ class Route:
 
     @classmethod
     def from_pb(cls, r: pb.RouteReply) -> Route:
-        return cls(r.exec_server_id, r.exec_address, r.exec_kind, r.delivery_server_id, r.delivery_address,
-                   r.reason, r.decision_us)
+        return cls(
+            r.exec_server_id,
+            r.exec_address,
+            r.exec_kind,
+            r.delivery_server_id,
+            r.delivery_address,
+            r.reason,
+            r.decision_us,
+        )
 
     @property
     def deliver_to(self) -> str:
@@ -100,7 +108,7 @@ class Task:
     def splits(self) -> list[list[int]]:
         """The samples of each request the batch is sent as when no fan-out applies."""
         m = self.microbatch_size or len(self.indices)
-        return [self.indices[i:i + m] for i in range(0, len(self.indices), m)]
+        return [self.indices[i : i + m] for i in range(0, len(self.indices), m)]
 
 
 def cost_term(cost) -> pb.CostTerm:
@@ -109,24 +117,59 @@ def cost_term(cost) -> pb.CostTerm:
     return pb.CostTerm(cpu_s=cost.cpu_s, io_bytes=cost.io_bytes, out_bytes=cost.out_bytes, tokens=cost.tokens)
 
 
-def route_request(client_id: str, rank: int, part: Part, deadline_s: float | None, scheduler: str,
-                  completed: list[int], host: str, local_rank: int) -> pb.RouteRequest:
-    return pb.RouteRequest(client_id=client_id, rank=rank, task_id=part.task_id, cost=cost_term(part.cost),
-                           deadline_s=deadline_s or 0.0, has_deadline=deadline_s is not None,
-                           exclude=sorted(part.excluded), scheduler=scheduler, completed=completed,
-                           host=host, local_rank=local_rank)
+def route_request(
+    client_id: str,
+    rank: int,
+    part: Part,
+    deadline_s: float | None,
+    scheduler: str,
+    completed: list[int],
+    host: str,
+    local_rank: int,
+) -> pb.RouteRequest:
+    return pb.RouteRequest(
+        client_id=client_id,
+        rank=rank,
+        task_id=part.task_id,
+        cost=cost_term(part.cost),
+        deadline_s=deadline_s or 0.0,
+        has_deadline=deadline_s is not None,
+        exclude=sorted(part.excluded),
+        scheduler=scheduler,
+        completed=completed,
+        host=host,
+        local_rank=local_rank,
+    )
 
 
-def execute_request(task: Task, part: Part, spec_id: str, on_error: str, client_id: str,
-                    deadline_s: float | None, splittable: bool = False, features: bool = False) -> pb.ExecuteRequest:
+def execute_request(
+    task: Task,
+    part: Part,
+    spec_id: str,
+    on_error: str,
+    client_id: str,
+    deadline_s: float | None,
+    splittable: bool = False,
+    features: bool = False,
+) -> pb.ExecuteRequest:
     """``splittable``: the client merges pieces exactly (the server may split the batch among idle workers),
     and the batch's first part leaves the room of the later parts' rows in its slab, which the merge
     grows into (``room``); ``features``: Tier 2 — the workers measure each sample's features
     (``Rebalance.feature_fn``)."""
     room = [i for p in task.parts[1:] for i in p.indices] if splittable and task.parts and part is task.parts[0] else []
-    return pb.ExecuteRequest(task_id=part.task_id, spec_id=spec_id, indices=part.indices, epoch=task.epoch,
-                             substitutes=task.substitutes if on_error == "skip" else (),  # raise: never used
-                             on_error=on_error, deliver_to=part.route.deliver_to,
-                             client_id=client_id, deadline_s=deadline_s or 0.0, has_deadline=deadline_s is not None,
-                             predicted_cpu_s=part.cost.cpu_s if part.cost is not None else 0.0, splittable=splittable,
-                             features=features, room=room)
+    return pb.ExecuteRequest(
+        task_id=part.task_id,
+        spec_id=spec_id,
+        indices=part.indices,
+        epoch=task.epoch,
+        substitutes=task.substitutes if on_error == "skip" else (),  # raise: never used
+        on_error=on_error,
+        deliver_to=part.route.deliver_to,
+        client_id=client_id,
+        deadline_s=deadline_s or 0.0,
+        has_deadline=deadline_s is not None,
+        predicted_cpu_s=part.cost.cpu_s if part.cost is not None else 0.0,
+        splittable=splittable,
+        features=features,
+        room=room,
+    )

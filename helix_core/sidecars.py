@@ -7,6 +7,7 @@ starts a new DataServer, which registers again. The data path stays Helix's — 
 the sidecar to the rank's local server — never Ray's object store. ``close()`` ends the actors
 and, with them, their processes.
 """
+
 from __future__ import annotations
 
 import json
@@ -23,16 +24,39 @@ __all__ = ["RaySidecars", "ray_sidecars"]
 class _Sidecar:
     """A Ray actor that owns one remote DataServer process (started in ``__init__``)."""
 
-    def __init__(self, coordinator: str, workers: int, token_ref: list, env: dict, config_json: str,
-                 host: str | None, insecure: bool, startup_timeout_s: float):
+    def __init__(
+        self,
+        coordinator: str,
+        workers: int,
+        token_ref: list,
+        env: dict,
+        config_json: str,
+        host: str | None,
+        insecure: bool,
+        startup_timeout_s: float,
+    ):
         import ray
 
         from .runtime.cluster import wait_ready
 
         token = ray.get(token_ref[0]) if token_ref else None  # from the object store: no actor argument shows it
         host = host or toward(coordinator)
-        argv = [sys.executable, "-m", "helix_core.runtime.process", "dataserver", "--coordinator", coordinator,
-                "--remote", "--workers", str(workers), "--host", host, "--owned", "--config-json", config_json]
+        argv = [
+            sys.executable,
+            "-m",
+            "helix_core.runtime.process",
+            "dataserver",
+            "--coordinator",
+            coordinator,
+            "--remote",
+            "--workers",
+            str(workers),
+            "--host",
+            host,
+            "--owned",
+            "--config-json",
+            config_json,
+        ]
         if insecure:
             argv.append("--insecure")
         child_env = dict(os.environ, **env, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
@@ -41,8 +65,9 @@ class _Sidecar:
         import tempfile
 
         self.log = tempfile.TemporaryFile()  # the DataServer's stderr: its first words if it fails to start
-        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log,
-                                     env=child_env)
+        self.proc = subprocess.Popen(
+            argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, env=child_env
+        )
         try:
             self.info = wait_ready(self.proc, "the sidecar's DataServer", startup_timeout_s)
         except ClusterError as e:
@@ -131,10 +156,20 @@ def _check_reachable(address: str, timeout_s: float = 5.0) -> None:
         raise ClusterError(f"cannot join the Ray cluster at --ray {address}: nothing answers there ({e})") from None
 
 
-def ray_sidecars(coordinator: str, count: int, workers: int, token: str | None = None, *,
-                 ray_address: str | None = None, host: str | None = None, tls_env: dict | None = None,
-                 insecure: bool = False, config: ClusterConfig | None = None, max_restarts: int = -1,
-                 **actor_options) -> RaySidecars:
+def ray_sidecars(
+    coordinator: str,
+    count: int,
+    workers: int,
+    token: str | None = None,
+    *,
+    ray_address: str | None = None,
+    host: str | None = None,
+    tls_env: dict | None = None,
+    insecure: bool = False,
+    config: ClusterConfig | None = None,
+    max_restarts: int = -1,
+    **actor_options,
+) -> RaySidecars:
     """Start ``count`` sidecars (remote DataServers of ``workers`` workers each) as Ray actors that
     join the Coordinator at ``coordinator``. ``ray_address``: the Ray cluster to join (default: the
     one this process is connected to, else ``ray.init()``'s default); ``host``: the address each
@@ -152,15 +187,20 @@ def ray_sidecars(coordinator: str, count: int, workers: int, token: str | None =
         raise ClusterError("sidecars on Ray need Ray: pip install 'ray>=2.40'") from None
     from .runtime.auth import is_loopback, load_token
 
-    config, token = config or ClusterConfig(), load_token(token, coordinator=coordinator)  # the actors may run elsewhere
+    config, token = (
+        config or ClusterConfig(),
+        load_token(token, coordinator=coordinator),
+    )  # the actors may run elsewhere
     env = {k: v for k, v in os.environ.items() if k.startswith("HELIX_TLS_")} if tls_env is None else dict(tls_env)
     beyond = host if host is not None else coordinator.rpartition(":")[0].strip("[]")
     if not is_loopback(beyond) and not insecure and not env:
         where = f"host={host!r}" if host is not None else f"the interface toward the Coordinator at {coordinator}"
-        raise ValueError(f"ray_sidecars: the sidecars would listen on {where}, beyond loopback, which needs TLS: pass "
-                         "tls_env={'HELIX_TLS_CERT': ..., 'HELIX_TLS_KEY': ..., 'HELIX_TLS_CA': ...} (paths as the Ray "
-                         "nodes see them; default: this process's HELIX_TLS_* environment), or insecure=True (no "
-                         "pickled data then)")
+        raise ValueError(
+            f"ray_sidecars: the sidecars would listen on {where}, beyond loopback, which needs TLS: pass "
+            "tls_env={'HELIX_TLS_CERT': ..., 'HELIX_TLS_KEY': ..., 'HELIX_TLS_CA': ...} (paths as the Ray "
+            "nodes see them; default: this process's HELIX_TLS_* environment), or insecure=True (no "
+            "pickled data then)"
+        )
     owns = not ray.is_initialized()
     if owns and ray_address and ray_address != "auto" and not ray_address.startswith("ray://"):
         _check_reachable(ray_address)
@@ -171,8 +211,12 @@ def ray_sidecars(coordinator: str, count: int, workers: int, token: str | None =
             raise ClusterError(f"cannot join the Ray cluster at --ray {ray_address or 'auto'}: {e}") from None
     token_ref = [ray.put(token)] if token else []  # nested: the actor gets it with ray.get, never as an argument
     cls = ray.remote(_Sidecar).options(num_cpus=workers, max_restarts=max_restarts, **actor_options)
-    actors = [cls.remote(coordinator, workers, token_ref, env, json.dumps(config.to_dict()), host, insecure,
-                         config.startup_timeout_s) for _ in range(count)]
+    actors = [
+        cls.remote(
+            coordinator, workers, token_ref, env, json.dumps(config.to_dict()), host, insecure, config.startup_timeout_s
+        )
+        for _ in range(count)
+    ]
     handle = RaySidecars(actors, owns, keep=tuple(token_ref))
     try:
         handle.describe()  # every sidecar's DataServer is up (and registered) before this returns

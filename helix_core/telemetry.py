@@ -1,4 +1,5 @@
 """Telemetry helpers: percentiles and the loader's running counters (constant memory)."""
+
 from __future__ import annotations
 
 import collections
@@ -39,8 +40,11 @@ class CostErrors:
 
     def as_dict(self) -> dict:
         k = max(1, min(self.n, self.count // 4))
-        return {"cost_error_start": percentile(self.first[:k], 50),
-                "cost_error_end": percentile(list(self.last)[-k:], 50), "cost_samples": self.count}
+        return {
+            "cost_error_start": percentile(self.first[:k], 50),
+            "cost_error_end": percentile(list(self.last)[-k:], 50),
+            "cost_samples": self.count,
+        }
 
 
 class LoaderStats:
@@ -68,18 +72,28 @@ class LoaderStats:
         misses = sum(w > self.ddl_tolerance_s for w in waits)
         return {
             "batches": self.batches,
-            "input_wait_p50_s": percentile(waits, 50), "input_wait_p95_s": percentile(waits, 95),
+            "input_wait_p50_s": percentile(waits, 50),
+            "input_wait_p95_s": percentile(waits, 95),
             "input_wait_last_s": waits[-1] if waits else math.nan,
-            "batch_ready_p50_s": percentile(self.batch_ready, 50), "batch_ready_p95_s": percentile(self.batch_ready, 95),
-            "wakeup_p50_s": percentile(self.wakeup, 50), "wakeup_p99_s": percentile(self.wakeup, 99),
-            "ddl_miss_rate": misses / len(waits) if waits else math.nan, "ddl_tolerance_s": self.ddl_tolerance_s,
-            "skipped": self.skipped, "resubmits": self.resubmits,
+            "batch_ready_p50_s": percentile(self.batch_ready, 50),
+            "batch_ready_p95_s": percentile(self.batch_ready, 95),
+            "wakeup_p50_s": percentile(self.wakeup, 50),
+            "wakeup_p99_s": percentile(self.wakeup, 99),
+            "ddl_miss_rate": misses / len(waits) if waits else math.nan,
+            "ddl_tolerance_s": self.ddl_tolerance_s,
+            "skipped": self.skipped,
+            "resubmits": self.resubmits,
             "cross_ds_bytes": self.cross_ds_bytes,
             "scheduler_overhead_us_p50": percentile(self.decision_us, 50),
             "scheduler_overhead_us_p99": percentile(self.decision_us, 99),
-            "route_us_p50": percentile(self.route_us, 50), "route_us_p99": percentile(self.route_us, 99),
-            "deadline_p50_s": percentile(self.deadlines, 50), "fanouts": self.fanouts, "stolen": self.stolen,
-            "placement_reasons": dict(self.reasons), **self.cost_errors.as_dict(),
-            "rebalance": dict(self.rebalance), "rebalance_errors": list(self.rebalance_errors),
+            "route_us_p50": percentile(self.route_us, 50),
+            "route_us_p99": percentile(self.route_us, 99),
+            "deadline_p50_s": percentile(self.deadlines, 50),
+            "fanouts": self.fanouts,
+            "stolen": self.stolen,
+            "placement_reasons": dict(self.reasons),
+            **self.cost_errors.as_dict(),
+            "rebalance": dict(self.rebalance),
+            "rebalance_errors": list(self.rebalance_errors),
             "rebalance_rounds": list(self.rebalance_rounds),
         }

@@ -1,5 +1,6 @@
 """Small datasets for tests and benchmarks of the data plane (importable by DataServer workers,
 so they travel as import path plus JSON arguments, no pickle)."""
+
 from __future__ import annotations
 
 import os
@@ -25,8 +26,9 @@ class IndexDataset(torch.utils.data.Dataset):
     while it prepares them (``os._exit``).
     """
 
-    def __init__(self, n: int, shape=(4,), delays: dict | None = None, fail: dict | None = None,
-                 crash: dict | None = None):
+    def __init__(
+        self, n: int, shape=(4,), delays: dict | None = None, fail: dict | None = None, crash: dict | None = None
+    ):
         self.n, self.shape = int(n), tuple(shape)
         self.delays = {int(k): float(v) for k, v in (delays or {}).items()}
         self.fail = {int(k): str(v) for k, v in (fail or {}).items()}
@@ -52,10 +54,16 @@ class IndexDataset(torch.utils.data.Dataset):
         return f"index://{int(i)}"
 
     def helix_spec(self) -> dict:
-        return {"target": f"{type(self).__module__}:{type(self).__qualname__}",
-                "kwargs": {"n": self.n, "shape": list(self.shape), "delays": {str(k): v for k, v in self.delays.items()},
-                           "fail": {str(k): v for k, v in self.fail.items()},
-                           "crash": {str(k): v for k, v in self.crash.items()}}}
+        return {
+            "target": f"{type(self).__module__}:{type(self).__qualname__}",
+            "kwargs": {
+                "n": self.n,
+                "shape": list(self.shape),
+                "delays": {str(k): v for k, v in self.delays.items()},
+                "fail": {str(k): v for k, v in self.fail.items()},
+                "crash": {str(k): v for k, v in self.crash.items()},
+            },
+        }
 
 
 def pair_collate(samples: list[dict]):
@@ -92,16 +100,21 @@ class CostedDataset(IndexDataset):
         i = int(i)
         if i in self.broken:
             raise SampleError(i, self.sample_path(i), "cannot be probed")
-        return CostProfile(cpu_s=self.cpu_s[i], io_bytes=0, out_bytes=4, tokens=self.tokens[i],
-                           profile=f"{self.tokens[i]}t")
+        return CostProfile(
+            cpu_s=self.cpu_s[i], io_bytes=0, out_bytes=4, tokens=self.tokens[i], profile=f"{self.tokens[i]}t"
+        )
 
     def cost_arrays(self) -> dict:
         import numpy as np
 
         ok = np.ones(self.n, dtype=bool)
         ok[self.broken] = False
-        return {"tokens": np.asarray(self.tokens, dtype=np.int64), "cpu_s": np.asarray(self.cpu_s),
-                "bucket": np.array([f"{t}t" for t in self.tokens], dtype=object), "ok": ok}
+        return {
+            "tokens": np.asarray(self.tokens, dtype=np.int64),
+            "cpu_s": np.asarray(self.cpu_s),
+            "bucket": np.array([f"{t}t" for t in self.tokens], dtype=object),
+            "ok": ok,
+        }
 
     def helix_spec(self) -> dict:
         spec = super().helix_spec()

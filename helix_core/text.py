@@ -1,4 +1,5 @@
 """Caption tokenizers: a tiny built-in byte tokenizer, or any Hugging Face tokenizer."""
+
 from __future__ import annotations
 
 import os
@@ -47,7 +48,11 @@ def load_tokenizer(tokenizer=None) -> Tokenizer:
             from transformers import AutoTokenizer
         except ImportError:
             raise ImportError("loading a tokenizer folder needs transformers: pip install 'helix[models]'") from None
-        return Tokenizer(AutoTokenizer.from_pretrained(os.fspath(tokenizer), local_files_only=True), os.fspath(tokenizer))
+        return Tokenizer(
+            AutoTokenizer.from_pretrained(os.fspath(tokenizer), local_files_only=True), os.fspath(tokenizer)
+        )
     if not callable(tokenizer):
-        raise TypeError(f"tokenizer must be None, a folder path or a Hugging Face tokenizer, got {type(tokenizer).__name__}")
+        raise TypeError(
+            f"tokenizer must be None, a folder path or a Hugging Face tokenizer, got {type(tokenizer).__name__}"
+        )
     return Tokenizer(tokenizer, tokenizer)

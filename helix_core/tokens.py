@@ -8,13 +8,22 @@ the same kind. Frame counts are the *sampled* counts unless a name says ``source
 - VideoMAE: tubelet 2, patch 16.
 - Wan 2.1: VAE stride (4, 8, 8), 16 latent channels, DiT patch (1, 2, 2).
 """
+
 from __future__ import annotations
 
 import numpy as np
 
 __all__ = [
-    "QWEN_FACTOR", "qwen2_5_vl", "qwen2_vl", "qwen_num_frames", "qwen_resize", "smart_resize",
-    "videomae", "wan", "wan_latent_shape", "wan_num_frames",
+    "QWEN_FACTOR",
+    "qwen2_5_vl",
+    "qwen2_vl",
+    "qwen_num_frames",
+    "qwen_resize",
+    "smart_resize",
+    "videomae",
+    "wan",
+    "wan_latent_shape",
+    "wan_num_frames",
 ]
 
 QWEN_FACTOR = 28
@@ -44,8 +53,9 @@ def qwen_num_frames(source_frames, source_fps, fps: float = QWEN_FPS):
     return _out(np.maximum(n, np.minimum(t, 1)))
 
 
-def smart_resize(height, width, factor: int = QWEN_FACTOR, min_pixels=QWEN_VIDEO_MIN_PIXELS,
-                 max_pixels=QWEN_VIDEO_MAX_PIXELS):
+def smart_resize(
+    height, width, factor: int = QWEN_FACTOR, min_pixels=QWEN_VIDEO_MIN_PIXELS, max_pixels=QWEN_VIDEO_MAX_PIXELS
+):
     """qwen-vl-utils ``smart_resize``: H, W rounded to multiples of ``factor`` with the pixel
     count kept within [min_pixels, max_pixels] and the aspect ratio nearly kept."""
     h = np.asarray(height, dtype=np.float64)
@@ -69,8 +79,9 @@ def qwen_resize(num_frames, height, width, max_pixels=None):
     768*28*28 (a dataset's ``size`` sets it to ``size**2``)."""
     cap_hi = QWEN_VIDEO_MAX_PIXELS if max_pixels is None else max_pixels
     n = np.maximum(np.asarray(num_frames, dtype=np.float64), 1)
-    cap = np.maximum(np.minimum(cap_hi, QWEN_VIDEO_TOTAL_PIXELS / n * QWEN_FRAME_FACTOR),
-                     int(QWEN_VIDEO_MIN_PIXELS * 1.05))
+    cap = np.maximum(
+        np.minimum(cap_hi, QWEN_VIDEO_TOTAL_PIXELS / n * QWEN_FRAME_FACTOR), int(QWEN_VIDEO_MIN_PIXELS * 1.05)
+    )
     return smart_resize(height, width, QWEN_FACTOR, QWEN_VIDEO_MIN_PIXELS, cap)
 
 

@@ -4,12 +4,17 @@
 trainer's step times become the loader's deadlines) and ``HelixAcceleratePlugin`` (``accelerate
 launch`` scripts). Names load on first use, so importing the package costs nothing.
 """
+
 from __future__ import annotations
 
 import importlib
 
-_EXPORTS = {"HelixDataModule": "datamodule", "HelixDeadlineCallback": "callbacks",
-            "HelixAcceleratePlugin": "accelerate", "DatasetConfig": "data"}
+_EXPORTS = {
+    "HelixDataModule": "datamodule",
+    "HelixDeadlineCallback": "callbacks",
+    "HelixAcceleratePlugin": "accelerate",
+    "DatasetConfig": "data",
+}
 
 __all__ = ["DatasetConfig", "HelixAcceleratePlugin", "HelixDataModule", "HelixDeadlineCallback"]
 

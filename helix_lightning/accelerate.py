@@ -17,6 +17,7 @@ index (as under Lightning, not Accelerate's round-robin batch sharding), batches
 ``accelerator.device``, ``accelerator.save_state`` / ``load_state`` carry the loader's position,
 and ``accelerator.gradient_state.end_of_dataloader`` is true on an epoch's last batch.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -110,8 +111,9 @@ class HelixAcceleratePlugin:
     ``on_error``, ...); ``coordinator`` names a running cluster (default: embedded); ``loader="torch"``
     gives the plain torch ``DataLoader`` baseline instead."""
 
-    def __init__(self, *, coordinator: str | None = None, loader: str = "helix", device_placement: bool = True,
-                 **loader_options):
+    def __init__(
+        self, *, coordinator: str | None = None, loader: str = "helix", device_placement: bool = True, **loader_options
+    ):
         self.options = check_loader_options(loader_options)
         self.coordinator, self.loader_kind, self.device_placement = coordinator, loader, device_placement
         self.accelerator = None
@@ -127,7 +129,8 @@ class HelixAcceleratePlugin:
             raise RuntimeError(
                 f"the launcher started {world} processes (WORLD_SIZE={world}) but the Accelerator sees 1: every "
                 "process would train on the same samples. On a machine without a GPU build "
-                "Accelerator(cpu=True) (e.g. Accelerator(cpu=not torch.cuda.is_available())).")
+                "Accelerator(cpu=True) (e.g. Accelerator(cpu=not torch.cuda.is_available()))."
+            )
         self.accelerator = accelerator
         options = dict(self.options)
         if isinstance(dataset, Mapping):
@@ -148,8 +151,15 @@ class HelixAcceleratePlugin:
             options.pop("balance", None)
         if self.device_placement and self.loader_kind == "helix" and accelerator.device.type != "cpu":
             options.setdefault("device", accelerator.device)
-        raw = build_loader(self.loader_kind, dataset, batch_size, accelerator.process_index, accelerator.num_processes,
-                           coordinator=self.coordinator, options=options)
+        raw = build_loader(
+            self.loader_kind,
+            dataset,
+            batch_size,
+            accelerator.process_index,
+            accelerator.num_processes,
+            coordinator=self.coordinator,
+            options=options,
+        )
         loader = HelixAcceleratedLoader(raw, accelerator.gradient_state, training=not validation)
         if not validation and hasattr(raw, "state_dict"):  # the torch baseline has no position to keep
             accelerator.register_for_checkpointing(loader)
@@ -201,4 +211,3 @@ class HelixAcceleratePlugin:
             out[name] = float(column.max() if METRICS[name][1] == "max" else column.mean())
         acc.log(out, step=step)
         return out
-

@@ -4,6 +4,7 @@ A rank's GPU window (``on_train_batch_start`` → ``on_train_batch_end``) is the
 next batch. On a GPU the window is timed with CUDA events read once they completed (no
 synchronisation is added to the step); on a CPU with the wall clock.
 """
+
 from __future__ import annotations
 
 import math
@@ -16,8 +17,11 @@ import torch
 __all__ = ["HelixDeadlineCallback", "helix_loaders"]
 
 #: logged metric -> (loader statistic, how ranks are reduced)
-METRICS = {"helix/input_wait_s": ("input_wait_last_s", "max"), "helix/ddl_miss_rate": ("ddl_miss_rate", "mean"),
-           "helix/batch_ready_p95_s": ("batch_ready_p95_s", "max")}
+METRICS = {
+    "helix/input_wait_s": ("input_wait_last_s", "max"),
+    "helix/ddl_miss_rate": ("ddl_miss_rate", "mean"),
+    "helix/batch_ready_p95_s": ("batch_ready_p95_s", "max"),
+}
 
 
 def helix_loaders(obj) -> list:
@@ -97,6 +101,13 @@ class HelixDeadlineCallback(pl.Callback):
         stats = loaders[0].stats()
         for name, (key, reduce) in METRICS.items():
             value = stats.get(key, math.nan)
-            pl_module.log(name, 0.0 if value is None or math.isnan(value) else float(value), on_step=True,
-                          on_epoch=False, sync_dist=True, reduce_fx=reduce, prog_bar=self.prog_bar,
-                          batch_size=1)
+            pl_module.log(
+                name,
+                0.0 if value is None or math.isnan(value) else float(value),
+                on_step=True,
+                on_epoch=False,
+                sync_dist=True,
+                reduce_fx=reduce,
+                prog_bar=self.prog_bar,
+                batch_size=1,
+            )

@@ -5,6 +5,7 @@ with ``DistributedSampler`` for comparison).
 Everything here is checked before any process starts or any clip is decoded: an unknown key
 names itself and the valid values.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -19,22 +20,34 @@ import torch
 
 import helix_core as hx
 
-__all__ = ["LOADERS", "LOADER_OPTIONS", "DatasetConfig", "build_loader", "check_loader_options",
-           "dataset_length_error"]
+__all__ = ["LOADERS", "LOADER_OPTIONS", "DatasetConfig", "build_loader", "check_loader_options", "dataset_length_error"]
 
 LOADERS = ("helix", "torch")
 _NOT_OPTIONS = {"self", "dataset", "batch_size", "rank", "world_size", "coordinator", "token"}
 #: ``DistributedDataLoader`` keyword arguments a config may set (``loader_options``).
-LOADER_OPTIONS = tuple(p for p in inspect.signature(hx.DistributedDataLoader.__init__).parameters
-                       if p not in _NOT_OPTIONS) + ("worker_nice",)
+LOADER_OPTIONS = tuple(
+    p for p in inspect.signature(hx.DistributedDataLoader.__init__).parameters if p not in _NOT_OPTIONS
+) + ("worker_nice",)
 #: The options a plain torch DataLoader understands too; the others are Helix's own.
 _TORCH_OPTIONS = ("shuffle", "seed", "drop_last", "collate_fn", "pin_memory", "num_workers", "worker_nice")
 
-_DATASET_KEYS = {"manifest", "workload", "clips", "scale", "model", "num_frames", "size", "kind", "profiles", "seed",
-                 "random_flip", "tokenizer", "max_text_len"}
+_DATASET_KEYS = {
+    "manifest",
+    "workload",
+    "clips",
+    "scale",
+    "model",
+    "num_frames",
+    "size",
+    "kind",
+    "profiles",
+    "seed",
+    "random_flip",
+    "tokenizer",
+    "max_text_len",
+}
 _KINDS = ("video", "video-text")
 _TEXT_MODELS = tuple(name for name, family in hx.FAMILIES.items() if family.captions)  # trained on captions
-
 
 
 def check_loader_options(options: Mapping, where: str = "loader_options") -> dict:
@@ -65,8 +78,10 @@ class DatasetConfig:
             if k not in _DATASET_KEYS:
                 raise ValueError(f"{key}: unknown key {k!r}; valid: {', '.join(sorted(_DATASET_KEYS))}")
         if ("manifest" in spec) == ("workload" in spec):
-            raise ValueError(f"{key}: give exactly one of 'manifest' (a manifest.jsonl) or 'workload' "
-                             f"(one of {', '.join(hx.synth.WORKLOADS)}, synthesized into {hx.cache_dir()})")
+            raise ValueError(
+                f"{key}: give exactly one of 'manifest' (a manifest.jsonl) or 'workload' "
+                f"(one of {', '.join(hx.synth.WORKLOADS)}, synthesized into {hx.cache_dir()})"
+            )
         model = spec.setdefault("model", "videomae")
         if model not in hx.MODELS:
             raise ValueError(f"{key}.model: unknown model family {model!r}; valid: {', '.join(hx.MODELS)}")
@@ -78,12 +93,14 @@ class DatasetConfig:
         if self.synth:
             workload = self.synth["workload"]
             if workload not in hx.synth.WORKLOADS:
-                raise ValueError(f"{key}.workload: unknown workload {workload!r}; "
-                                 f"valid: {', '.join(hx.synth.WORKLOADS)}")
+                raise ValueError(
+                    f"{key}.workload: unknown workload {workload!r}; valid: {', '.join(hx.synth.WORKLOADS)}"
+                )
             self.synth.setdefault("clips", 48)
             self.synth.setdefault("scale", 1.0)
-            hx.synth.plan_workload(workload, int(self.synth["clips"]), int(spec.get("seed", 0)),
-                                   float(self.synth["scale"]))  # checks clips and scale (pure)
+            hx.synth.plan_workload(
+                workload, int(self.synth["clips"]), int(spec.get("seed", 0)), float(self.synth["scale"])
+            )  # checks clips and scale (pure)
             self.synth["seed"] = int(spec.get("seed", 0))
         else:
             manifest = Path(os.path.expanduser(str(spec["manifest"])))
@@ -108,8 +125,15 @@ class DatasetConfig:
             s = self.synth
             root = self.root
             if not (root / "manifest.jsonl").exists() or not (root / "profiles.jsonl").exists():
-                hx.synth.make_dataset(root, s["workload"], int(s["clips"]), seed=s["seed"], scale=float(s["scale"]),
-                                      workers=workers, progress=progress)
+                hx.synth.make_dataset(
+                    root,
+                    s["workload"],
+                    int(s["clips"]),
+                    seed=s["seed"],
+                    scale=float(s["scale"]),
+                    workers=workers,
+                    progress=progress,
+                )
                 hx.profile_dataset(root / "manifest.jsonl", calibrate_per_bucket=1, progress=progress)
         return self.manifest()
 
@@ -117,8 +141,10 @@ class DatasetConfig:
         """The dataset (after ``prepare``)."""
         manifest = self.manifest()
         if not manifest.is_file():
-            raise FileNotFoundError(f"{self.key}: {manifest} does not exist; call prepare() (Lightning's "
-                                    "prepare_data does) on one process per host first")
+            raise FileNotFoundError(
+                f"{self.key}: {manifest} does not exist; call prepare() (Lightning's "
+                "prepare_data does) on one process per host first"
+            )
         kwargs = {k: v for k, v in self.kwargs.items() if k != "manifest"}
         if self.kind == "video":
             for k in ("tokenizer", "max_text_len"):
@@ -132,8 +158,16 @@ def _nice_worker(nice: int, worker_id: int) -> None:
     os.nice(nice)
 
 
-def build_loader(loader: str, dataset, batch_size: int, rank: int, world_size: int, *,
-                 coordinator: str | None = None, options: Mapping | None = None):
+def build_loader(
+    loader: str,
+    dataset,
+    batch_size: int,
+    rank: int,
+    world_size: int,
+    *,
+    coordinator: str | None = None,
+    options: Mapping | None = None,
+):
     """This rank's loader: ``"helix"`` (``DistributedDataLoader``) or ``"torch"`` (a torch
     ``DataLoader`` with ``DistributedSampler(shuffle, seed)`` and the same collate: the baseline at
     the same CPU budget; Helix's own options are ignored there, with a warning). ``worker_nice``:
@@ -148,24 +182,36 @@ def build_loader(loader: str, dataset, batch_size: int, rank: int, world_size: i
             config = options.get("config") or hx.ClusterConfig()
             if isinstance(config, hx.ClusterConfig):  # anything else: the loader refuses it, naming `config`
                 options["config"] = dataclasses.replace(config, worker_nice=nice)
-        return hx.DistributedDataLoader(dataset, batch_size, rank=rank, world_size=world_size,
-                                        coordinator=coordinator, **options)
+        return hx.DistributedDataLoader(
+            dataset, batch_size, rank=rank, world_size=world_size, coordinator=coordinator, **options
+        )
     if loader != "torch":
         raise ValueError(f"loader={loader!r}; valid: {', '.join(LOADERS)}")
     ignored = sorted(k for k in options if k not in _TORCH_OPTIONS)
     if ignored:
         warnings.warn(f"loader='torch' ignores Helix's options {', '.join(ignored)}", stacklevel=2)
-    sampler = torch.utils.data.DistributedSampler(dataset, num_replicas=world_size, rank=rank,
-                                                  shuffle=bool(options.get("shuffle", False)),
-                                                  seed=int(options.get("seed", 0)),
-                                                  drop_last=bool(options.get("drop_last", False)))
+    sampler = torch.utils.data.DistributedSampler(
+        dataset,
+        num_replicas=world_size,
+        rank=rank,
+        shuffle=bool(options.get("shuffle", False)),
+        seed=int(options.get("seed", 0)),
+        drop_last=bool(options.get("drop_last", False)),
+    )
     workers = options.get("num_workers")
     workers = max(1, (os.cpu_count() or 2) // world_size) if workers is None else int(workers)
-    return torch.utils.data.DataLoader(dataset, batch_size, sampler=sampler, collate_fn=options.get("collate_fn"),
-                                       num_workers=workers, pin_memory=bool(options.get("pin_memory", False)),
-                                       persistent_workers=workers > 0, drop_last=bool(options.get("drop_last", False)),
-                                       multiprocessing_context="spawn" if workers > 0 else None,
-                                       worker_init_fn=functools.partial(_nice_worker, nice) if nice else None)
+    return torch.utils.data.DataLoader(
+        dataset,
+        batch_size,
+        sampler=sampler,
+        collate_fn=options.get("collate_fn"),
+        num_workers=workers,
+        pin_memory=bool(options.get("pin_memory", False)),
+        persistent_workers=workers > 0,
+        drop_last=bool(options.get("drop_last", False)),
+        multiprocessing_context="spawn" if workers > 0 else None,
+        worker_init_fn=functools.partial(_nice_worker, nice) if nice else None,
+    )
 
 
 def dataset_length_error(lengths: list[int], key: str = "dataset") -> str | None:
@@ -173,5 +219,7 @@ def dataset_length_error(lengths: list[int], key: str = "dataset") -> str | None
     number of steps: a DDP hang), else None."""
     if len(set(lengths)) <= 1:
         return None
-    return (f"{key} has a different length on each rank ({', '.join(f'rank {r}: {n}' for r, n in enumerate(lengths))}):"
-            " every rank must see the same dataset")
+    return (
+        f"{key} has a different length on each rank ({', '.join(f'rank {r}: {n}' for r, n in enumerate(lengths))}):"
+        " every rank must see the same dataset"
+    )

@@ -7,6 +7,7 @@ all-reduced and an epoch ends after ``len`` batches; only ``loader.sampler.set_e
 called, at each epoch's start; a loader's ``state_dict`` is saved from rank 0 and loaded on every
 rank after ``train_dataloader()`` (Helix's is rank-independent).
 """
+
 from __future__ import annotations
 
 import importlib
@@ -56,9 +57,18 @@ class HelixDataModule(pl.LightningDataModule):
     A ``HelixDeadlineCallback`` is added to the trainer when it has none.
     """
 
-    def __init__(self, dataset, batch_size: int, *, val_dataset=None, synth: dict | None = None,
-                 coordinator: str | None = None, loader: str = "helix", loader_options: dict | None = None,
-                 **options):
+    def __init__(
+        self,
+        dataset,
+        batch_size: int,
+        *,
+        val_dataset=None,
+        synth: dict | None = None,
+        coordinator: str | None = None,
+        loader: str = "helix",
+        loader_options: dict | None = None,
+        **options,
+    ):
         super().__init__()
         if set(options) & set(loader_options or {}):
             raise ValueError(f"loader options given twice: {', '.join(sorted(set(options) & set(loader_options)))}")
@@ -96,23 +106,33 @@ class HelixDataModule(pl.LightningDataModule):
         if trainer is not None:
             self._add_callback(trainer)
             if trainer.overfit_batches:
-                raise ValueError("HelixDataModule does not support Trainer(overfit_batches=...): it rewrites torch "
-                                 "DataLoaders; use limit_train_batches and a small dataset instead")
+                raise ValueError(
+                    "HelixDataModule does not support Trainer(overfit_batches=...): it rewrites torch "
+                    "DataLoaders; use limit_train_batches and a small dataset instead"
+                )
         if stage not in (None, "fit"):
             self._stash = None  # a position loaded for validate/test must not move a later fit
         if self.train_loader is None and stage in (None, "fit"):
             dataset = self._dataset("dataset", self.dataset)
             self._check_lengths(trainer, "dataset", len(dataset))
-            self.train_loader = build_loader(self.loader, dataset, self.batch_size, rank, world,
-                                             coordinator=self.coordinator, options=self.loader_options)
+            self.train_loader = build_loader(
+                self.loader,
+                dataset,
+                self.batch_size,
+                rank,
+                world,
+                coordinator=self.coordinator,
+                options=self.loader_options,
+            )
         if self.val_loader is None and self.val_dataset is not None and stage in (None, "fit", "validate"):
             dataset = self._dataset("val_dataset", self.val_dataset)
             self._check_lengths(trainer, "val_dataset", len(dataset))
             val = {**self.loader_options, "shuffle": False, "balance": None, "drop_last": False}
             if self.loader == "torch":
                 val.pop("balance")
-            self.val_loader = build_loader(self.loader, dataset, self.batch_size, rank, world,
-                                           coordinator=self.coordinator, options=val)
+            self.val_loader = build_loader(
+                self.loader, dataset, self.batch_size, rank, world, coordinator=self.coordinator, options=val
+            )
 
     def train_dataloader(self):
         if self.train_loader is None:
@@ -175,8 +195,11 @@ class HelixDataModule(pl.LightningDataModule):
             return
         mine = loader.state_dict()
         if (mine["epoch"], mine["batches_yielded"]) != (stash["epoch"], stash["batches_yielded"]):
-            warnings.warn("Lightning did not restore the Helix loader's position from the checkpoint (it skips that "
-                          "when configure_optimizers calls trainer.estimated_stepping_batches: lightning#20550); "
-                          f"HelixDataModule restored it from its own copy (epoch {stash['epoch']}, "
-                          f"batch {stash['batches_yielded']})", stacklevel=2)
+            warnings.warn(
+                "Lightning did not restore the Helix loader's position from the checkpoint (it skips that "
+                "when configure_optimizers calls trainer.estimated_stepping_batches: lightning#20550); "
+                f"HelixDataModule restored it from its own copy (epoch {stash['epoch']}, "
+                f"batch {stash['batches_yielded']})",
+                stacklevel=2,
+            )
             loader.load_state_dict(stash)

@@ -9,6 +9,7 @@ alternating order (torch first, then helix first, ...): the machine's speed drif
 config's figure is the median of its repeats' helix / torch ratios. Prints a table and writes
 ``compare.md`` / ``compare.json``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,11 +35,31 @@ def run_one(config: Path, loader: str, args, out: Path) -> dict:
     tmp.write_text(yaml.safe_dump(cfg))
     summary = out / f"{config.stem}-{loader}.json"
     multi = ["--multi_gpu"] if args.processes > 1 else []  # one process: a plain (one-GPU or CPU) run
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", *multi, "--num_processes", str(args.processes),
-           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-           str(ROOT / "recipes" / "train_accelerate.py"), "--config", str(tmp), "--max-steps",
-           str(args.steps + args.warmup), "--warmup", str(args.warmup), "--summary", str(summary),
-           "--output-dir", str(out / f"{config.stem}-{loader}")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        *multi,
+        "--num_processes",
+        str(args.processes),
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        str(ROOT / "recipes" / "train_accelerate.py"),
+        "--config",
+        str(tmp),
+        "--max-steps",
+        str(args.steps + args.warmup),
+        "--warmup",
+        str(args.warmup),
+        "--summary",
+        str(summary),
+        "--output-dir",
+        str(out / f"{config.stem}-{loader}"),
+    ]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
     if proc.returncode != 0:
@@ -78,9 +99,13 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--processes", type=int, default=2)
     p.add_argument("--repeats", type=int, default=1, help="pairs per config, in alternating order")
     p.add_argument("--out", type=Path, default=Path("helix-runs/compare"))
-    p.add_argument("--torch-worker-nice", type=int, default=0,
-                   help="torch's workers at this added niceness, as Helix's decoding workers run (default 0: a plain "
-                        "DataLoader); shows how much of a gain is the scheduling priority")
+    p.add_argument(
+        "--torch-worker-nice",
+        type=int,
+        default=0,
+        help="torch's workers at this added niceness, as Helix's decoding workers run (default 0: a plain "
+        "DataLoader); shows how much of a gain is the scheduling priority",
+    )
     args = p.parse_args(argv)
     if args.repeats < 1 or args.steps < 1 or args.warmup < 0:
         p.error("--repeats and --steps must be >= 1, --warmup >= 0")
@@ -100,13 +125,23 @@ def main(argv=None) -> list[dict]:
                 pairs.append(pair)
             rows.append(summarise(config.stem, pairs))
     niced = f", torch's workers at niceness +{args.torch_worker_nice}" if args.torch_worker_nice else ""
-    table = Table(title=f"recipes: {args.steps} steps after {args.warmup} warm-up, {args.processes} processes, "
-                        f"median of {args.repeats} pair(s){niced}")
-    cols = ("config", "torch_steps_per_s", "helix_steps_per_s", "speedup", "speedups", "torch_input_wait_s",
-            "helix_input_wait_s")
+    table = Table(
+        title=f"recipes: {args.steps} steps after {args.warmup} warm-up, {args.processes} processes, "
+        f"median of {args.repeats} pair(s){niced}"
+    )
+    cols = (
+        "config",
+        "torch_steps_per_s",
+        "helix_steps_per_s",
+        "speedup",
+        "speedups",
+        "torch_input_wait_s",
+        "helix_input_wait_s",
+    )
 
     def cell(v) -> str:
         return v if isinstance(v, str) else " / ".join(f"{x:.3f}" for x in v) if isinstance(v, list) else f"{v:.3f}"
+
     for c in cols:
         table.add_column(c)
     for r in rows:
@@ -114,8 +149,9 @@ def main(argv=None) -> list[dict]:
     Console().print(table)
     md = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     md += ["| " + " | ".join(cell(r[c]) for c in cols) + " |" for r in rows]
-    (args.out / "compare.md").write_text("\n".join(md) + "\n\ninput wait: seconds per step blocked in next(), "
-                                         "the slowest rank\n")
+    (args.out / "compare.md").write_text(
+        "\n".join(md) + "\n\ninput wait: seconds per step blocked in next(), the slowest rank\n"
+    )
     (args.out / "compare.json").write_text(json.dumps(rows, indent=1))
     picture(rows, args.out / "compare.png")
     Console().print(f"table, JSON and picture in {args.out}")
@@ -131,8 +167,10 @@ def picture(rows: list[dict], path: Path) -> None:
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.6), layout="constrained")
     xs = range(len(rows))
-    for ax, key, title in ((axes[0], "steps_per_s", "training steps/s"),
-                           (axes[1], "input_wait_s", "input wait per step, s (slowest rank)")):
+    for ax, key, title in (
+        (axes[0], "steps_per_s", "training steps/s"),
+        (axes[1], "input_wait_s", "input wait per step, s (slowest rank)"),
+    ):
         for k, loader in enumerate(("torch", "helix")):
             ax.bar([x + 0.4 * k - 0.2 for x in xs], [r[f"{loader}_{key}"] for r in rows], 0.4, label=loader)
         ax.set_xticks(list(xs), [r["config"] for r in rows], fontsize="small", rotation=10)

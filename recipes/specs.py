@@ -1,13 +1,23 @@
 """The model families' configs: frozen dataclasses checked when built (``recipes.models`` builds
 the networks from them). Every error names the YAML key (``model.<field>``)."""
+
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-__all__ = ["FAMILIES", "SPECS", "Qwen2VLSpec", "VideoMAESpec", "WanSpec", "check_families", "dataset_kind",
-           "default_collate_for", "mask_count"]
+__all__ = [
+    "FAMILIES",
+    "SPECS",
+    "Qwen2VLSpec",
+    "VideoMAESpec",
+    "WanSpec",
+    "check_families",
+    "dataset_kind",
+    "default_collate_for",
+    "mask_count",
+]
 
 
 # ---- configs (frozen, validated) ---------------------------------------------------------------
@@ -52,10 +62,14 @@ class Qwen2VLSpec(_Spec):
 
     def check(self):
         if (self.hidden_size // self.num_heads) % 8 or (self.vision_embed_dim // self.vision_heads) % 4:
-            raise ValueError("model: the text head width (hidden_size/num_heads) must be a multiple of 8 and the "
-                             "vision head width (vision_embed_dim/vision_heads) of 4 (3D rotary sections)")
+            raise ValueError(
+                "model: the text head width (hidden_size/num_heads) must be a multiple of 8 and the "
+                "vision head width (vision_embed_dim/vision_heads) of 4 (3D rotary sections)"
+            )
         if self.vocab_size < 263:
-            raise ValueError(f"model.vocab_size={self.vocab_size} must be >= 263 (byte tokenizer ids 0..258 + 4 vision ids)")
+            raise ValueError(
+                f"model.vocab_size={self.vocab_size} must be >= 263 (byte tokenizer ids 0..258 + 4 vision ids)"
+            )
 
 
 @dataclass(frozen=True)
@@ -79,8 +93,12 @@ class VideoMAESpec(_Spec):
     num_labels: int = 400
 
     TRAINING_KEYS = ("mask_ratio", "task", "num_labels")
-    DIVIDES = (("image_size", "patch_size"), ("num_frames", "tubelet_size"), ("hidden_size", "num_heads"),
-               ("decoder_hidden_size", "decoder_heads"))
+    DIVIDES = (
+        ("image_size", "patch_size"),
+        ("num_frames", "tubelet_size"),
+        ("hidden_size", "num_heads"),
+        ("decoder_hidden_size", "decoder_heads"),
+    )
 
     def check(self):
         if self.task not in ("pretraining", "classification"):
@@ -120,8 +138,10 @@ def mask_count(ratio: float, patches: int) -> int:
     """Masked spatial patches per frame: ``int(ratio * patches)``, at least one kept and one masked."""
     n = int(float(ratio) * patches)
     if not 0 < n < patches:
-        raise ValueError(f"model.mask_ratio={ratio} masks {n} of {patches} spatial patches; "
-                         "it must mask at least one and keep at least one")
+        raise ValueError(
+            f"model.mask_ratio={ratio} masks {n} of {patches} spatial patches; "
+            "it must mask at least one and keep at least one"
+        )
     return n
 
 
@@ -155,5 +175,7 @@ def check_families(family: str, datasets: Mapping) -> None:
     not mappings (torch datasets) are the user's to match."""
     for key, spec in datasets.items():
         if isinstance(spec, Mapping) and spec.get("model", "videomae") != family:
-            raise ValueError(f"data.{key}.model={spec.get('model', 'videomae')!r} but model.family={family!r}: "
-                             "decode the clips for the model being trained")
+            raise ValueError(
+                f"data.{key}.model={spec.get('model', 'videomae')!r} but model.family={family!r}: "
+                "decode the clips for the model being trained"
+            )

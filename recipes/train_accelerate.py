@@ -9,6 +9,7 @@ decides the processes. On a machine without a GPU it builds ``Accelerator(cpu=Tr
 ``accelerator.save_state`` to ``OUTPUT/step_<N>`` (model, optimizer, RNG, loader position);
 ``--resume DIR`` continues from one, exactly where the loader stood.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,8 +31,10 @@ from recipes.specs import check_families
 
 __all__ = ["load_config", "main"]
 
-_SECTIONS = {"model": {"family", "pretrained", "config", "lr", "weight_decay"},
-             "data": {"dataset", "batch_size", "val_dataset", "synth", "coordinator", "loader", "loader_options"}}
+_SECTIONS = {
+    "model": {"family", "pretrained", "config", "lr", "weight_decay"},
+    "data": {"dataset", "batch_size", "val_dataset", "synth", "coordinator", "loader", "loader_options"},
+}
 _TRAINER_KEYS = {"max_steps", "max_epochs", "accumulate_grad_batches", "log_every_n_steps"}
 
 
@@ -80,20 +83,25 @@ def main(argv=None) -> dict:
     cfg = load_config(a.config)
     model_cfg, data, trainer = cfg["model"], cfg["data"], cfg["trainer"]
     check_families(model_cfg.get("family", "videomae"), {k: data.get(k) for k in ("dataset", "val_dataset")})
-    model = build_model(model_cfg.get("family", "videomae"), pretrained=model_cfg.get("pretrained"),
-                        **(model_cfg.get("config") or {}))
+    model = build_model(
+        model_cfg.get("family", "videomae"), pretrained=model_cfg.get("pretrained"), **(model_cfg.get("config") or {})
+    )
 
     from accelerate import Accelerator  # after the checks: a bad config fails fast
 
-    accelerator = Accelerator(cpu=not torch.cuda.is_available(),
-                              gradient_accumulation_steps=int(trainer.get("accumulate_grad_batches", 1)),
-                              log_with=None)
-    plugin = HelixAcceleratePlugin(coordinator=data.get("coordinator"), loader=data.get("loader", "helix"),
-                                   **(data.get("loader_options") or {}))
+    accelerator = Accelerator(
+        cpu=not torch.cuda.is_available(),
+        gradient_accumulation_steps=int(trainer.get("accumulate_grad_batches", 1)),
+        log_with=None,
+    )
+    plugin = HelixAcceleratePlugin(
+        coordinator=data.get("coordinator"), loader=data.get("loader", "helix"), **(data.get("loader_options") or {})
+    )
     loader = plugin.prepare(accelerator, data["dataset"], int(data["batch_size"]))
     params = [q for q in model.parameters() if q.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=float(model_cfg.get("lr", 1e-4)),
-                                  weight_decay=float(model_cfg.get("weight_decay", 0.01)))
+    optimizer = torch.optim.AdamW(
+        params, lr=float(model_cfg.get("lr", 1e-4)), weight_decay=float(model_cfg.get("weight_decay", 0.01))
+    )
     model, optimizer = accelerator.prepare(model, optimizer)
     state = TrainState()
     accelerator.register_for_checkpointing(state)
@@ -113,7 +121,9 @@ def main(argv=None) -> dict:
             loader.set_epoch(epoch)  # the epoch a resumed loader stands in keeps its position
             for batch in loader:
                 if trace is not None:
-                    trace.write(json.dumps({"step": state.step, "epoch": epoch, "indices": batch["index"].tolist()}) + "\n")
+                    trace.write(
+                        json.dumps({"step": state.step, "epoch": epoch, "indices": batch["index"].tolist()}) + "\n"
+                    )
                     trace.flush()
                 with plugin.step(), accelerator.accumulate(model):
                     loss = model(batch)
@@ -125,8 +135,10 @@ def main(argv=None) -> dict:
                     t0, waits_before = time.perf_counter(), len(loader.input_waits)
                 if state.step % log_every == 0:
                     metrics = plugin.log(state.step)
-                    accelerator.print(f"step {state.step} loss {loss.item():.4f} " +
-                                      " ".join(f"{k} {v:.3f}" for k, v in metrics.items()))
+                    accelerator.print(
+                        f"step {state.step} loss {loss.item():.4f} "
+                        + " ".join(f"{k} {v:.3f}" for k, v in metrics.items())
+                    )
                 if a.checkpoint_every and state.step % a.checkpoint_every == 0:
                     accelerator.save_state(str(out / f"step_{state.step}"))
                 if a.fail_after_step is not None and state.step >= a.fail_after_step:
@@ -139,9 +151,15 @@ def main(argv=None) -> dict:
         steps = max(0, state.step - first_step)
         waits = loader.input_waits[waits_before:] if a.warmup else loader.input_waits
         total = accelerator.gather(torch.tensor([float(sum(waits))], device=accelerator.device))
-        summary = {"steps": steps, "seconds": elapsed, "steps_per_s": steps / elapsed if elapsed > 0 else 0.0,
-                   "input_wait_s_per_step": float(total.max()) / max(steps, 1),  # the slowest rank's
-                   "loader": data.get("loader", "helix"), "processes": accelerator.num_processes, **plugin.stats()}
+        summary = {
+            "steps": steps,
+            "seconds": elapsed,
+            "steps_per_s": steps / elapsed if elapsed > 0 else 0.0,
+            "input_wait_s_per_step": float(total.max()) / max(steps, 1),  # the slowest rank's
+            "loader": data.get("loader", "helix"),
+            "processes": accelerator.num_processes,
+            **plugin.stats(),
+        }
         accelerator.print(json.dumps(summary))
         if a.summary and accelerator.is_main_process:
             Path(a.summary).write_text(json.dumps(summary, indent=1))

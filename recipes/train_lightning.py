@@ -7,6 +7,7 @@ The YAML has LightningCLI's sections: ``model`` (``VideoTrainingModule``: ``fami
 ``loader`` — ``helix`` or ``torch`` —, ``loader_options``, ...) and ``trainer``. Every key is
 checked before any process starts.
 """
+
 from __future__ import annotations
 
 import sys
@@ -30,8 +31,14 @@ class VideoTrainingModule(pl.LightningModule):
     """One of ``recipes.models``' families (``family``; tiny and random unless ``pretrained``
     names a local folder; ``config`` overrides its sizes), trained with AdamW."""
 
-    def __init__(self, family: str = "videomae", pretrained: str | None = None, config: dict | None = None,
-                 lr: float = 1e-4, weight_decay: float = 0.01):
+    def __init__(
+        self,
+        family: str = "videomae",
+        pretrained: str | None = None,
+        config: dict | None = None,
+        lr: float = 1e-4,
+        weight_decay: float = 0.01,
+    ):
         super().__init__()
         self.save_hyperparameters()
         self.model = build_model(family, pretrained=pretrained, **(config or {}))

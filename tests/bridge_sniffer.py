@@ -3,6 +3,7 @@ but a raw socket: run in the bridge's network namespace, it records every TCP se
 payload that crosses a host's port (``v<k>``) until SIGTERM, then writes them to ``out`` as
 ``[u32 length][json {src, sport, dst, dport, seq}][u32 length][payload]`` records.
 Usage: python bridge_sniffer.py OUT  (prints "ready" once it captures)"""
+
 import json
 import select
 import signal
@@ -25,7 +26,7 @@ def segments(frame: bytes):
         return None
     tcp = ip[ihl:total]
     sport, dport, seq = struct.unpack_from("!HHI", tcp, 0)
-    payload = tcp[(tcp[12] >> 4) * 4:]
+    payload = tcp[(tcp[12] >> 4) * 4 :]
     if not payload:
         return None
     return socket.inet_ntoa(ip[12:16]), sport, socket.inet_ntoa(ip[16:20]), dport, seq, payload

@@ -1,4 +1,5 @@
 """Shared fixtures: small real H.264 workloads generated once per test session."""
+
 from __future__ import annotations
 
 import os

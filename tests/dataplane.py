@@ -1,4 +1,5 @@
 """Helpers for data-plane tests: clusters with test timings, leak checks, torch references."""
+
 from __future__ import annotations
 
 import copy
@@ -55,14 +56,18 @@ def wait_for(cond, timeout_s: float = 10.0, what: str = "condition"):
 
 
 def children() -> list[psutil.Process]:
-    return [p for p in psutil.Process().children(recursive=True) if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    return [
+        p for p in psutil.Process().children(recursive=True) if p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    ]
 
 
 def torch_batches(ds, batch_size, rank, world_size, shuffle=False, seed=0, epoch=0, collate_fn=None, drop_last=False):
     if getattr(ds, "delays", None):  # a delay slows a sample and changes nothing in it: the reference needs none
         ds = copy.copy(ds)
         ds.delays = {}
-    sampler = DistributedSampler(ds, num_replicas=world_size, rank=rank, shuffle=shuffle, seed=seed, drop_last=drop_last)
+    sampler = DistributedSampler(
+        ds, num_replicas=world_size, rank=rank, shuffle=shuffle, seed=seed, drop_last=drop_last
+    )
     sampler.set_epoch(epoch)
     return list(DataLoader(ds, batch_size=batch_size, sampler=sampler, collate_fn=collate_fn, drop_last=drop_last))
 

@@ -1,5 +1,6 @@
 """One member of a redistribution group (tests/test_collective.py): build this rank's samples,
 send sample k to rank k % world, and write what arrived as JSON. Usage: python exchange_member.py '<json>'"""
+
 import json
 import os
 import sys
@@ -13,8 +14,12 @@ from helix_core.runtime.collective import ExchangeGroup
 
 def sample(rank: int, k: int) -> dict:
     g = torch.Generator().manual_seed(rank * 1000 + k)
-    return {"video": torch.randint(0, 255, (2, 3, 16 + k, 16), generator=g, dtype=torch.uint8), "index": rank * 100 + k,
-            "tokens": 7 * k, "meta": [f"r{rank}k{k}", torch.tensor([rank, k])]}
+    return {
+        "video": torch.randint(0, 255, (2, 3, 16 + k, 16), generator=g, dtype=torch.uint8),
+        "index": rank * 100 + k,
+        "tokens": 7 * k,
+        "meta": [f"r{rank}k{k}", torch.tensor([rank, k])],
+    }
 
 
 def main(a: dict) -> dict:
@@ -36,8 +41,16 @@ def main(a: dict) -> dict:
             for s in samples:
                 k = s["index"] - src * 100
                 want = sample(src, k)
-                got.append({"src": src, "k": k, "equal": torch.equal(s["video"], want["video"]) and s["meta"][0] == want["meta"][0]
-                            and torch.equal(s["meta"][1], want["meta"][1]) and s["tokens"] == want["tokens"]})
+                got.append(
+                    {
+                        "src": src,
+                        "k": k,
+                        "equal": torch.equal(s["video"], want["video"])
+                        and s["meta"][0] == want["meta"][0]
+                        and torch.equal(s["meta"][1], want["meta"][1])
+                        and s["tokens"] == want["tokens"],
+                    }
+                )
         return {"gathered": gathered, "got": got}
     finally:
         group.close()

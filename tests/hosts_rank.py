@@ -1,6 +1,7 @@
 """One training rank on an emulated host (tests/test_hosts.py): iterate an epoch through a Helix
 cluster for each placement policy asked, compare with torch's DataLoader + DistributedSampler, and
 write what it saw as JSON. Usage: python hosts_rank.py '<json arguments>'"""
+
 import json
 import os
 import signal
@@ -18,8 +19,11 @@ from helix_core.testing import IndexDataset
 
 
 def main(a: dict) -> dict:
-    ds = IndexDataset(a["n"], shape=a.get("shape", (4,)),
-                      delays={i: a.get("delay_s", 0.0) for i in range(a["n"])} if a.get("delay_s") else None)
+    ds = IndexDataset(
+        a["n"],
+        shape=a.get("shape", (4,)),
+        delays={i: a.get("delay_s", 0.0) for i in range(a["n"])} if a.get("delay_s") else None,
+    )
     if a.get("die_rank") == a["rank"]:  # SIGKILLed once its first round that moved rows answered it
         _die_after_round()
     sampler = DistributedSampler(ds, num_replicas=a["world"], rank=a["rank"], shuffle=False)
@@ -28,15 +32,24 @@ def main(a: dict) -> dict:
     rebalance = a.get("rebalance")
     if rebalance:  # Tier 2: a policy by import path (the test's own shift of ranks)
         rebalance = dict(rebalance, sort_fn=hx.testing.shift_ranks)
-        shifted = DistributedSampler(ds, num_replicas=a["world"], shuffle=False,
-                                     rank=(a["rank"] - rebalance["args"]["shift"]) % a["world"])
+        shifted = DistributedSampler(
+            ds, num_replicas=a["world"], shuffle=False, rank=(a["rank"] - rebalance["args"]["shift"]) % a["world"]
+        )
         want = list(DataLoader(ds, batch_size=a["batch"], sampler=shifted))  # the batches the policy gives it
     for scheduler in a["schedulers"]:
         run = out["runs"][scheduler] = {}
         try:
-            with hx.DistributedDataLoader(ds, batch_size=a["batch"], rank=a["rank"], world_size=a["world"],
-                                          coordinator=a["coordinator"], token=a["token"], scheduler=scheduler,
-                                          config=ClusterConfig.for_tests(), rebalance=rebalance) as loader:
+            with hx.DistributedDataLoader(
+                ds,
+                batch_size=a["batch"],
+                rank=a["rank"],
+                world_size=a["world"],
+                coordinator=a["coordinator"],
+                token=a["token"],
+                scheduler=scheduler,
+                config=ClusterConfig.for_tests(),
+                rebalance=rebalance,
+            ) as loader:
                 got = []
                 for batch in loader:
                     got.append(batch)
@@ -44,7 +57,8 @@ def main(a: dict) -> dict:
                         open(a["out"] + ".first", "w").close()
                 run["indices"] = [b["index"].tolist() for b in got]
                 run["equal"] = len(got) == len(want) and all(
-                    torch.equal(g["x"], w["x"]) and torch.equal(g["index"], w["index"]) for g, w in zip(got, want))
+                    torch.equal(g["x"], w["x"]) and torch.equal(g["index"], w["index"]) for g, w in zip(got, want)
+                )
                 stats = loader.stats()
                 run["cross_ds_bytes"], run["resubmits"] = stats["cross_ds_bytes"], stats["resubmits"]
                 run["rebalance"], run["rebalance_errors"] = dict(stats["rebalance"]), list(stats["rebalance_errors"])

@@ -4,6 +4,7 @@ Each rank writes ``OUT/rank<r>.json``: the sample indices of every batch it trai
 epoch, plus the deadlines its loader sent. ``--crash-at N`` raises on every rank after global step
 N (after the checkpoint of that step); ``--resume CKPT`` continues from a checkpoint.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -20,8 +21,9 @@ from helix_lightning import HelixDataModule, HelixDeadlineCallback
 
 
 class Recorder(pl.LightningModule):
-    def __init__(self, out: str, crash_at: int | None, stepping_batches: bool = False, gpu_s: float = 0.0,
-                 after_s: float = 0.0):
+    def __init__(
+        self, out: str, crash_at: int | None, stepping_batches: bool = False, gpu_s: float = 0.0, after_s: float = 0.0
+    ):
         super().__init__()
         self.out, self.crash_at, self.stepping_batches = Path(out), crash_at, stepping_batches
         self.gpu_s, self.after_s = gpu_s, after_s  # emulated compute inside the step; other work after it
@@ -59,11 +61,18 @@ class Recorder(pl.LightningModule):
         stats = loader.stats() if hasattr(loader, "stats") else {}
         path = self.out / f"rank{self.global_rank}.json"
         decisions = loader.client.telemetry(last_decisions=64)["decisions"] if hasattr(loader, "client") else []
-        path.write_text(json.dumps({"seen": self.seen, "world_size": self.trainer.world_size, "reported": self.reported,
-                                    "deadlines": [d["deadline_s"] for d in decisions
-                                                  if d["rank"] == self.global_rank],
-                                    "deadline_p50_s": stats.get("deadline_p50_s"),
-                                    "window_s_per_unit": stats.get("window_s_per_unit")}))
+        path.write_text(
+            json.dumps(
+                {
+                    "seen": self.seen,
+                    "world_size": self.trainer.world_size,
+                    "reported": self.reported,
+                    "deadlines": [d["deadline_s"] for d in decisions if d["rank"] == self.global_rank],
+                    "deadline_p50_s": stats.get("deadline_p50_s"),
+                    "window_s_per_unit": stats.get("window_s_per_unit"),
+                }
+            )
+        )
 
     def configure_optimizers(self):
         if self.stepping_batches:
@@ -96,11 +105,23 @@ def main(argv=None) -> int:
     dm = HelixDataModule(dataset, a.batch_size, shuffle=True, seed=7, balance=a.balance, window=2, num_workers=2)
     callbacks = [HelixDeadlineCallback(log_every_n_steps=1)]
     if a.ckpt_every:
-        callbacks.append(pl.callbacks.ModelCheckpoint(dirpath=os.path.join(a.out, "ckpt"), every_n_train_steps=a.ckpt_every,
-                                                      save_top_k=-1, filename="{step}"))
-    trainer = pl.Trainer(accelerator="cpu", devices=a.devices, strategy="ddp" if a.devices > 1 else "auto",
-                         max_epochs=a.epochs, callbacks=callbacks, logger=False, enable_progress_bar=False,
-                         enable_model_summary=False, num_sanity_val_steps=0, use_distributed_sampler=False)
+        callbacks.append(
+            pl.callbacks.ModelCheckpoint(
+                dirpath=os.path.join(a.out, "ckpt"), every_n_train_steps=a.ckpt_every, save_top_k=-1, filename="{step}"
+            )
+        )
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=a.devices,
+        strategy="ddp" if a.devices > 1 else "auto",
+        max_epochs=a.epochs,
+        callbacks=callbacks,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        use_distributed_sampler=False,
+    )
     model = Recorder(a.out, a.crash_at, a.stepping_batches, a.gpu_s, a.after_s)
     trainer.fit(model, datamodule=dm, ckpt_path=a.resume)
     return 0

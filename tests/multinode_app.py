@@ -3,6 +3,7 @@ with no coordinator given: ``lightning`` fits a tiny model on a ``HelixDataModul
 trains with ``HelixAcceleratePlugin``. Each rank writes ``OUT/rank<r>.json``: the indices of every
 batch it trained on, the Coordinator its loader used, whether it started a part of the cluster,
 and its host. Usage: python multinode_app.py lightning|accelerate OUT N BATCH"""
+
 from __future__ import annotations
 
 import json
@@ -17,9 +18,18 @@ from helix_core.testing import IndexDataset
 
 
 def _record(out: Path, rank: int, seen: list, loader) -> None:
-    (out / f"rank{rank}.json").write_text(json.dumps({
-        "seen": seen, "coordinator": loader.coordinator, "owner": loader.cluster is not None, "host": host_id(),
-        "world_size": loader.world_size, "resubmits": loader.stats()["resubmits"]}))
+    (out / f"rank{rank}.json").write_text(
+        json.dumps(
+            {
+                "seen": seen,
+                "coordinator": loader.coordinator,
+                "owner": loader.cluster is not None,
+                "host": host_id(),
+                "world_size": loader.world_size,
+                "resubmits": loader.stats()["resubmits"],
+            }
+        )
+    )
 
 
 def lightning(out: Path, n: int, batch: int) -> None:
@@ -43,9 +53,19 @@ def lightning(out: Path, n: int, batch: int) -> None:
             return torch.optim.SGD(self.parameters(), lr=0.01)
 
     dm = HelixDataModule(IndexDataset(n), batch, shuffle=True, seed=7, num_workers=2)
-    trainer = pl.Trainer(accelerator="cpu", devices=int(os.environ["LOCAL_WORLD_SIZE"]), num_nodes=2, strategy="ddp",
-                         max_epochs=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
-                         enable_checkpointing=False, num_sanity_val_steps=0, use_distributed_sampler=False)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=int(os.environ["LOCAL_WORLD_SIZE"]),
+        num_nodes=2,
+        strategy="ddp",
+        max_epochs=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        num_sanity_val_steps=0,
+        use_distributed_sampler=False,
+    )
     trainer.fit(Model(), datamodule=dm)
 
 

@@ -1,6 +1,7 @@
 """Ray sidecars on a real Ray cluster (a head and a worker node, ray.cluster_utils) for
 tests/test_sidecars_ray.py, in a process of its own (Ray reads its auth settings at import, and
 keeps global state). Prints one JSON line of what it saw."""
+
 import json
 import os
 import secrets
@@ -30,7 +31,11 @@ def restarted(sidecars, first):
         now = sidecars.describe()
     except Exception:  # noqa: BLE001 - still restarting
         return None
-    if now[0]["server_id"] != first[0]["server_id"] and now[0]["alive"] and now[1]["server_id"] == first[1]["server_id"]:
+    if (
+        now[0]["server_id"] != first[0]["server_id"]
+        and now[0]["alive"]
+        and now[1]["server_id"] == first[1]["server_id"]
+    ):
         return now
     return None
 
@@ -57,8 +62,16 @@ def main() -> dict:
                 first = sidecars.describe()
                 out["first"] = first
                 ds = IndexDataset(40, delays={i: 0.05 for i in range(40)})
-                with hx.DistributedDataLoader(ds, batch_size=2, rank=0, world_size=1, coordinator=cluster.address,
-                                              token=cluster.token, scheduler="least-request", config=CFG) as loader:
+                with hx.DistributedDataLoader(
+                    ds,
+                    batch_size=2,
+                    rank=0,
+                    world_size=1,
+                    coordinator=cluster.address,
+                    token=cluster.token,
+                    scheduler="least-request",
+                    config=CFG,
+                ) as loader:
                     got = []
                     for batch in loader:
                         got.append(batch)
@@ -76,7 +89,9 @@ def main() -> dict:
                 deadline, alive = time.monotonic() + 30, []
                 while now is not None and now[0]["server_id"] not in alive and time.monotonic() < deadline:
                     probe = ClusterClient(cluster.address, cluster.token, CFG, 0, 1)
-                    alive = [s["server_id"] for s in probe.telemetry()["servers"] if s["kind"] == "remote" and s["alive"]]
+                    alive = [
+                        s["server_id"] for s in probe.telemetry()["servers"] if s["kind"] == "remote" and s["alive"]
+                    ]
                     probe.close()
                     time.sleep(0.2)
                 out["registered"] = alive

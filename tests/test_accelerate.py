@@ -1,6 +1,7 @@
 """Accelerate integration: a real 2-process ``accelerate launch`` (gloo on CPU) of the recipe that
 crashes after a checkpoint mid-epoch and resumes exactly on every rank; the plugin's gradient
 state, checkpointing and launcher trap in one process."""
+
 from __future__ import annotations
 
 import json
@@ -35,13 +36,31 @@ def accelerator():
 def launch(tmp: Path, config: Path, out: Path, *args: str, ok: bool = True) -> str:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "HELIX_CACHE": str(tmp / "cache")}
     env.pop("HELIX_COORDINATOR", None)
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-           str(ROOT / "recipes" / "train_accelerate.py"), "--config", str(config), "--output-dir", str(out), "--trace",
-           *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--multi_gpu",
+        "--num_processes",
+        "2",
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        str(ROOT / "recipes" / "train_accelerate.py"),
+        "--config",
+        str(config),
+        "--output-dir",
+        str(out),
+        "--trace",
+        *args,
+    ]
     # a session of its own: a timeout kills the launcher and its ranks (an orphaned rank would keep its cluster)
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp, start_new_session=True
+    )
     try:
         stdout, stderr = proc.communicate(timeout=280)
     except subprocess.TimeoutExpired:
@@ -55,11 +74,19 @@ def launch(tmp: Path, config: Path, out: Path, *args: str, ok: bool = True) -> s
 @pytest.mark.slow
 def test_accelerate_launch_two_processes_resume_after_a_crash_mid_epoch_exactly(kmix, tmp_path):
     config = tmp_path / "videomae.yaml"
-    config.write_text(yaml.safe_dump({
-        "model": {"family": "videomae", "config": {"image_size": 64, "num_frames": 4}},
-        "data": {"dataset": {"manifest": str(kmix / "manifest.jsonl"), **DATASET}, "batch_size": 1,
-                 "loader_options": {"shuffle": True, "seed": 7, "num_workers": 2}},
-        "trainer": {"max_steps": 5, "log_every_n_steps": 2}}))
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "model": {"family": "videomae", "config": {"image_size": 64, "num_frames": 4}},
+                "data": {
+                    "dataset": {"manifest": str(kmix / "manifest.jsonl"), **DATASET},
+                    "batch_size": 1,
+                    "loader_options": {"shuffle": True, "seed": 7, "num_workers": 2},
+                },
+                "trainer": {"max_steps": 5, "log_every_n_steps": 2},
+            }
+        )
+    )
     out = tmp_path / "run"
     log = launch(tmp_path, config, out, "--checkpoint-every", "2", "--fail-after-step", "2", ok=False)
     assert "simulated crash after step 2" in log
@@ -120,14 +147,21 @@ def test_recipe_config_errors_name_the_key_before_any_process_starts(tmp_path):
     from recipes.train_accelerate import load_config
 
     bad = tmp_path / "bad.yaml"
-    bad.write_text(yaml.safe_dump({"model": {"family": "videomae", "optim": "sgd"},
-                                   "data": {"dataset": {"workload": "kinetics-mixed"}, "batch_size": 1}}))
+    bad.write_text(
+        yaml.safe_dump(
+            {
+                "model": {"family": "videomae", "optim": "sgd"},
+                "data": {"dataset": {"workload": "kinetics-mixed"}, "batch_size": 1},
+            }
+        )
+    )
     with pytest.raises(ValueError, match=r"model.optim.*valid: config, family"):
         load_config(str(bad))
     bad.write_text(yaml.safe_dump({"data": {"dataset": {"workload": "ucf101"}, "batch_size": 1}}))
     with pytest.raises(ValueError, match=r"data.dataset.workload.*'ucf101'.*kinetics-mixed"):
         load_config(str(bad))
-    bad.write_text(yaml.safe_dump({"data": {"dataset": {"manifest": str(tmp_path / "missing.jsonl")},
-                                            "batch_size": 1}}))
+    bad.write_text(
+        yaml.safe_dump({"data": {"dataset": {"manifest": str(tmp_path / "missing.jsonl")}, "batch_size": 1}})
+    )
     with pytest.raises(FileNotFoundError, match="data.dataset.manifest"):
         load_config(str(bad))

@@ -1,4 +1,5 @@
 """Bad input: a clear error naming the sample (index, path, cause) or the manifest line; no hang."""
+
 import json
 
 import numpy as np
@@ -25,14 +26,28 @@ def bad_set(tmp_path_factory):
     i = fb.find(b"mdat") + 4
     garbage = np.random.default_rng(0).integers(0, 256, len(fb) - i, dtype=np.uint8).tobytes()
     (root / "undecodable.mp4").write_bytes(fb[:i] + garbage)
-    names = ["good.mp4", "missing.mp4", "empty.mp4", "truncated.mp4", "truncated_fast.mp4", "notes.mp4",
-             "undecodable.mp4", "good.mp4"]
+    names = [
+        "good.mp4",
+        "missing.mp4",
+        "empty.mp4",
+        "truncated.mp4",
+        "truncated_fast.mp4",
+        "notes.mp4",
+        "undecodable.mp4",
+        "good.mp4",
+    ]
     write_manifest(root, [{"path": n, "caption": n} for n in names])
     return root
 
 
-CAUSES = {1: "not found", 2: "empty", 3: "container", 4: "decode failed|truncated", 5: "container",
-          6: "decode failed|no decodable"}
+CAUSES = {
+    1: "not found",
+    2: "empty",
+    3: "container",
+    4: "decode failed|truncated",
+    5: "container",
+    6: "decode failed|no decodable",
+}
 
 
 def test_building_never_fails_and_fetching_names_the_sample(bad_set):
@@ -67,12 +82,15 @@ def test_costing_without_table_probes_and_names(bad_set):
     assert ds.estimate_cost(7).cpu_s > 0
 
 
-@pytest.mark.parametrize("line,cause", [
-    ("{not json", "not valid JSON"),
-    ('["a list"]', "JSON object"),
-    ('{"caption": "no path"}', "'path'"),
-    ('{"path": "x.mp4", "label": "cat"}', "'label'"),
-])
+@pytest.mark.parametrize(
+    "line,cause",
+    [
+        ("{not json", "not valid JSON"),
+        ('["a list"]', "JSON object"),
+        ('{"caption": "no path"}', "'path'"),
+        ('{"path": "x.mp4", "label": "cat"}', "'label'"),
+    ],
+)
 def test_malformed_manifest_line_names_its_number(tmp_path, line, cause):
     (tmp_path / "manifest.jsonl").write_text(json.dumps({"path": "a.mp4"}) + "\n\n" + line + "\n")
     with pytest.raises(hx.ManifestError, match=cause) as err:

@@ -1,4 +1,5 @@
 """CPU-seconds by role: pure accounting on plain dicts, and a snapshot of a real process tree."""
+
 import multiprocessing as mp
 import os
 import time
@@ -19,10 +20,18 @@ def test_roles_follow_explicit_pids_then_parents_then_other():
     # root -> rank 10 -> its DataLoader worker 11; root -> server 20 -> worker 21 -> helper 22;
     # root -> stray 30 -> 31; 40 is outside root's tree and unnamed
     parents = {1: 0, 10: 1, 11: 10, 20: 1, 21: 20, 22: 21, 30: 1, 31: 30, 40: 2}
-    roles = assign_roles(parents, {"ranks": [10], "dataservers": [20]},
-                         {"ranks": "loader-workers", "dataservers": "workers"}, root)
-    assert roles == {10: "ranks", 11: "loader-workers", 20: "dataservers", 21: "workers", 22: "workers",
-                     30: "other", 31: "other"}
+    roles = assign_roles(
+        parents, {"ranks": [10], "dataservers": [20]}, {"ranks": "loader-workers", "dataservers": "workers"}, root
+    )
+    assert roles == {
+        10: "ranks",
+        11: "loader-workers",
+        20: "dataservers",
+        21: "workers",
+        22: "workers",
+        30: "other",
+        31: "other",
+    }
     # an explicit pid under another explicit pid keeps its own role (a decoder actor under the raylet)
     roles = assign_roles({5: 1, 6: 5, 7: 5}, {"ray-system": [5], "ray-decoders": [6]}, {}, 1)
     assert roles == {5: "ray-system", 6: "ray-decoders", 7: "ray-system"}
@@ -30,9 +39,12 @@ def test_roles_follow_explicit_pids_then_parents_then_other():
 
 def test_cpu_by_role_counts_differences_and_newborns_whole():
     before = {10: ("ranks", 1.0), 11: ("loader-workers", 5.0), 12: ("loader-workers", 2.0), 99: ("other", 3.0)}
-    after = {10: ("ranks", 1.5), 11: ("loader-workers", 7.0),  # 12 and 99 exited: their CPU is lost
-             13: ("loader-workers", 0.25),  # born in between: all of it
-             12: ("workers", 0.5)}  # a reused pid (another role): a newborn
+    after = {
+        10: ("ranks", 1.5),
+        11: ("loader-workers", 7.0),  # 12 and 99 exited: their CPU is lost
+        13: ("loader-workers", 0.25),  # born in between: all of it
+        12: ("workers", 0.5),
+    }  # a reused pid (another role): a newborn
     assert cpu_by_role(before, after) == pytest.approx({"ranks": 0.5, "loader-workers": 2.25, "workers": 0.5})
     assert cpu_by_role({1: ("ranks", 4.0)}, {1: ("ranks", 1.0)}) == {"ranks": 1.0}  # less than before: reused
 

@@ -1,5 +1,6 @@
 """`python -m helix_bench.dataplane`: figure arithmetic on hand-made numbers, and one small
 real run of the remote-stream and route parts (nothing here asserts a speed)."""
+
 from __future__ import annotations
 
 import json
@@ -28,8 +29,13 @@ def _new_children(before: set[int]) -> list[psutil.Process]:
 
 def test_stream_figures_subtract_the_local_execute():
     gb = 2_000_000_000
-    f = bd.stream_figures(gb, remote_s=[2.0, 3.0, 2.5], local_s=[1.0, 1.5, 1.0],
-                          remote_exec_s=[1.0, 2.0, 1.5], local_exec_s=[0.9, 1.4, 0.9])
+    f = bd.stream_figures(
+        gb,
+        remote_s=[2.0, 3.0, 2.5],
+        local_s=[1.0, 1.5, 1.0],
+        remote_exec_s=[1.0, 2.0, 1.5],
+        local_exec_s=[0.9, 1.4, 0.9],
+    )
     assert f["remote_s"] == 2.5 and f["local_s"] == 1.0
     assert f["stream_gb_s"] == pytest.approx(2.0 / 1.5)  # medians: 2.5 - 1.0 seconds of streaming
     assert f["e2e_gb_s"] == pytest.approx(0.8)
@@ -52,8 +58,10 @@ def test_route_figures():
 
 
 def test_e2e_figures_pool_ranks_and_take_the_slowest():
-    ranks = [{"waits_s": [1.0, 0.1, 0.2], "wall_s": 2.0, "samples": 6, "cross_ds_bytes": 5},
-             {"waits_s": [3.0, 0.3], "wall_s": 4.0, "samples": 4, "cross_ds_bytes": 0}]
+    ranks = [
+        {"waits_s": [1.0, 0.1, 0.2], "wall_s": 2.0, "samples": 6, "cross_ds_bytes": 5},
+        {"waits_s": [3.0, 0.3], "wall_s": 4.0, "samples": 4, "cross_ds_bytes": 0},
+    ]
     f = e2e_figures("helix", 2, 2, ranks)
     assert f["epoch_wall_s"] == 4.0 and f["samples"] == 10 and f["samples_per_s"] == 2.5
     assert f["steps"] == 5
@@ -78,8 +86,12 @@ def test_quick_remote_and_route_run(tmp_path):
     for row in figures["remote"]:
         # the receiver's CPU is read in 10 ms ticks: a quick run's 16 MiB may cost less than one
         assert row["e2e_gb_s"] > 0 and row["bytes"] > 0 and row["recv_ms_per_mb"] >= 0
-    assert [(r["scheduler"], r["threads"]) for r in figures["route"]] == \
-        [("least-request", 1), ("least-request", 4), ("deadline", 1), ("deadline", 4)]
+    assert [(r["scheduler"], r["threads"]) for r in figures["route"]] == [
+        ("least-request", 1),
+        ("least-request", 4),
+        ("deadline", 1),
+        ("deadline", 4),
+    ]
     for row in figures["route"]:
         assert row["requests_per_s"] > 0 and row["scheduler_overhead_us_p50"] > 0 and row["candidates"] == 64
         assert row["route_us_p50"] >= row["scheduler_overhead_us_p50"]  # the client's round trip holds the decision

@@ -1,4 +1,5 @@
 """The emulated GPU window and the regime calibration, on hand-made numbers."""
+
 import pytest
 
 from helix_bench.benchconfig import BenchConfig

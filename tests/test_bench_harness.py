@@ -1,4 +1,5 @@
 """A tiny real `helix bench` run: every system consumes the same samples; Ray absent is a clear skip."""
+
 import json
 
 import pytest
@@ -12,8 +13,18 @@ from helix_bench.harness import run_bench
 def test_tiny_run_writes_results_for_each_system(tmp_path, monkeypatch):
     monkeypatch.setattr("helix_bench.raypool.ray_available", lambda: "Ray is not installed (test)")
     # prefetch 1: a system that runs ahead must still decode most measured batches inside the measured window
-    cfg = BenchConfig(ranks=2, budget=2, batch_size=2, warmup=1, steps=3, clips=6, scale=0.25, prefetch=1,
-                      systems=("native", "ray", "helix-pool", "helix", "helix-tier2"), data_dir=str(tmp_path / "data"))
+    cfg = BenchConfig(
+        ranks=2,
+        budget=2,
+        batch_size=2,
+        warmup=1,
+        steps=3,
+        clips=6,
+        scale=0.25,
+        prefetch=1,
+        systems=("native", "ray", "helix-pool", "helix", "helix-tier2"),
+        data_dir=str(tmp_path / "data"),
+    )
     runs = run_bench([cfg], tmp_path / "out")
     results = json.loads((tmp_path / "out" / "results.json").read_text())
     assert results["systems"]["ray"] == {"skipped": "Ray is not installed (test)"}
@@ -55,7 +66,16 @@ def test_a_system_that_consumes_other_samples_is_caught(tmp_path, monkeypatch):
         return [[[(i + 1) % n for i in b] for b in rank] for rank in plan]
 
     monkeypatch.setattr(harness, "expected_indices", shifted)
-    cfg = BenchConfig(ranks=2, budget=2, batch_size=2, warmup=0, steps=2, clips=6, scale=0.25, systems=("native",),
-                      data_dir=str(tmp_path / "data"))
+    cfg = BenchConfig(
+        ranks=2,
+        budget=2,
+        batch_size=2,
+        warmup=0,
+        steps=2,
+        clips=6,
+        scale=0.25,
+        systems=("native",),
+        data_dir=str(tmp_path / "data"),
+    )
     with pytest.raises(RuntimeError, match="consumed samples"):
         harness.run_one(cfg)

@@ -1,5 +1,6 @@
 """`helix bench --hosts`: the sidecar sweep on emulated hosts — a tiny run writes the sweep into
 results.json, the report and the figure; bad input is named by its flag before anything starts."""
+
 import json
 import subprocess
 import sys
@@ -29,18 +30,55 @@ def test_a_tier2_point_reports_what_its_rounds_moved_and_what_crossed_hosts(tmp_
     """The host sweep's helix-tier2 row: its ranks' round counters, summed, in a table of their own."""
     from helix_bench.hostreport import _write
 
-    cfg = {"hosts": 2, "ranks_per_host": 2, "host_cpus": 0.5, "sidecar_cpus": 0.5, "link_mbps": None,
-           "workload": "kinetics-mixed", "batch_size": 2, "repeats": 1, "estimate_noise": 1.5}
-    point = {"sidecars": 2, "cpus": 2.0, "throughput_sps": 4.0, "bound_sps": 5.0, "bound_fraction": 0.8,
-             "limited_by": "gpu", "vs_native": 2.0, "miss_rate": 0.1, "cross_ds_bytes": 0, "link_utilisation": None,
-             "input_wait_mean_s": 0.01}
-    tier2 = {"asked": 64, "kept": 40, "moved": 24, "moved_in": 30, "moved_bytes": 12e6, "crossed_collective": 9,
-             "crossed_bytes": 5e6}
-    _write({"config": cfg, "steps": 32, "warmup": 8, "decode_s": 10.0, "gpu_s": 9.0,
-            "points": [{**point, "system": "helix"}, {**point, "system": "helix-tier2", "tier2": tier2}]}, tmp_path)
+    cfg = {
+        "hosts": 2,
+        "ranks_per_host": 2,
+        "host_cpus": 0.5,
+        "sidecar_cpus": 0.5,
+        "link_mbps": None,
+        "workload": "kinetics-mixed",
+        "batch_size": 2,
+        "repeats": 1,
+        "estimate_noise": 1.5,
+    }
+    point = {
+        "sidecars": 2,
+        "cpus": 2.0,
+        "throughput_sps": 4.0,
+        "bound_sps": 5.0,
+        "bound_fraction": 0.8,
+        "limited_by": "gpu",
+        "vs_native": 2.0,
+        "miss_rate": 0.1,
+        "cross_ds_bytes": 0,
+        "link_utilisation": None,
+        "input_wait_mean_s": 0.01,
+    }
+    tier2 = {
+        "asked": 64,
+        "kept": 40,
+        "moved": 24,
+        "moved_in": 30,
+        "moved_bytes": 12e6,
+        "crossed_collective": 9,
+        "crossed_bytes": 5e6,
+    }
+    _write(
+        {
+            "config": cfg,
+            "steps": 32,
+            "warmup": 8,
+            "decode_s": 10.0,
+            "gpu_s": 9.0,
+            "points": [{**point, "system": "helix"}, {**point, "system": "helix-tier2", "tier2": tier2}],
+        },
+        tmp_path,
+    )
     report = (tmp_path / "report.md").read_text()
     assert "sigma 1.5" in report
-    assert "| 2 | 64 | 24 / 40 | 30 | 12.0 | 9 | 5.0 |" in report  # batches sent, moved / kept, rows moved, MB, takes across hosts, MB across
+    assert (
+        "| 2 | 64 | 24 / 40 | 30 | 12.0 | 9 | 5.0 |" in report
+    )  # batches sent, moved / kept, rows moved, MB, takes across hosts, MB across
     assert (tmp_path / "fig_sidecars.png").stat().st_size > 0
 
 
@@ -48,10 +86,39 @@ def test_a_tier2_point_reports_what_its_rounds_moved_and_what_crossed_hosts(tmp_
 @pytest.mark.skipif(EmulatedHosts.unavailable() is not None, reason=str(EmulatedHosts.unavailable()))
 def test_a_tiny_sidecar_sweep_writes_results_report_and_figure(tmp_path):
     out = tmp_path / "hosts"
-    done = subprocess.run([sys.executable, "-m", "helix_core.cli", "bench", "--hosts", "2", "--ranks-per-host", "1",
-                           "--host-cpus", "0.75", "--sidecars", "0,1", "--sidecar-cpus", "0.5", "--warmup", "4",
-                           "--steps", "4", "--clips", "12", "--scale", "0.25", "--data", str(tmp_path / "data"),
-                           "--out", str(out)], capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "helix_core.cli",
+            "bench",
+            "--hosts",
+            "2",
+            "--ranks-per-host",
+            "1",
+            "--host-cpus",
+            "0.75",
+            "--sidecars",
+            "0,1",
+            "--sidecar-cpus",
+            "0.5",
+            "--warmup",
+            "4",
+            "--steps",
+            "4",
+            "--clips",
+            "12",
+            "--scale",
+            "0.25",
+            "--data",
+            str(tmp_path / "data"),
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     got = json.loads((out / "results.json").read_text())
     points = {(p["system"], p["sidecars"]): p for p in got["points"]}
@@ -66,9 +133,11 @@ def test_a_tiny_sidecar_sweep_writes_results_report_and_figure(tmp_path):
 def test_rounds_are_summarised_by_their_median_and_paired_ratios_to_native():
     from helix_bench.hosts import _medians
 
-    runs = [{"system": s, "sidecars": k, "round": r, "throughput_sps": v}
-            for r, (n, h) in enumerate([(8.0, 20.0), (10.0, 18.0), (6.0, 30.0)])
-            for s, k, v in (("native", 0, n), ("helix", 1, h))]
+    runs = [
+        {"system": s, "sidecars": k, "round": r, "throughput_sps": v}
+        for r, (n, h) in enumerate([(8.0, 20.0), (10.0, 18.0), (6.0, 30.0)])
+        for s, k, v in (("native", 0, n), ("helix", 1, h))
+    ]
     points = {p["system"]: p for p in _medians(runs)}
     assert points["helix"]["throughput_sps"] == 20.0 and points["helix"]["rounds_sps"] == [18.0, 20.0, 30.0]
     assert points["helix"]["vs_native"] == 2.5  # median of 2.5, 1.8, 5.0: each round against its own native
@@ -87,11 +156,41 @@ def test_sigterm_to_the_host_bench_stops_its_hosts_and_services(tmp_path):
     from helix_core.emulated_hosts import leftovers
 
     before = leftovers("")
-    proc = subprocess.Popen([sys.executable, "-m", "helix_core.cli", "bench", "--hosts", "1", "--ranks-per-host", "1",
-                             "--host-cpus", "0.5", "--sidecars", "1", "--sidecar-cpus", "0.5", "--systems", "helix",
-                             "--warmup", "8", "--steps", "400", "--clips", "12", "--scale", "0.25",
-                             "--data", str(tmp_path / "data"), "--out", str(tmp_path / "out")],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "helix_core.cli",
+            "bench",
+            "--hosts",
+            "1",
+            "--ranks-per-host",
+            "1",
+            "--host-cpus",
+            "0.5",
+            "--sidecars",
+            "1",
+            "--sidecar-cpus",
+            "0.5",
+            "--systems",
+            "helix",
+            "--warmup",
+            "8",
+            "--steps",
+            "400",
+            "--clips",
+            "12",
+            "--scale",
+            "0.25",
+            "--data",
+            str(tmp_path / "data"),
+            "--out",
+            str(tmp_path / "out"),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         for line in proc.stdout:
             if "sidecar(s)" in line:
@@ -119,20 +218,43 @@ def test_the_cpu_of_the_measured_steps_is_read_between_samples_and_added_up_by_k
     sampler = HostCpuSampler(hosts=None, roles={}, quotas={"h0": 0.5, "h1": 0.5, "s0": 0.5})
 
     def row(used, throttled, decode):
-        return {"used_s": used, "throttled_s": throttled, "periods": 10 * used, "throttled_periods": throttled,
-                "roles": {"decode": decode, "ranks": used / 10}}
-    sampler.samples = [(10.0, {h: row(0.0, 0.0, 0.0) for h in ("h0", "h1", "s0")}),
-                       (20.0, {h: row(5.0, 4.0, 4.0) for h in ("h0", "h1", "s0")}),
-                       (30.0, {**{h: row(10.0, 8.0, 8.0) for h in ("h0", "h1")}, "s0": row(6.0, 4.0, 4.5)})]
+        return {
+            "used_s": used,
+            "throttled_s": throttled,
+            "periods": 10 * used,
+            "throttled_periods": throttled,
+            "roles": {"decode": decode, "ranks": used / 10},
+        }
+
+    sampler.samples = [
+        (10.0, {h: row(0.0, 0.0, 0.0) for h in ("h0", "h1", "s0")}),
+        (20.0, {h: row(5.0, 4.0, 4.0) for h in ("h0", "h1", "s0")}),
+        (30.0, {**{h: row(10.0, 8.0, 8.0) for h in ("h0", "h1")}, "s0": row(6.0, 4.0, 4.5)}),
+    ]
     got = sampler.window(15.0, 25.0)  # halfway into the first interval, halfway into the second
-    assert got["h0"] == {"window_s": 10.0, "quota_s": 5.0, "used_s": 5.0, "throttled_s": 4.0, "periods": 50.0,
-                         "throttled_periods": 4.0, "roles": {"decode": 4.0, "ranks": 0.5}, "other_s": 0.5}
+    assert got["h0"] == {
+        "window_s": 10.0,
+        "quota_s": 5.0,
+        "used_s": 5.0,
+        "throttled_s": 4.0,
+        "periods": 50.0,
+        "throttled_periods": 4.0,
+        "roles": {"decode": 4.0, "ranks": 0.5},
+        "other_s": 0.5,
+    }
     assert got["s0"]["used_s"] == 0.5 * 5.0 + 0.5 * 1.0  # 2.5 -> 5.5: the sidecar slowed down
     gpu = summarize(got, "h")
     assert gpu["hosts"] == 2 and gpu["quota_s"] == 10.0 and gpu["used_s"] == 10.0 and gpu["roles"]["decode"] == 8.0
     assert summarize(got, "s")["hosts"] == 1 and summarize(got, "x") is None
     # 1.5 CPUs at the yardstick's 0.1 CPU-s per sample: 15 samples/s; the run's 9 took 15 CPU-s of 13 used
-    point = {"system": "helix", "sidecars": 1, "cpus": 1.5, "host_cpu": got, "cpu_bound_sps": 15.0, "throughput_sps": 9.0}
+    point = {
+        "system": "helix",
+        "sidecars": 1,
+        "cpus": 1.5,
+        "host_cpu": got,
+        "cpu_bound_sps": 15.0,
+        "throughput_sps": 9.0,
+    }
     table = "\n".join(_cpu_table([point]))
     assert "| helix | 1 | GPU hosts (2) | 10.0 | 10.0 (100 %) | 8.0 | 0.0 | 1.0 | 0.0 | 1.0 | 8 |" in table
     assert "| helix | 1 | sidecars (1) | 5.0 | 3.0 (60 %) |" in table

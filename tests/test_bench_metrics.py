@@ -1,4 +1,5 @@
 """Bench metrics on hand-made step records (pure: no processes, no clocks)."""
+
 from __future__ import annotations
 
 import math
@@ -30,7 +31,8 @@ SYNCS = {0: [0.0, 0.0, 0.0], 1: [0.02, 0.04, 0.03]}
 def two_ranks(ready=True):
     return [
         rec(r, s, WAITS[r][s], compute=0.1 + 0.01 * r, sync=SYNCS[r][s], ready=(0.001 * (s + 1) if ready else None))
-        for r in (1, 0) for s in (2, 0, 1)  # out of order on purpose
+        for r in (1, 0)
+        for s in (2, 0, 1)  # out of order on purpose
     ]
 
 
@@ -110,8 +112,14 @@ def test_optional_inputs():
     assert math.isnan(m["batch_ready_p95_s"]) and math.isnan(m["scheduler_overhead_us_p99"])
     assert m["cpu_util"] is None and m["cross_ds_bytes"] == 0
     us = [float(x) for x in range(1, 201)]
-    m = system_metrics(two_ranks(), ddl_tolerance_s=0.01, bound=bound(), cross_ds_bytes=np.int64(5_000_000),
-                       scheduler_overhead_us=us, cpu_util=0.75)
+    m = system_metrics(
+        two_ranks(),
+        ddl_tolerance_s=0.01,
+        bound=bound(),
+        cross_ds_bytes=np.int64(5_000_000),
+        scheduler_overhead_us=us,
+        cpu_util=0.75,
+    )
     assert m["scheduler_overhead_us_p99"] == pytest.approx(np.percentile(us, 99))
     assert m["cpu_util"] == 0.75 and m["cross_ds_bytes"] == 5_000_000 and type(m["cross_ds_bytes"]) is int
 

@@ -1,4 +1,5 @@
 """`--compute model`: the tiny video transformer trains on a padded batch (CPU, small clips)."""
+
 import torch
 
 from helix_bench.model import ModelCompute, TinyVideoTransformer

@@ -1,4 +1,5 @@
 """``helix bench --overhead`` measures a quiet cluster: ``settle`` waits out start-up work."""
+
 from __future__ import annotations
 
 import subprocess
@@ -46,6 +47,9 @@ def test_the_rpc_yardstick_measures_both_servers_and_the_local_link_and_leaves_n
     assert set(floor) == {"sync", "aio", "link"}
     for kind, f in floor.items():
         assert 0.0 < f["server_cpu_s"] < 0.05 and 0.0 < f["client_cpu_s"] < 0.05, (kind, f)
-    servers = [p for p in psutil.Process().children(recursive=True)
-               if p.is_running() and p.status() != psutil.STATUS_ZOMBIE and "spawn_main" in " ".join(p.cmdline())]
+    servers = [
+        p
+        for p in psutil.Process().children(recursive=True)
+        if p.is_running() and p.status() != psutil.STATUS_ZOMBIE and "spawn_main" in " ".join(p.cmdline())
+    ]
     assert not servers, [p.cmdline() for p in servers]

@@ -1,4 +1,5 @@
 """`helix planner` on the session's small kinetics-mixed workload (profile table, no decoding)."""
+
 from __future__ import annotations
 
 import pytest
@@ -7,8 +8,9 @@ from helix_bench.planner import measure_planner, run_planner_bench, sampler_step
 
 
 def test_planner_bench_balances_the_sampler_steps(kmix):
-    r = measure_planner(kmix / "manifest.jsonl", "videomae", windows=[1, 3], ranks=2, batch_size=1, epochs=4,
-                        workload="kinetics-mixed")
+    r = measure_planner(
+        kmix / "manifest.jsonl", "videomae", windows=[1, 3], ranks=2, batch_size=1, epochs=4, workload="kinetics-mixed"
+    )
     assert (r.samples, r.steps) == (6, 12)  # 6 clips / 2 ranks / batch 1 = 3 steps an epoch
     assert r.windows_planned == {1: 12, 3: 4}
     assert r.unbalanced > 1.0

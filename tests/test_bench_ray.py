@@ -1,5 +1,6 @@
 """The Ray baselines on a tiny workload: idle-actor dispatch shared by ranks, zero-copy numpy
 payloads, the exact DistributedSampler batches, process ids by role; ``ray-rr`` still works."""
+
 import multiprocessing as mp
 import os
 import time
@@ -29,7 +30,7 @@ def _expected(n: int, rank: int, epochs) -> list[list[int]]:
     for e in epochs:
         sampler.set_epoch(e)
         idx = list(sampler)
-        out += [idx[i:i + BATCH] for i in range(0, len(idx), BATCH)]
+        out += [idx[i : i + BATCH] for i in range(0, len(idx), BATCH)]
     return out
 
 

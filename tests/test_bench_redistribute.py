@@ -1,5 +1,6 @@
 """`helix bench --redistribute` on a tiny run: real member processes decode real clips, move them
 by all_to_all, by gRPC and by handles, and write the figures; bad sizes are named."""
+
 import json
 import subprocess
 import sys
@@ -11,9 +12,27 @@ from helix_bench.redistribute import run_redistribute
 
 def test_a_tiny_redistribution_run_writes_its_figures(tmp_path, monkeypatch):
     monkeypatch.setenv("HELIX_CACHE", str(tmp_path / "cache"))
-    done = subprocess.run([sys.executable, "-m", "helix_core.cli", "bench", "--redistribute", "6", "--ranks", "3",
-                           "--repeats", "2", "--scale", "0.2", "--out", str(tmp_path / "out")],
-                          capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "helix_core.cli",
+            "bench",
+            "--redistribute",
+            "6",
+            "--ranks",
+            "3",
+            "--repeats",
+            "2",
+            "--scale",
+            "0.2",
+            "--out",
+            str(tmp_path / "out"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr
     figures = json.loads((tmp_path / "out" / "redistribute.json").read_text())
     assert figures["servers"] == 3 and figures["moved_clips"] == 3 and figures["moved_bytes"] > 0

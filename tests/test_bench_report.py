@@ -1,4 +1,5 @@
 """Bench report: results.json, report.md and figures from hand-made runs (no processes)."""
+
 from __future__ import annotations
 
 import json
@@ -17,7 +18,8 @@ def metrics(step_s: float, wait_s: float, ranks=2, steps=4, samples=2, **kw) -> 
     """Every rank's step takes ``step_s`` (rank r waits ``wait_s * r``, the rest syncs)."""
     records = [
         StepRecord(r, s, wait_s * r, 0.5 * step_s, step_s - 0.5 * step_s - wait_s * r, step_s, None, samples, 64)
-        for r in range(ranks) for s in range(steps)
+        for r in range(ranks)
+        for s in range(steps)
     ]
     b = Bound(decode_s=1.0, gpu_s=0.5 * step_s * steps, cpu_slots=2, samples=ranks * steps * samples)
     return system_metrics(records, ddl_tolerance_s=0.01, bound=b, **kw)
@@ -25,14 +27,25 @@ def metrics(step_s: float, wait_s: float, ranks=2, steps=4, samples=2, **kw) -> 
 
 def run(workload="kinetics-mixed", helix_step_s=0.1, **extra) -> dict:
     systems = {
-        "native": metrics(0.2, 0.05),                       # 10 samples/s at 2 ranks x 2 samples / 0.2 s ... x2
+        "native": metrics(0.2, 0.05),  # 10 samples/s at 2 ranks x 2 samples / 0.2 s ... x2
         "ray": {"skipped": "Ray is not installed (pip install 'helix[bench]')"},
         "helix": metrics(helix_step_s, 0.0, cross_ds_bytes=3_000_000, scheduler_overhead_us=[10.0, 20.0], cpu_util=0.9),
     }
     b = Bound(decode_s=1.0, gpu_s=0.2, cpu_slots=2, samples=16)
-    return {"workload": workload, "regime": "gpu-bound", "window_scale": 1.5, "ranks": 2, "budget": 2,
-            "batch_size": 2, "steps": 4, "warmup": 1, "ddl_tolerance_s": 0.01, "bound": b.as_dict(),
-            "systems": systems, **extra}
+    return {
+        "workload": workload,
+        "regime": "gpu-bound",
+        "window_scale": 1.5,
+        "ranks": 2,
+        "budget": 2,
+        "batch_size": 2,
+        "steps": 4,
+        "warmup": 1,
+        "ddl_tolerance_s": 0.01,
+        "bound": b.as_dict(),
+        "systems": systems,
+        **extra,
+    }
 
 
 def check_pngs(paths):
@@ -128,20 +141,40 @@ def test_tier2_rounds_join_the_ranks_views_and_the_report_shows_projected_agains
     cost = {0: 10.0, 1: 1.0, 2: 10.0, 3: 1.0, 4: 5.0, 5: 5.0, 6: 2.0, 7: 2.0}.__getitem__
 
     def view(position, outcome, before, after, gain=0.0, input_wait=0.0):
-        return {"epoch": 0, "position": position, "outcome": outcome, "closed_by": "complete", "round_samples": 4,
-                "input_wait_s": input_wait,
-                "gain_s": gain, "transfer_s": 0.001 if outcome == "moved" else 0.0, "wait_s": 0.02,
-                "moved_in": sum(i not in before for i in after), "moved_out": sum(i not in after for i in before),
-                "moved_bytes": 100 * sum(i not in before for i in after), "crossed_bytes": 0,
-                "before": before, "after": after}
+        return {
+            "epoch": 0,
+            "position": position,
+            "outcome": outcome,
+            "closed_by": "complete",
+            "round_samples": 4,
+            "input_wait_s": input_wait,
+            "gain_s": gain,
+            "transfer_s": 0.001 if outcome == "moved" else 0.0,
+            "wait_s": 0.02,
+            "moved_in": sum(i not in before for i in after),
+            "moved_out": sum(i not in after for i in before),
+            "moved_bytes": 100 * sum(i not in before for i in after),
+            "crossed_bytes": 0,
+            "before": before,
+            "after": after,
+        }
 
     # step 0: rank 0 held both heavy samples (20 vs 2) and traded one; step 1 kept (10 vs 4, where the best deal
     # gives 7 and 7: the gate passed up 3 units); step 2 one rank only
     ranks = [
-        {"rebalance_rounds": [view(0, "moved", [0, 2], [0, 3], gain=8.0, input_wait=0.1),
-                              view(1, "kept", [4, 5], [4, 5], gain=0.4, input_wait=0.3), view(2, "alone", [0, 1], [0, 1])]},
-        {"rebalance_rounds": [view(0, "moved", [1, 3], [1, 2], gain=8.0, input_wait=0.1),
-                              view(1, "kept", [6, 7], [6, 7], gain=0.4, input_wait=0.3)]},
+        {
+            "rebalance_rounds": [
+                view(0, "moved", [0, 2], [0, 3], gain=8.0, input_wait=0.1),
+                view(1, "kept", [4, 5], [4, 5], gain=0.4, input_wait=0.3),
+                view(2, "alone", [0, 1], [0, 1]),
+            ]
+        },
+        {
+            "rebalance_rounds": [
+                view(0, "moved", [1, 3], [1, 2], gain=8.0, input_wait=0.1),
+                view(1, "kept", [6, 7], [6, 7], gain=0.4, input_wait=0.3),
+            ]
+        },
     ]
     t = tier2_rounds(ranks, cost, seconds_per_unit=0.5)
     assert (t["rounds"], t["moved"], t["kept"], t["partial"]) == (2, 1, 1, 1)

@@ -1,5 +1,6 @@
 """The bench measures whole planning windows, and its sample check rejects a run that loses or
 repeats a sample (pure)."""
+
 import pytest
 
 from helix_bench.samples import check_consumed, round_to_windows, window_spans

@@ -1,5 +1,6 @@
 """`helix soak` in miniature: loaders run epochs through every kind of fault, the rows come out, and
 no sample is lost or repeated (the exit status says so)."""
+
 import subprocess
 import sys
 
@@ -10,9 +11,25 @@ import pytest
 def test_a_short_soak_cycles_every_fault_and_loses_nothing():
     from helix_bench.soak import FAULTS
 
-    done = subprocess.run([sys.executable, "-m", "helix_core.cli", "soak", "--minutes", "3", "--fault-every", "4",
-                           "--faults", str(len(FAULTS)), "--report-every", "30"], capture_output=True, text=True,
-                          timeout=300)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "helix_core.cli",
+            "soak",
+            "--minutes",
+            "3",
+            "--fault-every",
+            "4",
+            "--faults",
+            str(len(FAULTS)),
+            "--report-every",
+            "30",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     out = done.stdout
     assert done.returncode == 0, out[-3000:] + done.stderr[-3000:]
     assert "helix soak" in out and "faults" in out and "repeated" in out

@@ -1,4 +1,5 @@
 """Decode CPU logged where the decode happens, and the machine's measured decode capacity."""
+
 import os
 import pickle
 import time

@@ -2,6 +2,7 @@
 delivering server's slab over a token-checked TCP connection (TLS with the cluster's
 certificates), and the cluster uses it for every remote delivery, falling back to gRPC's
 ``Deliver`` where it is off; a stalled receiver fails a transfer in seconds."""
+
 import socket
 import threading
 import time
@@ -37,7 +38,7 @@ class Receiver:
         slab = self.pool.acquire(header.total_bytes)
 
         def done():
-            self.got.append(bytes(slab.payload[:header.total_bytes]))
+            self.got.append(bytes(slab.payload[: header.total_bytes]))
             slab.release()
             return pb.DeliverReply(server_id="receiver").SerializeToString()
 
@@ -131,8 +132,9 @@ def test_a_cluster_delivers_remote_batches_by_the_bulk_path_or_by_grpc_identical
     cfg = ClusterConfig.for_tests(bulk_delivery=bulk)
     ds = IndexDataset(24, shape=(3, 64, 64), delays={i: 0.05 for i in range(24)})
     with hx.LocalCluster(local_servers=1, remote_servers=1, workers_per_server=1, config=cfg) as cluster:
-        with hx.DistributedDataLoader(ds, batch_size=2, coordinator=cluster.address, config=cfg,
-                                      scheduler="least-request", prefetch_depth=6) as ld:
+        with hx.DistributedDataLoader(
+            ds, batch_size=2, coordinator=cluster.address, config=cfg, scheduler="least-request", prefetch_depth=6
+        ) as ld:
             got = list(ld)
             moved = ld.stats()["cross_ds_bytes"]
             tele = ld.client.telemetry()
@@ -202,8 +204,9 @@ def test_a_bulk_port_that_cannot_be_reached_sends_batches_by_grpc_and_is_left_al
         with caplog.at_level("WARNING", logger="helix.delivery"):
             for task_id in (1, 2, 3):
                 reply = out.send(task_id, result, f"127.0.0.1:{port}")
-                got = reader.view({"segment": reply.batch.slab.segment, "generation": reply.batch.slab.generation,
-                                   "nbytes": total})
+                got = reader.view(
+                    {"segment": reply.batch.slab.segment, "generation": reply.batch.slab.generation, "nbytes": total}
+                )
                 assert bytes(got[:total]) == bytes(slab.payload[:total])  # every batch arrived, by gRPC
                 got.release()
                 shm.release_segment({"segment": reply.batch.slab.segment, "generation": reply.batch.slab.generation})
@@ -231,4 +234,3 @@ def decoded_batch(tx_slabs) -> tuple[dict, int, object]:
     metas = write_tensors(slab.payload, tensors, metas)
     result = {"handle": slab.handle(total), "tree_json": tree_json, "tree_pickle": tree_pickle, "metas": metas}
     return result, total, slab
-

@@ -2,6 +2,7 @@
 AES-GCM records of up to 1 MiB. What a user relies on: bytes arrive exactly, in any read size;
 nothing readable crosses the wire; a record altered, dropped or replayed breaks the connection
 (the transfer fails and is resubmitted) instead of landing in a batch. Real sockets (socketpairs)."""
+
 import os
 import socket
 import threading
@@ -24,7 +25,7 @@ def _read(sealed: Sealed, n: int, step: int) -> bytes:
     out, got = bytearray(n), 0
     view = memoryview(out)
     while got < n:
-        got += sealed.recv_into(view[got:got + step])
+        got += sealed.recv_into(view[got : got + step])
     return bytes(out)
 
 
@@ -104,12 +105,12 @@ def test_an_altered_record_fails_the_connection_not_the_batch():
 def test_a_dropped_or_replayed_record_fails_the_connection():
     first, second = os.urandom(1000), os.urandom(1000)
     wire = _wire([first, second])
-    one = wire[:len(wire) // 2]  # two records of the same size
+    one = wire[: len(wire) // 2]  # two records of the same size
     assert _recv_from(wire, 2000) == first + second
     with pytest.raises(ConnectionError, match="authentication tag"):
         _recv_from(one + one, 2000)  # the first record again in the second's place
     with pytest.raises(ConnectionError, match="authentication tag"):
-        _recv_from(wire[len(one):], 1000)  # the first dropped
+        _recv_from(wire[len(one) :], 1000)  # the first dropped
 
 
 def test_a_record_longer_than_the_protocol_allows_is_refused():

@@ -3,6 +3,7 @@
 token hold a few pending places for at most the handshake deadline, idle kept connections give way
 to new ones, and a transfer's header and payload each have an overall deadline. Real sockets; the
 peers without the token run as another user (as root) in a process of their own."""
+
 import os
 import subprocess
 import sys
@@ -39,8 +40,12 @@ class Squatter:
 
     def __init__(self, port: int, n: int):
         as_other = ["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups"] if os.geteuid() == 0 else []
-        self.proc = subprocess.Popen([*as_other, sys.executable, "-c", _SQUAT, str(port), str(n)],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.proc = subprocess.Popen(
+            [*as_other, sys.executable, "-c", _SQUAT, str(port), str(n)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         ready = threading.Event()
         threading.Thread(target=lambda: self.proc.stdout.readline() == "ready\n" and ready.set(), daemon=True).start()
         assert ready.wait(30), "the squatter did not connect"
@@ -93,8 +98,9 @@ def test_a_full_listener_is_always_not_connected_to_the_sender(tls):
             for _ in range(15):
                 t0 = time.monotonic()
                 with pytest.raises(BulkError) as e:
-                    BulkSender(TOKEN, rx.listener.config, job).send("127.0.0.1", rx.listener.port, _header(3),
-                                                                  memoryview(b"abc"))
+                    BulkSender(TOKEN, rx.listener.config, job).send(
+                        "127.0.0.1", rx.listener.port, _header(3), memoryview(b"abc")
+                    )
                 assert e.value.connected is False and e.value.status is None, (round_, str(e.value))
                 assert time.monotonic() - t0 < 2.0, round_
         assert rx.listener.connections == 2 and rx.listener.turned_away >= 30
@@ -115,7 +121,9 @@ def _delivery_server(tls, handshake_s: float):
     slabs = SlabPool(f"helix-test-bslot-r{os.getpid()}-")
     server, port = create_server("127.0.0.1", 0, TOKEN, cfg, threads=4, tls=tls)
     servicer = DataServerServicer(None, slabs, cfg, TOKEN, f"127.0.0.1:{port}", "local", tls)
-    bulk = BulkListener("127.0.0.1", TOKEN, cfg, tls, servicer.take_bulk, handshake_s=handshake_s)  # 64 slots, 16 pending
+    bulk = BulkListener(
+        "127.0.0.1", TOKEN, cfg, tls, servicer.take_bulk, handshake_s=handshake_s
+    )  # 64 slots, 16 pending
     servicer.bulk_port = bulk.port
     add_servicer(servicer, server)
     server.start()

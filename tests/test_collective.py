@@ -1,6 +1,7 @@
 """Tier-2 redistribution by collective: real processes in a gloo group exchange a round of decoded
 samples with one all_to_all (bit-identical, in Helix's JSON-plus-tensors form, never pickle); a
 member that dies makes the others' round fail within its timeout instead of hanging."""
+
 import json
 import socket
 import subprocess
@@ -31,8 +32,16 @@ def _members(tmp_path, world: int, **extra) -> list[tuple[subprocess.Popen, Path
 
 
 def test_pack_and_unpack_keep_every_leaf():
-    samples = [{"video": torch.arange(4096, dtype=torch.uint8).reshape(4, 32, 32), "index": 1, "caption": "café",
-                "small": torch.tensor([1.5, -2.0]), "nested": ({"ids": torch.arange(3)}, None)}, {}]
+    samples = [
+        {
+            "video": torch.arange(4096, dtype=torch.uint8).reshape(4, 32, 32),
+            "index": 1,
+            "caption": "café",
+            "small": torch.tensor([1.5, -2.0]),
+            "nested": ({"ids": torch.arange(3)}, None),
+        },
+        {},
+    ]
     out = unpack(pack(samples))
     assert torch.equal(out[0]["video"], samples[0]["video"]) and torch.equal(out[0]["small"], samples[0]["small"])
     assert out[0]["caption"] == "café" and out[0]["index"] == 1 and out[1] == {}
@@ -49,8 +58,9 @@ def test_three_processes_exchange_a_round_bit_identical(tmp_path):
     for rank, res in enumerate(results):
         assert [g["rank"] for g in res["gathered"]] == [0, 1, 2]
         # rank r receives sample k of every source with k % 3 == r, from itself too, each exactly once
-        assert sorted((g["src"], g["k"]) for g in res["got"]) == [(src, k) for src in range(3) for k in range(6)
-                                                                   if k % 3 == rank]
+        assert sorted((g["src"], g["k"]) for g in res["got"]) == [
+            (src, k) for src in range(3) for k in range(6) if k % 3 == rank
+        ]
         assert all(g["equal"] for g in res["got"])
 
 

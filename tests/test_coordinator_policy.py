@@ -1,4 +1,5 @@
 """Pure control-plane logic: placement policy and the Coordinator's registry (injected clock)."""
+
 import pytest
 
 from helix_core.config import ClusterConfig
@@ -17,9 +18,14 @@ class Clock:
 def test_least_request_prefers_fewest_outstanding_per_worker_then_local():
     p = LeastRequest()
     req = PlacementRequest(rank=0, task_id=1)
-    c = Candidates.from_rows([{"server_id": "a", "kind": "local", "workers": 2, "outstanding": 4},
-                              {"server_id": "b", "kind": "local", "workers": 1, "outstanding": 1},
-                              {"server_id": "r", "kind": "remote", "workers": 4, "outstanding": 4}], local="a")
+    c = Candidates.from_rows(
+        [
+            {"server_id": "a", "kind": "local", "workers": 2, "outstanding": 4},
+            {"server_id": "b", "kind": "local", "workers": 1, "outstanding": 1},
+            {"server_id": "r", "kind": "remote", "workers": 4, "outstanding": 4},
+        ],
+        local="a",
+    )
     d = p.choose(req, c)
     assert d.server_id == "b" and d.reason == "least-request" and d.scores_by_server()["a"] == 2.0
     tie = Candidates(("x", "y", "z"), ("remote", "local", "remote"), (1, 1, 1), (0, 0, 0), local=1)
@@ -46,8 +52,13 @@ def _registry():
 
 def test_delivery_server_is_rank_mod_locals_with_takeover():
     reg, clock, (s0, s1, s2), remote = _registry()
-    assert [reg.delivery_server(r, set(), "h").server_id for r in range(5)] == [s0.server_id, s1.server_id, s2.server_id,
-                                                                           s0.server_id, s1.server_id]
+    assert [reg.delivery_server(r, set(), "h").server_id for r in range(5)] == [
+        s0.server_id,
+        s1.server_id,
+        s2.server_id,
+        s0.server_id,
+        s1.server_id,
+    ]
     assert [s.server_id for s in reg.ordered()] == [s0.server_id, s1.server_id, s2.server_id, remote.server_id]
     assert reg.delivery_server(1, {s1.server_id}, "h").server_id == s2.server_id  # the next live local takes over
     clock.t = 0.3

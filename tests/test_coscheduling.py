@@ -1,6 +1,7 @@
 """Co-scheduling on real processes: deadline-ordered DataServers, deadlines and reasons in the
 Coordinator's decision log, Tier-1 token planning through the loader (exactly once, resume
 mid-window), and online cost feedback."""
+
 import json
 import shutil
 import threading
@@ -36,21 +37,31 @@ def test_a_dataserver_runs_an_earlier_deadline_first(cluster):
         done, lock = [], threading.Lock()
 
         def send(task, index, deadline_s):
-            req = pb.ExecuteRequest(task_id=client.task_id_base + task, spec_id=spec[0], indices=[index],
-                                    on_error="raise", client_id=client.client_id, deadline_s=deadline_s or 0.0,
-                                    has_deadline=deadline_s is not None)
+            req = pb.ExecuteRequest(
+                task_id=client.task_id_base + task,
+                spec_id=spec[0],
+                indices=[index],
+                on_error="raise",
+                client_id=client.client_id,
+                deadline_s=deadline_s or 0.0,
+                has_deadline=deadline_s is not None,
+            )
             fut = client.execute(address, spec, req)
 
             def landed(f, index=index):
                 with lock:
                     done.append(index)
+
             fut.add_done_callback(landed)
             return fut
 
         futures = [send(1, 0, None)]  # occupies the only worker for 2 s (seen running by a poll on a loaded machine)
         stub = client.stub(address)
-        wait_for(lambda: stub.Health(pb.HealthRequest(), timeout=5, metadata=client.metadata).inflight == 1, timeout_s=30,
-                 what="the first task running")  # on a slow machine it may not have started yet
+        wait_for(
+            lambda: stub.Health(pb.HealthRequest(), timeout=5, metadata=client.metadata).inflight == 1,
+            timeout_s=30,
+            what="the first task running",
+        )  # on a slow machine it may not have started yet
         futures.append(send(2, 1, 30.0))  # submitted first, needed in 30 s
         futures.append(send(3, 2, 0.05))  # submitted later, needed in 50 ms: runs first
         for f in futures:
@@ -62,8 +73,16 @@ def test_a_dataserver_runs_an_earlier_deadline_first(cluster):
 
 def test_deadlines_and_reasons_reach_the_decision_log(cluster):
     ds = IndexDataset(24, delays={i: 0.02 for i in range(24)})
-    with hx.DistributedDataLoader(ds, batch_size=2, coordinator=cluster.address, rank=0, world_size=1,
-                                  scheduler="deadline", prefetch_depth=3, config=CFG) as ld:
+    with hx.DistributedDataLoader(
+        ds,
+        batch_size=2,
+        coordinator=cluster.address,
+        rank=0,
+        world_size=1,
+        scheduler="deadline",
+        prefetch_depth=3,
+        config=CFG,
+    ) as ld:
         got = []
         for batch in ld:
             got.append(batch["index"].tolist())
@@ -74,8 +93,9 @@ def test_deadlines_and_reasons_reach_the_decision_log(cluster):
     assert got == [b["index"].tolist() for b in torch_batches(ds, 2, 0, 1)]  # placement never changes batches
     assert all(d["scheduler"] == "deadline" for d in decisions)
     late = [d for d in decisions if d["deadline_s"] is not None]
-    assert late and all(d["reason"] in ("local-meets", "remote-gain", "meets-deadline", "earliest-finish")
-                        for d in late)
+    assert late and all(
+        d["reason"] in ("local-meets", "remote-gain", "meets-deadline", "earliest-finish") for d in late
+    )
     assert all(set(d["finish_s"]) == {s.server_id for s in cluster.servers} for d in late)
     assert stats["deadline_p50_s"] > 0 and stats["window_s_per_unit"] is not None
     assert sum(stats["placement_reasons"].values()) == len(ds) // 2
@@ -98,8 +118,17 @@ def _planned(ds, world_size, batch_size, window):
 def test_token_balanced_loader_consumes_each_sample_once_and_resumes_mid_window(cluster):
     tokens = [1568, 7056, 25088] * 8  # S / M / L clips' VideoMAE tokens
     ds = CostedDataset(24, tokens, broken=[4])  # one clip can't be costed: planned at its bucket's median
-    kw = dict(batch_size=2, coordinator=cluster.address, world_size=2, shuffle=True, seed=5, balance="tokens",
-              window=3, gpu_cost="videomae", config=CFG)
+    kw = dict(
+        batch_size=2,
+        coordinator=cluster.address,
+        world_size=2,
+        shuffle=True,
+        seed=5,
+        balance="tokens",
+        window=3,
+        gpu_cost="videomae",
+        config=CFG,
+    )
     steps, plan = _planned(ds, 2, 2, 3)
     got = []
     for rank in range(2):
@@ -110,8 +139,9 @@ def test_token_balanced_loader_consumes_each_sample_once_and_resumes_mid_window(
     assert all(len(b) == 2 for rank in got for b in rank)
     for w in range(2):  # per window, exactly the sampler's samples
         window = range(3 * w, 3 * w + 3)
-        assert sorted(i for s in window for r in range(2) for i in got[r][s]) == \
-            sorted(i for s in window for b in steps[s] for i in b)
+        assert sorted(i for s in window for r in range(2) for i in got[r][s]) == sorted(
+            i for s in window for b in steps[s] for i in b
+        )
     units = gpu_cost("videomae").sample_units(tokens)
     assert imbalance_ratio(plan, units) < imbalance_ratio(steps, units)
     # resume mid-window (after 2 batches: inside window 0) on a fresh loader
@@ -131,8 +161,16 @@ def test_token_balanced_loader_consumes_each_sample_once_and_resumes_mid_window(
 def test_window_one_keeps_every_sample_in_its_step_and_skip_still_substitutes(cluster):
     tokens = [1568, 25088, 7056, 1568, 25088, 7056, 1568, 7056]
     ds = CostedDataset(8, tokens, fail={3: "unreadable"})
-    kw = dict(batch_size=2, coordinator=cluster.address, world_size=2, shuffle=False, balance="tokens", window=1,
-              on_error="skip", config=CFG)
+    kw = dict(
+        batch_size=2,
+        coordinator=cluster.address,
+        world_size=2,
+        shuffle=False,
+        balance="tokens",
+        window=1,
+        on_error="skip",
+        config=CFG,
+    )
     got, skipped = [], []
     for rank in range(2):
         with hx.DistributedDataLoader(ds, rank=rank, **kw) as ld:
@@ -160,8 +198,16 @@ def test_cost_feedback_lowers_the_prediction_error_on_a_biased_profile(tmp_path,
     (root / "profiles.jsonl").write_text("\n".join([lines[0]] + [json.dumps(r) for r in rows]) + "\n")
     ds = hx.VideoClipDataset(root / "manifest.jsonl", num_frames=4, size=32)
     before = [ds.estimate_cost(i).cpu_s for i in range(len(ds))]
-    with hx.DistributedDataLoader(ds, batch_size=1, coordinator=cluster.address, rank=0, world_size=1,
-                                  scheduler="deadline", prefetch_depth=1, config=CFG) as ld:
+    with hx.DistributedDataLoader(
+        ds,
+        batch_size=1,
+        coordinator=cluster.address,
+        rank=0,
+        world_size=1,
+        scheduler="deadline",
+        prefetch_depth=1,
+        config=CFG,
+    ) as ld:
         for epoch in range(6):
             ld.set_epoch(epoch)
             for _ in ld:
@@ -175,8 +221,16 @@ def test_cost_feedback_lowers_the_prediction_error_on_a_biased_profile(tmp_path,
 
 def test_requests_run_ahead_into_the_next_epoch_and_are_adopted_or_cancelled(cluster):
     ds = IndexDataset(12, delays={i: 0.02 for i in range(12)})
-    kw = dict(batch_size=2, coordinator=cluster.address, rank=0, world_size=1, shuffle=True, seed=1,
-              prefetch_depth=3, config=CFG)
+    kw = dict(
+        batch_size=2,
+        coordinator=cluster.address,
+        rank=0,
+        world_size=1,
+        shuffle=True,
+        seed=1,
+        prefetch_depth=3,
+        config=CFG,
+    )
     with hx.DistributedDataLoader(ds, **kw) as ld:
         routed = ld.client.telemetry()["routed"]
         ld.set_epoch(0)  # a training loop: epochs advance, so the next one is requested ahead
@@ -197,8 +251,9 @@ def test_requests_run_ahead_into_the_next_epoch_and_are_adopted_or_cancelled(clu
 
 def test_a_batch_that_would_miss_its_deadline_fans_out_and_merges_exactly(cluster):
     ds = CostedDataset(16, [1568] * 16, cpu_s=[1.0] * 16, shape=(3, 8, 8))  # predicted 1 s a sample
-    with hx.DistributedDataLoader(ds, batch_size=4, coordinator=cluster.address, rank=0, world_size=1,
-                                  prefetch_depth=2, config=CFG) as ld:
+    with hx.DistributedDataLoader(
+        ds, batch_size=4, coordinator=cluster.address, rank=0, world_size=1, prefetch_depth=2, config=CFG
+    ) as ld:
         got = []
         for batch in ld:
             got.append(batch)
@@ -208,4 +263,8 @@ def test_a_batch_that_would_miss_its_deadline_fans_out_and_merges_exactly(cluste
     want = torch_batches(ds, 4, 0, 1)
     assert len(got) == len(want)
     for a, b in zip(got, want):
-        assert torch.equal(a["x"], b["x"]) and torch.equal(a["index"], b["index"]) and torch.equal(a["tokens"], b["tokens"])
+        assert (
+            torch.equal(a["x"], b["x"])
+            and torch.equal(a["index"], b["index"])
+            and torch.equal(a["tokens"], b["tokens"])
+        )

@@ -1,4 +1,5 @@
 """Cost model and profile table (pure parts plus a real calibration)."""
+
 import json
 
 import numpy as np
@@ -9,14 +10,25 @@ from helix_core.profiles import ProfileTable
 
 
 def _desc(frames=120, w=320, h=180, index=0):
-    return hx.SampleDescriptor(index=index, path=f"/x/{index}.mp4", bytes=1000, duration_s=frames / 30, fps=30.0,
-                               frames=frames, width=w, height=h, codec="h264")
+    return hx.SampleDescriptor(
+        index=index,
+        path=f"/x/{index}.mp4",
+        bytes=1000,
+        duration_s=frames / 30,
+        fps=30.0,
+        frames=frames,
+        width=w,
+        height=h,
+        codec="h264",
+    )
 
 
 def test_profile_bucket():
     assert hx.profile_bucket(130, 398, 224) == "128f@224p"
-    assert hx.profile_bucket(np.array([16, 300]), np.array([1280, 360]), np.array([720, 640])).tolist() == \
-        ["16f@720p", "256f@352p"]
+    assert hx.profile_bucket(np.array([16, 300]), np.array([1280, 360]), np.array([720, 640])).tolist() == [
+        "16f@720p",
+        "256f@352p",
+    ]
 
 
 def test_cost_model_update_converges_to_measurements():
@@ -59,10 +71,27 @@ def test_profile_table_roundtrip_and_header(kmix, tmp_path):
 
 def test_large_table_loads_columnar(tmp_path):
     n = 20_000
-    rows = [{"index": i, "path": f"c{i}.mp4", "bytes": 1000 + i, "duration_s": 5.0, "fps": 30.0, "frames": 150,
-             "width": 398, "height": 224, "caption_len": 10, "cost_scale": 1.0, "codec": "h264", "locality": "local",
-             "frames_source": "header", "duration_source": "header", "bucket": "128f@224p", "error": None}
-            for i in range(n)]
+    rows = [
+        {
+            "index": i,
+            "path": f"c{i}.mp4",
+            "bytes": 1000 + i,
+            "duration_s": 5.0,
+            "fps": 30.0,
+            "frames": 150,
+            "width": 398,
+            "height": 224,
+            "caption_len": 10,
+            "cost_scale": 1.0,
+            "codec": "h264",
+            "locality": "local",
+            "frames_source": "header",
+            "duration_source": "header",
+            "bucket": "128f@224p",
+            "error": None,
+        }
+        for i in range(n)
+    ]
     path = tmp_path / "p.jsonl"
     path.write_text(json.dumps({"helix_profiles": 1, "fit": {}}) + "\n" + "".join(json.dumps(r) + "\n" for r in rows))
     t = ProfileTable.load(path)
@@ -75,6 +104,6 @@ def test_bad_table_is_named(tmp_path):
     path.write_text("{}\n")
     with pytest.raises(ValueError, match="line 1"):
         ProfileTable.load(path)
-    path.write_text(json.dumps({"helix_profiles": 1, "fit": {}}) + "\n{\"index\": \"x\"}\n")
+    path.write_text(json.dumps({"helix_profiles": 1, "fit": {}}) + '\n{"index": "x"}\n')
     with pytest.raises(ValueError, match="helix profile"):
         ProfileTable.load(path)

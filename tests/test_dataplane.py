@@ -1,5 +1,6 @@
 """The data plane with real processes on loopback: equality with torch DataLoader, remote
 streaming, order, resume, errors, break — on one shared cluster (2 local + 1 remote servers)."""
+
 import gc
 
 import pytest
@@ -79,7 +80,9 @@ def test_resume_mid_epoch_gives_exactly_the_remaining_batches(cluster):
         ld2.load_state_dict(state)
         rest = list(ld2)
         assert_same_batches(first + rest, want)
-        assert_same_batches(list(ld2), torch_batches(ds, 3, 1, 2, shuffle=True, seed=7, epoch=2))  # next iter: whole epoch
+        assert_same_batches(
+            list(ld2), torch_batches(ds, 3, 1, 2, shuffle=True, seed=7, epoch=2)
+        )  # next iter: whole epoch
     with loader(ds, cluster, batch_size=4, rank=1, world_size=2, shuffle=True, seed=7) as other:
         with pytest.raises(ValueError, match="batch_size"):
             other.load_state_dict(state)
@@ -100,8 +103,9 @@ def test_corrupt_clip_raises_sample_error_naming_the_file(cluster, kmix, tmp_pat
 
     (tmp_path / "bad.mp4").write_bytes(b"\x00" * 1000)
     clips = sorted(kmix.glob("*.mp4"))
-    write_manifest(tmp_path, [{"path": str(clips[0])}, {"path": "bad.mp4"}, {"path": str(clips[1])},
-                              {"path": str(clips[2])}])
+    write_manifest(
+        tmp_path, [{"path": str(clips[0])}, {"path": "bad.mp4"}, {"path": str(clips[1])}, {"path": str(clips[2])}]
+    )
     ds = hx.VideoClipDataset(tmp_path / "manifest.jsonl", num_frames=2, size=32)
     with loader(ds, cluster, batch_size=2, rank=0, world_size=1) as ld:
         it = iter(ld)
@@ -136,8 +140,10 @@ def test_break_cancels_and_frees_slabs(cluster):
 
 def test_two_loaders_of_one_rank_never_share_tasks(cluster):
     a, b = IndexDataset(12, shape=(4,)), IndexDataset(12, shape=(8,))
-    with loader(a, cluster, batch_size=2, rank=0, world_size=1) as la, \
-            loader(b, cluster, batch_size=2, rank=0, world_size=1) as lb:
+    with (
+        loader(a, cluster, batch_size=2, rank=0, world_size=1) as la,
+        loader(b, cluster, batch_size=2, rank=0, world_size=1) as lb,
+    ):
         pairs = list(zip(la, lb))  # both in flight at once, same rank, same task numbering
     assert_same_batches([p[0] for p in pairs], torch_batches(a, 2, 0, 1))
     assert_same_batches([p[1] for p in pairs], torch_batches(b, 2, 0, 1))
@@ -192,8 +198,11 @@ def test_break_and_close_give_the_coordinator_its_counts_back(cluster):
 
     observer = ClusterClient(cluster.address, cluster.token, CFG, 0, 1)
     try:
-        wait_for(lambda: sum(s["outstanding"] for s in observer.telemetry()["servers"]) == 0, 10,
-                 "the Coordinator's outstanding counts to come back to zero")
+        wait_for(
+            lambda: sum(s["outstanding"] for s in observer.telemetry()["servers"]) == 0,
+            10,
+            "the Coordinator's outstanding counts to come back to zero",
+        )
     finally:
         observer.close()
 
@@ -255,7 +264,11 @@ def test_train_and_val_loaders_share_the_embedded_cluster(monkeypatch):
     finally:
         train.close()
         val.close()
-    wait_for(lambda: not [p for p in helix_children() if p.pid not in before], 15, "the embedded cluster's processes to stop with the last loader")
+    wait_for(
+        lambda: not [p for p in helix_children() if p.pid not in before],
+        15,
+        "the embedded cluster's processes to stop with the last loader",
+    )
 
 
 def test_device_copy_releases_the_slab(cluster):

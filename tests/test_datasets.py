@@ -1,4 +1,5 @@
 """Datasets: output shapes per model family, costs without decoding, determinism, collation."""
+
 import numpy as np
 import pytest
 import torch

@@ -1,5 +1,6 @@
 """The deploy/ templates (Kubernetes, Slurm) run the same `helix` commands as a user would: each
 command in them parses with the CLI's own parser."""
+
 import re
 import shlex
 from pathlib import Path
@@ -45,8 +46,12 @@ def test_every_helix_command_in_the_slurm_script_parses():
 
 def test_every_helix_command_in_the_kubernetes_manifest_parses():
     docs = list(yaml.safe_load_all((DEPLOY / "kubernetes" / "helix-cluster.yaml").read_text()))
-    containers = [c for d in docs if d["kind"] in ("Deployment", "StatefulSet")
-                  for c in d["spec"]["template"]["spec"]["containers"]]
+    containers = [
+        c
+        for d in docs
+        if d["kind"] in ("Deployment", "StatefulSet")
+        for c in d["spec"]["template"]["spec"]["containers"]
+    ]
     parsed = []
     for c in containers:
         assert c["command"] == ["helix"], c["name"]

@@ -1,5 +1,6 @@
 """Faults with real processes: SIGKILLed DataServers and workers, a lost Coordinator, and no
 process or shared-memory segment outliving close, a crash or Ctrl-C."""
+
 import gc
 import os
 import signal
@@ -20,8 +21,9 @@ from helix_core.testing import IndexDataset
 def test_sigkill_dataservers_mid_epoch_loses_nothing():
     ds = IndexDataset(60, shape=(64,), delays={i: 0.04 for i in range(60)})
     with hx.LocalCluster(local_servers=2, remote_servers=1, workers_per_server=1, config=CFG) as cluster:
-        with hx.DistributedDataLoader(ds, batch_size=2, rank=0, world_size=1, coordinator=cluster.address,
-                                      prefetch_depth=6, config=CFG) as ld:
+        with hx.DistributedDataLoader(
+            ds, batch_size=2, rank=0, world_size=1, coordinator=cluster.address, prefetch_depth=6, config=CFG
+        ) as ld:
             got = []
             for i, b in enumerate(ld):
                 got.append(b)
@@ -38,8 +40,9 @@ def test_sigkill_dataservers_mid_epoch_loses_nothing():
 def test_sigkill_worker_mid_epoch_loses_nothing():
     ds = IndexDataset(40, shape=(64,), delays={i: 0.05 for i in range(40)})
     with hx.LocalCluster(local_servers=1, workers_per_server=2, config=CFG) as cluster:
-        with hx.DistributedDataLoader(ds, batch_size=2, rank=0, world_size=1, coordinator=cluster.address,
-                                      prefetch_depth=4, config=CFG) as ld:
+        with hx.DistributedDataLoader(
+            ds, batch_size=2, rank=0, world_size=1, coordinator=cluster.address, prefetch_depth=4, config=CFG
+        ) as ld:
             got, killed = [], []
             for i, b in enumerate(ld):
                 got.append(b)
@@ -54,16 +57,18 @@ def test_sigkill_worker_mid_epoch_loses_nothing():
 def test_sample_that_keeps_killing_workers_becomes_a_sample_error():
     ds = IndexDataset(8, crash={5: "exit"})
     with hx.LocalCluster(local_servers=1, workers_per_server=1, config=CFG) as cluster:
-        with hx.DistributedDataLoader(ds, batch_size=2, rank=0, world_size=1, coordinator=cluster.address,
-                                      config=CFG) as ld:
+        with hx.DistributedDataLoader(
+            ds, batch_size=2, rank=0, world_size=1, coordinator=cluster.address, config=CFG
+        ) as ld:
             it = iter(ld)
             assert [next(it)["index"].tolist() for _ in range(2)] == [[0, 1], [2, 3]]
             with pytest.raises(hx.SampleError, match="worker process died") as err:
                 next(it)
             assert err.value.index == 5 and err.value.path == "index://5"
             assert next(it)["index"].tolist() == [6, 7]
-        with hx.DistributedDataLoader(ds, batch_size=2, rank=0, world_size=1, coordinator=cluster.address,
-                                      config=CFG, on_error="skip") as ld:
+        with hx.DistributedDataLoader(
+            ds, batch_size=2, rank=0, world_size=1, coordinator=cluster.address, config=CFG, on_error="skip"
+        ) as ld:
             batches = [b["index"].tolist() for b in ld]
             assert [len(b) for b in batches] == [2, 2, 2, 2] and 5 not in batches[2]
             assert ld.stats()["skipped"] == 1
@@ -72,8 +77,9 @@ def test_sample_that_keeps_killing_workers_becomes_a_sample_error():
 def test_without_coordinator_and_servers_a_loader_raises_cluster_error_not_a_hang():
     ds = IndexDataset(400, delays={i: 0.01 for i in range(400)})
     with hx.LocalCluster(local_servers=1, workers_per_server=1, config=CFG) as cluster:
-        with hx.DistributedDataLoader(ds, batch_size=2, rank=0, world_size=1, coordinator=cluster.address,
-                                      config=CFG) as ld:
+        with hx.DistributedDataLoader(
+            ds, batch_size=2, rank=0, world_size=1, coordinator=cluster.address, config=CFG
+        ) as ld:
             it = iter(ld)
             next(it)
             cluster.kill_coordinator()  # the data keeps flowing through the server the client knows ...
@@ -119,7 +125,9 @@ def test_close_leaves_no_process_and_no_segment():
     before = {p.pid for p in children()}
     ds = IndexDataset(20, shape=(1 << 14,))
     cluster = hx.LocalCluster(local_servers=2, remote_servers=1, workers_per_server=1, config=CFG)
-    with hx.DistributedDataLoader(ds, batch_size=4, rank=0, world_size=1, coordinator=cluster.address, config=CFG) as ld:
+    with hx.DistributedDataLoader(
+        ds, batch_size=4, rank=0, world_size=1, coordinator=cluster.address, config=CFG
+    ) as ld:
         kept = list(ld)
     assert segments(cluster)
     cluster.close()
@@ -152,8 +160,9 @@ _SCRIPT = textwrap.dedent("""
 def test_training_process_crash_or_ctrl_c_leaves_nothing(tmp_path, how):
     script = tmp_path / "train.py"
     script.write_text(_SCRIPT)
-    proc = subprocess.Popen([sys.executable, str(script), how], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            text=True)
+    proc = subprocess.Popen(
+        [sys.executable, str(script), how], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
     try:
         cluster_id = proc.stdout.readline().split()[1]
         assert proc.stdout.readline().strip() == "RUNNING"
@@ -165,8 +174,11 @@ def test_training_process_crash_or_ctrl_c_leaves_nothing(tmp_path, how):
             proc.stdin.write("crash now\n")
             proc.stdin.flush()
         proc.wait(timeout=60)
-        wait_for(lambda: not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in descendants), 30,
-                 "every process of the cluster to exit")
+        wait_for(
+            lambda: not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in descendants),
+            30,
+            "every process of the cluster to exit",
+        )
         wait_for(lambda: not shm.list_segments(f"helix-{cluster_id}-"), 15, "every segment to be unlinked")
     finally:
         if proc.poll() is None:
@@ -182,7 +194,7 @@ def test_a_loader_dropped_without_close_stops_its_embedded_cluster(monkeypatch):
     for i, _batch in enumerate(ld):  # requests still in flight when the loader goes
         if i == 2:
             break
-    gone = (lambda: not shm.list_segments(prefix) and not [p for p in helix_children() if p.pid not in before])
+    gone = lambda: not shm.list_segments(prefix) and not [p for p in helix_children() if p.pid not in before]
     gc.disable()  # as a torch DataLoader may simply be dropped: no reference cycle may keep it alive
     try:
         del ld, _batch

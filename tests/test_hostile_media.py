@@ -1,6 +1,7 @@
 """Hostile media: a forged header is refused before decoding, a non-UTF-8 file name is a
 ``SampleError`` like any other (skippable, storable in a profile table), and seeking in a
 variable-frame-rate clip returns the frames sequential decoding returns."""
+
 import json
 import os
 from fractions import Fraction
@@ -58,14 +59,14 @@ def test_frames_above_the_pixel_or_frame_cap_are_refused_before_decoding(small_c
     root, clip = small_clip
     write_manifest(root, [{"path": clip.name}])
     d = hx.VideoClipDataset(root / "manifest.jsonl", num_frames=4, size=32, profiles=False).descriptor(0)
-    tight = hx.VideoClipDataset(root / "manifest.jsonl", num_frames=4, size=32, profiles=False,
-                                max_frame_pixels=d.width * d.height - 1)
+    tight = hx.VideoClipDataset(
+        root / "manifest.jsonl", num_frames=4, size=32, profiles=False, max_frame_pixels=d.width * d.height - 1
+    )
     with pytest.raises(hx.SampleError, match="max_frame_pixels") as e:
         tight[0]
     assert e.value.index == 0 and e.value.path.endswith("good.mp4")
     with pytest.raises(hx.SampleError, match="max_frames"):
-        hx.VideoClipDataset(root / "manifest.jsonl", num_frames=4, size=32, profiles=False,
-                            max_frames=d.frames - 1)[0]
+        hx.VideoClipDataset(root / "manifest.jsonl", num_frames=4, size=32, profiles=False, max_frames=d.frames - 1)[0]
     from helix_core.datasets import MAX_FRAME_PIXELS, MAX_FRAMES
 
     assert 16384 * 16384 > MAX_FRAME_PIXELS >= 7680 * 4320 and 1_000_000 > MAX_FRAMES >= 216_000  # 8K, 2 h at 30 fps

@@ -1,6 +1,7 @@
 """Fresh host memory for the batches a rank assembles (hostmem): large buffers on huge-page-advised
 anonymous mappings — zero-filled, aligned, alive as long as any view — and merges into them equal
 to torch's and numpy's own concatenation."""
+
 import gc
 import mmap
 
@@ -44,8 +45,14 @@ def test_numpy_arrays_too_and_object_arrays_never_on_a_mapping():
 
 def test_a_large_merge_equals_concatenation_and_a_padded_one_pads_with_zeros():
     g = torch.Generator().manual_seed(0)
-    a = {"video": torch.randint(0, 255, (2, 8, 3, 256, 256), dtype=torch.uint8, generator=g), "index": torch.tensor([0, 1])}
-    b = {"video": torch.randint(0, 255, (3, 8, 3, 256, 256), dtype=torch.uint8, generator=g), "index": torch.tensor([2, 3, 4])}
+    a = {
+        "video": torch.randint(0, 255, (2, 8, 3, 256, 256), dtype=torch.uint8, generator=g),
+        "index": torch.tensor([0, 1]),
+    }
+    b = {
+        "video": torch.randint(0, 255, (3, 8, 3, 256, 256), dtype=torch.uint8, generator=g),
+        "index": torch.tensor([2, 3, 4]),
+    }
     m = merge_batches([a, b])
     assert torch.equal(m["video"], torch.cat([a["video"], b["video"]])) and m["index"].tolist() == [0, 1, 2, 3, 4]
     c = {"video": torch.randint(1, 255, (1, 8, 3, 300, 256), dtype=torch.uint8, generator=g)}

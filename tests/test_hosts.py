@@ -1,6 +1,7 @@
 """Helix across hosts, on emulated hosts: each a network + mount + UTS namespace with its own
 address, /dev/shm and hostname (helix_core.emulated_hosts). Services start through the CLI as a
 user starts them on each machine; ranks are processes on their own host."""
+
 import json
 import os
 import re
@@ -53,18 +54,70 @@ class Cluster:
         a = hosts.address("a")
         self.coordinator = self._start("coordinator", "a", ["coordinator", "--host", a, "--port", "7070"])["address"]
         for name in ("a", "b"):
-            self._start(f"local-{name}", name, ["dataserver", "--coordinator", self.coordinator, "--local-rank", "0",
-                                                "--workers", "1", "--host", hosts.address(name)])
+            self._start(
+                f"local-{name}",
+                name,
+                [
+                    "dataserver",
+                    "--coordinator",
+                    self.coordinator,
+                    "--local-rank",
+                    "0",
+                    "--workers",
+                    "1",
+                    "--host",
+                    hosts.address(name),
+                ],
+            )
         for name, local_rank in more_locals:  # more local servers: (host, local rank)
-            self._start(f"local-{name}{local_rank}", name, ["dataserver", "--coordinator", self.coordinator, "--local-rank",
-                                                           str(local_rank), "--workers", "1", "--host", hosts.address(name)])
-        self._start("sidecar", "c", ["dataserver", "--coordinator", self.coordinator, "--remote", "--workers", "1",
-                                     "--host", hosts.address("c")])
+            self._start(
+                f"local-{name}{local_rank}",
+                name,
+                [
+                    "dataserver",
+                    "--coordinator",
+                    self.coordinator,
+                    "--local-rank",
+                    str(local_rank),
+                    "--workers",
+                    "1",
+                    "--host",
+                    hosts.address(name),
+                ],
+            )
+        self._start(
+            "sidecar",
+            "c",
+            [
+                "dataserver",
+                "--coordinator",
+                self.coordinator,
+                "--remote",
+                "--workers",
+                "1",
+                "--host",
+                hosts.address("c"),
+            ],
+        )
 
     def _start(self, role: str, host: str, args: list[str]) -> dict:
-        proc = self.hosts.popen(host, [sys.executable, "-m", "helix_core.cli", *args, "--token-file",
-                                       str(self.token_file), "--config-json", self.config, *self.flags],
-                                stdout=subprocess.PIPE, text=True, env=self.env)
+        proc = self.hosts.popen(
+            host,
+            [
+                sys.executable,
+                "-m",
+                "helix_core.cli",
+                *args,
+                "--token-file",
+                str(self.token_file),
+                "--config-json",
+                self.config,
+                *self.flags,
+            ],
+            stdout=subprocess.PIPE,
+            text=True,
+            env=self.env,
+        )
         line = proc.stdout.readline()
         assert line.startswith("HELIX_READY "), f"{role} on host {host}: {line!r}"
         self.procs[role] = proc
@@ -72,8 +125,21 @@ class Cluster:
         return self.info[role]
 
     def status(self, host: str = "c") -> dict:
-        done = self.hosts.run(host, [sys.executable, "-m", "helix_core.cli", "status", "--coordinator",
-                                     self.coordinator, "--token-file", str(self.token_file), "--json"], env=self.env)
+        done = self.hosts.run(
+            host,
+            [
+                sys.executable,
+                "-m",
+                "helix_core.cli",
+                "status",
+                "--coordinator",
+                self.coordinator,
+                "--token-file",
+                str(self.token_file),
+                "--json",
+            ],
+            env=self.env,
+        )
         assert done.returncode == 0, done.stderr
         return json.loads(done.stdout)
 
@@ -82,8 +148,18 @@ class Cluster:
         started = []
         for rank, (host, local_rank) in enumerate(placement):
             out = self.tmp / f"rank{rank}-{time.monotonic_ns()}.json"
-            args = dict(n=n, batch=batch, rank=rank, world=len(placement), local_rank=local_rank,
-                        coordinator=self.coordinator, token=TOKEN, schedulers=list(schedulers), out=str(out), **extra)
+            args = dict(
+                n=n,
+                batch=batch,
+                rank=rank,
+                world=len(placement),
+                local_rank=local_rank,
+                coordinator=self.coordinator,
+                token=TOKEN,
+                schedulers=list(schedulers),
+                out=str(out),
+                **extra,
+            )
             argv = [sys.executable, str(HERE / "hosts_rank.py"), json.dumps(args)]
             started.append((self.hosts.popen(host, argv, env=self.env), out))
         return started
@@ -116,7 +192,7 @@ def _wait_first_batches(started) -> None:
 
 def _sampler(n, rank, world, batch):
     order = list(DistributedSampler(IndexDataset(n), num_replicas=world, rank=rank, shuffle=False))
-    return [order[i:i + batch] for i in range(0, len(order), batch)]
+    return [order[i : i + batch] for i in range(0, len(order), batch)]
 
 
 def test_two_hosts_and_a_sidecar_through_the_cli(hosts, tmp_path):
@@ -302,10 +378,14 @@ def test_emulated_hosts_are_isolated_and_leave_nothing_behind_even_after_a_failu
         with EmulatedHosts(["x", "y"], cpus={"y": 0.5}, link_mbps={"y": 20}) as h:
             tag = h.tag
             assert h.run("x", ["hostname"]).stdout.strip() == "x"
-            assert h.run("x", ["sh", "-c", "touch /dev/shm/helix-probe && ls /dev/shm"]).stdout.split() == ["helix-probe"]
+            assert h.run("x", ["sh", "-c", "touch /dev/shm/helix-probe && ls /dev/shm"]).stdout.split() == [
+                "helix-probe"
+            ]
             assert "helix-probe" not in h.run("y", ["ls", "/dev/shm"]).stdout  # each host its own /dev/shm
             assert not os.path.exists("/dev/shm/helix-probe")
-            reach = h.run("x", [sys.executable, "-c", f"import socket; socket.create_connection(('{h.address('y')}', 9), 2)"])
+            reach = h.run(
+                "x", [sys.executable, "-c", f"import socket; socket.create_connection(('{h.address('y')}', 9), 2)"]
+            )
             assert "ConnectionRefused" in reach.stderr  # y's address answers on the bridge (nothing listens on 9)
             # each host's CPU is counted; y's is held to its quota: 1.5 busy seconds get ~0.75 CPU-s there
             busy = [sys.executable, "-c", "import time\nt = time.monotonic()\nwhile time.monotonic() - t < 1.5: pass"]

@@ -1,6 +1,7 @@
 """The layers the README promises, read from the source: the runtime knows no Lightning or
 Accelerate, policy code knows no gRPC, gRPC stays in the transport and the services, and
 ``helix_lightning`` uses only the public ``helix_core`` surface. No file outgrows ~300 lines."""
+
 import ast
 from pathlib import Path
 
@@ -19,7 +20,7 @@ def _imports(path: Path) -> set[str]:
             names.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom):
             if node.level:
-                base = package.split(".")[:len(package.split(".")) - node.level + 1]
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
                 module = ".".join(base + ([node.module] if node.module else []))
             else:
                 module = node.module or ""
@@ -44,8 +45,11 @@ def test_the_runtime_imports_no_lightning_or_accelerate(forbidden):
 def test_grpc_lives_only_in_the_transport_and_the_services():
     allowed = {"helix_core/client/requests.py"}
     users = {str(p.relative_to(ROOT)) for p in _files("helix_core") if _uses(_imports(p), "grpc")}
-    stray = {u for u in users if not (u.startswith("helix_core/runtime/") or u in allowed
-                                      or u.startswith("helix_core/client/transport"))}
+    stray = {
+        u
+        for u in users
+        if not (u.startswith("helix_core/runtime/") or u in allowed or u.startswith("helix_core/client/transport"))
+    }
     assert stray == set()
     assert not any(u.startswith("helix_core/planning/") for u in users)  # policy code knows no gRPC
 
@@ -68,6 +72,10 @@ def test_helix_lightning_uses_only_the_public_surface():
 
 
 def test_no_file_outgrows_the_house_size():
-    big = {str(p.relative_to(ROOT)): n for folder in ("helix_core", "helix_bench", "helix_lightning", "recipes")
-           for p in _files(folder) if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    big = {
+        str(p.relative_to(ROOT)): n
+        for folder in ("helix_core", "helix_bench", "helix_lightning", "recipes")
+        for p in _files(folder)
+        if (n := len(p.read_text().splitlines())) > MAX_LINES
+    }
     assert big == {}

@@ -1,6 +1,7 @@
 """Lightning integration: real 2-process DDP fits (gloo, spawned by Lightning) on a Helix data
 module with its embedded cluster — the batches every rank trains on, exact resume after a crash
 mid-epoch, deadlines from the callback — and the data module's checks."""
+
 from __future__ import annotations
 
 import json
@@ -24,8 +25,15 @@ def run_app(tmp: Path, name: str, manifest: Path, *args: str, ok: bool = True, r
     out = tmp / name
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.pop("HELIX_COORDINATOR", None)
-    proc = subprocess.run([sys.executable, str(APP), "--manifest", str(manifest), "--out", str(out), *args],
-                          capture_output=True, text=True, timeout=280, env=env, cwd=tmp, check=False)
+    proc = subprocess.run(
+        [sys.executable, str(APP), "--manifest", str(manifest), "--out", str(out), *args],
+        capture_output=True,
+        text=True,
+        timeout=280,
+        env=env,
+        cwd=tmp,
+        check=False,
+    )
     assert (proc.returncode == 0) == ok, proc.stderr[-4000:]
     found = {r: json.loads((out / f"rank{r}.json").read_text()) for r in range(ranks)}
     return {"ranks": found, "stderr": proc.stderr, "out": out}
@@ -37,13 +45,14 @@ def sampler_batches(n: int, rank: int, epochs: int, batch_size: int = 1, seed: i
     for e in range(epochs):
         sampler.set_epoch(e)
         idx = list(sampler)
-        out += [{"epoch": e, "indices": idx[i:i + batch_size]} for i in range(0, len(idx), batch_size)]
+        out += [{"epoch": e, "indices": idx[i : i + batch_size]} for i in range(0, len(idx), batch_size)]
     return out
 
 
 @pytest.mark.slow
 def test_ddp_fit_trains_every_rank_on_the_distributed_sampler_batches_and_deadlines_come_from_the_callback(
-        kmix, tmp_path):
+    kmix, tmp_path
+):
     # the step's compute (inside the callback's window) is short; 1.5 s of other work follows it
     run = run_app(tmp_path, "fit", kmix / "manifest.jsonl", "--gpu-s", "0.05", "--after-s", "1.5")
     n = len(hx.Manifest(kmix / "manifest.jsonl"))
@@ -62,16 +71,28 @@ def test_ddp_fit_trains_every_rank_on_the_distributed_sampler_batches_and_deadli
 @pytest.mark.slow
 def test_ddp_resume_after_a_crash_mid_epoch_continues_exactly_on_every_rank(kmix, tmp_path):
     manifest = kmix / "manifest.jsonl"
-    crashed = run_app(tmp_path, "crash", manifest, "--balance", "tokens", "--ckpt-every", "2", "--crash-at", "2",
-                      ok=False)
+    crashed = run_app(
+        tmp_path, "crash", manifest, "--balance", "tokens", "--ckpt-every", "2", "--crash-at", "2", ok=False
+    )
     assert "simulated crash" in crashed["stderr"]
-    resumed = run_app(tmp_path, "resume", manifest, "--balance", "tokens", "--resume",
-                      str(crashed["out"] / "ckpt" / "step=2.ckpt"))
+    resumed = run_app(
+        tmp_path, "resume", manifest, "--balance", "tokens", "--resume", str(crashed["out"] / "ckpt" / "step=2.ckpt")
+    )
     # what the uninterrupted run yields: the token planner's batches (loaders made here, one per rank)
     ds = hx.VideoClipDataset(manifest, **{k: v for k, v in DATASET.items()})
     for r in range(2):
-        with hx.DistributedDataLoader(ds, 1, rank=r, world_size=2, shuffle=True, seed=7, balance="tokens", window=2,
-                                      num_workers=1, collate_fn=hx.pad_collate) as loader:
+        with hx.DistributedDataLoader(
+            ds,
+            1,
+            rank=r,
+            world_size=2,
+            shuffle=True,
+            seed=7,
+            balance="tokens",
+            window=2,
+            num_workers=1,
+            collate_fn=hx.pad_collate,
+        ) as loader:
             expected = []
             for e in range(2):
                 loader.set_epoch(e)
@@ -88,8 +109,7 @@ def test_a_dataset_whose_length_differs_across_ranks_stops_every_rank_with_an_er
 
 
 def test_lightning_skipping_the_loader_restore_is_detected_and_repaired(kmix):
-    dm = HelixDataModule({"manifest": str(kmix / "manifest.jsonl"), **DATASET}, 1, shuffle=True, seed=3,
-                         num_workers=1)
+    dm = HelixDataModule({"manifest": str(kmix / "manifest.jsonl"), **DATASET}, 1, shuffle=True, seed=3, num_workers=1)
     dm.setup("fit")
     try:
         dm.load_state_dict({"train_loader": {**dm.train_loader.state_dict(), "batches_yielded": 2}})
@@ -112,7 +132,7 @@ def test_iter_starts_no_work_and_the_epoch_is_read_at_the_first_next(kmix):
     sampler = torch.utils.data.DistributedSampler(ds, num_replicas=1, rank=0, shuffle=True, seed=1)
     sampler.set_epoch(3)
     idx = list(sampler)
-    assert got == [idx[i:i + 2] for i in range(0, len(idx), 2)]
+    assert got == [idx[i : i + 2] for i in range(0, len(idx), 2)]
 
 
 def test_data_module_bad_input_names_the_key_and_the_valid_values(kmix, tmp_path):
@@ -180,8 +200,16 @@ def test_fit_with_validation_in_one_process_and_epochs_adopt_the_requests_sent_a
     spec = {"manifest": str(kmix / "manifest.jsonl"), **DATASET}
     dm = HelixDataModule(spec, 2, val_dataset=spec, shuffle=True, seed=1, num_workers=1)
     model = Module()
-    trainer = pl.Trainer(accelerator="cpu", devices=1, max_epochs=3, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_epochs=3,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
     trainer.fit(model, datamodule=dm)
     assert model.val_seen == [[0, 1], [2, 3]] + [[0, 1], [2, 3], [4, 5]] * 3  # sanity check, then whole sets
     assert model.runs == [1, 1, 1]  # epochs 1, 2 adopted what epoch 0's run sent ahead: no restart

@@ -1,6 +1,7 @@
 """Liveness with real processes: a DataServer that stops answering (SIGSTOP: alive to the kernel,
 silent to everyone) costs the epoch seconds — keepalive fails the calls in flight there and the
 clients resubmit them — not ``execute_timeout_s``."""
+
 import os
 import signal
 import time
@@ -18,8 +19,9 @@ def test_a_sigstopped_dataserver_costs_seconds_not_the_batch_deadline():
     with hx.LocalCluster(local_servers=2, remote_servers=1, workers_per_server=1, config=CFG) as cluster:
         stopped = []
         try:
-            with hx.DistributedDataLoader(ds, batch_size=2, rank=0, world_size=1, coordinator=cluster.address,
-                                          prefetch_depth=6, config=CFG) as ld:
+            with hx.DistributedDataLoader(
+                ds, batch_size=2, rank=0, world_size=1, coordinator=cluster.address, prefetch_depth=6, config=CFG
+            ) as ld:
                 got, gaps, t = [], [], time.monotonic()
                 for i, b in enumerate(ld):
                     now = time.monotonic()
@@ -64,8 +66,16 @@ def test_a_decode_that_never_returns_is_skipped_after_sample_timeout_and_its_wor
     with hx.LocalCluster(local_servers=2, workers_per_server=1, config=WATCHDOG) as cluster:
         before = _worker_pids(cluster)
         t0 = time.monotonic()
-        with hx.DistributedDataLoader(ds, batch_size=2, rank=0, world_size=1, coordinator=cluster.address,
-                                      on_error="skip", prefetch_depth=4, config=WATCHDOG) as ld:
+        with hx.DistributedDataLoader(
+            ds,
+            batch_size=2,
+            rank=0,
+            world_size=1,
+            coordinator=cluster.address,
+            on_error="skip",
+            prefetch_depth=4,
+            config=WATCHDOG,
+        ) as ld:
             batches = list(ld)
             stats = ld.stats()
         assert time.monotonic() - t0 < WATCHDOG.execute_timeout_s / 4
@@ -80,8 +90,9 @@ def test_a_decode_that_never_returns_is_skipped_after_sample_timeout_and_its_wor
 def test_a_hung_sample_is_a_sample_error_naming_it_and_the_pool_keeps_serving():
     ds = IndexDataset(8, shape=(16,), delays={3: 3600.0})
     with hx.LocalCluster(local_servers=1, workers_per_server=1, config=WATCHDOG) as cluster:
-        with hx.DistributedDataLoader(ds, batch_size=2, rank=0, world_size=1, coordinator=cluster.address,
-                                      prefetch_depth=2, config=WATCHDOG) as ld:
+        with hx.DistributedDataLoader(
+            ds, batch_size=2, rank=0, world_size=1, coordinator=cluster.address, prefetch_depth=2, config=WATCHDOG
+        ) as ld:
             it = iter(ld)
             next(it)
             try:
@@ -90,8 +101,14 @@ def test_a_hung_sample_is_a_sample_error_naming_it_and_the_pool_keeps_serving():
             except hx.SampleError as e:
                 assert e.index == 3 and "timed out" in str(e) and "sample_timeout_s" in str(e)
             assert ld.stats()["resubmits"] == 0
-        with hx.DistributedDataLoader(IndexDataset(8, shape=(16,)), batch_size=2, rank=0, world_size=1,
-                                      coordinator=cluster.address, config=WATCHDOG) as ld:
+        with hx.DistributedDataLoader(
+            IndexDataset(8, shape=(16,)),
+            batch_size=2,
+            rank=0,
+            world_size=1,
+            coordinator=cluster.address,
+            config=WATCHDOG,
+        ) as ld:
             assert len(list(ld)) == 4  # the same server, a new worker
 
 
@@ -100,29 +117,43 @@ def test_configs_and_loader_options_of_the_wrong_kind_are_refused_naming_the_fie
 
     import pytest
 
-    for field, bad, error in (("heartbeat_timeout_s", math.nan, ValueError), ("rpc_timeout_s", math.inf, ValueError),
-                              ("execute_timeout_s", "600", TypeError), ("max_resubmits", 8.0, TypeError),
-                              ("work_stealing", 1, TypeError), ("keepalive_s", True, TypeError),
-                              ("sample_timeout_s", 900.0, ValueError),  # above execute_timeout_s
-                              ("worker_nice", 20, ValueError), ("worker_nice", -1, ValueError)):
+    for field, bad, error in (
+        ("heartbeat_timeout_s", math.nan, ValueError),
+        ("rpc_timeout_s", math.inf, ValueError),
+        ("execute_timeout_s", "600", TypeError),
+        ("max_resubmits", 8.0, TypeError),
+        ("work_stealing", 1, TypeError),
+        ("keepalive_s", True, TypeError),
+        ("sample_timeout_s", 900.0, ValueError),  # above execute_timeout_s
+        ("worker_nice", 20, ValueError),
+        ("worker_nice", -1, ValueError),
+    ):
         with pytest.raises(error, match=f"ClusterConfig.{field}"):
             hx.ClusterConfig(**{field: bad})
     ds = IndexDataset(4)
-    for option, bad, error in (("shuffle", "false", TypeError), ("batch_size", 2.0, TypeError),
-                               ("prefetch_depth", 0, ValueError), ("drop_last", None, TypeError),
-                               ("seed", "0", TypeError), ("config", {"rpc_timeout_s": 1}, TypeError),
-                               ("collate_fn", "stack", TypeError), ("ddl_tolerance_s", math.nan, ValueError)):
+    for option, bad, error in (
+        ("shuffle", "false", TypeError),
+        ("batch_size", 2.0, TypeError),
+        ("prefetch_depth", 0, ValueError),
+        ("drop_last", None, TypeError),
+        ("seed", "0", TypeError),
+        ("config", {"rpc_timeout_s": 1}, TypeError),
+        ("collate_fn", "stack", TypeError),
+        ("ddl_tolerance_s", math.nan, ValueError),
+    ):
         with pytest.raises(error, match=option):
-            hx.DistributedDataLoader(ds, **{"batch_size": 1, option: bad}, rank=0, world_size=1,
-                                     coordinator="127.0.0.1:1")
+            hx.DistributedDataLoader(
+                ds, **{"batch_size": 1, option: bad}, rank=0, world_size=1, coordinator="127.0.0.1:1"
+            )
 
 
 def test_a_coordinator_killed_mid_epoch_and_restarted_8_s_later_never_stops_the_data():
     ds = IndexDataset(400, shape=(16,), delays={i: 0.1 for i in range(400)})
     assert 8.0 > CFG.coordinator_timeout_s
     with hx.LocalCluster(local_servers=2, remote_servers=1, workers_per_server=1, config=CFG) as cluster:
-        with hx.DistributedDataLoader(ds, batch_size=2, rank=0, world_size=1, coordinator=cluster.address,
-                                      prefetch_depth=6, config=CFG) as ld:
+        with hx.DistributedDataLoader(
+            ds, batch_size=2, rank=0, world_size=1, coordinator=cluster.address, prefetch_depth=6, config=CFG
+        ) as ld:
             got, during, killed_at, restarted = [], 0, None, False
             for i, b in enumerate(ld):
                 got.append(b)
@@ -177,8 +208,11 @@ def test_a_sigkilled_client_has_its_load_and_slabs_released_within_a_few_heartbe
                 child.wait(10)
                 budget = 4 * CFG.heartbeat_timeout_s + 2 * 2.0 + 3.0  # its lease, then the servers' idle reclaim
                 wait_for(lambda: client_id not in probe.telemetry()["clients"], budget, "the lease to run out")
-                wait_for(lambda: all(s["outstanding"] == 0 for s in probe.telemetry()["servers"]), budget,
-                         "its load to be released")
+                wait_for(
+                    lambda: all(s["outstanding"] == 0 for s in probe.telemetry()["servers"]),
+                    budget,
+                    "its load to be released",
+                )
                 wait_for(lambda: not busy_segments(cluster), budget, "its slabs to be taken back")
             finally:
                 probe.close()
@@ -205,8 +239,13 @@ def test_the_watchdog_looks_again_at_a_worker_whose_sample_has_not_begun():
             return self.started
 
     killed = []
-    w = SimpleNamespace(task={"indices": [6, 7], "predicted_cpu_s": 0.0}, timed_out=None, progress=Progress(), wid=0,
-                        kill=lambda: killed.append(True))
+    w = SimpleNamespace(
+        task={"indices": [6, 7], "predicted_cpu_s": 0.0},
+        timed_out=None,
+        progress=Progress(),
+        wid=0,
+        kill=lambda: killed.append(True),
+    )
     pool = WorkerDeaths()
     pool._workers, pool.config, pool.latency_per_cost = [w], WATCHDOG, 1.0
     assert pool._watchdog() == WATCHDOG.sample_timeout_s and not killed  # not begun: look again within a limit

@@ -1,5 +1,6 @@
 """The local link (Execute over an abstract Unix socket between a rank and a DataServer of its host):
 replies and errors as gRPC would give them, the token, and what a broken link does to calls in flight."""
+
 import multiprocessing
 import os
 import socket
@@ -97,9 +98,12 @@ def test_a_loader_reads_the_same_batches_over_the_link_as_over_grpc():
     out = {}
     for local_link in (True, False):
         config = ClusterConfig.for_tests(local_link=local_link)
-        with LocalCluster(local_servers=2, workers_per_server=1, token=True, config=config) as cluster, \
-                hx.DistributedDataLoader(ds, 4, rank=0, world_size=1, coordinator=cluster.address,
-                                         token=cluster.token, config=config) as loader:
+        with (
+            LocalCluster(local_servers=2, workers_per_server=1, token=True, config=config) as cluster,
+            hx.DistributedDataLoader(
+                ds, 4, rank=0, world_size=1, coordinator=cluster.address, token=cluster.token, config=config
+            ) as loader,
+        ):
             out[local_link] = [b for b in loader]
     assert len(out[True]) == len(out[False]) == 12
     for a, b in zip(out[True], out[False]):
@@ -165,7 +169,10 @@ def test_the_coordinators_call_link_answers_in_order_and_fails_as_grpc_would():
     try:
         assert CallLink.connect(name, "wrong") is None
         link = CallLink.connect(name, "secret")
-        assert [link.call(pb.RouteRequest(task_id=i), pb.RouteReply, 5.0).exec_server_id for i in (7, 8)] == ["s7", "s8"]
+        assert [link.call(pb.RouteRequest(task_id=i), pb.RouteReply, 5.0).exec_server_id for i in (7, 8)] == [
+            "s7",
+            "s8",
+        ]
         with pytest.raises(LinkError) as e:
             link.call(pb.RouteRequest(rank=1), pb.RouteReply, 5.0)
         assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "host h" in e.value.details()
@@ -179,6 +186,7 @@ def test_the_coordinators_call_link_answers_in_order_and_fails_as_grpc_would():
         assert again.call(pb.RouteRequest(task_id=9), pb.RouteReply, 5.0).exec_server_id == "s9"
         again.close()
     finally:
+
         async def shutdown():
             server.close()
             await server.wait_closed()
@@ -241,8 +249,9 @@ def test_a_connection_of_another_user_is_refused_before_a_thread_starts():
 def test_a_silent_or_trickling_connection_is_closed_at_the_handshake_deadline():
     import time
 
-    server = LocalListener(_name(), "secret", lambda r, c: pb.ExecuteReply(), timeout_s=30.0, threads=2,
-                           handshake_s=0.5)
+    server = LocalListener(
+        _name(), "secret", lambda r, c: pb.ExecuteReply(), timeout_s=30.0, threads=2, handshake_s=0.5
+    )
     try:
         for trickle in (False, True):
             s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -283,8 +292,9 @@ def test_the_coordinators_call_link_closes_a_silent_connection_at_the_handshake_
 
     name, loop = _name(), asyncio.new_event_loop()
     threading.Thread(target=loop.run_forever, daemon=True).start()
-    server = asyncio.run_coroutine_threadsafe(serve_call_link(name, "secret", route, pb.RouteRequest, handshake_s=0.5),
-                                              loop).result(10)
+    server = asyncio.run_coroutine_threadsafe(
+        serve_call_link(name, "secret", route, pb.RouteRequest, handshake_s=0.5), loop
+    ).result(10)
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
             s.connect(name)
@@ -295,6 +305,7 @@ def test_the_coordinators_call_link_closes_a_silent_connection_at_the_handshake_
         assert link.call(pb.RouteRequest(), pb.RouteReply, 5.0).exec_server_id == "s"
         link.close()
     finally:
+
         async def shutdown():
             server.close()
             await server.wait_closed()

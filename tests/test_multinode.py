@@ -3,6 +3,7 @@
 Accelerate plugin. Global rank 0 starts the Coordinator, each node's local rank 0 its node's
 DataServers; every rank finds the cluster's address in the job's store (sealed with the job's
 secret, from which every rank derives the token and the job's own CA)."""
+
 import json
 import os
 import secrets
@@ -17,8 +18,10 @@ import torch
 from helix_core.emulated_hosts import EmulatedHosts
 from helix_core.testing import IndexDataset
 
-pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(EmulatedHosts.unavailable() is not None, reason=str(EmulatedHosts.unavailable()))]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(EmulatedHosts.unavailable() is not None, reason=str(EmulatedHosts.unavailable())),
+]
 
 APP = Path(__file__).with_name("multinode_app.py")
 ROOT = Path(__file__).resolve().parents[1]
@@ -37,11 +40,31 @@ def _torchrun(hosts: EmulatedHosts, mode: str, out: Path) -> list[dict]:
     env["HELIX_JOB_SECRET"] = secrets.token_urlsafe(32)  # the job's secret, out of band like MASTER_ADDR
     procs = []
     for node, host in enumerate(("a", "b")):
-        argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
-                "--node-rank", str(node), "--master-addr", hosts.address("a"), "--master-port", "29511",
-                str(APP), mode, str(out), str(N), str(BATCH)]
-        procs.append(hosts.popen(host, argv, env=env, cwd=str(out.parent), stdout=subprocess.PIPE,
-                                 stderr=subprocess.STDOUT, text=True))
+        argv = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes",
+            "2",
+            "--nproc-per-node",
+            "2",
+            "--node-rank",
+            str(node),
+            "--master-addr",
+            hosts.address("a"),
+            "--master-port",
+            "29511",
+            str(APP),
+            mode,
+            str(out),
+            str(N),
+            str(BATCH),
+        ]
+        procs.append(
+            hosts.popen(
+                host, argv, env=env, cwd=str(out.parent), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+            )
+        )
     logs = []
     for proc in procs:
         try:
@@ -59,7 +82,7 @@ def _sampler(rank: int) -> list[list[int]]:
     sampler = torch.utils.data.DistributedSampler(IndexDataset(N), num_replicas=4, rank=rank, shuffle=True, seed=7)
     sampler.set_epoch(0)
     order = list(sampler)
-    return [order[i:i + BATCH] for i in range(0, len(order), BATCH)]
+    return [order[i : i + BATCH] for i in range(0, len(order), BATCH)]
 
 
 @pytest.mark.parametrize("mode", ["lightning", "accelerate"])

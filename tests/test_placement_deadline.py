@@ -1,5 +1,6 @@
 """Deadline-aware placement (paper Eq. 1) and the loader's deadline estimator: pure code, plain
 data in and out, an injected clock."""
+
 import pytest
 
 from helix_core.client.deadline import DeadlineEstimator
@@ -8,9 +9,18 @@ from helix_core.planning.placement import Candidates, DeadlineAware, PlacementRe
 
 def cands(queued, kinds=None, workers=None, local=0, lpc=None, outstanding=None, bandwidth=None):
     n = len(queued)
-    return Candidates(tuple(f"s{k}" for k in range(n)), tuple(kinds or ["local"] * n), tuple(workers or [1] * n),
-                      tuple(outstanding or [0] * n), (0,) * n, tuple(lpc or [1.0] * n), local, tuple(queued),
-                      tuple(bandwidth or [0.0] * n), (0.0,) * n)
+    return Candidates(
+        tuple(f"s{k}" for k in range(n)),
+        tuple(kinds or ["local"] * n),
+        tuple(workers or [1] * n),
+        tuple(outstanding or [0] * n),
+        (0,) * n,
+        tuple(lpc or [1.0] * n),
+        local,
+        tuple(queued),
+        tuple(bandwidth or [0.0] * n),
+        (0.0,) * n,
+    )
 
 
 def req(cpu_s=0.1, deadline_s=1.0, out_bytes=0):
@@ -21,8 +31,13 @@ P = DeadlineAware()
 
 
 def test_finish_time_is_queue_plus_cpu_scaled_by_measured_latency_plus_network():
-    c = cands([0.4, 0.4, 0.0], kinds=["local", "local", "remote"], workers=[2, 1, 1], lpc=[1.0, 2.0, 1.0],
-              bandwidth=[0, 0, 1e8])
+    c = cands(
+        [0.4, 0.4, 0.0],
+        kinds=["local", "local", "remote"],
+        workers=[2, 1, 1],
+        lpc=[1.0, 2.0, 1.0],
+        bandwidth=[0, 0, 1e8],
+    )
     t = P.finish_times(req(cpu_s=0.1, out_bytes=10_000_000), c)
     assert t[0] == pytest.approx(0.4 / 2 + 0.1)  # its work spread over 2 workers, no network (shared memory)
     assert t[1] == pytest.approx(0.4 * 2 + 0.1 * 2)  # measured: twice as slow as predicted
@@ -128,7 +143,10 @@ def test_a_batch_fans_out_only_when_one_worker_would_miss_its_deadline():
 
     assert _fan_out([7, 8], costs(0.1, 0.1), deadline_s=1.0) == [[7, 8]]  # one worker makes it
     assert _fan_out([7, 8], costs(0.1, 0.1), deadline_s=0.05) == [[7], [8]]  # two large clips: ready in the time of one
-    assert _fan_out([1, 2, 3, 4], costs(0.3, 0.1, 0.1, 0.1), deadline_s=0.3) == [[1], [2, 3, 4]]  # contiguous, equal cost
+    assert _fan_out([1, 2, 3, 4], costs(0.3, 0.1, 0.1, 0.1), deadline_s=0.3) == [
+        [1],
+        [2, 3, 4],
+    ]  # contiguous, equal cost
     assert _fan_out([7, 8], [None, None], deadline_s=0.0) == [[7, 8]]  # unknown costs: never split
     assert _fan_out([7], costs(5.0), deadline_s=0.0) == [[7]]
 

@@ -1,4 +1,5 @@
 """Tier-1 planner: pure unit tests on plain lists (no gRPC, no processes but one, no clocks)."""
+
 from __future__ import annotations
 
 import json
@@ -26,13 +27,13 @@ def sampler_steps(n: int, ranks: int, batch: int, seed: int, epoch: int) -> list
     per_rank = -(-n // ranks)
     order += order[: per_rank * ranks - n]
     shards = [order[r::ranks] for r in range(ranks)]
-    return [[shards[r][k:k + batch] for r in range(ranks)] for k in range(0, per_rank, batch)]
+    return [[shards[r][k : k + batch] for r in range(ranks)] for k in range(0, per_rank, batch)]
 
 
 def plan_epoch(planner: TokenPlanner, steps, costs) -> list:
     out = []
     for w in planner.windows(len(steps)):
-        out += planner.plan_window(steps[w.start:w.stop], costs)
+        out += planner.plan_window(steps[w.start : w.stop], costs)
     return out
 
 
@@ -106,11 +107,19 @@ def test_identical_plans_from_independent_instances_and_processes():
     # numpy inputs plan the same as lists
     np_steps = [[np.asarray(b, dtype=np.int32) for b in step] for step in steps]
     assert plan_epoch(TokenPlanner(4, window=4), np_steps, np.asarray(costs)) == mine
-    code = ("import json, sys; from helix_core.planning.batching import TokenPlanner; a = json.load(sys.stdin); "
-            "p = TokenPlanner(4, window=4); "
-            "print(json.dumps([p.plan_window(a['steps'][w.start:w.stop], a['costs']) for w in p.windows(6)]))")
-    out = subprocess.run([sys.executable, "-c", code], input=json.dumps({"steps": steps, "costs": costs}),
-                         capture_output=True, text=True, timeout=60, check=True)
+    code = (
+        "import json, sys; from helix_core.planning.batching import TokenPlanner; a = json.load(sys.stdin); "
+        "p = TokenPlanner(4, window=4); "
+        "print(json.dumps([p.plan_window(a['steps'][w.start:w.stop], a['costs']) for w in p.windows(6)]))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        input=json.dumps({"steps": steps, "costs": costs}),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
     assert [s for window in json.loads(out.stdout) for s in window] == mine
 
 
@@ -119,8 +128,10 @@ def test_balances_a_kinetics_mixed_epoch():
     costs = [KMIX[i % 3] for i in range(48)]
     epochs = [sampler_steps(48, 4, 2, seed=0, epoch=e) for e in range(10)]
     sampler = imbalance_ratio([s for steps in epochs for s in steps], costs)
-    ratios = {w: imbalance_ratio([s for steps in epochs for s in plan_epoch(TokenPlanner(4, w), steps, costs)], costs)
-              for w in (1, 2, 4, 8)}
+    ratios = {
+        w: imbalance_ratio([s for steps in epochs for s in plan_epoch(TokenPlanner(4, w), steps, costs)], costs)
+        for w in (1, 2, 4, 8)
+    }
     assert sampler > 1.5
     assert ratios[1] < sampler - 0.2
     assert ratios[1] > ratios[2] > ratios[4] > ratios[8]
@@ -130,7 +141,7 @@ def test_balances_a_kinetics_mixed_epoch():
     steps = epochs[0]
     plan = plan_epoch(planner, steps, costs)
     for w in planner.windows(len(steps)):
-        assert flat(plan[w.start:w.stop]) == flat(steps[w.start:w.stop])
+        assert flat(plan[w.start : w.stop]) == flat(steps[w.start : w.stop])
 
 
 def test_continuous_costs_balance_through_swaps_between_steps():
@@ -138,8 +149,10 @@ def test_continuous_costs_balance_through_swaps_between_steps():
     (without them: 1.18 at window 2, 1.12 at window 4)."""
     costs = np.random.default_rng(7).lognormal(8, 0.8, 48).round().tolist()
     epochs = [sampler_steps(48, 4, 2, seed=0, epoch=e) for e in range(10)]
-    ratio = {w: imbalance_ratio([s for steps in epochs for s in plan_epoch(TokenPlanner(4, w), steps, costs)], costs)
-             for w in (2, 4, 8)}
+    ratio = {
+        w: imbalance_ratio([s for steps in epochs for s in plan_epoch(TokenPlanner(4, w), steps, costs)], costs)
+        for w in (2, 4, 8)
+    }
     assert imbalance_ratio([s for steps in epochs for s in steps], costs) > 1.5
     assert ratio[2] < 1.13 and ratio[4] < 1.08 and ratio[8] < 1.03
 
@@ -175,22 +188,31 @@ def test_windows_count_from_the_start_of_the_epoch():
     assert TokenPlanner(4).window == 8
 
 
-@pytest.mark.parametrize("kwargs, name", [({"world_size": 0}, "world_size"), ({"world_size": 2, "window": 0}, "window"),
-                                          ({"world_size": 2, "window": 1.5}, "window"),
-                                          ({"world_size": True}, "world_size")])
+@pytest.mark.parametrize(
+    "kwargs, name",
+    [
+        ({"world_size": 0}, "world_size"),
+        ({"world_size": 2, "window": 0}, "window"),
+        ({"world_size": 2, "window": 1.5}, "window"),
+        ({"world_size": True}, "world_size"),
+    ],
+)
 def test_bad_planner_arguments_name_themselves(kwargs, name):
     with pytest.raises(ValueError, match=name):
         TokenPlanner(**kwargs)
 
 
-@pytest.mark.parametrize("steps, costs, name", [
-    ([[[0, 1], [2]]], [1.0, 1.0, 1.0], r"steps\[0\]: ranks have different lengths"),
-    ([[[0, 1]]], [1.0, 1.0], r"steps\[0\] has 1 ranks"),
-    ([[[0], [1]]] * 3, [1.0, 1.0], r"steps: 3 steps exceed window=2"),
-    ([[[0], [5]]], [1.0, 1.0], r"steps: sample index 5"),
-    ([[[0], [1]]], [1.0, -2.0], r"costs\[1\]=-2.0"),
-    ([[[0], [1]]], [float("nan"), 1.0], r"costs\[0\]=nan"),
-])
+@pytest.mark.parametrize(
+    "steps, costs, name",
+    [
+        ([[[0, 1], [2]]], [1.0, 1.0, 1.0], r"steps\[0\]: ranks have different lengths"),
+        ([[[0, 1]]], [1.0, 1.0], r"steps\[0\] has 1 ranks"),
+        ([[[0], [1]]] * 3, [1.0, 1.0], r"steps: 3 steps exceed window=2"),
+        ([[[0], [5]]], [1.0, 1.0], r"steps: sample index 5"),
+        ([[[0], [1]]], [1.0, -2.0], r"costs\[1\]=-2.0"),
+        ([[[0], [1]]], [float("nan"), 1.0], r"costs\[0\]=nan"),
+    ],
+)
 def test_bad_windows_name_the_argument(steps, costs, name):
     with pytest.raises(ValueError, match=name):
         TokenPlanner(2, window=2).plan_window(steps, costs)

@@ -1,5 +1,6 @@
 """Tier-2 policy and plan (pure): the user's config, valid assignments, sends / receives / keeps,
 the default policy's equal-count LPT and its cost gate."""
+
 import dataclasses
 
 import pytest
@@ -24,16 +25,27 @@ from helix_core.planning.rebalance import (
 
 def _round(costs_by_step_rank: list[list[list[float]]], nbytes: int = 1000) -> list[dict]:
     """Features of a round: ``costs[step][rank]`` lists the costs of that rank's samples."""
-    return [{"cost": c, "bytes": nbytes, "rank": r, "step": s}
-            for s, ranks in enumerate(costs_by_step_rank) for r, cs in enumerate(ranks) for c in cs]
+    return [
+        {"cost": c, "bytes": nbytes, "rank": r, "step": s}
+        for s, ranks in enumerate(costs_by_step_rank)
+        for r, cs in enumerate(ranks)
+        for c in cs
+    ]
 
 
 def test_the_config_takes_the_papers_keys_and_names_what_is_wrong():
     def sort(features, args):
         return [f["rank"] for f in features]
 
-    r = Rebalance.of({"feature_fn": default_features, "sort_fn": sort, "client_ranks": [[0, 1], [2, 3]],
-                      "buffer_size": 64, "args": {"margin": 0.2}})
+    r = Rebalance.of(
+        {
+            "feature_fn": default_features,
+            "sort_fn": sort,
+            "client_ranks": [[0, 1], [2, 3]],
+            "buffer_size": 64,
+            "args": {"margin": 0.2},
+        }
+    )
     assert r.client_ranks == ((0, 1), (2, 3)) and r.groups(4) == ((0, 1), (2, 3))
     assert Rebalance().groups(3) == ((0, 1, 2),) and Rebalance.of(None) is None and hx.Rebalance is Rebalance
     with pytest.raises(ValueError, match=r"unknown key\(s\) \['buffersize'\]"):
@@ -77,7 +89,7 @@ def rounds(draw):
     steps, ranks = draw(st.integers(1, 4)), draw(st.integers(2, 4))
     per = draw(st.integers(1, 3))
     costs = [[[draw(st.floats(0, 100)) for _ in range(per)] for _ in range(ranks)] for _ in range(steps)]
-    return _round(costs, nbytes=draw(st.integers(0, 10 ** 7)))
+    return _round(costs, nbytes=draw(st.integers(0, 10**7)))
 
 
 @settings(max_examples=200, deadline=None)
@@ -257,4 +269,3 @@ def test_a_rank_that_asks_for_its_batch_closes_the_round_now_whatever_its_limits
     assert buf.due_in() == pytest.approx(0.2)
     now[0] = 1.0
     assert buf.expire().closed_by == "timeout"
-

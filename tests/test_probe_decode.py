@@ -1,4 +1,5 @@
 """Probe (metadata only) and sampled decode on synthetic and real clips."""
+
 import av
 import numpy as np
 import pytest

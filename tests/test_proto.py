@@ -1,4 +1,5 @@
 """The committed gRPC stubs are what the pinned grpcio-tools generates from helix.proto."""
+
 from pathlib import Path
 
 import pytest
@@ -10,5 +11,6 @@ def test_stubs_are_current(tmp_path):
     pytest.importorskip("grpc_tools")
     for fresh in generate.generate(tmp_path):
         committed = Path(generate.HERE) / fresh.name
-        assert committed.read_text() == fresh.read_text(), \
+        assert committed.read_text() == fresh.read_text(), (
             f"{committed.name} is stale: run python -m helix_core.runtime.proto.generate"
+        )

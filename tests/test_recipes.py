@@ -1,6 +1,7 @@
 """The recipes run each shipped config for a few steps on CPU (tiny models, small synthesized
 clips): Lightning (LightningCLI, one process here; DDP is in test_lightning.py) and Accelerate
 (one process here; ``accelerate launch`` is in test_accelerate.py), Helix and the torch baseline."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -31,8 +32,11 @@ def cache(tmp_path_factory, monkeypatch):
 
 
 def test_the_three_configs_ship():
-    assert {c.name for c in CONFIGS} == {"qwen2_vl_kinetics_mixed.yaml", "videomae_kinetics_mixed.yaml",
-                                         "wan_openvid_mixed.yaml"}
+    assert {c.name for c in CONFIGS} == {
+        "qwen2_vl_kinetics_mixed.yaml",
+        "videomae_kinetics_mixed.yaml",
+        "wan_openvid_mixed.yaml",
+    }
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: c.stem)
@@ -108,8 +112,13 @@ def test_the_loader_comparison_alternates_the_order_and_takes_the_median_of_pair
         sys.path.remove(str(ROOT / "recipes"))
     assert [order(r) for r in range(3)] == [("torch", "helix"), ("helix", "torch"), ("torch", "helix")]
     runs = [(10.0, 13.0), (20.0, 18.0), (8.0, 10.0)]  # the machine drifts: each repeat against its own torch
-    pairs = [{"torch": {"steps_per_s": t, "input_wait_s_per_step": 0.01},
-              "helix": {"steps_per_s": h, "input_wait_s_per_step": 0.0}} for t, h in runs]
+    pairs = [
+        {
+            "torch": {"steps_per_s": t, "input_wait_s_per_step": 0.01},
+            "helix": {"steps_per_s": h, "input_wait_s_per_step": 0.0},
+        }
+        for t, h in runs
+    ]
     row = summarise("wan", pairs)
     assert row["speedups"] == [1.3, 0.9, 1.25] and row["speedup"] == 1.25  # not 13 / 10, the ratio of medians
     assert row["torch_steps_per_s"] == 10.0 and row["helix_steps_per_s"] == 13.0 and row["repeats"] == 3
@@ -139,8 +148,9 @@ def test_worker_nice_sets_the_niceness_of_either_loaders_decoding_workers():
     options = check_loader_options({"worker_nice": 3, "num_workers": 1})  # a config may set it
     torch_loader = build_loader("torch", NiceOfTheWorker(), 2, 0, 1, options=options)
     assert [int(n) for b in torch_loader for n in b["nice"]] == [min(19, base + 3)] * 4
-    assert [int(n) for b in build_loader("torch", NiceOfTheWorker(), 2, 0, 1, options={"num_workers": 1})
-            for n in b["nice"]] == [base] * 4  # a plain DataLoader's, by default
+    assert [
+        int(n) for b in build_loader("torch", NiceOfTheWorker(), 2, 0, 1, options={"num_workers": 1}) for n in b["nice"]
+    ] == [base] * 4  # a plain DataLoader's, by default
     with build_loader("helix", IndexDataset(4), 2, 0, 1, options={**options, "config": CFG}) as ld:
         list(ld)
         workers = [w for s in helix_children() for w in s.children() if "resource_tracker" not in " ".join(w.cmdline())]

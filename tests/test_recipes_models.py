@@ -1,4 +1,5 @@
 """recipes.models: each family's loss on real decoded batches, and its bad-input errors."""
+
 from __future__ import annotations
 
 import math
@@ -107,9 +108,14 @@ def test_qwen_patchify_matches_the_video_processor_layout():
     mean = torch.tensor([0.48145466, 0.4578275, 0.40821073]).view(1, 3, 1, 1)
     std = torch.tensor([0.26862954, 0.26130258, 0.27577711]).view(1, 3, 1, 1)
     x = (torch.cat([video, video[-1:]]).float() / 255 - mean) / std
-    expected = [x[2 * t: 2 * t + 2, :, 14 * y: 14 * y + 14, 14 * z: 14 * z + 14].permute(1, 0, 2, 3).flatten()
-                for t in range(2) for by in range(2) for bz in range(3) for y in (2 * by, 2 * by + 1)
-                for z in (2 * bz, 2 * bz + 1)]
+    expected = [
+        x[2 * t : 2 * t + 2, :, 14 * y : 14 * y + 14, 14 * z : 14 * z + 14].permute(1, 0, 2, 3).flatten()
+        for t in range(2)
+        for by in range(2)
+        for bz in range(3)
+        for y in (2 * by, 2 * by + 1)
+        for z in (2 * bz, 2 * bz + 1)
+    ]
     torch.testing.assert_close(rows, torch.stack(expected))
 
 
@@ -124,8 +130,10 @@ def test_qwen_inputs_place_video_tokens_and_label_only_the_caption(request):
         cap = batch["input_ids"][i][batch["attention_mask"][i].bool()]
         ids = inputs["input_ids"][i]
         assert ids[0] == cfg.vision_start_token_id and ids[n + 1] == cfg.vision_end_token_id
-        assert (ids[1: n + 1] == cfg.video_token_id).all()
-        assert (inputs["mm_token_type_ids"][i] == 2).sum() == n and (inputs["mm_token_type_ids"][i][1: n + 1] == 2).all()
+        assert (ids[1 : n + 1] == cfg.video_token_id).all()
+        assert (inputs["mm_token_type_ids"][i] == 2).sum() == n and (
+            inputs["mm_token_type_ids"][i][1 : n + 1] == 2
+        ).all()
         assert inputs["labels"][i][inputs["labels"][i] != -100].tolist() == cap.tolist()
         assert inputs["attention_mask"][i].sum() == n + 2 + len(cap)
 
@@ -223,16 +231,28 @@ def no_model_libraries(monkeypatch):
     monkeypatch.setitem(sys.modules, "diffusers", None)
 
 
-@pytest.mark.parametrize("call, error, pattern", [
-    (lambda tmp: build_model("llava"), ValueError, r"model.family='llava'.*valid: qwen2-vl, videomae, wan"),
-    (lambda tmp: build_model("wan", hidden=3), ValueError, r"model.hidden: unknown.*valid keys: num_layers, num_heads"),
-    (lambda tmp: build_model("videomae", pretrained=tmp / "nope"), FileNotFoundError, r"model.pretrained=.*nope"),
-    (lambda tmp: build_model("qwen2-vl", pretrained=tmp, hidden_size=8), ValueError, r"model.hidden_size: the pretrained"),
-    (lambda tmp: build_model("videomae", mask_ratio=1.0), ValueError, r"model.mask_ratio=1.0 masks 16 of 16"),
-    (lambda tmp: build_model("videomae", task="detection"), ValueError, r"model.task='detection'; valid"),
-    (lambda tmp: build_model("qwen2-vl", num_heads=0), ValueError, r"model.num_heads must be a positive int"),
-    (lambda tmp: build_model("wan", timestep_sampling="beta"), ValueError, r"model.timestep_sampling='beta'"),
-], ids=["family", "key", "pretrained-missing", "pretrained-arch-key", "mask-ratio", "task", "size", "sampling"])
+@pytest.mark.parametrize(
+    "call, error, pattern",
+    [
+        (lambda tmp: build_model("llava"), ValueError, r"model.family='llava'.*valid: qwen2-vl, videomae, wan"),
+        (
+            lambda tmp: build_model("wan", hidden=3),
+            ValueError,
+            r"model.hidden: unknown.*valid keys: num_layers, num_heads",
+        ),
+        (lambda tmp: build_model("videomae", pretrained=tmp / "nope"), FileNotFoundError, r"model.pretrained=.*nope"),
+        (
+            lambda tmp: build_model("qwen2-vl", pretrained=tmp, hidden_size=8),
+            ValueError,
+            r"model.hidden_size: the pretrained",
+        ),
+        (lambda tmp: build_model("videomae", mask_ratio=1.0), ValueError, r"model.mask_ratio=1.0 masks 16 of 16"),
+        (lambda tmp: build_model("videomae", task="detection"), ValueError, r"model.task='detection'; valid"),
+        (lambda tmp: build_model("qwen2-vl", num_heads=0), ValueError, r"model.num_heads must be a positive int"),
+        (lambda tmp: build_model("wan", timestep_sampling="beta"), ValueError, r"model.timestep_sampling='beta'"),
+    ],
+    ids=["family", "key", "pretrained-missing", "pretrained-arch-key", "mask-ratio", "task", "size", "sampling"],
+)
 def test_bad_arguments_fail_before_building(tmp_path, no_model_libraries, call, error, pattern):
     with pytest.raises(error, match=pattern):
         call(tmp_path)

@@ -1,4 +1,5 @@
 """Host-wide decode slots: at most n holders, granted earliest deadline first, freed when a holder dies."""
+
 import multiprocessing as mp
 import os
 import signal
@@ -139,8 +140,11 @@ def _plant_symlink(target: str, path: str) -> None:
     import subprocess
 
     if os.geteuid() == 0:
-        subprocess.run(["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups", "ln", "-s", target, path],
-                       check=True, timeout=30)
+        subprocess.run(
+            ["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups", "ln", "-s", target, path],
+            check=True,
+            timeout=30,
+        )
     else:
         os.symlink(target, path)
 
@@ -179,8 +183,11 @@ def test_a_slot_file_of_another_user_is_refused():
         pytest.skip("needs root to plant a file as another user")
     prefix = f"helix-test-{os.getpid()}-foreign"
     path = os.path.join(shm.SHM_DIR, f"{prefix}q")
-    subprocess.run(["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups", "sh", "-c",
-                    f"umask 0; : > {path}"], check=True, timeout=30)
+    subprocess.run(
+        ["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups", "sh", "-c", f"umask 0; : > {path}"],
+        check=True,
+        timeout=30,
+    )
     try:
         with pytest.raises(PermissionError, match="not this user's"):
             CpuSlots(prefix, 1)  # its waiting table would be another user's to rewrite

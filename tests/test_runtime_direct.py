@@ -1,4 +1,5 @@
 """Batches decoded straight into their shared-memory slab equal the generic path byte for byte."""
+
 import json
 
 import torch
@@ -27,8 +28,11 @@ def test_decoded_in_place_equals_collating_decoded_samples(kmix, tmp_path):
     mixed = hx.VideoClipDataset(kmix / "manifest.jsonl")  # S / M / L clips: videos of three shapes
     flipped = hx.VideoClipDataset(kmix / "manifest.jsonl", num_frames=4, size=32, random_flip=1.0)
     with SlabPool(f"helix-test-direct-{tmp_path.name[-8:]}-") as pool:
-        for ds, collate, idx in ((mixed, hx.pad_collate, [0, 1, 2]), (flipped, default_collate, [3, 4]),
-                                 (flipped, hx.pad_collate, [5, 0])):
+        for ds, collate, idx in (
+            (mixed, hx.pad_collate, [0, 1, 2]),
+            (flipped, default_collate, [3, 4]),
+            (flipped, hx.pad_collate, [5, 0]),
+        ):
             assert supports_direct(ds, collate)
             slab, total, tree_json, _, metas, cpu, _ = direct_batch(ds, collate, idx, pool, allow_pickle=False)
             _same(_read(slab, total, tree_json, metas), collate([ds[i] for i in idx]))
@@ -59,8 +63,9 @@ def test_a_bad_clip_falls_back_and_holds_no_slab(kmix, tmp_path):
 def test_a_cluster_delivers_variable_shapes_exactly_as_torch(kmix):
     ds = hx.VideoClipDataset(kmix / "manifest.jsonl")
     with hx.LocalCluster(local_servers=1, workers_per_server=1, config=CFG) as cluster:
-        with hx.DistributedDataLoader(ds, batch_size=3, coordinator=cluster.address, rank=0, world_size=1,
-                                      collate_fn=hx.pad_collate, config=CFG) as ld:
+        with hx.DistributedDataLoader(
+            ds, batch_size=3, coordinator=cluster.address, rank=0, world_size=1, collate_fn=hx.pad_collate, config=CFG
+        ) as ld:
             got = list(ld)
     want = torch_batches(ds, 3, 0, 1, collate_fn=hx.pad_collate)
     assert len(got) == len(want) == 2
@@ -86,8 +91,9 @@ def test_tier2_features_are_taken_from_the_samples_decoded_in_place(kmix, tmp_pa
     idx = [2, 0, 1]
     with SlabPool(f"helix-test-direct-feat-{tmp_path.name[-8:]}-") as pool:
         for fn in (None, frames):
-            slab, total, tree_json, _, metas, _, features = direct_batch(ds, hx.pad_collate, idx, pool,
-                                                                         allow_pickle=False, featurize=featurize(fn))
+            slab, total, tree_json, _, metas, _, features = direct_batch(
+                ds, hx.pad_collate, idx, pool, allow_pickle=False, featurize=featurize(fn)
+            )
             samples = [ds[i] for i in idx]
             assert features == [(fn or default_features)(s) for s in samples]
             _same(_read(slab, total, tree_json, metas), hx.pad_collate(samples))
@@ -102,7 +108,9 @@ def test_tier2_features_are_taken_from_the_samples_decoded_in_place(kmix, tmp_pa
 
         assert direct_batch(ds, hx.pad_collate, idx, pool, allow_pickle=False, featurize=featurize(broken)) is None
         assert pool.stats()["busy"] == 0
-        assert direct_batch(ds, default_collate, [0, 0], pool, allow_pickle=False, featurize=featurize(replaces)) is None
+        assert (
+            direct_batch(ds, default_collate, [0, 0], pool, allow_pickle=False, featurize=featurize(replaces)) is None
+        )
         assert pool.stats()["busy"] == 0
 
 
@@ -126,8 +134,9 @@ def test_a_feature_fn_that_raises_is_a_sample_error_naming_the_sample_and_holds_
         assert got["error_kind"] == ErrorKind.SAMPLE and got["failure"]["index"] == 4
         assert "Rebalance.feature_fn" in got["error"] and "index 4 has no features" in got["error"]
         assert pool.stats()["busy"] == 0
-        got = _run_task({**task, "indices": [3, 5]}, {"s": (ds, hx.pad_collate, picky)}, pool, None, False,
-                        lambda k: True)
+        got = _run_task(
+            {**task, "indices": [3, 5]}, {"s": (ds, hx.pad_collate, picky)}, pool, None, False, lambda k: True
+        )
         assert got["features"] == [{"frames": int(ds[i]["video"].shape[0])} for i in (3, 5)] and got["rows"] == 2
         assert pool.stats()["busy"] == 1  # the batch's slab, until its reader releases it
         release_segment(got["handle"])

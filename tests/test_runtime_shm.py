@@ -1,4 +1,5 @@
 """Shared-memory slabs on the real /dev/shm: ownership, reuse, generations, cleanup, capacity."""
+
 from __future__ import annotations
 
 import errno
@@ -33,8 +34,13 @@ def test_acquire_reuses_a_slab_only_after_the_client_released_it(prefix):
         held = a.handle(1000)
         b = pool.acquire(10)  # `a` is held by a client: a new segment, never `a` again
         assert b.name != a.name
-        assert pool.stats() == {"segments": 2, "bytes": 2 * (MIB + shm.HEADER_BYTES), "busy": 2,
-                                "created": 2, "reused": 0}
+        assert pool.stats() == {
+            "segments": 2,
+            "bytes": 2 * (MIB + shm.HEADER_BYTES),
+            "busy": 2,
+            "created": 2,
+            "reused": 0,
+        }
         reader = SlabReader()
         assert reader.release(held)
         c = pool.acquire(10)
@@ -155,7 +161,7 @@ def test_a_spawned_process_attaches_by_name_and_releases(prefix):
     with SlabPool(prefix) as pool:
         slab = pool.acquire(3 * MIB)
         message = secrets.token_bytes(2 * MIB + 7)
-        slab.payload[:len(message)] = message
+        slab.payload[: len(message)] = message
         out = ctx.Queue()
         child = ctx.Process(target=_child_reads, args=(slab.handle(len(message)), out))
         child.start()
@@ -363,8 +369,9 @@ def test_a_cluster_stops_cleanly_past_files_another_user_planted_under_its_prefi
         planted = [os.path.join(shm.SHM_DIR, f"{prefix}planted"), os.path.join(shm.SHM_DIR, f"{prefix}link")]
         _as_nobody("touch", planted[0])
         _as_nobody("ln", "-s", str(victim), planted[1])
-        with hx.DistributedDataLoader(IndexDataset(8, shape=(4,)), 2, rank=0, world_size=1,
-                                      coordinator=cluster.address, config=cfg) as loader:
+        with hx.DistributedDataLoader(
+            IndexDataset(8, shape=(4,)), 2, rank=0, world_size=1, coordinator=cluster.address, config=cfg
+        ) as loader:
             assert len(list(loader)) == 4
     try:
         assert sorted(shm.list_segments(prefix)) == sorted(os.path.basename(p) for p in planted)

@@ -1,4 +1,5 @@
 """Batch trees without pickle: flatten/unflatten, slab layout, zero-copy reads, streams, merging."""
+
 from __future__ import annotations
 
 import gc
@@ -70,8 +71,9 @@ def test_nested_tree_roundtrip_keeps_types_values_and_dtypes():
     assert out["nested"][1][0]["deep"].item() == 2.5 and out["nested"][1][0]["deep"].shape == ()
 
 
-@pytest.mark.parametrize("dtype", ["uint8", "int8", "int16", "int32", "int64", "float16", "bfloat16",
-                                   "float32", "float64", "bool"])
+@pytest.mark.parametrize(
+    "dtype", ["uint8", "int8", "int16", "int32", "int64", "float16", "bfloat16", "float32", "float64", "bool"]
+)
 @pytest.mark.parametrize("numel", [7, 5000])  # inline and in the payload
 def test_every_dtype_roundtrips(dtype, numel):
     t = (torch.arange(numel) % 3 == 0) if dtype == "bool" else (torch.arange(numel) % 100).to(getattr(torch, dtype))
@@ -116,8 +118,12 @@ def test_pickle_path_keeps_tensors_out_of_the_pickle():
 
 
 def test_layout_packs_aligned_offsets_and_inlines_small_tensors():
-    tensors = [torch.zeros(5000, dtype=torch.uint8), torch.zeros(3), torch.zeros(1025, dtype=torch.int32),
-               torch.zeros(T.INLINE_BYTES, dtype=torch.uint8)]
+    tensors = [
+        torch.zeros(5000, dtype=torch.uint8),
+        torch.zeros(3),
+        torch.zeros(1025, dtype=torch.int32),
+        torch.zeros(T.INLINE_BYTES, dtype=torch.uint8),
+    ]
     metas, total = T.layout(tensors)
     assert [m["is_inline"] for m in metas] == [False, True, False, False]
     assert [m["offset"] for m in metas] == [0, 0, 5056, 9216]
@@ -151,7 +157,7 @@ def test_read_tensors_are_zero_copy_and_release_after_the_last_view(pool):
     assert torch.equal(out[0], video) and torch.equal(out[1], label)
     mm = reader.attach(handle["segment"])
     at = shm.HEADER_BYTES + metas[0]["offset"]
-    mm[at:at + 4] = (12345).to_bytes(4, "little")  # writing the mapping changes the tensor
+    mm[at : at + 4] = (12345).to_bytes(4, "little")  # writing the mapping changes the tensor
     assert out[0][0, 0].item() == 12345
     row = out[0][3]  # a view outlives the list
     del out
@@ -209,10 +215,22 @@ def test_chunks_roundtrip_and_overflow():
 
 
 def test_merge_batches_concatenates_and_pads():
-    a = {"video": torch.ones(2, 3, 4), "ids": [0, 1], "pair": (5, 6), "arr": np.ones((2, 2)),
-         "fps": 30.0, "inner": {"x": torch.tensor([1])}}
-    b = {"video": torch.full((1, 5, 2), 2.0), "ids": [2], "pair": (7,), "arr": np.ones((1, 3)),
-         "fps": 30.0, "inner": {"x": torch.tensor([2, 3])}}
+    a = {
+        "video": torch.ones(2, 3, 4),
+        "ids": [0, 1],
+        "pair": (5, 6),
+        "arr": np.ones((2, 2)),
+        "fps": 30.0,
+        "inner": {"x": torch.tensor([1])},
+    }
+    b = {
+        "video": torch.full((1, 5, 2), 2.0),
+        "ids": [2],
+        "pair": (7,),
+        "arr": np.ones((1, 3)),
+        "fps": 30.0,
+        "inner": {"x": torch.tensor([2, 3])},
+    }
     out = merge_batches([a, b])
     assert out["video"].shape == (3, 5, 4)
     assert out["video"][:2, :3, :].eq(1).all() and out["video"][:2, 3:].eq(0).all()
@@ -227,8 +245,10 @@ def _samples(kind: str, n: int):
     if kind == "tuple":  # (x, y) samples: default_collate gives an (X, Y) pair of columns
         return [(torch.full((3,), float(i)), i) for i in range(n)]
     if kind == "nested":  # dict samples with a caption, a pair and a nested dict
-        return [{"x": torch.arange(i, i + 2), "caption": f"clip {i}", "pair": (i, [i, i]), "meta": {"fps": 30.0 + i}}
-                for i in range(n)]
+        return [
+            {"x": torch.arange(i, i + 2), "caption": f"clip {i}", "pair": (i, [i, i]), "meta": {"fps": 30.0 + i}}
+            for i in range(n)
+        ]
     return [[torch.tensor([i]), f"p{i}"] for i in range(n)]  # list samples
 
 
@@ -298,8 +318,16 @@ def test_take_rows_gives_the_batch_collating_those_samples_would_give():
     from helix_core.collate import pad_collate
     from helix_core.runtime.merge import take_rows
 
-    samples = [{"x": torch.full((3,), i), "index": i, "caption": f"c{i}", "pair": (torch.tensor(i), i * 2),
-                "video": torch.ones(i + 1, 3, 2, 2, dtype=torch.uint8)} for i in range(4)]
+    samples = [
+        {
+            "x": torch.full((3,), i),
+            "index": i,
+            "caption": f"c{i}",
+            "pair": (torch.tensor(i), i * 2),
+            "video": torch.ones(i + 1, 3, 2, 2, dtype=torch.uint8),
+        }
+        for i in range(4)
+    ]
     plain = [{k: v for k, v in s.items() if k != "video"} for s in samples]
     got = take_rows(default_collate(plain), [2, 0], 4)
     want = default_collate([plain[2], plain[0]])

@@ -1,4 +1,5 @@
 """The Deliver stream's hand-encoded data chunks are byte-for-byte protobuf's StreamChunk."""
+
 import pytest
 
 from helix_core.runtime import wire

@@ -3,6 +3,7 @@ and finds no token and no key; it plants entries there and the ranks refuse them
 port of a Coordinator or DataServer that was SIGKILLed, and the channels connected before (lease
 renewal, heartbeats, Execute / Configure / Cancel / LeaveRound) send it nothing. Also: a token
 file others may read is refused, and ``repr`` shows no token and no private key."""
+
 import contextlib
 import dataclasses
 import datetime
@@ -30,7 +31,9 @@ from helix_core.testing import IndexDataset
 
 TOKEN = "second-user-tests-token"
 SECRET = "a-job-secret-of-32-characters!!!"
-needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="running a process as another user needs root (CI runs as root)")
+needs_root = pytest.mark.skipif(
+    os.geteuid() != 0, reason="running a process as another user needs root (CI runs as root)"
+)
 
 # Another local user's view of the job's store: connect, read keys, plant entries.
 _STORE_USER = """
@@ -76,9 +79,13 @@ def _stranger_env(tmp_path) -> dict:
 
 
 def _store_user(tmp_path, port: int, read=(), plant=None) -> dict:
-    done = subprocess.run([sys.executable, "-c", _STORE_USER, json.dumps({"port": port, "read": list(read),
-                                                                         "plant": plant or {}})],
-                          capture_output=True, text=True, env=_stranger_env(tmp_path), timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-c", _STORE_USER, json.dumps({"port": port, "read": list(read), "plant": plant or {}})],
+        capture_output=True,
+        text=True,
+        env=_stranger_env(tmp_path),
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     out = json.loads(done.stdout)
     assert out["uid"] == 65534
@@ -88,8 +95,13 @@ def _store_user(tmp_path, port: int, read=(), plant=None) -> dict:
 @contextlib.contextmanager
 def _squatter(tmp_path, port: int):
     """A uid-65534 gRPC server on ``port``; yields a list that holds, once it stopped, every call it got."""
-    proc = subprocess.Popen([sys.executable, "-c", _SQUATTER, str(port)], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, text=True, env=_stranger_env(tmp_path))
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _SQUATTER, str(port)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=_stranger_env(tmp_path),
+    )
     calls: list = []
     try:
         assert proc.stdout.readline().strip() == "listening"
@@ -105,9 +117,17 @@ def job(monkeypatch):
     that sets one rank's environment, and the store's port."""
     import torch.distributed as dist
 
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=30))
-    for k in ("HELIX_JOB_SECRET", "HELIX_TOKEN", "HELIX_COORDINATOR", "HELIX_TLS_CA", "HELIX_TLS_CERT", "HELIX_TLS_KEY"):
+    store = dist.TCPStore(
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=30)
+    )
+    for k in (
+        "HELIX_JOB_SECRET",
+        "HELIX_TOKEN",
+        "HELIX_COORDINATOR",
+        "HELIX_TLS_CA",
+        "HELIX_TLS_CERT",
+        "HELIX_TLS_KEY",
+    ):
         monkeypatch.delenv(k, raising=False)
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "run-x")
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
@@ -115,8 +135,9 @@ def job(monkeypatch):
     monkeypatch.setenv("MASTER_PORT", str(store.port))
 
     def rank(rank: int, local_rank: int, world: int, local_world: int, node: int = 0) -> None:
-        for k, v in dict(RANK=rank, LOCAL_RANK=local_rank, WORLD_SIZE=world, LOCAL_WORLD_SIZE=local_world,
-                         GROUP_RANK=node).items():
+        for k, v in dict(
+            RANK=rank, LOCAL_RANK=local_rank, WORLD_SIZE=world, LOCAL_WORLD_SIZE=local_world, GROUP_RANK=node
+        ).items():
             monkeypatch.setenv(k, str(v))
 
     yield rank, store
@@ -157,8 +178,16 @@ def test_a_second_user_reads_the_job_store_and_finds_no_token_and_no_key(job, tm
         rank(1, 0, 2, 1, node=1)
         assert JobRendezvous(store, "run-y", "0", SECRET.encode()).wait("cluster", 5)["address"] == first.address
         derived = Tls.from_secret(derive(SECRET.encode(), "tls", "run-y/0"), "run-y/0")
-        with hx.DistributedDataLoader(IndexDataset(4), batch_size=2, rank=1, world_size=2, coordinator=first.address,
-                                      token=first.token, tls=derived, config=CFG) as loader:
+        with hx.DistributedDataLoader(
+            IndexDataset(4),
+            batch_size=2,
+            rank=1,
+            world_size=2,
+            coordinator=first.address,
+            token=first.token,
+            tls=derived,
+            config=CFG,
+        ) as loader:
             assert [b["index"].tolist() for b in loader] == [[1, 3]]
     finally:
         first.cluster.close()
@@ -181,7 +210,9 @@ def test_a_planted_store_entry_is_refused_with_a_clear_error(job, tmp_path, monk
     monkeypatch.setenv("HELIX_JOB_SECRET", SECRET)
     rank(1, 0, 2, 1, node=1)
     other_job = _DictStore()
-    JobRendezvous(other_job, "run-x", "0", b"someone-else's-secret-value").publish("cluster", {"address": "127.0.0.1:1"})
+    JobRendezvous(other_job, "run-x", "0", b"someone-else's-secret-value").publish(
+        "cluster", {"address": "127.0.0.1:1"}
+    )
     for entry in (planted, other_job.data[key]):
         _store_user(tmp_path, store.port, plant={key: entry})
         with pytest.raises(hx.ClusterError, match="HELIX_JOB_SECRET does not open.*planted"):
@@ -224,7 +255,6 @@ def test_a_sealed_entry_opens_only_under_its_own_name_run_and_attempt():
     store.data["helix/run-7/1/cluster"] = json.dumps(forged)
     with pytest.raises(hx.ClusterError, match="does not open"):
         this.wait("cluster", 1)
-
 
 
 def test_a_short_job_secret_is_refused(monkeypatch):
@@ -334,8 +364,13 @@ def test_a_new_listener_is_checked_with_every_connection_its_port_still_holds(tm
     from helix_core.runtime import listeners
 
     monkeypatch.setattr(listeners, "_NETLINK", [netlink])
-    proc = subprocess.Popen([sys.executable, "-c", _ACCEPT_AND_HIDE], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            text=True, env=_stranger_env(tmp_path))
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _ACCEPT_AND_HIDE],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=_stranger_env(tmp_path),
+    )
     try:
         port = int(proc.stdout.readline())
         address = f"127.0.0.1:{port}"
@@ -395,8 +430,9 @@ def test_an_entry_planted_before_the_jobs_own_is_read_again_until_the_real_one_l
 
     import torch.distributed as dist
 
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=30))
+    store = dist.TCPStore(
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=30)
+    )
     job = JobRendezvous(store, "run", "0")
     store.set(job.prefix + "coordinator", json.dumps({"run_id": "other", "attempt": "0", "address": "x:1"}))
     threading.Timer(1.0, job.publish, args=("coordinator", {"address": "127.0.0.1:7"})).start()
@@ -404,4 +440,3 @@ def test_an_entry_planted_before_the_jobs_own_is_read_again_until_the_real_one_l
     store.set(job.prefix + "coordinator", b"not json")
     with pytest.raises(hx.ClusterError, match="malformed"):
         job.wait("coordinator", 1.0)
-

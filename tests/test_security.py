@@ -31,18 +31,24 @@ def _raw(address, method, payload: bytes, token=None, timeout=5):
 def test_wrong_or_missing_token_is_refused_and_cluster_keeps_serving(secured, tmp_path, monkeypatch):
     ds = IndexDataset(6)
     with pytest.raises(hx.ClusterError, match="refused"):
-        hx.DistributedDataLoader(ds, batch_size=2, rank=0, world_size=1, coordinator=secured.address,
-                                 token="wrong", config=CFG)
+        hx.DistributedDataLoader(
+            ds, batch_size=2, rank=0, world_size=1, coordinator=secured.address, token="wrong", config=CFG
+        )
     monkeypatch.delenv("HELIX_TOKEN", raising=False)
     monkeypatch.setenv("HELIX_RUNTIME_DIR", str(tmp_path))  # no token file for the address: none to find
     with pytest.raises(hx.ClusterError, match="refused.*none was passed.*private Helix folder"):
         hx.DistributedDataLoader(ds, batch_size=2, rank=0, world_size=1, coordinator=secured.address, config=CFG)
     for addr in (secured.address, secured.servers[0].address):
         with pytest.raises(grpc.RpcError) as err:
-            _raw(addr, "/helix.v1.Coordinator/Telemetry" if addr == secured.address else "/helix.v1.DataServer/Health", b"")
+            _raw(
+                addr,
+                "/helix.v1.Coordinator/Telemetry" if addr == secured.address else "/helix.v1.DataServer/Health",
+                b"",
+            )
         assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
-    with hx.DistributedDataLoader(ds, batch_size=2, rank=0, world_size=1, coordinator=secured.address, token=TOKEN,
-                                  config=CFG) as ld:
+    with hx.DistributedDataLoader(
+        ds, batch_size=2, rank=0, world_size=1, coordinator=secured.address, token=TOKEN, config=CFG
+    ) as ld:
         assert_same_batches(list(ld), torch_batches(ds, 2, 0, 1))
 
 
@@ -52,8 +58,13 @@ def test_garbage_and_oversized_requests_get_a_status(secured):
             _raw(secured.address, method, b"\xff\xfe garbage \x00\x01", token=TOKEN)
         assert err.value.code() in (grpc.StatusCode.INTERNAL, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.UNKNOWN)
     with pytest.raises(grpc.RpcError) as err:
-        _raw(secured.servers[0].address, "/helix.v1.DataServer/Configure", b"\x00" * (CFG.max_message_bytes + 1024),
-             token=TOKEN, timeout=20)
+        _raw(
+            secured.servers[0].address,
+            "/helix.v1.DataServer/Configure",
+            b"\x00" * (CFG.max_message_bytes + 1024),
+            token=TOKEN,
+            timeout=20,
+        )
     assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     ch = grpc.insecure_channel(secured.servers[0].address)
     stub = pbg.DataServerStub(ch)
@@ -62,8 +73,11 @@ def test_garbage_and_oversized_requests_get_a_status(secured):
         stub.Configure(pb.ConfigureRequest(spec_id="x", payload=b"{not json", format="json"), timeout=5, metadata=md)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     with pytest.raises(grpc.RpcError) as err:
-        stub.Execute(pb.ExecuteRequest(task_id=1, spec_id="never-configured", indices=[0], on_error="raise"),
-                     timeout=5, metadata=md)
+        stub.Execute(
+            pb.ExecuteRequest(task_id=1, spec_id="never-configured", indices=[0], on_error="raise"),
+            timeout=5,
+            metadata=md,
+        )
     assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert stub.Health(pb.HealthRequest(), timeout=5, metadata=md).serving  # still serving
     ch.close()
@@ -82,23 +96,36 @@ def test_pickled_specs_travel_only_where_the_cluster_takes_pickle(secured, kmix)
     json_only = dataclasses.replace(CFG, allow_pickle=False)
     with hx.LocalCluster(local_servers=1, workers_per_server=1, config=json_only) as cluster:
         with pytest.raises(ValueError, match="ScriptDataset.*cloudpickle.*allow_pickle=False"):
-            hx.DistributedDataLoader(ScriptDataset(), batch_size=2, rank=0, world_size=1,
-                                     coordinator=cluster.address, config=CFG)
+            hx.DistributedDataLoader(
+                ScriptDataset(), batch_size=2, rank=0, world_size=1, coordinator=cluster.address, config=CFG
+            )
         ch = grpc.insecure_channel(cluster.servers[0].address)
         with pytest.raises(grpc.RpcError) as err:  # a raw pickle, with the right token, aimed at that server
-            pbg.DataServerStub(ch).Configure(pb.ConfigureRequest(spec_id="p", payload=b"\x80\x04N.", format="cloudpickle"),
-                                             timeout=5, metadata=call_metadata(cluster.token))
+            pbg.DataServerStub(ch).Configure(
+                pb.ConfigureRequest(spec_id="p", payload=b"\x80\x04N.", format="cloudpickle"),
+                timeout=5,
+                metadata=call_metadata(cluster.token),
+            )
         assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED and "allow_pickle=False" in err.value.details()
         ch.close()
-        with hx.DistributedDataLoader(hx.VideoClipDataset(kmix / "manifest.jsonl", num_frames=2, size=32),
-                                      batch_size=2, rank=0, world_size=1, coordinator=cluster.address,
-                                      config=CFG) as ld:  # JSON specs travel everywhere
+        with hx.DistributedDataLoader(
+            hx.VideoClipDataset(kmix / "manifest.jsonl", num_frames=2, size=32),
+            batch_size=2,
+            rank=0,
+            world_size=1,
+            coordinator=cluster.address,
+            config=CFG,
+        ) as ld:  # JSON specs travel everywhere
             assert len(list(ld)) == 3
-    with pytest.raises(ValueError, match="ScriptDataset.*cloudpickle"):  # a client that takes none, on a cluster that does
-        hx.DistributedDataLoader(ScriptDataset(), batch_size=2, rank=0, world_size=1, coordinator=secured.address,
-                                 config=json_only)
-    with hx.DistributedDataLoader(ScriptDataset(), batch_size=2, rank=0, world_size=1, coordinator=secured.address,
-                                  config=CFG) as ld:  # no token passed: this user's file of the address has it
+    with pytest.raises(
+        ValueError, match="ScriptDataset.*cloudpickle"
+    ):  # a client that takes none, on a cluster that does
+        hx.DistributedDataLoader(
+            ScriptDataset(), batch_size=2, rank=0, world_size=1, coordinator=secured.address, config=json_only
+        )
+    with hx.DistributedDataLoader(
+        ScriptDataset(), batch_size=2, rank=0, world_size=1, coordinator=secured.address, config=CFG
+    ) as ld:  # no token passed: this user's file of the address has it
         assert [b["v"][:, 0].tolist() for b in ld] == [[0, 1], [2, 3]]
 
 

@@ -1,5 +1,6 @@
 """Running Helix as a user does: `helix coordinator` / `helix dataserver` as separate services, the
 embedded cluster of a one-line loader, and torchrun ranks sharing one embedded cluster."""
+
 import json
 import os
 import signal
@@ -15,8 +16,12 @@ from helix_core.testing import IndexDataset
 
 
 def _start(args, env=None):
-    proc = subprocess.Popen([sys.executable, "-m", "helix_core.cli", *args, "--config-json",
-                             json.dumps(CFG.to_dict())], stdout=subprocess.PIPE, text=True, env=env)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "helix_core.cli", *args, "--config-json", json.dumps(CFG.to_dict())],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
     line = proc.stdout.readline()
     assert line.startswith("HELIX_READY "), line
     return proc, json.loads(line.split(" ", 1)[1])
@@ -29,11 +34,23 @@ def test_standalone_coordinator_and_dataserver(tmp_path):
     coord, info = _start(["coordinator", "--port", "0", "--token-file", str(token_file)])
     server = None
     try:
-        server, sinfo = _start(["dataserver", "--coordinator", info["address"], "--local-rank", "0", "--workers", "1",
-                                "--token-file", str(token_file)])
+        server, sinfo = _start(
+            [
+                "dataserver",
+                "--coordinator",
+                info["address"],
+                "--local-rank",
+                "0",
+                "--workers",
+                "1",
+                "--token-file",
+                str(token_file),
+            ]
+        )
         ds = IndexDataset(10)
-        with hx.DistributedDataLoader(ds, batch_size=3, rank=0, world_size=1, coordinator=info["address"],
-                                      token="standalone-token", config=CFG) as ld:
+        with hx.DistributedDataLoader(
+            ds, batch_size=3, rank=0, world_size=1, coordinator=info["address"], token="standalone-token", config=CFG
+        ) as ld:
             assert_same_batches(list(ld), torch_batches(ds, 3, 0, 1))
     finally:
         for p in (server, coord):
@@ -92,8 +109,14 @@ def test_torchrun_local_rank_zero_starts_and_shares_the_cluster(tmp_path):
     script.write_text(_RANK_SCRIPT)
     env = {k: v for k, v in os.environ.items() if k not in ("HELIX_COORDINATOR", "HELIX_TOKEN")}
     torchrun = [sys.executable, "-m", "torch.distributed.run"]  # this interpreter's torchrun, whatever PATH says
-    r = subprocess.run([*torchrun, "--standalone", "--nproc-per-node", "2", str(script)], capture_output=True,
-                       text=True, timeout=200, env=env, cwd=tmp_path)
+    r = subprocess.run(
+        [*torchrun, "--standalone", "--nproc-per-node", "2", str(script)],
+        capture_output=True,
+        text=True,
+        timeout=200,
+        env=env,
+        cwd=tmp_path,
+    )
     output = r.stdout[-2000:] + r.stderr[-4000:]
     assert r.returncode == 0, output
     results = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("result-*.json"))]

@@ -1,6 +1,7 @@
 """Sidecars on Ray: remote DataServers as Ray actors on a real Ray cluster (a head and a worker
 node, on loopback) join a Helix cluster, serve its ranks, come back after their actor is killed
 mid-epoch (the epoch still ends exactly once), and leave no actor or process behind."""
+
 import json
 import os
 import subprocess
@@ -25,11 +26,16 @@ def _alive(pid: int) -> bool:
 
 @pytest.mark.slow
 def test_ray_sidecars_register_serve_restart_after_a_kill_and_close_completely():
-    done = subprocess.run([sys.executable, str(APP)], capture_output=True, text=True, timeout=400,
-                          env={k: v for k, v in os.environ.items() if not k.startswith(("HELIX_", "RAY_"))})
+    done = subprocess.run(
+        [sys.executable, str(APP)],
+        capture_output=True,
+        text=True,
+        timeout=400,
+        env={k: v for k, v in os.environ.items() if not k.startswith(("HELIX_", "RAY_"))},
+    )
     lines = [x for x in done.stdout.splitlines() if x.startswith("RESULT ")]
     assert done.returncode == 0 and lines, done.stdout[-3000:] + done.stderr[-5000:]
-    got = json.loads(lines[-1][len("RESULT "):])
+    got = json.loads(lines[-1][len("RESULT ") :])
     assert got["ray_nodes"] == 2
     first = got["first"]
     assert len({s["server_id"] for s in first}) == 2 and all(s["alive"] for s in first)
@@ -69,7 +75,23 @@ def test_a_sidecar_binds_the_interface_toward_its_coordinator():
 
 
 def test_helix_sidecars_command_names_a_ray_address_that_does_not_answer():
-    done = subprocess.run([sys.executable, "-m", "helix_core.cli", "sidecars", "--ray", "127.0.0.1:9",
-                           "--coordinator", "127.0.0.1:1", "--count", "1", "--workers", "1"],
-                          capture_output=True, text=True, timeout=180)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "helix_core.cli",
+            "sidecars",
+            "--ray",
+            "127.0.0.1:9",
+            "--coordinator",
+            "127.0.0.1:1",
+            "--count",
+            "1",
+            "--workers",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert done.returncode == 2 and "--ray 127.0.0.1:9" in done.stdout + done.stderr, done.stdout + done.stderr

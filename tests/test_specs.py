@@ -2,6 +2,7 @@
 a JSON spec carries transforms (by import path), profile tables and absolute paths; what JSON
 cannot carry travels by cloudpickle, and is refused by name where a cluster takes no pickle
 (ClusterConfig(allow_pickle=False); an --insecure cluster beyond loopback, tests/test_hosts.py)."""
+
 import dataclasses
 import json
 import os
@@ -34,8 +35,9 @@ def test_a_module_level_transform_travels_as_json_and_its_batches_are_transforme
     spec = json.loads(make_spec(ds, None, pickle_allowed=False)[1])
     assert spec["dataset"]["kwargs"]["transform"] == "helix_core.testing:flip_video"
     plain = hx.VideoClipDataset(kmix / "manifest.jsonl", **DS)
-    with hx.DistributedDataLoader(ds, batch_size=2, rank=0, world_size=1, coordinator=open_cluster.address,
-                                  config=CFG) as ld:
+    with hx.DistributedDataLoader(
+        ds, batch_size=2, rank=0, world_size=1, coordinator=open_cluster.address, config=CFG
+    ) as ld:
         got = _videos(ld)
     assert sorted(got) == list(range(len(ds)))
     for i, v in got.items():
@@ -77,8 +79,9 @@ def test_paths_travel_absolute_and_profiles_travel(kmix, monkeypatch):
     ds = hx.VideoClipDataset(os.path.join(kmix.name, "manifest.jsonl"), profiles=False, **DS)
     kwargs = json.loads(make_spec(ds, None, pickle_allowed=False)[1])["dataset"]["kwargs"]
     assert kwargs["manifest"] == str(kmix / "manifest.jsonl") and kwargs["profiles"] is False
-    ds = hx.VideoClipDataset(os.path.join(kmix.name, "manifest.jsonl"), profiles=os.path.join(kmix.name, "profiles.jsonl"),
-                             **DS)
+    ds = hx.VideoClipDataset(
+        os.path.join(kmix.name, "manifest.jsonl"), profiles=os.path.join(kmix.name, "profiles.jsonl"), **DS
+    )
     kwargs = json.loads(make_spec(ds, None, pickle_allowed=False)[1])["dataset"]["kwargs"]
     assert kwargs["profiles"] == str(kmix / "profiles.jsonl")
 

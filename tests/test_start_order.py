@@ -2,6 +2,7 @@
 DataServer started before its Coordinator waits for it (and for the token file it writes) up to
 ``--connect-timeout-s``, saying once what it waits for, then serves; with no Coordinator at all it
 fails, after that wait, with the error it gives at once today."""
+
 import json
 import os
 import signal
@@ -23,8 +24,13 @@ def _free_port() -> int:
 
 
 def _helix(*args, env):
-    return subprocess.Popen([sys.executable, "-m", "helix_core.cli", *args, "--config-json", json.dumps(CFG.to_dict())],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    return subprocess.Popen(
+        [sys.executable, "-m", "helix_core.cli", *args, "--config-json", json.dumps(CFG.to_dict())],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
 
 
 def _ready(proc, timeout_s: float = 60.0) -> dict:
@@ -65,8 +71,9 @@ def test_a_dataserver_started_before_its_coordinator_waits_for_it_then_serves(tm
         assert info["cluster_id"]
         ds = IndexDataset(10)
         token = (tmp_path / "runtime").glob("coordinator-*.token").__next__().read_text().strip()
-        with hx.DistributedDataLoader(ds, batch_size=3, rank=0, world_size=1, coordinator=address, token=token,
-                                      config=CFG) as ld:
+        with hx.DistributedDataLoader(
+            ds, batch_size=3, rank=0, world_size=1, coordinator=address, token=token, config=CFG
+        ) as ld:
             assert_same_batches(list(ld), torch_batches(ds, 3, 0, 1))
     finally:
         _stop(server, coord)
@@ -78,15 +85,27 @@ def test_a_dataserver_whose_coordinator_never_comes_fails_after_its_connect_time
     env = dict(os.environ, HELIX_RUNTIME_DIR=str(tmp_path / "runtime"))
     address = f"127.0.0.1:{_free_port()}"
     t0 = time.monotonic()
-    server = _helix("dataserver", "--coordinator", address, "--local-rank", "0", "--workers", "1",
-                    "--connect-timeout-s", "1.5", env=env)
+    server = _helix(
+        "dataserver",
+        "--coordinator",
+        address,
+        "--local-rank",
+        "0",
+        "--workers",
+        "1",
+        "--connect-timeout-s",
+        "1.5",
+        env=env,
+    )
     try:
         out, err = server.communicate(timeout=60)
     finally:
         _stop(server)
     assert server.returncode == 2 and time.monotonic() - t0 >= 1.5
-    assert "waiting up to 1.5 s for the Coordinator at" in err and f"error: no token for the Coordinator at {address}" \
-        in err, err
+    assert (
+        "waiting up to 1.5 s for the Coordinator at" in err
+        and f"error: no token for the Coordinator at {address}" in err
+    ), err
 
 
 def test_a_dataserver_with_a_token_waits_for_a_coordinator_that_answers(tmp_path):
@@ -112,11 +131,18 @@ def test_a_token_file_others_may_read_is_refused_at_once_not_waited_for(tmp_path
     token_file.chmod(0o644)
     env = dict(os.environ, HELIX_RUNTIME_DIR=str(tmp_path / "runtime"))
     t0 = time.monotonic()
-    server = _helix("dataserver", "--coordinator", f"127.0.0.1:{_free_port()}", "--local-rank", "0",
-                    "--token-file", str(token_file), env=env)
+    server = _helix(
+        "dataserver",
+        "--coordinator",
+        f"127.0.0.1:{_free_port()}",
+        "--local-rank",
+        "0",
+        "--token-file",
+        str(token_file),
+        env=env,
+    )
     try:
         _, err = server.communicate(timeout=60)
     finally:
         _stop(server)
     assert server.returncode == 2 and time.monotonic() - t0 < 30 and "chmod 600" in err, err
-

@@ -1,5 +1,6 @@
 """Work stealing inside a DataServer: a worker with nothing queued takes the unstarted tail of a
 batch another worker is preparing, and the batch still comes out exactly as torch makes it."""
+
 import multiprocessing as mp
 
 import pytest
@@ -34,6 +35,7 @@ def _hold_claim(claim, ready):
     claim._locked()  # inside take's critical section, for ever
     ready.set()
     import time
+
     time.sleep(600)
 
 
@@ -74,8 +76,9 @@ def test_a_dataserver_killed_with_its_whole_process_tree_leaves_no_named_semapho
     before = _semaphores()
     ds = IndexDataset(16, shape=(8,))
     with hx.LocalCluster(local_servers=1, workers_per_server=2, config=CFG) as cluster:
-        with hx.DistributedDataLoader(ds, batch_size=2, rank=0, world_size=1, coordinator=cluster.address,
-                                      config=CFG) as ld:
+        with hx.DistributedDataLoader(
+            ds, batch_size=2, rank=0, world_size=1, coordinator=cluster.address, config=CFG
+        ) as ld:
             assert len(list(ld)) == 8
         server = psutil.Process(cluster.servers[0].pid)
         tree = [server] + server.children(recursive=True)  # workers and multiprocessing's resource tracker
@@ -150,8 +153,14 @@ def test_a_resubmitted_task_never_gets_a_piece_of_the_cancelled_one():
     try:
         ds = IndexDataset(8, delays={i: (0.4 if i < 4 else 0.05) for i in range(8)})
         spec_id = _configure(p, ds)
-        task = {"task_id": 1, "spec_id": spec_id, "indices": list(range(8)), "epoch": 0, "on_error": "raise",
-                "splittable": True}
+        task = {
+            "task_id": 1,
+            "spec_id": spec_id,
+            "indices": list(range(8)),
+            "epoch": 0,
+            "on_error": "raise",
+            "splittable": True,
+        }
         first = p.submit(dict(task))
         wait_for(lambda: p.stats()["steals"] >= 2, 30, "two steals")
         p.cancel([1])  # the client gave up on it (a lost reply) ...
@@ -170,8 +179,9 @@ def test_a_resubmitted_task_never_gets_a_piece_of_the_cancelled_one():
 def test_a_worker_killed_by_a_sample_of_a_stolen_piece_names_it(pool):
     ds = IndexDataset(4, delays={0: 0.5, 1: 0.5}, crash={3: "exit"})
     spec_id = _configure(pool, ds)
-    result = pool.submit({"task_id": 1, "spec_id": spec_id, "indices": [0, 1, 2, 3], "epoch": 0,
-                          "on_error": "raise", "splittable": True}).result(60)
+    result = pool.submit(
+        {"task_id": 1, "spec_id": spec_id, "indices": [0, 1, 2, 3], "epoch": 0, "on_error": "raise", "splittable": True}
+    ).result(60)
     assert pool.stats()["steals"] >= 1  # sample 3 was in the stolen tail
     assert result["error_kind"] == ErrorKind.SAMPLE and result["failure"]["index"] == 3
     assert "pieces" not in result and not handles(result)  # the head's slab went back with the error
@@ -180,8 +190,9 @@ def test_a_worker_killed_by_a_sample_of_a_stolen_piece_names_it(pool):
 def test_a_cancelled_split_batch_frees_every_piece(pool):
     ds = IndexDataset(8, delays={i: 0.2 for i in range(8)})
     spec_id = _configure(pool, ds)
-    fut = pool.submit({"task_id": 1, "spec_id": spec_id, "indices": [0, 1, 2, 3], "epoch": 0, "on_error": "raise",
-                       "splittable": True})
+    fut = pool.submit(
+        {"task_id": 1, "spec_id": spec_id, "indices": [0, 1, 2, 3], "epoch": 0, "on_error": "raise", "splittable": True}
+    )
     wait_for(lambda: pool.stats()["steals"] >= 1, 30, "a steal")
     pool.cancel([1])
     assert fut.cancelled()
@@ -194,13 +205,22 @@ def test_split_batches_equal_torch_with_default_and_pad_collate(kmix):
     slow = IndexDataset(24, shape=(3, 5), delays={i: 0.05 for i in range(24)})
     video = hx.VideoClipDataset(kmix / "manifest.jsonl", num_frames=None, size=None)  # S/M/L: shapes differ
     with hx.LocalCluster(local_servers=1, workers_per_server=2, config=CFG) as cluster:
-        with hx.DistributedDataLoader(slow, batch_size=4, rank=0, world_size=1, coordinator=cluster.address,
-                                      prefetch_depth=1, config=CFG) as ld:  # one batch at a time: a worker idles
+        with hx.DistributedDataLoader(
+            slow, batch_size=4, rank=0, world_size=1, coordinator=cluster.address, prefetch_depth=1, config=CFG
+        ) as ld:  # one batch at a time: a worker idles
             got = list(ld)
             assert ld.stats()["stolen"] >= 1
         assert_same_batches(got, torch_batches(slow, 4, 0, 1))
-        with hx.DistributedDataLoader(video, batch_size=3, rank=0, world_size=1, coordinator=cluster.address,
-                                      prefetch_depth=1, collate_fn=hx.pad_collate, config=CFG) as ld:
+        with hx.DistributedDataLoader(
+            video,
+            batch_size=3,
+            rank=0,
+            world_size=1,
+            coordinator=cluster.address,
+            prefetch_depth=1,
+            collate_fn=hx.pad_collate,
+            config=CFG,
+        ) as ld:
             got = list(ld)  # decoded in place, stopped short, padded by the merge as pad_collate pads
             stolen = ld.stats()["stolen"]
         want = [hx.pad_collate([video[i] for i in range(k, k + 3)]) for k in (0, 3)]
@@ -215,8 +235,9 @@ def test_split_batches_equal_torch_with_default_and_pad_collate(kmix):
 def test_a_sample_that_kills_the_worker_of_a_stolen_piece_is_named():
     ds = IndexDataset(4, delays={0: 0.5, 1: 0.5}, crash={3: "exit"})
     with hx.LocalCluster(local_servers=1, workers_per_server=2, config=CFG) as cluster:
-        with hx.DistributedDataLoader(ds, batch_size=4, rank=0, world_size=1, coordinator=cluster.address,
-                                      prefetch_depth=1, config=CFG) as ld:
+        with hx.DistributedDataLoader(
+            ds, batch_size=4, rank=0, world_size=1, coordinator=cluster.address, prefetch_depth=1, config=CFG
+        ) as ld:
             with pytest.raises(hx.SampleError, match="worker process died") as err:
                 next(iter(ld))
             assert err.value.index == 3
@@ -238,8 +259,10 @@ def test_pad_collate_pads_to_a_larger_video_out_and_merges_back_exactly():
     from helix_core.runtime.merge import merge_batches
 
     g = torch.Generator().manual_seed(0)
-    samples = [{"video": torch.randint(0, 255, (t, 3, h, w), dtype=torch.uint8, generator=g), "label": i}
-               for i, (t, h, w) in enumerate([(2, 4, 5), (3, 2, 6), (4, 6, 3)])]
+    samples = [
+        {"video": torch.randint(0, 255, (t, 3, h, w), dtype=torch.uint8, generator=g), "label": i}
+        for i, (t, h, w) in enumerate([(2, 4, 5), (3, 2, 6), (4, 6, 3)])
+    ]
     whole = hx.pad_collate(samples)  # [3, 4, 3, 6, 6]
     head = hx.pad_collate(samples[:1], video_out=torch.full((1, 4, 3, 6, 6), 7, dtype=torch.uint8))
     assert head["video_mask"].shape == (1, 4) and head["video"][0, 2:].eq(0).all()  # padding zeroed
@@ -258,9 +281,14 @@ def test_a_first_piece_with_room_after_its_video_grows_in_place_and_the_others_a
     from helix_core.runtime.tensors import flatten, layout, read_tensors, unflatten, write_tensors
 
     g = torch.Generator().manual_seed(1)
-    samples = [{"video": torch.randint(0, 255, (t, 3, h, w), dtype=torch.uint8, generator=g), "label": i,
-                "tokens": torch.arange(2000) + i}
-               for i, (t, h, w) in enumerate([(4, 6, 6), (3, 2, 6), (4, 6, 3)])]
+    samples = [
+        {
+            "video": torch.randint(0, 255, (t, 3, h, w), dtype=torch.uint8, generator=g),
+            "label": i,
+            "tokens": torch.arange(2000) + i,
+        }
+        for i, (t, h, w) in enumerate([(4, 6, 6), (3, 2, 6), (4, 6, 3)])
+    ]
     whole = hx.pad_collate(samples)  # [3, 4, 3, 6, 6]
     payload = memoryview(bytearray(b"\xff" * 65536))  # a reused slab: old bytes everywhere
     room = whole["video"].numel()
@@ -289,8 +317,16 @@ def test_a_fanned_out_video_batch_grows_in_its_first_parts_slab_and_equals_pad_c
     parts' rows: each batch the user holds holds exactly one slab (a fresh merge would hold none)."""
     video = hx.VideoClipDataset(kmix / "manifest.jsonl", num_frames=None, size=None)
     with hx.LocalCluster(local_servers=2, workers_per_server=2, config=CFG) as cluster:
-        with hx.DistributedDataLoader(video, batch_size=3, rank=0, world_size=1, coordinator=cluster.address,
-                                      prefetch_depth=1, collate_fn=hx.pad_collate, config=CFG) as ld:
+        with hx.DistributedDataLoader(
+            video,
+            batch_size=3,
+            rank=0,
+            world_size=1,
+            coordinator=cluster.address,
+            prefetch_depth=1,
+            collate_fn=hx.pad_collate,
+            config=CFG,
+        ) as ld:
             got = []
             for _ in range(3):  # an epoch's first batch has no deadline yet; the later ones fan out
                 for b in ld:

@@ -1,4 +1,5 @@
 """Synthetic workloads: real H.264, deterministic per seed, manifest format of DESIGN.md."""
+
 import hashlib
 import json
 

@@ -2,6 +2,7 @@
 through their group's leader DataServer (slabs handed over, no bytes between servers), keep their
 batch sizes and every epoch's samples exactly once; a rank alone, or a policy that fails, keeps
 its batches; nothing is left in shared memory."""
+
 import threading
 import time
 from collections import Counter
@@ -66,10 +67,18 @@ def test_a_rank_waiting_for_a_batch_held_in_its_round_gets_it_after_the_grace_no
     deadline (10 s + 2 RPC timeouts here) with an error."""
     ds = skewed(16)
     cfg = hx.ClusterConfig.for_tests(execute_timeout_s=10.0, sample_timeout_s=5.0)
-    with hx.DistributedDataLoader(ds, batch_size=2, rank=0, world_size=2, coordinator=cluster.address,
-                                  token=cluster.token, config=cfg, gpu_cost=lambda t: t, prefetch_depth=1,
-                                  rebalance={"round_timeout_s": 0.2, "max_wait_s": 60.0,
-                                             "args": {"seconds_per_unit": 1.0}}) as ld:
+    with hx.DistributedDataLoader(
+        ds,
+        batch_size=2,
+        rank=0,
+        world_size=2,
+        coordinator=cluster.address,
+        token=cluster.token,
+        config=cfg,
+        gpu_cost=lambda t: t,
+        prefetch_depth=1,
+        rebalance={"round_timeout_s": 0.2, "max_wait_s": 60.0, "args": {"seconds_per_unit": 1.0}},
+    ) as ld:
         got = []
         for b in ld:
             got.append(b["index"].tolist())
@@ -98,8 +107,9 @@ def test_a_user_feature_fn_and_sort_fn_decide_the_round(cluster):
         assert all(set(f) >= {"heavy", "rank", "step"} for f in features)
         return [1 - f["rank"] for f in features]
 
-    got, stats = run_ranks(cluster, ds, 2, {"feature_fn": lambda s: {"heavy": int(s["tokens"]) > 100},
-                                             "sort_fn": swap_all})
+    got, stats = run_ranks(
+        cluster, ds, 2, {"feature_fn": lambda s: {"heavy": int(s["tokens"]) > 100}, "sort_fn": swap_all}
+    )
     for r in range(2):
         want = torch_batches(ds, 2, 1 - r, 2)
         assert [sorted(b["index"].tolist()) for _, b in got[r]] == [sorted(b["index"].tolist()) for b in want]
@@ -108,11 +118,28 @@ def test_a_user_feature_fn_and_sort_fn_decide_the_round(cluster):
 
 def test_rebalance_with_a_collate_whose_rows_cannot_be_told_apart_is_refused_up_front(cluster):
     with pytest.raises(ValueError, match="rebalance= needs collate_fn=None"):
-        hx.DistributedDataLoader(skewed(8), batch_size=2, rank=0, world_size=2, coordinator=cluster.address,
-                                 token=cluster.token, config=CFG, rebalance={}, collate_fn=lambda s: s)
+        hx.DistributedDataLoader(
+            skewed(8),
+            batch_size=2,
+            rank=0,
+            world_size=2,
+            coordinator=cluster.address,
+            token=cluster.token,
+            config=CFG,
+            rebalance={},
+            collate_fn=lambda s: s,
+        )
     with pytest.raises(ValueError, match="unknown key"):
-        hx.DistributedDataLoader(skewed(8), batch_size=2, rank=0, world_size=2, coordinator=cluster.address,
-                                 token=cluster.token, config=CFG, rebalance={"buffer": 3})
+        hx.DistributedDataLoader(
+            skewed(8),
+            batch_size=2,
+            rank=0,
+            world_size=2,
+            coordinator=cluster.address,
+            token=cluster.token,
+            config=CFG,
+            rebalance={"buffer": 3},
+        )
 
 
 def test_a_policy_that_cannot_travel_without_pickles_is_refused_naming_it():
@@ -130,8 +157,15 @@ def test_a_run_resumed_mid_epoch_loses_and_repeats_nothing(cluster):
     """Both ranks stop after 2 steps, save, and new loaders resume: the rounds of the steps left are
     planned again, and the epoch's steps still hold exactly the planned samples."""
     ds = skewed(16)
-    opts = dict(batch_size=2, world_size=2, coordinator=cluster.address, token=cluster.token, config=CFG,
-                rebalance={"round_timeout_s": 5.0, "args": {"seconds_per_unit": 1.0}}, gpu_cost=lambda t: t)
+    opts = dict(
+        batch_size=2,
+        world_size=2,
+        coordinator=cluster.address,
+        token=cluster.token,
+        config=CFG,
+        rebalance={"round_timeout_s": 5.0, "args": {"seconds_per_unit": 1.0}},
+        gpu_cost=lambda t: t,
+    )
     states, first, rest, errors = {}, {}, {}, []
     step = threading.Barrier(2)
 
@@ -160,8 +194,9 @@ def test_a_run_resumed_mid_epoch_loses_and_repeats_nothing(cluster):
     want = {r: torch_batches(ds, 2, r, 2) for r in range(2)}
     assert [len(got[r]) for r in range(2)] == [4, 4]
     for k in range(4):
-        assert sorted(i for r in range(2) for i in got[r][k]["index"].tolist()) == \
-            sorted(i for r in range(2) for i in want[r][k]["index"].tolist())
+        assert sorted(i for r in range(2) for i in got[r][k]["index"].tolist()) == sorted(
+            i for r in range(2) for i in want[r][k]["index"].tolist()
+        )
     wait_for(lambda: not busy_segments(cluster), what="every slab released")
 
 
@@ -170,9 +205,16 @@ def test_a_resumed_rank_never_trades_with_a_rank_still_on_the_run_before(cluster
     the resumed rank waits for rank 0's resumed loader (rounds never mix runs), the old loader's
     batch leaves the round when it closes, and the steps still hold exactly the planned samples."""
     ds = skewed(16)
-    opts = dict(batch_size=2, world_size=2, coordinator=cluster.address, token=cluster.token, config=CFG,
-                rebalance={"round_timeout_s": 5.0, "args": {"seconds_per_unit": 1.0}}, gpu_cost=lambda t: t,
-                prefetch_depth=1)
+    opts = dict(
+        batch_size=2,
+        world_size=2,
+        coordinator=cluster.address,
+        token=cluster.token,
+        config=CFG,
+        rebalance={"round_timeout_s": 5.0, "args": {"seconds_per_unit": 1.0}},
+        gpu_cost=lambda t: t,
+        prefetch_depth=1,
+    )
     states, first, rest, errors = {}, {}, {}, []
     step, resumed = threading.Barrier(2), threading.Event()
 
@@ -209,8 +251,9 @@ def test_a_resumed_rank_never_trades_with_a_rank_still_on_the_run_before(cluster
     want = {r: torch_batches(ds, 2, r, 2) for r in range(2)}
     assert [len(got[r]) for r in range(2)] == [4, 4]
     for k in range(4):
-        assert sorted(i for r in range(2) for i in got[r][k]["index"].tolist()) == \
-            sorted(i for r in range(2) for i in want[r][k]["index"].tolist())
+        assert sorted(i for r in range(2) for i in got[r][k]["index"].tolist()) == sorted(
+            i for r in range(2) for i in want[r][k]["index"].tolist()
+        )
     wait_for(lambda: not busy_segments(cluster), what="every slab released")
 
 
@@ -219,14 +262,22 @@ def test_a_dataserver_on_loopback_never_loads_torch_tier_2_or_not():
     so no Tier-2 row crosses hosts through it) never loads torch — seconds of CPU and ~180 MB less
     per server. One that listens beyond loopback loads it at start, before it serves
     (``test_hosts.py``)."""
+
     def torch_loaded(pid: int) -> bool:
         with open(f"/proc/{pid}/maps") as f:
             return "libtorch" in f.read()
 
     with hx.LocalCluster(local_servers=1, workers_per_server=1, config=CFG, token=True) as c:
         server = c.servers[0].pid
-        with hx.DistributedDataLoader(IndexDataset(8, shape=(4,)), batch_size=2, rank=0, world_size=1,
-                                      coordinator=c.address, token=c.token, config=CFG) as ld:
+        with hx.DistributedDataLoader(
+            IndexDataset(8, shape=(4,)),
+            batch_size=2,
+            rank=0,
+            world_size=1,
+            coordinator=c.address,
+            token=c.token,
+            config=CFG,
+        ) as ld:
             assert len(list(ld)) == 4
         assert all(torch_loaded(pid) for pid in c.worker_pids(0))  # the workers decode: they have it
         got, stats = run_ranks(c, skewed(8), 2, {"args": {"seconds_per_unit": 1.0}})  # rounds that trade slabs

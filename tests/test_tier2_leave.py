@@ -2,6 +2,7 @@
 process: its calls on threads, as gRPC runs them): a batch in its open round leaves it, one whose
 round has closed gets that round's answer, and a call that comes after its rank left joins no
 round. (The rounds here move rows by a user policy, so no slab needs to exist.)"""
+
 import threading
 import time
 
@@ -22,10 +23,22 @@ def _swap_when_released(features, args):
 def _request(rank: int, step: int = 0, policy=None, timeout_s: float = 30.0) -> pb.RebalanceRequest:
     payload = cloudpickle.dumps({"sort_fn": policy, "args": None})
     return pb.RebalanceRequest(
-        group=GROUP, group_size=2, rank=rank, step=step, client_id=f"c{rank}", host="h", buffer_size=8,
-        timeout_s=timeout_s, features_json='[{"tokens": 1}, {"tokens": 2}]', batch_rows=[2],
-        batches=[pb.BatchHandle(slab=pb.SlabHandle(segment=f"s{rank}", generation=1))], indices=[2 * rank, 2 * rank + 1],
-        policy_id="swap" if policy else "default", policy=payload, policy_format="cloudpickle")
+        group=GROUP,
+        group_size=2,
+        rank=rank,
+        step=step,
+        client_id=f"c{rank}",
+        host="h",
+        buffer_size=8,
+        timeout_s=timeout_s,
+        features_json='[{"tokens": 1}, {"tokens": 2}]',
+        batch_rows=[2],
+        batches=[pb.BatchHandle(slab=pb.SlabHandle(segment=f"s{rank}", generation=1))],
+        indices=[2 * rank, 2 * rank + 1],
+        policy_id="swap" if policy else "default",
+        policy=payload,
+        policy_format="cloudpickle",
+    )
 
 
 def _leave(rank: int, step: int = 0, timeout_s: float = 10.0) -> pb.LeaveRoundRequest:
@@ -184,7 +197,7 @@ def test_a_moved_round_is_committed_before_any_rank_sees_it_and_a_refused_commit
     for t, _ in calls:
         t.join(5)
     assert [b[0].outcome for _, b in calls] == ["moved", "moved"]
-    (group, run, step, moved, release, age_s, answers), = committed
+    ((group, run, step, moved, release, age_s, answers),) = committed
     assert answers == [None, None]
     assert (group, run, step, moved) == (GROUP, "", 9, {0: [2, 3], 1: [0, 1]})  # each rank's samples, in order
     assert release == {0: [("s1", 1)], 1: [("s0", 1)]} and 0 <= age_s < 5  # the slab each reads
@@ -232,5 +245,9 @@ def test_a_withdrawal_that_cannot_reach_the_coordinator_is_tried_again_before_ev
     for t, _ in calls:
         t.join(10)
     assert [m == {} for m in seen] == [False, True, True]  # the commit, a failed withdrawal, the one that landed
-    assert all(box[0].outcome.startswith("error: the round could not go ahead") and "withdrawn" in box[0].outcome
-               and not box[0].moved_in for _, box in calls)
+    assert all(
+        box[0].outcome.startswith("error: the round could not go ahead")
+        and "withdrawn" in box[0].outcome
+        and not box[0].moved_in
+        for _, box in calls
+    )

@@ -5,6 +5,7 @@ Tier-2 listener binds beyond its service's address; the gloo collective is refus
 server that reads a rank's slab takes no lease, so a rank killed after its round leaks no slab;
 and what a client sends a round's leader cannot hold a call for ever, starve its other RPCs, or
 swap the policy another client's round runs."""
+
 import json
 import math
 import os
@@ -41,6 +42,7 @@ def hosts():
 
 # ---- what crosses the bridge ------------------------------------------------------------------
 
+
 def _captured(path: Path) -> dict[tuple, dict[int, bytes]]:
     """The sniffer's segments: ``{(src, sport, dst, dport): {seq: payload}}`` (a segment seen on two
     ports of the bridge counts once)."""
@@ -48,11 +50,12 @@ def _captured(path: Path) -> dict[tuple, dict[int, bytes]]:
     data, at = path.read_bytes(), 0
     while at + 4 <= len(data):
         (n,) = struct.unpack_from("<I", data, at)
-        head = json.loads(data[at + 4:at + 4 + n])
+        head = json.loads(data[at + 4 : at + 4 + n])
         at += 4 + n
         (m,) = struct.unpack_from("<I", data, at)
-        flows.setdefault((head["src"], head["sport"], head["dst"], head["dport"]), {})[head["seq"]] = \
-            data[at + 4:at + 4 + m]
+        flows.setdefault((head["src"], head["sport"], head["dst"], head["dport"]), {})[head["seq"]] = data[
+            at + 4 : at + 4 + m
+        ]
         at += 4 + m
     return flows
 
@@ -66,7 +69,7 @@ def _stream(segments: dict[int, bytes]) -> bytes:
     for seq, payload in sorted(segments.items(), key=lambda kv: (kv[0] - base) % (1 << 32)):
         off = (seq - base) % (1 << 32)
         if end is not None and off < end:  # a retransmission overlapping what we have
-            payload, off = payload[end - off:], end
+            payload, off = payload[end - off :], end
         assert end is None or off == end, f"a gap in the capture at byte {end}"
         out += payload
         end = off + len(payload)
@@ -85,10 +88,10 @@ def _tls_records(stream: bytes) -> int:
         if kind == 23 and version == 0x0303 or kind in (20, 21, 22) and version in (0x0303, 0x0301):
             at, count, last = at + 5 + n, count + 1, n
             continue
-        assert last == 19, f"not a TLS record at byte {at}: {stream[at:at + 16]!r}"
+        assert last == 19, f"not a TLS record at byte {at}: {stream[at : at + 16]!r}"
         while at + 4 <= len(stream):  # the rest: sealed records only
             (n,) = struct.unpack_from("<I", stream, at)
-            assert 0 < n <= 1 << 20, f"neither TLS nor a sealed record at byte {at}: {stream[at:at + 16]!r}"
+            assert 0 < n <= 1 << 20, f"neither TLS nor a sealed record at byte {at}: {stream[at : at + 16]!r}"
             at, count = at + 4 + n + 16, count + 1
     return count
 
@@ -102,15 +105,24 @@ def test_a_tls_round_between_two_hosts_crosses_the_bridge_only_as_tls(hosts, tmp
     from test_hosts import EVERY, Cluster, _listeners, _results, _sampler
 
     capture = tmp_path / "bridge.cap"
-    sniffer = subprocess.Popen(["ip", "netns", "exec", hosts.ns("br"), sys.executable, str(HERE / "bridge_sniffer.py"),
-                                str(capture)], stdout=subprocess.PIPE, text=True, start_new_session=True)
+    sniffer = subprocess.Popen(
+        ["ip", "netns", "exec", hosts.ns("br"), sys.executable, str(HERE / "bridge_sniffer.py"), str(capture)],
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         assert sniffer.stdout.readline().strip() == "ready"
         cluster = Cluster(hosts, tmp_path)
         rebalance = {"args": {"shift": 2, "world": 4}, "round_timeout_s": 5.0}
         try:
-            started = cluster.ranks([("a", 0), ("a", 1), ("b", 0), ("b", 1)], ["least-request"], n=32,
-                                    rebalance=rebalance, shape=list(SHAPE))
+            started = cluster.ranks(
+                [("a", 0), ("a", 1), ("b", 0), ("b", 1)],
+                ["least-request"],
+                n=32,
+                rebalance=rebalance,
+                shape=list(SHAPE),
+            )
             listening = set()
             while any(proc.poll() is None for proc, _ in started):  # sampled while rounds run
                 for name in ("a", "b", "c"):
@@ -127,8 +139,9 @@ def test_a_tls_round_between_two_hosts_crosses_the_bridge_only_as_tls(hosts, tmp
         run = res["runs"]["least-request"]
         assert "error" not in run, run.get("trace")
         assert run["equal"] and run["indices"] == _sampler(32, (rank - 2) % 4, 4, 2)
-        assert run["rebalance"].get("crossed_grpc") == 4 and not run["rebalance"].get("crossed_collective"), \
-            run["rebalance"]  # rows crossed, by gRPC: the default on a TLS cluster
+        assert run["rebalance"].get("crossed_grpc") == 4 and not run["rebalance"].get("crossed_collective"), run[
+            "rebalance"
+        ]  # rows crossed, by gRPC: the default on a TLS cluster
     assert listening and not [x for x in listening if x[1] in EVERY], sorted(listening)
     rows = [hx.testing.IndexDataset(32, shape=SHAPE)[i]["x"].numpy().tobytes() for i in range(32)]  # as decoded
     flows = _captured(capture)
@@ -179,8 +192,11 @@ def test_a_collectives_rendezvous_listens_on_its_address_only():
 
     store = open_store("127.0.0.1", 2, timeout_s=5)
     done = subprocess.run(["cat", "/proc/net/tcp", "/proc/net/tcp6"], capture_output=True, text=True, timeout=10)
-    mine = [line.split()[1] for line in done.stdout.splitlines()
-            if len(line.split()) > 3 and line.split()[3] == "0A" and line.split()[1].endswith(f":{store.port:04X}")]
+    mine = [
+        line.split()[1]
+        for line in done.stdout.splitlines()
+        if len(line.split()) > 3 and line.split()[3] == "0A" and line.split()[1].endswith(f":{store.port:04X}")
+    ]
     assert mine == [f"0100007F:{store.port:04X}"], mine  # 127.0.0.1 (little-endian hex), not 0.0.0.0 or ::
     del store
 
@@ -219,8 +235,9 @@ def test_a_rank_killed_after_its_rounds_exchange_leaves_no_slab_held(hosts, tmp_
     cluster = Cluster(hosts, tmp_path, config=json.dumps(config.to_dict()))
     rebalance = {"args": {"shift": 1, "world": 2}, "round_timeout_s": 1.0}
     try:
-        (r0, _), (r1, _) = cluster.ranks([("a", 0), ("b", 0)], ["least-request"], n=16, rebalance=rebalance,
-                                         die_rank=0, shape=list(SHAPE))
+        (r0, _), (r1, _) = cluster.ranks(
+            [("a", 0), ("b", 0)], ["least-request"], n=16, rebalance=rebalance, die_rank=0, shape=list(SHAPE)
+        )
         assert r0.wait(timeout=120) == -signal.SIGKILL
         killed = time.monotonic()
         server = cluster.info["local-a"]["pid"]
@@ -250,14 +267,17 @@ def test_a_shared_slab_is_freed_once_its_live_readers_released_it_or_died(tmp_pa
         reader.view(handle, lease=False)[:4]  # a server's read: no holder
         assert struct.unpack_from("<Q", slab._mm, 32)[0] == 0
         assert reader.share(handle, 2)
-        code = ("import json, os, signal, sys\nfrom helix_core.runtime.reader import SlabReader\n"
-                "r = SlabReader(); h = json.loads(sys.argv[1]); bytes(r.view(h)[:8])\n"
-                "os.kill(os.getpid(), signal.SIGKILL) if sys.argv[2] == 'die' else print(r.release(h))")
+        code = (
+            "import json, os, signal, sys\nfrom helix_core.runtime.reader import SlabReader\n"
+            "r = SlabReader(); h = json.loads(sys.argv[1]); bytes(r.view(h)[:8])\n"
+            "os.kill(os.getpid(), signal.SIGKILL) if sys.argv[2] == 'die' else print(r.release(h))"
+        )
         dead = subprocess.run([sys.executable, "-c", code, json.dumps(handle), "die"], timeout=60)
         assert dead.returncode == -signal.SIGKILL
         assert struct.unpack_from("<Q", slab._mm, 32)[0] == 0  # the reader wrote no lease: none stands for both
-        released = subprocess.run([sys.executable, "-c", code, json.dumps(handle), "release"], timeout=60,
-                                  capture_output=True, text=True)
+        released = subprocess.run(
+            [sys.executable, "-c", code, json.dumps(handle), "release"], timeout=60, capture_output=True, text=True
+        )
         assert released.stdout.strip() == "False" and not slab.free  # one of two: it counts down
         deadline = time.monotonic() + 30
         while not pool.reclaim():  # the dead reader never releases: back after the share's lease
@@ -271,6 +291,7 @@ def test_a_shared_slab_is_freed_once_its_live_readers_released_it_or_died(tmp_pa
 
 # ---- what a client may send a leader ----------------------------------------------------------
 
+
 def test_a_nan_or_negative_round_timeout_is_an_invalid_argument_not_a_call_held_for_ever():
     from helix_core.runtime.auth import call_metadata
     from helix_core.runtime.proto import helix_pb2_grpc as pbg
@@ -278,20 +299,33 @@ def test_a_nan_or_negative_round_timeout_is_an_invalid_argument_not_a_call_held_
     from helix_core.runtime.tier2 import RoundTable
 
     table = RoundTable(True)
-    bad = pb.RebalanceRequest(group="s:0,1", rank=0, step=1, timeout_s=math.nan, features_json="[{}]",
-                              batch_rows=[1], batches=[pb.BatchHandle()])
+    bad = pb.RebalanceRequest(
+        group="s:0,1",
+        rank=0,
+        step=1,
+        timeout_s=math.nan,
+        features_json="[{}]",
+        batch_rows=[1],
+        batches=[pb.BatchHandle()],
+    )
     assert table.rebalance(bad).outcome.startswith("error: bad Rebalance request")  # at once, never held
     with hx.LocalCluster(local_servers=1, workers_per_server=1, token=True, config=CFG) as c:
         with connect(c.servers[0].address, CFG, None) as ch:
             stub = pbg.DataServerStub(ch)
             for value in (math.nan, -1.0, math.inf):
                 with pytest.raises(grpc.RpcError) as e:
-                    stub.Rebalance(pb.RebalanceRequest(group="s:0,1", rank=0, step=1, timeout_s=value), timeout=10,
-                                   metadata=call_metadata(c.token))
+                    stub.Rebalance(
+                        pb.RebalanceRequest(group="s:0,1", rank=0, step=1, timeout_s=value),
+                        timeout=10,
+                        metadata=call_metadata(c.token),
+                    )
                 assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "timeout_s" in e.value.details()
             with pytest.raises(grpc.RpcError) as e:
-                stub.LeaveRound(pb.LeaveRoundRequest(group="s:0,1", rank=0, step=1, timeout_s=math.nan), timeout=10,
-                                metadata=call_metadata(c.token))
+                stub.LeaveRound(
+                    pb.LeaveRoundRequest(group="s:0,1", rank=0, step=1, timeout_s=math.nan),
+                    timeout=10,
+                    metadata=call_metadata(c.token),
+                )
             assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
 
@@ -301,9 +335,20 @@ def test_held_calls_are_bounded_so_a_leaders_other_rpcs_always_find_a_thread():
     table = RoundTable(True, max_held=1)
 
     def call(rank: int, step: int):
-        return table.rebalance(pb.RebalanceRequest(
-            group="s:0,1", rank=rank, step=step, timeout_s=30.0, buffer_size=8, features_json="[{}]", batch_rows=[1],
-            batches=[pb.BatchHandle()], policy=b'{"sort_fn": null, "args": null}', policy_format="json"))
+        return table.rebalance(
+            pb.RebalanceRequest(
+                group="s:0,1",
+                rank=rank,
+                step=step,
+                timeout_s=30.0,
+                buffer_size=8,
+                features_json="[{}]",
+                batch_rows=[1],
+                batches=[pb.BatchHandle()],
+                policy=b'{"sort_fn": null, "args": null}',
+                policy_format="json",
+            )
+        )
 
     held = threading.Thread(target=call, args=(0, 1), daemon=True)
     held.start()
@@ -321,9 +366,11 @@ def test_a_leader_runs_the_policy_a_request_carries_whatever_id_it_names():
     from helix_core.runtime.tier2 import RoundTable
 
     table = RoundTable(True)
-    mine = pb.RebalanceRequest(policy_id="p", policy=json.dumps({"sort_fn": "helix_core.testing:shift_ranks",
-                                                                  "args": {"shift": 1, "world": 2}}).encode(),
-                               policy_format="json")
+    mine = pb.RebalanceRequest(
+        policy_id="p",
+        policy=json.dumps({"sort_fn": "helix_core.testing:shift_ranks", "args": {"shift": 1, "world": 2}}).encode(),
+        policy_format="json",
+    )
     theirs = pb.RebalanceRequest(policy_id="p", policy=b'{"sort_fn": null, "args": null}', policy_format="json")
     assert table._policy(mine)[0] is hx.testing.shift_ranks
     assert table._policy(theirs)[0] is None  # the same id, other bytes: its own policy, not the cached one

@@ -1,5 +1,6 @@
 """TLS on every channel: a cluster whose Coordinator, DataServers and streams all speak TLS; clients
 without the CA refused with a clear error; bad certificate files named by their flag up front."""
+
 import re
 import subprocess
 import sys
@@ -22,9 +23,17 @@ def tls_cluster():
 
 def test_a_tls_cluster_serves_and_streams_over_tls(tls_cluster):
     ds = IndexDataset(24, shape=(1024,))
-    with hx.DistributedDataLoader(ds, batch_size=3, rank=0, world_size=1, coordinator=tls_cluster.address,
-                                  token=tls_cluster.token, tls=tls_cluster.tls, scheduler="least-request",
-                                  config=CFG) as loader:
+    with hx.DistributedDataLoader(
+        ds,
+        batch_size=3,
+        rank=0,
+        world_size=1,
+        coordinator=tls_cluster.address,
+        token=tls_cluster.token,
+        tls=tls_cluster.tls,
+        scheduler="least-request",
+        config=CFG,
+    ) as loader:
         assert loader.client.pickle_allowed  # a token over TLS: cloudpickle may travel
         assert_same_batches(list(loader), torch_batches(ds, 3, 0, 1))
         assert loader.stats()["cross_ds_bytes"] > 0  # the remote server streamed, over TLS too
@@ -49,13 +58,19 @@ def test_tls_files_are_checked_up_front_naming_the_flag(tmp_path):
     not_pem = tmp_path / "notes.txt"
     not_pem.write_text("hello\n")
     cases = [
-        ({"--tls-cert": str(tmp_path / "missing.pem"), "--tls-key": mine["key"], "--tls-ca": mine["ca"]},
-         "--tls-cert: cannot read"),
+        (
+            {"--tls-cert": str(tmp_path / "missing.pem"), "--tls-key": mine["key"], "--tls-ca": mine["ca"]},
+            "--tls-cert: cannot read",
+        ),
         ({"--tls-cert": mine["cert"], "--tls-key": str(not_pem), "--tls-ca": mine["ca"]}, "--tls-key: .* is not PEM"),
-        ({"--tls-cert": mine["cert"], "--tls-key": mine["key"], "--tls-ca": other["ca"]},
-         "the certificate in --tls-cert is not signed by the CA in --tls-ca"),
-        ({"--tls-cert": mine["cert"], "--tls-key": other["key"], "--tls-ca": mine["ca"]},
-         "--tls-key is not the key of the certificate in --tls-cert"),
+        (
+            {"--tls-cert": mine["cert"], "--tls-key": mine["key"], "--tls-ca": other["ca"]},
+            "the certificate in --tls-cert is not signed by the CA in --tls-ca",
+        ),
+        (
+            {"--tls-cert": mine["cert"], "--tls-key": other["key"], "--tls-ca": mine["ca"]},
+            "--tls-key is not the key of the certificate in --tls-cert",
+        ),
         ({"--tls-cert": mine["cert"], "--tls-key": mine["key"]}, "--tls-ca is needed"),
     ]
     before = helix_children()

@@ -1,6 +1,7 @@
 """No unauthenticated cluster: a Coordinator started with no token makes one and leaves it, 0600,
 in the user's private Helix folder; the same user's DataServers, loaders and ``helix`` commands
 find it by the address; a process under another uid is refused on every RPC of every service."""
+
 import contextlib
 import json
 import os
@@ -66,8 +67,12 @@ def _env() -> dict:
 
 
 def _start(args):
-    proc = subprocess.Popen([sys.executable, "-m", "helix_core.cli", *args, "--config-json", json.dumps(CFG.to_dict())],
-                            stdout=subprocess.PIPE, text=True, env=_env())
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "helix_core.cli", *args, "--config-json", json.dumps(CFG.to_dict())],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=_env(),
+    )
     line = proc.stdout.readline()
     assert line.startswith("HELIX_READY "), line
     return proc, json.loads(line.split(" ", 1)[1])
@@ -127,7 +132,9 @@ def _services():
     try:
         procs["coordinator"], info = _start(["coordinator", "--port", str(port)])
         assert info["address"] == address
-        procs["dataserver"], sinfo = _start(["dataserver", "--coordinator", address, "--local-rank", "0", "--workers", "1"])
+        procs["dataserver"], sinfo = _start(
+            ["dataserver", "--coordinator", address, "--local-rank", "0", "--workers", "1"]
+        )
         yield address, sinfo["address"], procs
     finally:
         _stop(procs.get("dataserver"), procs.get("coordinator"))
@@ -141,8 +148,13 @@ def test_a_cluster_started_with_no_token_makes_one_its_user_finds_and_a_restart_
         assert len(token) >= 32 and stat.S_IMODE(token_file.stat().st_mode) == 0o600
         with hx.DistributedDataLoader(ds, batch_size=2, rank=0, world_size=1, coordinator=address, config=CFG) as ld:
             assert_same_batches(list(ld), torch_batches(ds, 2, 0, 1))  # the owner passed no token
-        status = subprocess.run([sys.executable, "-m", "helix_core.cli", "status", "--coordinator", address, "--json"],
-                                capture_output=True, text=True, env=_env(), timeout=60)
+        status = subprocess.run(
+            [sys.executable, "-m", "helix_core.cli", "status", "--coordinator", address, "--json"],
+            capture_output=True,
+            text=True,
+            env=_env(),
+            timeout=60,
+        )
         assert status.returncode == 0, status.stderr
         assert [s["alive"] for s in json.loads(status.stdout)["servers"]] == [True]
         # restarted on its address (by hand, systemd, ...): the same token, so its servers and clients stay in
@@ -175,17 +187,27 @@ def test_another_user_is_refused_on_every_rpc_and_never_reads_the_token(tmp_path
         token_file = tokenfiles.token_path(address)
         env = dict(_env(), HOME=str(tmp_path / "stranger-home"))
         env.pop("HELIX_RUNTIME_DIR")
-        done = subprocess.run([sys.executable, "-c", _STRANGER,
-                               json.dumps({"coordinator": address, "dataserver": dataserver,
-                                           "token_file": str(token_file)})],
-                              capture_output=True, text=True, env=env, timeout=120)
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                _STRANGER,
+                json.dumps({"coordinator": address, "dataserver": dataserver, "token_file": str(token_file)}),
+            ],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=120,
+        )
         assert done.returncode == 0, done.stderr
         stranger = json.loads(done.stdout)
         assert stranger["uid"] == 65534 and stranger["read"] == "denied" and stranger["found"] is None
         from helix_core.runtime.proto import helix_pb2 as pb
 
         every = sum(len(pb.DESCRIPTOR.services_by_name[s].methods) for s in ("Coordinator", "DataServer"))
-        assert len(stranger["calls"]) == every == 21 and set(stranger["calls"].values()) == {"UNAUTHENTICATED"}, stranger
+        assert len(stranger["calls"]) == every == 21 and set(stranger["calls"].values()) == {"UNAUTHENTICATED"}, (
+            stranger
+        )
         ds = IndexDataset(4)
         with hx.DistributedDataLoader(ds, batch_size=2, rank=0, world_size=1, coordinator=address, config=CFG) as ld:
             assert_same_batches(list(ld), torch_batches(ds, 2, 0, 1))  # still serving its owner
@@ -207,17 +229,30 @@ def test_a_port_another_user_took_never_gets_this_users_token(tmp_path):
     port = _free_port()
     address = f"127.0.0.1:{port}"
     tokenfiles.write_token(address, "this-users-token")  # left by this user's Coordinator, which stopped
-    squatter = subprocess.Popen([sys.executable, "-c", _SQUATTER, str(port)], stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE, text=True)
+    squatter = subprocess.Popen(
+        [sys.executable, "-c", _SQUATTER, str(port)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
     try:
         assert squatter.stdout.readline().strip() == "listening"
         with pytest.raises(ValueError, match=f"{address} is listened on by uid 65534"):
             tokenfiles.find_token(address)
         with pytest.raises(hx.ClusterError, match="listened on by uid 65534.*refusing to send"):
-            hx.DistributedDataLoader(IndexDataset(4), batch_size=2, rank=0, world_size=1, coordinator=address,
-                                     token="this-users-token", config=CFG)
-        done = subprocess.run([sys.executable, "-m", "helix_core.cli", "dataserver", "--coordinator", address,
-                               "--local-rank", "0"], capture_output=True, text=True, env=_env(), timeout=60)
+            hx.DistributedDataLoader(
+                IndexDataset(4),
+                batch_size=2,
+                rank=0,
+                world_size=1,
+                coordinator=address,
+                token="this-users-token",
+                config=CFG,
+            )
+        done = subprocess.run(
+            [sys.executable, "-m", "helix_core.cli", "dataserver", "--coordinator", address, "--local-rank", "0"],
+            capture_output=True,
+            text=True,
+            env=_env(),
+            timeout=60,
+        )
         assert done.returncode == 2 and "listened on by uid 65534" in done.stderr
     finally:
         squatter.stdin.close()
@@ -226,9 +261,24 @@ def test_a_port_another_user_took_never_gets_this_users_token(tmp_path):
 
 
 def test_a_dataserver_without_a_token_for_its_coordinator_names_where_it_looked():
-    done = subprocess.run([sys.executable, "-m", "helix_core.cli", "dataserver", "--coordinator",
-                           f"127.0.0.1:{_free_port()}", "--local-rank", "0", "--connect-timeout-s", "0.5"],
-                          capture_output=True, text=True, env=_env(), timeout=60)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "helix_core.cli",
+            "dataserver",
+            "--coordinator",
+            f"127.0.0.1:{_free_port()}",
+            "--local-rank",
+            "0",
+            "--connect-timeout-s",
+            "0.5",
+        ],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        timeout=60,
+    )
     assert done.returncode == 2
     assert "no token for the Coordinator at 127.0.0.1:" in done.stderr
     assert str(tokenfiles.runtime_dir()) in done.stderr and "--token-file" in done.stderr
@@ -239,8 +289,13 @@ def test_a_coordinator_that_cannot_leave_its_made_token_privately_refuses_to_sta
     shared.mkdir(mode=0o755)
     shared.chmod(0o755)
     env = dict(_env(), HELIX_RUNTIME_DIR=str(shared))
-    done = subprocess.run([sys.executable, "-m", "helix_core.cli", "coordinator", "--port", "0"],
-                          capture_output=True, text=True, env=env, timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-m", "helix_core.cli", "coordinator", "--port", "0"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
     assert done.returncode == 2
     assert f"token folder {shared} is readable by other users" in done.stderr and "HELIX_RUNTIME_DIR" in done.stderr
     assert list(shared.iterdir()) == []

@@ -1,4 +1,5 @@
 """Token and latent formulas against DESIGN.md's worked examples."""
+
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st

@@ -4,6 +4,7 @@ a module beside the training script, a Tier-2 policy from a module registered wi
 cluster takes pickles; where it takes none, the loader refuses at construction naming the
 argument, the module and the fix; servers the loader starts get its ``sys.path`` and working
 directory; a spec a server cannot rebuild names the part that failed."""
+
 import dataclasses
 import importlib.util
 import json
@@ -71,8 +72,14 @@ def test_a_transform_from_a_module_beside_the_script_gives_torchs_batches(kmix, 
     (scripts / "train.py").write_text(TRAIN)
     (scripts / "mytransforms.py").write_text(TRANSFORMS)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    run = subprocess.run([sys.executable, "scripts/train.py", str(kmix / "manifest.jsonl")], cwd=tmp_path, env=env,
-                         capture_output=True, text=True, timeout=240)
+    run = subprocess.run(
+        [sys.executable, "scripts/train.py", str(kmix / "manifest.jsonl")],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert run.returncode == 0 and "SAME" in run.stdout, run.stderr[-3000:]
     assert "Traceback" not in run.stderr and "CancelledError" not in run.stderr, run.stderr[-3000:]
 
@@ -99,18 +106,27 @@ def test_a_module_servers_cannot_import_travels_by_value_where_pickles_are_taken
     _, payload, fmt = make_spec(ds, None, pickle_allowed=True)
     assert fmt == "cloudpickle"
     # a fresh interpreter that cannot import the module rebuilds the dataset and its transform
-    code = ("import sys; from helix_core.runtime.specs import load_spec; "
-            "ds, _, _ = load_spec(sys.stdin.buffer.read(), 'cloudpickle', True); print(ds[0]['video'].shape[-1])")
-    run = subprocess.run([sys.executable, "-c", code], input=payload, capture_output=True, timeout=120,
-                         env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"}, cwd="/")
+    code = (
+        "import sys; from helix_core.runtime.specs import load_spec; "
+        "ds, _, _ = load_spec(sys.stdin.buffer.read(), 'cloudpickle', True); print(ds[0]['video'].shape[-1])"
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", code],
+        input=payload,
+        capture_output=True,
+        timeout=120,
+        env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"},
+        cwd="/",
+    )
     assert run.returncode == 0, run.stderr.decode()[-2000:]
 
 
 def test_a_cluster_that_takes_no_pickle_refuses_at_construction_naming_argument_module_and_fix(kmix, tmp_path):
     beside = _module_from(tmp_path, TRANSFORMS)
     ds = hx.VideoClipDataset(kmix / "manifest.jsonl", transform=beside.flip_all, **DS)
-    with hx.LocalCluster(local_servers=1, workers_per_server=1, config=dataclasses.replace(CFG, allow_pickle=False)) \
-            as cluster:
+    with hx.LocalCluster(
+        local_servers=1, workers_per_server=1, config=dataclasses.replace(CFG, allow_pickle=False)
+    ) as cluster:
         with pytest.raises(ValueError) as err:
             hx.DistributedDataLoader(ds, batch_size=2, rank=0, world_size=1, coordinator=cluster.address, config=CFG)
     text = str(err.value)

@@ -1,5 +1,6 @@
 """Tier-2 tests' shared parts: a skewed dataset (rank 0's shard heavy, rank 1's light) and ranks
 stepping together, each loader on its own thread, as the gradients' all_reduce makes them."""
+
 import threading
 
 from dataplane import CFG
@@ -24,9 +25,18 @@ def run_ranks(cluster, ds, world, rebalance, epochs=1, ranks=None, after=None, *
 
     def rank_main(rank):
         try:
-            with hx.DistributedDataLoader(ds, batch_size=2, rank=rank, world_size=world, coordinator=cluster.address,
-                                          token=cluster.token, config=CFG, rebalance=rebalance,
-                                          gpu_cost=lambda t: t, **kw) as ld:
+            with hx.DistributedDataLoader(
+                ds,
+                batch_size=2,
+                rank=rank,
+                world_size=world,
+                coordinator=cluster.address,
+                token=cluster.token,
+                config=CFG,
+                rebalance=rebalance,
+                gpu_cost=lambda t: t,
+                **kw,
+            ) as ld:
                 out = []
                 for epoch in range(epochs):
                     ld.set_epoch(epoch)

@@ -1,6 +1,7 @@
 """What the client predicts about a sample before it is decoded: GPU cost units (for Tier-1
 planning and deadlines) from the dataset's tokens and the model family's cost, identical on every
 rank because they come from offline profiles only (the online CPU-cost corrections stay out)."""
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -27,8 +28,10 @@ def gpu_units(dataset, gpu_cost=None) -> tuple[Callable[[np.ndarray], np.ndarray
         return gpu_cost.sample_units, gpu_cost.c
     if callable(gpu_cost):
         return (lambda tokens: np.asarray(gpu_cost(np.asarray(tokens)), dtype=np.float64)), 0.0
-    raise ValueError(f"gpu_cost={gpu_cost!r}; valid: None, a model family ({', '.join(GPU_COSTS)}), "
-                     "a helix_core GpuCost, or a callable of a token-count array")
+    raise ValueError(
+        f"gpu_cost={gpu_cost!r}; valid: None, a model family ({', '.join(GPU_COSTS)}), "
+        "a helix_core GpuCost, or a callable of a token-count array"
+    )
 
 
 class PlanCosts:
@@ -40,8 +43,10 @@ class PlanCosts:
 
     def __init__(self, dataset, units: Callable[[np.ndarray], np.ndarray]):
         if not isinstance(dataset, Costed):
-            raise ValueError(f'balance="tokens" needs a dataset with estimate_cost(index) -> CostProfile '
-                             f"(its tokens); {type(dataset).__name__} has none")
+            raise ValueError(
+                f'balance="tokens" needs a dataset with estimate_cost(index) -> CostProfile '
+                f"(its tokens); {type(dataset).__name__} has none"
+            )
         self.dataset, self.units_fn = dataset, units
         arrays = dataset.cost_arrays() if isinstance(dataset, CostArrays) else None
         self._units = self._buckets = None
@@ -66,5 +71,4 @@ class PlanCosts:
         if self._units is not None:
             return self._units[idx], self._buckets[idx]
         pairs = [self._one(int(i)) for i in idx]
-        return (np.array([p[0] for p in pairs], dtype=np.float64),
-                np.array([p[1] for p in pairs], dtype=object))
+        return (np.array([p[0] for p in pairs], dtype=np.float64), np.array([p[1] for p in pairs], dtype=object))

@@ -15,6 +15,7 @@ windows: what a rank computes when nobody makes it wait (in a synchronous job th
 each step waits for no one). A deadline is "seconds from now"
 until the rank will ask for a batch: that is what crosses processes, never a clock value.
 """
+
 from __future__ import annotations
 
 import collections

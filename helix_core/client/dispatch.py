@@ -6,6 +6,7 @@ wait blocks on the thing itself — a semaphore, a queue, a reply's done-callbac
 each of them at once: nothing polls between a reply landing and the rank that waits for it.
 Errors and the end of an epoch travel as values through the queues.
 """
+
 from __future__ import annotations
 
 import collections
@@ -88,9 +89,14 @@ class Dispatch(BaseNode):
     def reset(self, initial_state: dict | None = None):
         super().reset(initial_state)
         run = self._run
-        if run is not None and run.ended and initial_state is not None and run.epochs \
-                and int(initial_state.get(self.YIELDED, -1)) == 0 \
-                and int(initial_state.get(self.EPOCH, -1)) == run.epochs[0]:
+        if (
+            run is not None
+            and run.ended
+            and initial_state is not None
+            and run.epochs
+            and int(initial_state.get(self.YIELDED, -1)) == 0
+            and int(initial_state.get(self.EPOCH, -1)) == run.epochs[0]
+        ):
             with run.lock:  # adopt what was sent ahead: same threads, same queues
                 self._epoch, self._yielded = run.epochs.popleft(), 0
                 run.ended = False
@@ -101,8 +107,10 @@ class Dispatch(BaseNode):
         self._epoch, self._yielded = st[self.EPOCH], st[self.YIELDED]
         run = self._run = _Run(self.prefetch_depth, self._seq)
         self.runs += 1
-        run.threads = [threading.Thread(target=self._send, args=(run,), name="helix-sender", daemon=True),
-                       threading.Thread(target=self._fetch, args=(run,), name="helix-fetcher", daemon=True)]
+        run.threads = [
+            threading.Thread(target=self._send, args=(run,), name="helix-sender", daemon=True),
+            threading.Thread(target=self._fetch, args=(run,), name="helix-fetcher", daemon=True),
+        ]
         for t in run.threads:
             t.start()
 

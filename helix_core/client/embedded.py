@@ -17,6 +17,7 @@ found through the job's own store (``rendezvous.py``):
 
 A cluster a rank shares with others lives until the process that started it exits.
 """
+
 from __future__ import annotations
 
 import base64
@@ -38,8 +39,10 @@ class Embedded(NamedTuple):
     tls: object  # the Tls of the job's channels, or None
 
     def __repr__(self) -> str:  # never the token
-        return (f"Embedded(cluster={self.cluster!r}, address={self.address!r}, "
-                f"token={'<redacted>' if self.token else None}, tls={self.tls!r})")
+        return (
+            f"Embedded(cluster={self.cluster!r}, address={self.address!r}, "
+            f"token={'<redacted>' if self.token else None}, tls={self.tls!r})"
+        )
 
 
 _SHARED: dict = {"embedded": None, "refs": 0, "shared": False}
@@ -93,14 +96,18 @@ def embedded_cluster(world_size: int, num_workers: int | None, config: ClusterCo
         return Embedded(cluster, cluster.address, cluster.token, None)
     node_rank = int(os.environ.get("GROUP_RANK", os.environ.get("NODE_RANK", 0)) or 0)
     if "LOCAL_WORLD_SIZE" not in os.environ and node_rank > 0:
-        raise ClusterError(f"node {node_rank} of a job whose launcher does not say how many ranks share a node "
-                           "(no LOCAL_WORLD_SIZE): launch with torchrun, set LOCAL_WORLD_SIZE, or pass "
-                           "coordinator='host:port' / set HELIX_COORDINATOR")
+        raise ClusterError(
+            f"node {node_rank} of a job whose launcher does not say how many ranks share a node "
+            "(no LOCAL_WORLD_SIZE): launch with torchrun, set LOCAL_WORLD_SIZE, or pass "
+            "coordinator='host:port' / set HELIX_COORDINATOR"
+        )
     job = job_rendezvous(config.startup_timeout_s)
     if job is None:
-        raise ClusterError(f"{local_world} local ranks but no torch.distributed store to share one Helix cluster "
-                           "through: launch with torchrun (or call init_process_group before building the loader), "
-                           "or pass coordinator='host:port' / set HELIX_COORDINATOR")
+        raise ClusterError(
+            f"{local_world} local ranks but no torch.distributed store to share one Helix cluster "
+            "through: launch with torchrun (or call init_process_group before building the loader), "
+            "or pass coordinator='host:port' / set HELIX_COORDINATOR"
+        )
     if world_size <= local_world:  # one node: local rank 0 starts it all on loopback
         if local_rank == 0:
             cluster = LocalCluster(local_servers=servers, workers_per_server=per_server, token=True, config=config)
@@ -121,10 +128,12 @@ def _private_token(address) -> str:
     except ValueError as e:  # a file not private, or a port another user listens on
         raise ClusterError(f"the job's store gives the Helix cluster's address as {address}: {e}") from None
     if not token:
-        raise ClusterError(f"the job's store gives the Helix cluster's address as {address!r}, but this user's private "
-                           f"Helix folder holds no token for it ({token_path(address) if isinstance(address, str) else '-'})"
-                           ": local rank 0 of this job did not start it (an entry planted in the store?), or the ranks "
-                           "see different HELIX_RUNTIME_DIR / HOME; refusing it")
+        raise ClusterError(
+            f"the job's store gives the Helix cluster's address as {address!r}, but this user's private "
+            f"Helix folder holds no token for it ({token_path(address) if isinstance(address, str) else '-'})"
+            ": local rank 0 of this job did not start it (an entry planted in the store?), or the ranks "
+            "see different HELIX_RUNTIME_DIR / HOME; refusing it"
+        )
     return token
 
 
@@ -136,12 +145,14 @@ def _job_credentials(job) -> tuple[str, object]:
 
     token, tls, secret = os.environ.get("HELIX_TOKEN") or None, Tls.from_env(), job_secret()
     if secret is None and (token is None or tls is None):
-        raise ClusterError(f"a Helix cluster for a job on several nodes needs {JOB_SECRET}: the same random value in "
-                           f"every rank's environment, passed out of band like MASTER_ADDR (e.g. export {JOB_SECRET}="
-                           "$(head -c 32 /dev/urandom | base64) in the batch script, or a Kubernetes Secret). The "
-                           "job's store is open to anyone who reaches it, so the cluster's token and keys never go "
-                           "there. Or set HELIX_TOKEN and HELIX_TLS_CA / _CERT / _KEY on every rank, or pass "
-                           "coordinator='host:port' (HELIX_COORDINATOR) to use a cluster of your own")
+        raise ClusterError(
+            f"a Helix cluster for a job on several nodes needs {JOB_SECRET}: the same random value in "
+            f"every rank's environment, passed out of band like MASTER_ADDR (e.g. export {JOB_SECRET}="
+            "$(head -c 32 /dev/urandom | base64) in the batch script, or a Kubernetes Secret). The "
+            "job's store is open to anyone who reaches it, so the cluster's token and keys never go "
+            "there. Or set HELIX_TOKEN and HELIX_TLS_CA / _CERT / _KEY on every rank, or pass "
+            "coordinator='host:port' (HELIX_COORDINATOR) to use a cluster of your own"
+        )
     if token is None:
         token = base64.urlsafe_b64encode(derive(secret, "token", job.label)).decode().rstrip("=")
     return token, tls or Tls.from_secret(derive(secret, "tls", job.label), job.label)
@@ -161,16 +172,31 @@ def _several_nodes(job, servers: int, per_server: int, local_rank: int, config: 
     token, tls = _job_credentials(job)
     cluster = None
     if int(os.environ.get("RANK", 0)) == 0:
-        cluster = LocalCluster(local_servers=servers, workers_per_server=per_server, token=token, host=bind,
-                               tls=tls, config=config, advertise=advertise)
+        cluster = LocalCluster(
+            local_servers=servers,
+            workers_per_server=per_server,
+            token=token,
+            host=bind,
+            tls=tls,
+            config=config,
+            advertise=advertise,
+        )
         address = f"{advertise}:{cluster.address.rsplit(':', 1)[1]}" if advertise else cluster.address
         job.publish("cluster", {"address": address})
     address = job.wait("cluster", config.startup_timeout_s)["address"]
     node = f"node/{host_id()}"
     if local_rank == 0:
         if cluster is None:
-            cluster = LocalCluster(local_servers=servers, workers_per_server=per_server, token=token,
-                                   host=bind, tls=tls, config=config, coordinator=address, advertise=advertise)
+            cluster = LocalCluster(
+                local_servers=servers,
+                workers_per_server=per_server,
+                token=token,
+                host=bind,
+                tls=tls,
+                config=config,
+                coordinator=address,
+                advertise=advertise,
+            )
         job.publish(node, {"servers": len(cluster.servers)})
     else:
         job.wait(node, config.startup_timeout_s)  # this node's DataServers are registered

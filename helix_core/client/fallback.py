@@ -2,6 +2,7 @@
 learnt from its routes, and the choice among them while the Coordinator is unreachable — its
 delivery server first, then its host's other local servers and the remote ones, the one with the
 fewest of this client's outstanding requests, skipping those the request found dead."""
+
 from __future__ import annotations
 
 from ..errors import ClusterError
@@ -34,8 +35,10 @@ class KnownServers:
         ordered = [self.delivery[0]] + [sid for sid in locals_ if sid != self.delivery[0]]
         delivery = next((sid for sid in ordered if sid not in part.excluded), None)
         if delivery is None:
-            raise ClusterError(f"the Coordinator at {coordinator} is unreachable and every DataServer this "
-                               f"client knows on host {host!r} failed: {sorted(part.excluded)}")
+            raise ClusterError(
+                f"the Coordinator at {coordinator} is unreachable and every DataServer this "
+                f"client knows on host {host!r} failed: {sorted(part.excluded)}"
+            )
         candidates = [delivery] + [sid for sid in self.known if sid != delivery and sid not in part.excluded]
         chosen = min(candidates, key=lambda sid: (self._load.get(sid, 0), sid != delivery))
         self.done(part.task_id)  # a resubmitted request leaves its old server

@@ -1,6 +1,7 @@
 """One pass over a ``DistributedDataLoader``'s epoch (``LoaderIter``) and the sampler-like view
 trainers call ``set_epoch`` on (``EpochSampler``). The loader stays the sole owner of the epoch
 and the position: an iterator only reports the batches it took."""
+
 from __future__ import annotations
 
 import sys
@@ -29,8 +30,10 @@ class LoaderIter:
         if ld._closed:
             raise RuntimeError("this DistributedDataLoader is closed")
         if ld._iteration != self._iteration:
-            raise RuntimeError("a newer iteration of this DistributedDataLoader began (iter() was called again); "
-                               "this iterator has ended")
+            raise RuntimeError(
+                "a newer iteration of this DistributedDataLoader began (iter() was called again); "
+                "this iterator has ended"
+            )
         if ld._started != self._iteration:
             ld._begin(self._iteration)
             self._epoch = ld._epoch

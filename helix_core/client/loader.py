@@ -11,6 +11,7 @@ The path of a batch: ``plan`` (which samples, what they cost) -> ``dispatch`` (s
 in order) -> ``requests`` (route, execute, resubmit, merge) -> ``transport`` (gRPC, shared memory).
 This module is the torch surface and the sole owner of the epoch and the position in it.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -75,29 +76,68 @@ class DistributedDataLoader:
     samples of the same global step by their measured features (each keeps its batch size).
     """
 
-    def __init__(self, dataset, batch_size: int = 1, *, rank: int | None = None, world_size: int | None = None,
-                 coordinator: str | None = None, token: str | None = None, shuffle: bool = False, seed: int = 0,
-                 drop_last: bool = False, collate_fn=None, prefetch_depth: int = 4, scheduler: str = "deadline",
-                 balance: str | None = None, window: int = 8, gpu_cost=None, microbatch_size: int | None = None,
-                 on_error: str = "raise", pin_memory: bool = False, device=None, num_workers: int | None = None,
-                 config: ClusterConfig | None = None, ddl_tolerance_s: float = 0.010, tls=None, rebalance=None):
-        check_loader_options(batch_size=batch_size, rank=rank, world_size=world_size, coordinator=coordinator,
-                             token=token, shuffle=shuffle, seed=seed, drop_last=drop_last, collate_fn=collate_fn,
-                             prefetch_depth=prefetch_depth, microbatch_size=microbatch_size, pin_memory=pin_memory,
-                             num_workers=num_workers, config=config, ddl_tolerance_s=ddl_tolerance_s)
+    def __init__(
+        self,
+        dataset,
+        batch_size: int = 1,
+        *,
+        rank: int | None = None,
+        world_size: int | None = None,
+        coordinator: str | None = None,
+        token: str | None = None,
+        shuffle: bool = False,
+        seed: int = 0,
+        drop_last: bool = False,
+        collate_fn=None,
+        prefetch_depth: int = 4,
+        scheduler: str = "deadline",
+        balance: str | None = None,
+        window: int = 8,
+        gpu_cost=None,
+        microbatch_size: int | None = None,
+        on_error: str = "raise",
+        pin_memory: bool = False,
+        device=None,
+        num_workers: int | None = None,
+        config: ClusterConfig | None = None,
+        ddl_tolerance_s: float = 0.010,
+        tls=None,
+        rebalance=None,
+    ):
+        check_loader_options(
+            batch_size=batch_size,
+            rank=rank,
+            world_size=world_size,
+            coordinator=coordinator,
+            token=token,
+            shuffle=shuffle,
+            seed=seed,
+            drop_last=drop_last,
+            collate_fn=collate_fn,
+            prefetch_depth=prefetch_depth,
+            microbatch_size=microbatch_size,
+            pin_memory=pin_memory,
+            num_workers=num_workers,
+            config=config,
+            ddl_tolerance_s=ddl_tolerance_s,
+        )
         if scheduler not in SCHEDULERS:
             raise ValueError(f"scheduler={scheduler!r}; valid: {', '.join(SCHEDULERS)}")
         if balance not in BALANCES:
             raise ValueError(f"balance={balance!r}; valid: None, 'tokens'")
         if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-            raise ValueError(f"window={window!r}: the number of global steps the token planner recomposes "
-                             "together must be an int >= 1 (1: within each step)")
+            raise ValueError(
+                f"window={window!r}: the number of global steps the token planner recomposes "
+                "together must be an int >= 1 (1: within each step)"
+            )
         if on_error not in ON_ERROR:
             raise ValueError(f"on_error={on_error!r}; valid: {', '.join(ON_ERROR)}")
         rebalance = Rebalance.of(rebalance)
         if rebalance is not None and collate_fn not in _EXACT_MERGE:
-            raise ValueError(f"rebalance= needs collate_fn=None (default_collate) or hx.pad_collate: the rows of "
-                             f"{collate_fn!r}'s batches cannot be told apart to move samples between ranks")
+            raise ValueError(
+                f"rebalance= needs collate_fn=None (default_collate) or hx.pad_collate: the rows of "
+                f"{collate_fn!r}'s batches cannot be told apart to move samples between ranks"
+            )
         r, w = _default_rank_world()
         self.rank, self.world_size = (r if rank is None else rank), (w if world_size is None else world_size)
         if not 0 <= self.rank < self.world_size:
@@ -114,8 +154,9 @@ class DistributedDataLoader:
         units, step_units = gpu_units(dataset, gpu_cost)
         shard = (self.rank, self.world_size, shuffle, seed, drop_last)
         if balance == "tokens":  # built before any cluster: a dataset it can't cost fails here, holding nothing
-            self._batches = PlannedBatches(len(dataset), batch_size, *shard, TokenPlanner(self.world_size, window),
-                                           PlanCosts(dataset, units))
+            self._batches = PlannedBatches(
+                len(dataset), batch_size, *shard, TokenPlanner(self.world_size, window), PlanCosts(dataset, units)
+            )
         else:
             self._batches = ShardBatches(len(dataset), batch_size, *shard)
         self._embedded, self.cluster = False, None  # cluster: the LocalCluster this process started for it
@@ -128,11 +169,15 @@ class DistributedDataLoader:
         try:
             self.client = ClusterClient(address, token, self.config, self.rank, self.world_size, tls=tls)
             try:
-                spec = make_spec(dataset, collate_fn, self.client.pickle_allowed,
-                                 feature_fn=rebalance.feature_fn if group else None)
+                spec = make_spec(
+                    dataset, collate_fn, self.client.pickle_allowed, feature_fn=rebalance.feature_fn if group else None
+                )
                 pad = microbatch_size is not None or collate_fn is pad_collate
-                tier2 = Tier2(self.client, rebalance, group, spec[0], units, self.deadlines, self._stats,
-                              pad, step_units) if group else None
+                tier2 = (
+                    Tier2(self.client, rebalance, group, spec[0], units, self.deadlines, self._stats, pad, step_units)
+                    if group
+                    else None
+                )
             except BaseException:
                 self.client.close()
                 raise
@@ -144,14 +189,30 @@ class DistributedDataLoader:
         self.cluster_id = self.client.cluster_id  # names the cluster's shared-memory segments: helix-<id>-*
         # the request path holds no reference back to the loader: one dropped without close()
         # closes at once, not at some later cyclic collection
-        self._requests = Requests(self.client, spec, self.config, self._stats, self.deadlines, units, step_units,
-                                  scheduler, on_error, microbatch_size is None and collate_fn in _EXACT_MERGE,
-                                  dataset, pin_memory or self.device is not None,
-                                  itertools.count(self.client.task_id_base + 1),
-                                  pad=pad, tier2=tier2)
+        self._requests = Requests(
+            self.client,
+            spec,
+            self.config,
+            self._stats,
+            self.deadlines,
+            units,
+            step_units,
+            scheduler,
+            on_error,
+            microbatch_size is None and collate_fn in _EXACT_MERGE,
+            dataset,
+            pin_memory or self.device is not None,
+            itertools.count(self.client.task_id_base + 1),
+            pad=pad,
+            tier2=tier2,
+        )
         self._tier2 = tier2
-        self._root = Dispatch(CostTagger(self._batches, dataset, seed, microbatch_size), self._requests,
-                              prefetch_depth, self.config.execute_timeout_s + 2 * self.config.rpc_timeout_s)
+        self._root = Dispatch(
+            CostTagger(self._batches, dataset, seed, microbatch_size),
+            self._requests,
+            prefetch_depth,
+            self.config.execute_timeout_s + 2 * self.config.rpc_timeout_s,
+        )
         self._epoch, self._position, self._resume = 0, 0, 0  # position: batches of the epoch yielded
         self._iteration, self._started = 0, 0
         self._closed = False
@@ -202,10 +263,18 @@ class DistributedDataLoader:
 
     def state_dict(self) -> dict:
         """Rank-independent resume point: batches yielded to the user (not requests in flight)."""
-        return {"epoch": self._epoch, "seed": self.seed, "batches_yielded": int(self._resume or self._position),
-                "world_size": self.world_size, "batch_size": self.batch_size, "shuffle": self.shuffle,
-                "drop_last": self.drop_last, "num_samples": len(self.dataset), "balance": self.balance,
-                "window": self.window if self.balance else None}
+        return {
+            "epoch": self._epoch,
+            "seed": self.seed,
+            "batches_yielded": int(self._resume or self._position),
+            "world_size": self.world_size,
+            "batch_size": self.batch_size,
+            "shuffle": self.shuffle,
+            "drop_last": self.drop_last,
+            "num_samples": len(self.dataset),
+            "balance": self.balance,
+            "window": self.window if self.balance else None,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         """Resume from ``state_dict()`` (any rank's): the next iteration continues mid-epoch.
@@ -224,8 +293,12 @@ class DistributedDataLoader:
         """The trainer's measured GPU window of the batch being computed (seconds; e.g. CUDA-event
         timing from ``on_train_batch_start`` to ``on_train_batch_end``). Without it the loader
         measures the time between a ``next()`` returning and the next ``next()`` call."""
-        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds >= 0 \
-                or seconds == float("inf"):
+        if (
+            isinstance(seconds, bool)
+            or not isinstance(seconds, (int, float))
+            or not seconds >= 0
+            or seconds == float("inf")
+        ):
             raise ValueError(f"report_step_time(seconds={seconds!r}): seconds must be a finite number >= 0")
         self.deadlines.report(float(seconds))
 

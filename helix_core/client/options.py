@@ -1,6 +1,7 @@
 """Type checks of ``DistributedDataLoader``'s options at construction, each error naming the
 option: ``shuffle="false"`` would shuffle and ``batch_size=2.0`` would fail only inside the sender
 thread, so neither gets that far."""
+
 from __future__ import annotations
 
 import math
@@ -28,8 +29,24 @@ def _text(name: str, v) -> None:
         raise TypeError(f"{name} must be a str or None, got {type(v).__name__} {v!r}")
 
 
-def check_loader_options(*, batch_size, rank, world_size, coordinator, token, shuffle, seed, drop_last, collate_fn,
-                         prefetch_depth, microbatch_size, pin_memory, num_workers, config, ddl_tolerance_s) -> None:
+def check_loader_options(
+    *,
+    batch_size,
+    rank,
+    world_size,
+    coordinator,
+    token,
+    shuffle,
+    seed,
+    drop_last,
+    collate_fn,
+    prefetch_depth,
+    microbatch_size,
+    pin_memory,
+    num_workers,
+    config,
+    ddl_tolerance_s,
+) -> None:
     """Raise ``TypeError`` (wrong type) or ``ValueError`` (out of range) naming the option."""
     from ..config import ClusterConfig
 
@@ -48,6 +65,9 @@ def check_loader_options(*, batch_size, rank, world_size, coordinator, token, sh
         raise TypeError(f"collate_fn must be callable or None, got {type(collate_fn).__name__}")
     if config is not None and not isinstance(config, ClusterConfig):
         raise TypeError(f"config must be a hx.ClusterConfig or None, got {type(config).__name__}")
-    if isinstance(ddl_tolerance_s, bool) or not isinstance(ddl_tolerance_s, numbers.Real) \
-            or not (math.isfinite(ddl_tolerance_s) and ddl_tolerance_s >= 0):
+    if (
+        isinstance(ddl_tolerance_s, bool)
+        or not isinstance(ddl_tolerance_s, numbers.Real)
+        or not (math.isfinite(ddl_tolerance_s) and ddl_tolerance_s >= 0)
+    ):
         raise ValueError(f"ddl_tolerance_s must be a finite number of seconds >= 0, got {ddl_tolerance_s!r}")

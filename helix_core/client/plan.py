@@ -7,6 +7,7 @@ communication); ``CostTagger`` turns each batch into a ``Task`` with its samples
 (never decoding) and deterministic substitutes. State is what means something to a user: the
 epoch and the batches yielded.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -25,8 +26,9 @@ class ShardBatches(BaseNode):
 
     EPOCH, YIELDED = "epoch", "batches_yielded"
 
-    def __init__(self, num_samples: int, batch_size: int, rank: int, world_size: int, shuffle: bool, seed: int,
-                 drop_last: bool):
+    def __init__(
+        self, num_samples: int, batch_size: int, rank: int, world_size: int, shuffle: bool, seed: int, drop_last: bool
+    ):
         super().__init__()
         self.num_samples, self.batch_size, self.rank, self.world_size = num_samples, batch_size, rank, world_size
         self.shuffle, self.seed, self.drop_last = shuffle, seed, drop_last
@@ -43,15 +45,24 @@ class ShardBatches(BaseNode):
         return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
 
     def shard(self, epoch: int) -> list[int]:
-        return rank_indices(self.num_samples, self.rank, self.world_size, self.shuffle, self.seed, epoch,
-                            self.drop_last)
+        return rank_indices(
+            self.num_samples, self.rank, self.world_size, self.shuffle, self.seed, epoch, self.drop_last
+        )
 
     def reset(self, initial_state: dict | None = None):
         super().reset(initial_state)
         if initial_state is not None:
             self.epoch = int(initial_state[self.EPOCH])
-        self._batches = rank_batches(self.num_samples, self.batch_size, self.rank, self.world_size, self.shuffle,
-                                     self.seed, self.epoch, self.drop_last)
+        self._batches = rank_batches(
+            self.num_samples,
+            self.batch_size,
+            self.rank,
+            self.world_size,
+            self.shuffle,
+            self.seed,
+            self.epoch,
+            self.drop_last,
+        )
         self._pos = int(initial_state[self.YIELDED]) if initial_state is not None else 0
 
     def next(self) -> tuple[int, list[int]]:
@@ -76,8 +87,18 @@ class PlannedBatches(ShardBatches):
     exactly the batch the uninterrupted run would have yielded.
     """
 
-    def __init__(self, num_samples: int, batch_size: int, rank: int, world_size: int, shuffle: bool, seed: int,
-                 drop_last: bool, planner, costs):
+    def __init__(
+        self,
+        num_samples: int,
+        batch_size: int,
+        rank: int,
+        world_size: int,
+        shuffle: bool,
+        seed: int,
+        drop_last: bool,
+        planner,
+        costs,
+    ):
         super().__init__(num_samples, batch_size, rank, world_size, shuffle, seed, drop_last)
         self.planner, self.costs = planner, costs
         self._steps: list | None = None
@@ -91,8 +112,15 @@ class PlannedBatches(ShardBatches):
         """``plan[step in window][rank] -> indices`` of window ``w`` of this epoch."""
         if self._plan is None or self._plan[0] != w:
             if self._steps is None:
-                self._steps = steps(self.num_samples, self.batch_size, self.world_size, self.shuffle, self.seed,
-                                    self.epoch, self.drop_last)
+                self._steps = steps(
+                    self.num_samples,
+                    self.batch_size,
+                    self.world_size,
+                    self.shuffle,
+                    self.seed,
+                    self.epoch,
+                    self.drop_last,
+                )
             window = [self._steps[s] for s in self.planner.windows(len(self))[w]]
             flat = np.fromiter((i for step in window for batch in step for i in batch), dtype=np.int64)
             units, buckets = self.costs(flat)
@@ -138,8 +166,14 @@ class CostTagger(BaseNode):
         position, indices = self.source.next()
         rng = np.random.default_rng([self.seed & 0xFFFFFFFF, self.source.epoch, position])
         subs = [self._shard[int(k)] for k in rng.integers(0, len(self._shard), size=self.n_subs)] if self._shard else []
-        return Task(position, list(indices), [self._cost(i) for i in indices], subs, epoch=self.source.epoch,
-                    microbatch_size=self.microbatch_size)
+        return Task(
+            position,
+            list(indices),
+            [self._cost(i) for i in indices],
+            subs,
+            epoch=self.source.epoch,
+            microbatch_size=self.microbatch_size,
+        )
 
     def get_state(self) -> dict:
         return self.source.get_state()

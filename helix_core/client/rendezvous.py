@@ -14,6 +14,7 @@ and the restart count (and Slurm's job id), bound to the entry's name, so a plan
 another attempt, or one moved to another name is refused with an error that says so. Give each job
 a secret of its own: two jobs with one secret and the same run id could open each other's entries.
 """
+
 from __future__ import annotations
 
 import base64
@@ -37,8 +38,10 @@ def job_secret() -> bytes | None:
     if not value:
         return None
     if len(value) < MIN_SECRET_CHARS:
-        raise ClusterError(f"{JOB_SECRET} has {len(value)} characters: give at least {MIN_SECRET_CHARS} random ones, "
-                           f"the same for every rank (e.g. {JOB_SECRET}=$(head -c 32 /dev/urandom | base64))")
+        raise ClusterError(
+            f"{JOB_SECRET} has {len(value)} characters: give at least {MIN_SECRET_CHARS} random ones, "
+            f"the same for every rank (e.g. {JOB_SECRET}=$(head -c 32 /dev/urandom | base64))"
+        )
     return value.encode()
 
 
@@ -58,8 +61,9 @@ class JobRendezvous:
         self.store, self.run_id, self.attempt = store, str(run_id), str(attempt)
         self.prefix = f"helix/{self.run_id}/{self.attempt}/"
         # what tells this job from another that reused its secret, where the launcher says (Slurm's job id)
-        self.label = f"{self.run_id}/{self.attempt}" + (f"/slurm-{os.environ['SLURM_JOB_ID']}"
-                                                         if os.environ.get("SLURM_JOB_ID") else "")
+        self.label = f"{self.run_id}/{self.attempt}" + (
+            f"/slurm-{os.environ['SLURM_JOB_ID']}" if os.environ.get("SLURM_JOB_ID") else ""
+        )
         self._aead = None
         if secret is not None:
             from cryptography.hazmat.primitives.ciphers.aead import AESGCM
@@ -88,8 +92,10 @@ class JobRendezvous:
         try:
             self.store.wait([key], datetime.timedelta(seconds=timeout_s))
         except Exception as e:  # noqa: BLE001 - the store raises RuntimeError / DistStoreError on timeouts
-            raise ClusterError(f"no rank published the Helix cluster's {name!r} in the job's store within "
-                               f"{timeout_s:.0f} s (key {key}): {e}") from None
+            raise ClusterError(
+                f"no rank published the Helix cluster's {name!r} in the job's store within "
+                f"{timeout_s:.0f} s (key {key}): {e}"
+            ) from None
         while True:  # an entry planted before the rank's own is refused, then overwritten: read again until then
             try:
                 return self._checked(key, self.store.get(key))
@@ -104,10 +110,12 @@ class JobRendezvous:
         except ValueError:
             raise ClusterError(f"the job's store holds a malformed Helix entry at {key}") from None
         if not isinstance(info, dict) or info.get("run_id") != self.run_id or info.get("attempt") != self.attempt:
-            raise ClusterError(f"the job's store holds a Helix entry at {key} of another run or attempt "
-                               f"({info.get('run_id') if isinstance(info, dict) else '?'}/"
-                               f"{info.get('attempt') if isinstance(info, dict) else '?'}, this job is "
-                               f"{self.run_id}/{self.attempt}): refusing it")
+            raise ClusterError(
+                f"the job's store holds a Helix entry at {key} of another run or attempt "
+                f"({info.get('run_id') if isinstance(info, dict) else '?'}/"
+                f"{info.get('attempt') if isinstance(info, dict) else '?'}, this job is "
+                f"{self.run_id}/{self.attempt}): refusing it"
+            )
         return self._open(key, info)
 
     def _open(self, key: str, info: dict) -> dict:
@@ -119,10 +127,12 @@ class JobRendezvous:
         except Exception:  # noqa: BLE001 - no field, bad base64, InvalidTag, not JSON: all one answer
             opened = None
         if not isinstance(opened, dict):
-            raise ClusterError(f"the job's store holds a Helix entry at {key} that this job's {JOB_SECRET} does not "
-                               "open: written by someone without the secret (planted), by another job or attempt, or "
-                               f"the ranks were given different secrets; refusing it (give every rank the same "
-                               f"{JOB_SECRET})")
+            raise ClusterError(
+                f"the job's store holds a Helix entry at {key} that this job's {JOB_SECRET} does not "
+                "open: written by someone without the secret (planted), by another job or attempt, or "
+                f"the ranks were given different secrets; refusing it (give every rank the same "
+                f"{JOB_SECRET})"
+            )
         return {"run_id": self.run_id, "attempt": self.attempt, **opened}
 
 
@@ -136,8 +146,13 @@ def job_rendezvous(timeout_s: float) -> JobRendezvous | None:
     # torchrun's agent store first: the same before and after init_process_group (whose default
     # store is a prefixed view of it), so loaders made before and after it meet
     if "TORCHELASTIC_RUN_ID" in os.environ and "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ:
-        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                              timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
+        store = dist.TCPStore(
+            os.environ["MASTER_ADDR"],
+            int(os.environ["MASTER_PORT"]),
+            is_master=False,
+            timeout=datetime.timedelta(seconds=timeout_s),
+            wait_for_workers=False,
+        )
         return JobRendezvous(store, run_id, attempt, job_secret())
     if dist.is_available() and dist.is_initialized():
         return JobRendezvous(dist.distributed_c10d._get_default_store(), run_id, attempt, job_secret())

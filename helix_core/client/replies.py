@@ -2,6 +2,7 @@
 slab on this host, which is mapped once and read zero-copy; the slab goes back to its server when
 the batch is garbage-collected, or right after a copy into pinned / device memory.
 """
+
 from __future__ import annotations
 
 import math
@@ -31,8 +32,10 @@ class ReplyBatches:
         if reply.pieces:
             first: list = []
             try:
-                parts = [self._materialize(b, copy=False, grow=first if k == 0 and not copy else None)
-                         for k, b in enumerate(reply.pieces)]
+                parts = [
+                    self._materialize(b, copy=False, grow=first if k == 0 and not copy else None)
+                    for k, b in enumerate(reply.pieces)
+                ]
             except BaseException:
                 self.release(reply)  # the pieces not read yet would be stranded
                 raise
@@ -47,8 +50,10 @@ class ReplyBatches:
         handle = {"segment": b.slab.segment, "generation": b.slab.generation, "nbytes": b.slab.nbytes}
         if b.tree_pickle and not self.pickle_allowed:
             self.reader.release(handle)
-            raise ClusterError("a DataServer sent a pickled batch structure to a client that accepts none (a cluster "
-                               "reached without TLS beyond loopback, or ClusterConfig(allow_pickle=False))")
+            raise ClusterError(
+                "a DataServer sent a pickled batch structure to a client that accepts none (a cluster "
+                "reached without TLS beyond loopback, or ClusterConfig(allow_pickle=False))"
+            )
         metas = meta_dicts(b.tensors)
         buf = self.reader.view(handle) if b.slab.segment else memoryview(b"")
         if copy:
@@ -56,7 +61,7 @@ class ReplyBatches:
             del buf
             self.reader.release(handle)
         else:
-            release = (lambda h=handle, r=self.reader: r.release(h))
+            release = lambda h=handle, r=self.reader: r.release(h)
             tensors = read_tensors(buf, metas, on_release=release)
             del buf
             if grow is not None:

@@ -7,6 +7,7 @@ resubmits a part whose server was lost — by status code or ``ErrorKind``, neve
 and merges the parts into the batch; ``cancel(task)`` gives up what is unread and releases the
 slabs of replies that still arrive. Completions ride on the next Route (one RPC per request).
 """
+
 from __future__ import annotations
 
 import sys
@@ -34,8 +35,24 @@ class Requests:
     ``pad``: a batch that comes back in parts is merged zero-padding its tensors (``pad_collate``,
     or ``microbatch_size`` asked for), else parts whose tensors differ raise as ``default_collate`` would."""
 
-    def __init__(self, client, spec, config, stats, deadlines, units, step_units: float, scheduler: str,
-                 on_error: str, fanout: bool, dataset, copy: bool, task_ids, pad: bool = True, tier2=None):
+    def __init__(
+        self,
+        client,
+        spec,
+        config,
+        stats,
+        deadlines,
+        units,
+        step_units: float,
+        scheduler: str,
+        on_error: str,
+        fanout: bool,
+        dataset,
+        copy: bool,
+        task_ids,
+        pad: bool = True,
+        tier2=None,
+    ):
         self.client, self.spec, self.config, self.stats, self.deadlines = client, spec, config, stats, deadlines
         self.units, self.step_units, self.scheduler, self.on_error = units, step_units, scheduler, on_error
         self.fanout, self.copy, self.task_ids, self.pad = fanout, copy, task_ids, pad
@@ -55,7 +72,7 @@ class Requests:
             self.stats.fanouts += len(splits) > 1
         offset = 0
         for indices in splits:  # every part first: the first one's request names the others' samples (room)
-            task.parts.append(Part(next(self.task_ids), indices, sum_costs(task.costs[offset:offset + len(indices)])))
+            task.parts.append(Part(next(self.task_ids), indices, sum_costs(task.costs[offset : offset + len(indices)])))
             offset += len(indices)
         for part in list(task.parts):
             self._start(task, part, stop)
@@ -78,14 +95,23 @@ class Requests:
             self.stats.reasons[route.reason] += 1
             if deadline is not None:
                 self.stats.deadlines.append(deadline)
-            request = execute_request(task, part, self.spec[0], self.on_error, self.client.client_id, deadline,
-                                      splittable=self.fanout, features=self.tier2 is not None)
+            request = execute_request(
+                task,
+                part,
+                self.spec[0],
+                self.on_error,
+                self.client.client_id,
+                deadline,
+                splittable=self.fanout,
+                features=self.tier2 is not None,
+            )
             try:
                 part.future = self.client.execute(route.exec_address, self.spec, request)
             except grpc.RpcError as e:
                 if e.code() not in TRANSIENT or part.attempts >= self.config.max_resubmits:
-                    raise ClusterError(f"cannot send batch {task.position} to {route.exec_address}: "
-                                       f"{e.code().name} {e.details()}") from None
+                    raise ClusterError(
+                        f"cannot send batch {task.position} to {route.exec_address}: {e.code().name} {e.details()}"
+                    ) from None
                 self._exclude(part, route.exec_server_id)
                 continue
             part.future.add_done_callback(lambda _, p=part: self._landed(p))
@@ -116,8 +142,9 @@ class Requests:
             if not stop.wait(part.future, self.config.execute_timeout_s + self.config.rpc_timeout_s):
                 if stop.is_set():
                     raise ClusterError("loader stopped")
-                raise ClusterError(f"batch {task.position}: no reply within the batch deadline "
-                                   f"({self.config.execute_timeout_s} s)")
+                raise ClusterError(
+                    f"batch {task.position}: no reply within the batch deadline ({self.config.execute_timeout_s} s)"
+                )
             route = part.route
             try:
                 reply = part.future.result()
@@ -143,8 +170,11 @@ class Requests:
             while True:
                 reply = self._wait(task, part, stop)
                 try:  # the first part's slab may hold the room of the others' rows (``grow``)
-                    batch = None if reply.error_kind else self.client.materialize(
-                        reply, copy=self.copy, pad=self.pad, grow=grow if k == 0 else None)
+                    batch = (
+                        None
+                        if reply.error_kind
+                        else self.client.materialize(reply, copy=self.copy, pad=self.pad, grow=grow if k == 0 else None)
+                    )
                     break
                 except FileNotFoundError:  # its producer died and the slab was swept: run it again
                     self._resubmit(task, part, "slab vanished", part.route.exec_server_id, stop)
@@ -162,8 +192,9 @@ class Requests:
         self.stats.batch_ready.append(time.perf_counter() - task.t_dispatch)
         if len(batches) == 1:
             return batches[0]
-        return merge_batches(batches, rows=[len(p.indices) for p in task.parts], pad=self.pad,
-                             grow=grow[0] if grow else None)
+        return merge_batches(
+            batches, rows=[len(p.indices) for p in task.parts], pad=self.pad, grow=grow[0] if grow else None
+        )
 
     def _collect_round(self, task: Task, stop):
         """Tier 2: the batch its round made of ``task``'s replies, or None to read them as they are

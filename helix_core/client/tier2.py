@@ -9,6 +9,7 @@ reached, or a round that fails, leaves the rank its own batch. A call that is no
 loader stopped, the call failed) is settled by the leader (``LeaveRound``): the batch left its
 round, or here is the round's answer — to take, or to give back if the loader stopped.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -78,9 +79,11 @@ def policy_spec(rebalance: Rebalance, pickle_allowed: bool) -> tuple[str, bytes,
         payload, fmt = json.dumps({"sort_fn": path, "args": args}, sort_keys=True).encode(), "json"
     except TypeError as e:
         if not pickle_allowed:
-            raise ValueError(f"Rebalance: {e} (or its args are not JSON), and this cluster takes no cloudpickle: "
-                             "use a module-level sort_fn of an installed module and JSON args, or a cluster that "
-                             "takes cloudpickle (a token, and TLS beyond loopback)") from None
+            raise ValueError(
+                f"Rebalance: {e} (or its args are not JSON), and this cluster takes no cloudpickle: "
+                "use a module-level sort_fn of an installed module and JSON args, or a cluster that "
+                "takes cloudpickle (a token, and TLS beyond loopback)"
+            ) from None
         payload, fmt = dumps({"sort_fn": rebalance.sort_fn, "args": rebalance.args}), "cloudpickle"
     return hashlib.sha256(fmt.encode() + payload).hexdigest()[:16], payload, fmt
 
@@ -89,8 +92,18 @@ class Tier2:
     """The rounds of one loader: ``group`` (its ranks), ``units`` (GPU cost units of token counts),
     ``deadlines`` (the learned seconds per unit), ``stats`` (``LoaderStats``: its ``rebalance``)."""
 
-    def __init__(self, client, rebalance: Rebalance, group: tuple[int, ...], spec_id: str, units, deadlines,
-                 stats, pad: bool, step_units: float = 0.0):
+    def __init__(
+        self,
+        client,
+        rebalance: Rebalance,
+        group: tuple[int, ...],
+        spec_id: str,
+        units,
+        deadlines,
+        stats,
+        pad: bool,
+        step_units: float = 0.0,
+    ):
         self.client, self.rebalance, self.group, self.units = client, rebalance, group, units
         self.step_units = step_units  # a batch's fixed GPU cost units, beside its samples'
         self.deadlines, self.stats, self.pad = deadlines, stats, pad
@@ -137,27 +150,47 @@ class Tier2:
             except ClusterError as e:  # the group's lowest rank is not (or no longer) registered
                 if stop.is_set():
                     raise
-                log.warning("Tier-2 group %s: no round leader (%s): rank %d keeps its batch", self.name, e,
-                            self.client.rank)
+                log.warning(
+                    "Tier-2 group %s: no round leader (%s): rank %d keeps its batch", self.name, e, self.client.rank
+                )
                 counts["unreachable"] += 1
                 return None
         r = self.rebalance
         request = pb.RebalanceRequest(
-            group=self.name, run=self.run, group_size=len(self.group), rank=self.client.rank,
-            step=task.epoch * STEP_STRIDE + task.position, batches=batches, batch_rows=rows,
-            features_json=json.dumps(features), host=self.client.host, buffer_size=r.buffer_size,
-            timeout_s=r.wait_s(self.deadlines.deadline(task.seq)), policy_id=self.policy[0], policy=self.policy[1], policy_format=self.policy[2],
-            client_id=self.client.client_id, seconds_per_unit=self.deadlines.seconds_per_unit or 0.0,
+            group=self.name,
+            run=self.run,
+            group_size=len(self.group),
+            rank=self.client.rank,
+            step=task.epoch * STEP_STRIDE + task.position,
+            batches=batches,
+            batch_rows=rows,
+            features_json=json.dumps(features),
+            host=self.client.host,
+            buffer_size=r.buffer_size,
+            timeout_s=r.wait_s(self.deadlines.deadline(task.seq)),
+            policy_id=self.policy[0],
+            policy=self.policy[1],
+            policy_format=self.policy[2],
+            client_id=self.client.client_id,
+            seconds_per_unit=self.deadlines.seconds_per_unit or 0.0,
             input_wait_s=self._input_wait_s(),
-            indices=indices if len(indices) == sum(rows) else (), exchange=self.transport,
-            delivery=self.client.servers.delivery[1] if self.client.servers.delivery else "")
+            indices=indices if len(indices) == sum(rows) else (),
+            exchange=self.transport,
+            delivery=self.client.servers.delivery[1] if self.client.servers.delivery else "",
+        )
         # the round's wait, then its exchange (the collective, then maybe gRPC), then the reply
         self.stats.rebalance["asked"] += 1  # batches sent to a round
         t0 = time.perf_counter()
         try:
-            reply = self.client.rebalance(self._leader, request, request.timeout_s + 2 * EXCHANGE_TIMEOUT_S
-                                          + self.client.config.rpc_timeout_s, stop, leave_s=2 * EXCHANGE_TIMEOUT_S,
-                                          wanted=task.wanted, grace_s=r.round_timeout_s)
+            reply = self.client.rebalance(
+                self._leader,
+                request,
+                request.timeout_s + 2 * EXCHANGE_TIMEOUT_S + self.client.config.rpc_timeout_s,
+                stop,
+                leave_s=2 * EXCHANGE_TIMEOUT_S,
+                wanted=task.wanted,
+                grace_s=r.round_timeout_s,
+            )
         except RoundUnknown as e:  # other ranks may read its slabs: not this rank's to read or release
             task.taken.update(range(len(task.parts)))
             counts["unknown" if e.indices is None else "lost"] += 1
@@ -182,14 +215,29 @@ class Tier2:
             counts["unreachable"] += 1
             return None
         counts[reply.outcome.split(":")[0]] += 1
-        self.stats.rebalance_rounds.append({  # this rank's view of the round (the bench joins the ranks')
-            "group": self.name, "run": self.run, "rank": self.client.rank, "group_size": len(self.group),
-            "epoch": task.epoch, "position": task.position, "outcome": reply.outcome, "closed_by": reply.closed_by,
-            "round_samples": reply.round_samples, "gain_s": reply.gain_s, "transfer_s": reply.transfer_s,
-            "input_wait_s": reply.input_wait_s,
-            "moved_in": reply.moved_in, "moved_out": reply.moved_out, "moved_bytes": reply.moved_bytes,
-            "crossed_bytes": reply.crossed_bytes, "wait_s": time.perf_counter() - t0,
-            "before": [int(i) for i in request.indices], "after": [int(i) for t in reply.takes for i in t.indices]})
+        self.stats.rebalance_rounds.append(
+            {  # this rank's view of the round (the bench joins the ranks')
+                "group": self.name,
+                "run": self.run,
+                "rank": self.client.rank,
+                "group_size": len(self.group),
+                "epoch": task.epoch,
+                "position": task.position,
+                "outcome": reply.outcome,
+                "closed_by": reply.closed_by,
+                "round_samples": reply.round_samples,
+                "gain_s": reply.gain_s,
+                "transfer_s": reply.transfer_s,
+                "input_wait_s": reply.input_wait_s,
+                "moved_in": reply.moved_in,
+                "moved_out": reply.moved_out,
+                "moved_bytes": reply.moved_bytes,
+                "crossed_bytes": reply.crossed_bytes,
+                "wait_s": time.perf_counter() - t0,
+                "before": [int(i) for i in request.indices],
+                "after": [int(i) for t in reply.takes for i in t.indices],
+            }
+        )
         counts["gain_s" if reply.outcome == "moved" else "gain_kept_s"] += reply.gain_s  # projected by the gate
         counts["transfer_s"] += reply.transfer_s if reply.outcome == "moved" else 0.0
         if reply.outcome.startswith("error"):
@@ -226,8 +274,16 @@ class Tier2:
         try:
             for t in takes:
                 for run in _runs(list(t.rows)):
-                    parts.append(read_rows(self.client.reader, t.batch, run, t.batch_rows, self.client.pickle_allowed,
-                                           view=len(takes) > 1 or len(run) < len(t.rows)))
+                    parts.append(
+                        read_rows(
+                            self.client.reader,
+                            t.batch,
+                            run,
+                            t.batch_rows,
+                            self.client.pickle_allowed,
+                            view=len(takes) > 1 or len(run) < len(t.rows),
+                        )
+                    )
                     rows.append(len(run))
             try:
                 merged = merge_batches(parts, rows=rows, pad=self.pad)  # the one copy (a single part is one already)

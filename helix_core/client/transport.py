@@ -4,6 +4,7 @@
 round's Rebalance / AskRound / LeaveRound); its Coordinator calls are in ``transport_coordinator.py``, and
 turning replies into batches in ``replies.py``.
 """
+
 from __future__ import annotations
 
 import logging
@@ -35,8 +36,14 @@ __all__ = ["ClusterClient", "TRANSIENT"]
 
 #: Status codes that mean "this server (or the path to it) is gone": resubmit elsewhere.
 #: (A full /dev/shm is not among them: it comes back as ``ErrorKind.NO_ROOM``, final.)
-TRANSIENT = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED,
-             grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL, grpc.StatusCode.FAILED_PRECONDITION}
+TRANSIENT = {
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.CANCELLED,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.UNKNOWN,
+    grpc.StatusCode.INTERNAL,
+    grpc.StatusCode.FAILED_PRECONDITION,
+}
 
 
 log = logging.getLogger("helix.client")
@@ -80,8 +87,16 @@ class _Unavailable(grpc.RpcError):
 class ClusterClient(CoordinatorCalls, ReplyBatches):
     """One rank's connection to a Helix cluster. Thread-safe."""
 
-    def __init__(self, address: str, token: str | None, config: ClusterConfig, rank: int, world_size: int,
-                 local_rank: int | None = None, tls=None):
+    def __init__(
+        self,
+        address: str,
+        token: str | None,
+        config: ClusterConfig,
+        rank: int,
+        world_size: int,
+        local_rank: int | None = None,
+        tls=None,
+    ):
         """``token``: default ``HELIX_TOKEN``, else the one this user's Coordinator at ``address``
         left in the private Helix folder; ``tls``: a ``Tls`` for every channel (default:
         ``HELIX_TLS_*``, else none)."""
@@ -99,12 +114,14 @@ class ClusterClient(CoordinatorCalls, ReplyBatches):
         self.metadata = call_metadata(token)
         self._channel = connect(address, config, self.tls)
         self.coordinator = pbg.CoordinatorStub(self._channel)
-        hello = check_hello(self.coordinator, "client", token, config.rpc_timeout_s, f"the Coordinator at {address}",
-                            self.tls)
+        hello = check_hello(
+            self.coordinator, "client", token, config.rpc_timeout_s, f"the Coordinator at {address}", self.tls
+        )
         # pickles only with a token, and only where it can't be read off the wire (loopback or TLS)
         self.cluster_id = hello.cluster_id
-        self.pickle_allowed = hello.pickle_allowed and pickle_allowed(address.rsplit(":", 1)[0], token, self.tls,
-                                                                      config.allow_pickle)
+        self.pickle_allowed = hello.pickle_allowed and pickle_allowed(
+            address.rsplit(":", 1)[0], token, self.tls, config.allow_pickle
+        )
         # its own id and task-id base, so both survive a Coordinator restart (servers key tasks by
         # client id and task id; the random base keeps ids apart in the Coordinator's books too)
         self.client_id = f"c{rank}-{uuid.uuid4().hex[:12]}"
@@ -167,8 +184,11 @@ class ClusterClient(CoordinatorCalls, ReplyBatches):
         stub = self.stub(address)
         key = (address, spec[0])
         if key not in self._configured:
-            stub.Configure(pb.ConfigureRequest(spec_id=spec[0], payload=spec[1], format=spec[2]),
-                           timeout=self.config.rpc_timeout_s, metadata=self.metadata)
+            stub.Configure(
+                pb.ConfigureRequest(spec_id=spec[0], payload=spec[1], format=spec[2]),
+                timeout=self.config.rpc_timeout_s,
+                metadata=self.metadata,
+            )
             with self._lock:
                 self._configured.add(key)
         link = self._link(address)
@@ -184,8 +204,9 @@ class ClusterClient(CoordinatorCalls, ReplyBatches):
         with self._lock:
             if address in self._links and not (self._links[address] is not None and self._links[address].broken):
                 return self._links[address]
-        link = LocalLink.connect(link_name(self.cluster_id, address), self.token, self.config.keepalive_s,
-                                 self.config.keepalive_timeout_s)
+        link = LocalLink.connect(
+            link_name(self.cluster_id, address), self.token, self.config.keepalive_s, self.config.keepalive_timeout_s
+        )
         with self._lock:
             old, self._links[address] = self._links.get(address), link
         if old is not None:
@@ -208,11 +229,20 @@ class ClusterClient(CoordinatorCalls, ReplyBatches):
 
     def round_leader(self, rank: int, stop=None) -> str:
         """Tier 2: the address of the DataServer leading the rounds of the group whose lowest rank is ``rank``."""
-        return self._call(self.coordinator.RoundLeader, pb.RoundLeaderRequest(client_id=self.client_id, rank=rank),
-                          stop=stop).address
+        return self._call(
+            self.coordinator.RoundLeader, pb.RoundLeaderRequest(client_id=self.client_id, rank=rank), stop=stop
+        ).address
 
-    def rebalance(self, address: str, request: pb.RebalanceRequest, timeout_s: float, stop, leave_s: float,
-                  wanted=None, grace_s: float = 0.0):
+    def rebalance(
+        self,
+        address: str,
+        request: pb.RebalanceRequest,
+        timeout_s: float,
+        stop,
+        leave_s: float,
+        wanted=None,
+        grace_s: float = 0.0,
+    ):
         """Tier 2: this rank's batch into its round at ``address``; the reply, or None when the rank
         keeps its batch (the leader could not be reached, or the batch left its round). ``wanted``
         (a future) is done once the rank waits in ``next()`` for the batch: ``grace_s`` later, a
@@ -239,14 +269,25 @@ class ClusterClient(CoordinatorCalls, ReplyBatches):
                     raise RoundStopped(reply)
                 return reply
         fut.cancel()
-        leave = pb.LeaveRoundRequest(group=request.group, run=request.run, step=request.step, rank=request.rank,
-                                     client_id=request.client_id, timeout_s=leave_s)
+        leave = pb.LeaveRoundRequest(
+            group=request.group,
+            run=request.run,
+            step=request.step,
+            rank=request.rank,
+            client_id=request.client_id,
+            timeout_s=leave_s,
+        )
         try:
-            answer = self.stub(address).LeaveRound(leave, timeout=leave_s + self.config.rpc_timeout_s,
-                                                   metadata=self.metadata)
+            answer = self.stub(address).LeaveRound(
+                leave, timeout=leave_s + self.config.rpc_timeout_s, metadata=self.metadata
+            )
         except (grpc.RpcError, _Unavailable) as e:  # the leader is gone: the Coordinator knows its rounds
-            log.warning("Tier-2 round at %s: %s, and no LeaveRound (%s)", address, why,
-                        e.code().name if isinstance(e, grpc.RpcError) else e)
+            log.warning(
+                "Tier-2 round at %s: %s, and no LeaveRound (%s)",
+                address,
+                why,
+                e.code().name if isinstance(e, grpc.RpcError) else e,
+            )
             answer = pb.LeaveRoundReply()
         reply = None if answer.left or not answer.HasField("reply") else answer.reply
         if not answer.HasField("reply") and not stop.is_set():  # the leader is gone, or never had the call
@@ -267,18 +308,26 @@ class ClusterClient(CoordinatorCalls, ReplyBatches):
         def fate_now(req, **kw):  # each try states the round's age afresh
             req.age_s = time.monotonic() - sent
             return self.coordinator.RoundFate(req, **kw)
+
         try:
-            fate = self._call(fate_now, ask, stop=stop) if sure else \
-                fate_now(ask, timeout=self.config.rpc_timeout_s, metadata=self.metadata)
+            fate = (
+                self._call(fate_now, ask, stop=stop)
+                if sure
+                else fate_now(ask, timeout=self.config.rpc_timeout_s, metadata=self.metadata)
+            )
         except (ClusterError, grpc.RpcError) as e:
             if sure:
-                raise RoundUnknown(f"neither its Tier-2 round's leader at {address} nor the Coordinator can say what "
-                                   f"became of it ({e})") from None
+                raise RoundUnknown(
+                    f"neither its Tier-2 round's leader at {address} nor the Coordinator can say what "
+                    f"became of it ({e})"
+                ) from None
             return
         if fate.moved:
-            raise RoundUnknown(f"its Tier-2 round's leader at {address} cannot answer; the round moved samples",
-                               list(fate.indices), [{"segment": h.segment, "generation": h.generation}
-                                                    for h in fate.release])
+            raise RoundUnknown(
+                f"its Tier-2 round's leader at {address} cannot answer; the round moved samples",
+                list(fate.indices),
+                [{"segment": h.segment, "generation": h.generation} for h in fate.release],
+            )
         for b in request.batches:  # no rank reads them now: the rank's own again
             try:
                 self.reader.share({"segment": b.slab.segment, "generation": b.slab.generation}, 1)
@@ -291,10 +340,15 @@ class ClusterClient(CoordinatorCalls, ReplyBatches):
         end = time.monotonic() + limit_s
         if wanted is None or stop.wait(fut, limit_s, or_=wanted) or stop.is_set() or fut.done():
             return
-        if wanted.done() and not stop.wait(fut, min(grace_s, end - time.monotonic())) and not stop.is_set() \
-                and not fut.done():
-            ask = pb.AskRoundRequest(group=request.group, run=request.run, step=request.step, rank=request.rank,
-                                     client_id=request.client_id)
+        if (
+            wanted.done()
+            and not stop.wait(fut, min(grace_s, end - time.monotonic()))
+            and not stop.is_set()
+            and not fut.done()
+        ):
+            ask = pb.AskRoundRequest(
+                group=request.group, run=request.run, step=request.step, rank=request.rank, client_id=request.client_id
+            )
             try:  # answered at once; the held call then answers once the round ran
                 self.stub(address).AskRound(ask, timeout=self.config.rpc_timeout_s, metadata=self.metadata)
             except grpc.RpcError as e:  # the leader is gone: the held call fails too, and is settled as such

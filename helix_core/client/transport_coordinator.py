@@ -4,6 +4,7 @@ knows while the Coordinator is away), renewing the lease, reporting completions,
 A base class of ``ClusterClient`` (``client/transport.py``), whose ``__init__`` opens the channel
 and sets the state these methods use.
 """
+
 from __future__ import annotations
 
 import json
@@ -35,22 +36,39 @@ class CoordinatorCalls:
                 return method(request, timeout=timeout or self.config.rpc_timeout_s, metadata=self.metadata)
             except grpc.RpcError as e:
                 if e.code() == grpc.StatusCode.UNAUTHENTICATED:
-                    raise ClusterError(f"the Coordinator at {self.address} refused this client: {e.details()}") from None
-                retry = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.FAILED_PRECONDITION)
+                    raise ClusterError(
+                        f"the Coordinator at {self.address} refused this client: {e.details()}"
+                    ) from None
+                retry = (
+                    grpc.StatusCode.UNAVAILABLE,
+                    grpc.StatusCode.DEADLINE_EXCEEDED,
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                )
                 if e.code() not in retry or time.monotonic() + delay > deadline:
                     if e.code() == grpc.StatusCode.FAILED_PRECONDITION:  # it answered: no delivery server on our host
-                        raise ClusterError(f"the Coordinator at {self.address} cannot serve rank {self.rank} "
-                                           f"on host {self.host!r}: {e.details()}") from None
-                    raise ClusterError(f"lost the Coordinator at {self.address}: {e.code().name} {e.details()}") from None
+                        raise ClusterError(
+                            f"the Coordinator at {self.address} cannot serve rank {self.rank} "
+                            f"on host {self.host!r}: {e.details()}"
+                        ) from None
+                    raise ClusterError(
+                        f"lost the Coordinator at {self.address}: {e.code().name} {e.details()}"
+                    ) from None
             if stop.sleep(delay) if stop is not None else time.sleep(delay):
                 raise ClusterError("loader stopped")
             delay = min(delay * 2, 0.5)
 
     def _register(self) -> None:
-        reply = self._call(self.coordinator.RegisterClient,
-                           pb.RegisterClientRequest(rank=self.rank, world_size=self.world_size, host=self.host,
-                                                    local_rank=self.local_rank, client_id=self.client_id,
-                                                    task_id_base=self.task_id_base))
+        reply = self._call(
+            self.coordinator.RegisterClient,
+            pb.RegisterClientRequest(
+                rank=self.rank,
+                world_size=self.world_size,
+                host=self.host,
+                local_rank=self.local_rank,
+                client_id=self.client_id,
+                task_id_base=self.task_id_base,
+            ),
+        )
         if reply.client_id != self.client_id:  # an older Coordinator: take what it made
             self.client_id, self.task_id_base = reply.client_id, reply.task_id_base
 
@@ -69,7 +87,9 @@ class CoordinatorCalls:
             return self._fallback(part)
         with self._lock:
             done, self._completed = self._completed, []
-        request = route_request(self.client_id, self.rank, part, deadline_s, scheduler, done, self.host, self.local_rank)
+        request = route_request(
+            self.client_id, self.rank, part, deadline_s, scheduler, done, self.host, self.local_rank
+        )
         self._last_rpc = time.monotonic()
         try:
             if self.servers.delivery is None:  # never answered yet: wait for it (coordinator_timeout_s), then fail
@@ -81,8 +101,12 @@ class CoordinatorCalls:
                 self._completed[:0] = done[-100_000:]  # for the Coordinator, if this one comes back
             if e.code() == grpc.StatusCode.UNAUTHENTICATED:
                 raise ClusterError(f"the Coordinator at {self.address} refused this client: {e.details()}") from None
-            if e.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
-                                grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.CANCELLED):
+            if e.code() not in (
+                grpc.StatusCode.UNAVAILABLE,
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                grpc.StatusCode.FAILED_PRECONDITION,
+                grpc.StatusCode.CANCELLED,
+            ):
                 raise ClusterError(f"the Coordinator at {self.address}: {e.code().name} {e.details()}") from None
             if self._outage is None:
                 self._outage = time.monotonic()
@@ -93,8 +117,10 @@ class CoordinatorCalls:
                 self._completed[:0] = done
             raise
         if reply.delivery_host != self.host:  # never map another host's shared memory
-            raise ClusterError(f"the Coordinator at {self.address} routed rank {self.rank} of host {self.host!r} "
-                               f"through {reply.delivery_server_id} of host {reply.delivery_host!r}")
+            raise ClusterError(
+                f"the Coordinator at {self.address} routed rank {self.rank} of host {self.host!r} "
+                f"through {reply.delivery_server_id} of host {reply.delivery_host!r}"
+            )
         if self._outage is not None:  # it is back (maybe a new one that knows nothing): be known again
             self._outage = None
             if self._route_link is None:
@@ -104,8 +130,13 @@ class CoordinatorCalls:
             except ClusterError:
                 pass
         with self._lock:
-            self.servers.learn(reply.exec_server_id, reply.exec_address, reply.exec_kind, reply.delivery_server_id,
-                               reply.delivery_address)
+            self.servers.learn(
+                reply.exec_server_id,
+                reply.exec_address,
+                reply.exec_kind,
+                reply.delivery_server_id,
+                reply.delivery_address,
+            )
         return Route.from_pb(reply)
 
     def _route_call(self, request):
@@ -117,9 +148,13 @@ class CoordinatorCalls:
             with self._lock:  # the sender and the fetcher (a resubmit) may both find it broken
                 link = self._route_link
                 if link is False or (link is not None and link.broken):
-                    link = self._route_link = CallLink.connect(
-                        link_name(self.cluster_id, f"coordinator:{self.address.rsplit(':', 1)[1]}"), self.token) \
-                        if self.config.local_link and self.token else None
+                    link = self._route_link = (
+                        CallLink.connect(
+                            link_name(self.cluster_id, f"coordinator:{self.address.rsplit(':', 1)[1]}"), self.token
+                        )
+                        if self.config.local_link and self.token
+                        else None
+                    )
         if link is not None:
             return link.call(request, pb.RouteReply, self.config.rpc_timeout_s)
         return self.coordinator.Route(request, timeout=self.config.rpc_timeout_s, metadata=self.metadata)

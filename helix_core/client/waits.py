@@ -1,5 +1,6 @@
 """What the client's send and fetch loops block on: a run's ``Stop`` (which also wakes whatever
 the fetcher waits for) and the ``Outbox`` of results in order. Nothing here polls."""
+
 from __future__ import annotations
 
 import collections
@@ -32,6 +33,7 @@ class Stop:
         """Block until ``future`` (anything with ``add_done_callback``) is done — True — or the
         run stops or ``timeout_s`` passes — False. The done-callback wakes it at once. ``or_``:
         another future whose completion also ends the wait (then False unless ``future`` is done)."""
+
         def arm(ev):
             for f in (future, or_):
                 if f is not None:

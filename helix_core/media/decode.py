@@ -6,6 +6,7 @@ frame (cheapest when they are far apart). The decoder and swscale run single-thr
 single-threaded decoder per core is the fastest layout (and ``to_ndarray``'s default of 0 threads
 halves throughput on a 2-core machine).
 """
+
 from __future__ import annotations
 
 import time
@@ -53,9 +54,17 @@ def choose_strategy(indices: np.ndarray, seek_stride: int = SEEK_STRIDE) -> str:
     return "seek" if stride > seek_stride else "sequential"
 
 
-def decode_frames(path: str, indices, resize_hw: tuple[int, int], crop_hw: tuple[int, int] | None = None,
-                  *, index: int = 0, exact_count: bool = True, strategy: str = "auto",
-                  out: np.ndarray | None = None) -> Decoded:
+def decode_frames(
+    path: str,
+    indices,
+    resize_hw: tuple[int, int],
+    crop_hw: tuple[int, int] | None = None,
+    *,
+    index: int = 0,
+    exact_count: bool = True,
+    strategy: str = "auto",
+    out: np.ndarray | None = None,
+) -> Decoded:
     """Decode the frames at ``indices`` (ascending), resize each to ``resize_hw`` = (H, W) in
     swscale, centre-crop to ``crop_hw`` if given, and write uint8 [T, 3, h, w] into ``out``
     (allocated when None; a shared-memory slab can be passed).
@@ -90,7 +99,7 @@ def decode_frames(path: str, indices, resize_hw: tuple[int, int], crop_hw: tuple
 
     def put(slot: int, frame) -> None:
         rgb = frame.to_ndarray(format="rgb24", width=rw, height=rh, threads=1)
-        out[slot] = rgb[top:top + ch, left:left + cw].transpose(2, 0, 1)
+        out[slot] = rgb[top : top + ch, left : left + cw].transpose(2, 0, 1)
 
     try:
         if strategy == "sequential":
@@ -105,8 +114,11 @@ def decode_frames(path: str, indices, resize_hw: tuple[int, int], crop_hw: tuple
         raise SampleError(index, path, "no decodable video frames (truncated or corrupt file)")
     if filled < len(idx):
         if exact_count:
-            raise SampleError(index, path, f"truncated: frame {int(idx[filled])} requested but the "
-                                           f"stream ended after {decoded} decodable frames")
+            raise SampleError(
+                index,
+                path,
+                f"truncated: frame {int(idx[filled])} requested but the stream ended after {decoded} decodable frames",
+            )
         out[filled:] = out[filled - 1]
     return Decoded(out, time.perf_counter() - t0, time.thread_time() - c0, strategy, decoded)
 

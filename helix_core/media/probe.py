@@ -5,6 +5,7 @@ estimated as duration x fps (Matroska, MPEG-TS) or counted from demuxed packets 
 stream has neither), and the descriptor says which was used. A raw stream's rate is the codec's
 (the SPS's timing), not the 25 fps its demuxer assumes.
 """
+
 from __future__ import annotations
 
 import os
@@ -44,8 +45,9 @@ def open_video(path: str, index: int):
     return container, container.streams.video[0]
 
 
-def probe(path: str | os.PathLike, index: int = 0, caption_len: int = 0, locality: str = "local",
-          count_packets: bool = True) -> SampleDescriptor:
+def probe(
+    path: str | os.PathLike, index: int = 0, caption_len: int = 0, locality: str = "local", count_packets: bool = True
+) -> SampleDescriptor:
     """Read ``path``'s container metadata into a ``SampleDescriptor`` (no frame is decoded).
 
     ``count_packets`` allows demuxing (not decoding) the stream when the header has neither a frame
@@ -79,9 +81,19 @@ def probe(path: str | os.PathLike, index: int = 0, caption_len: int = 0, localit
         if duration_s <= 0:
             duration_s, duration_source = frames / fps, "frames_div_fps"
         return SampleDescriptor(
-            index=int(index), path=path, bytes=os.path.getsize(path), duration_s=duration_s, fps=fps,
-            frames=frames, width=width, height=height, codec=str(ctx.name), caption_len=int(caption_len),
-            locality=locality, frames_source=frames_source, duration_source=duration_source,
+            index=int(index),
+            path=path,
+            bytes=os.path.getsize(path),
+            duration_s=duration_s,
+            fps=fps,
+            frames=frames,
+            width=width,
+            height=height,
+            codec=str(ctx.name),
+            caption_len=int(caption_len),
+            locality=locality,
+            frames_source=frames_source,
+            duration_source=duration_source,
         )
     finally:
         container.close()

@@ -5,6 +5,7 @@ and libx264 runs single-threaded (its output depends on the thread count), so th
 the same bytes on any machine with the same PyAV build. Content is a smooth random texture that
 drifts, plus a bouncing block and light grain, so motion estimation and entropy coding do real work.
 """
+
 from __future__ import annotations
 
 import json
@@ -61,7 +62,7 @@ def _even(x: float, lo: int = 16) -> int:
 def _caption(rng: np.random.Generator) -> str:
     n = int(rng.integers(5, 24))
     start = int(rng.integers(0, len(_WORDS) - n))
-    return " ".join(_WORDS[start:start + n])
+    return " ".join(_WORDS[start : start + n])
 
 
 def plan_workload(workload: str, num_clips: int, seed: int = 0, scale: float = 1.0) -> list[ClipSpec]:
@@ -92,11 +93,21 @@ def plan_workload(workload: str, num_clips: int, seed: int = 0, scale: float = 1
         w, h = (long, short) if aspect[0] >= aspect[1] else (short, long)
         frames = max(int(round(duration * scale * fps)), num_frames + 8)
         suffix = _RAW_SUFFIXES[i % 2] if workload == "openvid-raw" else ".mp4"
-        specs.append(ClipSpec(
-            name=f"clip_{i:06d}{suffix}", width=_even(w * scale), height=_even(h * scale), frames=frames,
-            fps=fps, seed=int(rng.integers(2**31)), profile=key, num_frames=num_frames,
-            size=max(16, int(round(size * scale))), caption=_caption(rng), label=int(rng.integers(400)),
-        ))
+        specs.append(
+            ClipSpec(
+                name=f"clip_{i:06d}{suffix}",
+                width=_even(w * scale),
+                height=_even(h * scale),
+                frames=frames,
+                fps=fps,
+                seed=int(rng.integers(2**31)),
+                profile=key,
+                num_frames=num_frames,
+                size=max(16, int(round(size * scale))),
+                caption=_caption(rng),
+                label=int(rng.integers(400)),
+            )
+        )
     return specs
 
 
@@ -122,19 +133,20 @@ def _frames(spec: ClipSpec):
     grain = rng.integers(-6, 7, size=(h, w, 1), dtype=np.int16)
     for t in range(spec.frames):
         oy, ox = int(abs(vy * t)) % h, int(abs(vx * t)) % w
-        frame = np.ascontiguousarray(tex[oy:oy + h, ox:ox + w])
+        frame = np.ascontiguousarray(tex[oy : oy + h, ox : ox + w])
         by, bx = by + dy, bx + dx
         if not 0 <= by <= h - bs:
             dy, by = -dy, min(max(by, 0), h - bs)
         if not 0 <= bx <= w - bs:
             dx, bx = -dx, min(max(bx, 0), w - bs)
-        frame[int(by):int(by) + bs, int(bx):int(bx) + bs] = color
+        frame[int(by) : int(by) + bs, int(bx) : int(bx) + bs] = color
         g = np.roll(grain, t * 7, axis=1)
         yield np.clip(frame.astype(np.int16) + g, 0, 255).astype(np.uint8)
 
 
-def write_clip(path: str | os.PathLike, spec: ClipSpec, container: str | None = None,
-               options: dict[str, str] | None = None) -> Path:
+def write_clip(
+    path: str | os.PathLike, spec: ClipSpec, container: str | None = None, options: dict[str, str] | None = None
+) -> Path:
     """Encode ``spec`` as H.264 (libx264, yuv420p, one thread) into ``path``.
 
     ``container`` is a PyAV/FFmpeg format name ("mp4", "matroska", "h264" for a raw Annex-B
@@ -155,8 +167,13 @@ def write_clip(path: str | os.PathLike, spec: ClipSpec, container: str | None = 
         stream.codec_context.thread_count = 1
         # mbtree off: its float propagation made the same spec give different bytes now and then (1 encode
         # in ~20 under CPU load, one thread, identical input frames; never in 100 without it)
-        stream.options = {"preset": "veryfast", "crf": "26", "g": str(int(2 * spec.fps)), "threads": "1",
-                          "x264-params": "mbtree=0"}
+        stream.options = {
+            "preset": "veryfast",
+            "crf": "26",
+            "g": str(int(2 * spec.fps)),
+            "threads": "1",
+            "x264-params": "mbtree=0",
+        }
         for rgb in _frames(spec):
             frame = av.VideoFrame.from_ndarray(rgb, format="rgb24")
             out.mux(stream.encode(frame))
@@ -171,8 +188,15 @@ def _write_one(args):
     return path
 
 
-def make_dataset(out: str | os.PathLike, workload: str = "kinetics-mixed", num_clips: int = 48,
-                 seed: int = 0, scale: float = 1.0, workers: int = 1, progress: bool = False) -> Path:
+def make_dataset(
+    out: str | os.PathLike,
+    workload: str = "kinetics-mixed",
+    num_clips: int = 48,
+    seed: int = 0,
+    scale: float = 1.0,
+    workers: int = 1,
+    progress: bool = False,
+) -> Path:
     """Write ``num_clips`` clips of ``workload`` and ``OUT/manifest.jsonl``; return the folder.
 
     Clips that already exist with the same spec are kept (the manifest records the spec), so a
@@ -192,8 +216,16 @@ def make_dataset(out: str | os.PathLike, workload: str = "kinetics-mixed", num_c
     tmp = manifest.with_suffix(".jsonl.part")
     with open(tmp, "w") as f:
         for s in specs:
-            rec = {"path": s.name, "caption": s.caption, "label": s.label, "num_frames": s.num_frames,
-                   "size": s.size, "profile": s.profile, "workload": workload, "spec": asdict(s)}
+            rec = {
+                "path": s.name,
+                "caption": s.caption,
+                "label": s.label,
+                "num_frames": s.num_frames,
+                "size": s.size,
+                "profile": s.profile,
+                "workload": workload,
+                "spec": asdict(s),
+            }
             f.write(json.dumps(rec) + "\n")
     os.replace(tmp, manifest)
     return out

@@ -1,6 +1,7 @@
 """What a Tier-1 plan is made from and how good it is (pure): ``fill_unknown_costs`` (a cost for
 every sample, the same on every rank) and ``imbalance_ratio`` (how much longer the plan's steps
 take than perfectly balanced ones)."""
+
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Sequence

@@ -33,6 +33,7 @@ Costs are quantized to integers (relative to the window's largest) before planni
 sum is exact and ranks on different machines (other numpy builds, other SIMD paths) compute
 bit-identical plans from the same inputs without talking to each other.
 """
+
 from __future__ import annotations
 
 import heapq
@@ -108,20 +109,23 @@ class _Window:
         self.offsets = np.concatenate([[0], np.cumsum([ranks * n for n in self.sizes])]).astype(np.int64)
         self.grp = np.repeat(np.arange(len(self.sizes)), [ranks * n for n in self.sizes])
         self.rnk = np.concatenate([np.repeat(np.arange(ranks), n) for n in self.sizes] or [np.zeros(0, np.int64)])
-        self.rank_starts = np.concatenate([o + n * np.arange(ranks) for o, n in zip(self.offsets, self.sizes)]
-                                          or [np.zeros(0, np.int64)])
+        self.rank_starts = np.concatenate(
+            [o + n * np.arange(ranks) for o, n in zip(self.offsets, self.sizes)] or [np.zeros(0, np.int64)]
+        )
         # moves must gain 0.1% of a mean batch: finer gains are noise in the estimates, and cost time
         self.tol = max(1, int(q.sum()) // max(1, ranks * len(self.sizes) * 1000))
         order = np.lexsort((np.arange(len(q)), -q)).tolist()  # cost descending, ties by position
         ql, layout = q.tolist(), []  # layout: the rank batches in slot order
         if start == "chunks":  # consecutive runs of the sorted order, balanced step by step
             for g, n in enumerate(self.sizes):
-                layout += _lpt(order[self.offsets[g]:self.offsets[g + 1]], [n] * ranks, ql)[0]
+                layout += _lpt(order[self.offsets[g] : self.offsets[g + 1]], [n] * ranks, ql)[0]
         else:  # "bins": balance all rank batches of the window at once, then group similar ones
             caps = [n for n in self.sizes for _ in range(ranks)]
             bins, load = _lpt(order, caps, ql)
-            by_size = {n: sorted((i for i, c in enumerate(caps) if c == n), key=lambda i: (-load[i], i))
-                       for n in set(self.sizes)}
+            by_size = {
+                n: sorted((i for i, c in enumerate(caps) if c == n), key=lambda i: (-load[i], i))
+                for n in set(self.sizes)
+            }
             for n in self.sizes:  # each step of size n takes the next R heaviest batches of size n
                 layout += [bins[i] for i in by_size[n][:ranks]]
                 del by_size[n][:ranks]
@@ -137,7 +141,7 @@ class _Window:
     def _refine(self, g: int) -> None:
         """Within step ``g``: swap between the most-loaded rank and another while the pair's max drops."""
         lo, n = int(self.offsets[g]), self.sizes[g]
-        q = self.val[lo:lo + self.R * n].reshape(self.R, n)  # a view: swaps show through
+        q = self.val[lo : lo + self.R * n].reshape(self.R, n)  # a view: swaps show through
         for _ in range(4 * self.R * n):  # each swap strictly lowers the sorted loads: a cap, not a limit
             loads = q.sum(axis=1)
             m = int(np.argmax(loads))
@@ -208,7 +212,7 @@ class _Window:
             alternating = [groups[i // 2] if i % 2 == 0 else groups[-1 - i // 2] for i in range(len(groups))]
             for s, g in zip(slots, alternating):
                 lo = int(self.offsets[g])
-                out[s] = [idx[np.sort(self.pos[lo + r * n:lo + (r + 1) * n])].tolist() for r in range(self.R)]
+                out[s] = [idx[np.sort(self.pos[lo + r * n : lo + (r + 1) * n])].tolist() for r in range(self.R)]
         return out
 
 
@@ -217,7 +221,7 @@ def _objective(q: np.ndarray, sizes: list[int], ranks: int) -> int:
     total, lo = 0, 0
     for n in sizes:
         if n:
-            total += int(q[lo:lo + ranks * n].reshape(ranks, n).sum(axis=1).max())
+            total += int(q[lo : lo + ranks * n].reshape(ranks, n).sum(axis=1).max())
         lo += ranks * n
     return total
 
@@ -270,10 +274,11 @@ def _quantized(idx: np.ndarray, costs: Costs) -> np.ndarray:
     bad = ~np.isfinite(c) | (c < 0)
     if bad.any():
         j = int(np.flatnonzero(bad)[0])
-        raise ValueError(f"costs[{int(idx[j])}]={c[j]}: costs must be finite and >= 0 "
-                         "(fill unknown costs with fill_unknown_costs)")
+        raise ValueError(
+            f"costs[{int(idx[j])}]={c[j]}: costs must be finite and >= 0 (fill unknown costs with fill_unknown_costs)"
+        )
     top = float(c.max()) if len(c) else 0.0
     if top <= 0.0:
         return np.zeros(len(c), np.int64)
     bits = min(40, 62 - int(len(c)).bit_length())  # sums of every sample stay below 2**62
-    return np.rint(c / top * float(2 ** bits)).astype(np.int64)
+    return np.rint(c / top * float(2**bits)).astype(np.int64)

@@ -6,6 +6,7 @@ copies one server's changed state in, working Eq. 1's terms out once per change 
 decision); ``candidates(local)`` views them as the ``Candidates`` a rank's decision takes. Pure:
 server states are plain objects with the ``ServerState`` fields.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -27,7 +28,9 @@ class ServerColumns:
         self.workers = np.array([s.workers for s in live], dtype=np.float64)
         self.remote = np.array([s.kind == "remote" for s in live], dtype=bool)
         n = len(live)
-        self.outstanding, self.load, self.lpc, self.bw, self.lat, self.spb, self.net_lat = (np.zeros(n) for _ in range(7))
+        self.outstanding, self.load, self.lpc, self.bw, self.lat, self.spb, self.net_lat = (
+            np.zeros(n) for _ in range(7)
+        )
         self.depth = np.zeros(n, dtype=np.int64)
         self._candidates: dict = {}
         for s in live:
@@ -52,6 +55,19 @@ class ServerColumns:
         got = self._candidates.get(local)
         if got is None:
             got = self._candidates[local] = Candidates(
-                self.ids, self.kinds, self.workers, self.outstanding, self.depth, self.lpc, local, self.load,
-                self.bw, self.lat, self.remote, self.lpc, self.spb, self.net_lat)
+                self.ids,
+                self.kinds,
+                self.workers,
+                self.outstanding,
+                self.depth,
+                self.lpc,
+                local,
+                self.load,
+                self.bw,
+                self.lat,
+                self.remote,
+                self.lpc,
+                self.spb,
+                self.net_lat,
+            )
         return got

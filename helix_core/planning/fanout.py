@@ -1,5 +1,6 @@
 """Automatic fan-out: a batch whose predicted CPU time exceeds its deadline is split into parts of
 about equal cost, so several workers prepare it at once (pure code: lists in, lists out)."""
+
 from __future__ import annotations
 
 import math
@@ -35,5 +36,10 @@ def sum_costs(costs: list) -> CostProfile | None:
     known = [c for c in costs if c is not None]
     if not known:
         return None
-    return CostProfile(sum(c.cpu_s for c in known), sum(c.io_bytes for c in known), sum(c.out_bytes for c in known),
-                       sum(c.tokens for c in known), known[0].profile)
+    return CostProfile(
+        sum(c.cpu_s for c in known),
+        sum(c.io_bytes for c in known),
+        sum(c.out_bytes for c in known),
+        sum(c.tokens for c in known),
+        known[0].profile,
+    )

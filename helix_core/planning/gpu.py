@@ -4,6 +4,7 @@ Costs are in relative *GPU cost units* (one unit ~ the work of one visual token 
 linear layer stack); the bench turns units into seconds with a measured ``scale``. Attention makes
 a sample's cost superlinear in its tokens, so a clip with 16x the tokens costs more than 16x.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

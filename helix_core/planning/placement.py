@@ -10,13 +10,22 @@ requesting rank's deadline ``D`` (its predicted GPU window): all meet -> stay on
 server unless another gains enough; all miss -> earliest finish; otherwise the best candidate that
 meets, scored by lateness, locality and backpressure.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["Candidates", "DeadlineAware", "Decision", "LeastRequest", "SCHEDULERS", "PlacementRequest", "make_scheduler"]
+__all__ = [
+    "Candidates",
+    "DeadlineAware",
+    "Decision",
+    "LeastRequest",
+    "SCHEDULERS",
+    "PlacementRequest",
+    "make_scheduler",
+]
 
 
 @dataclass(frozen=True)
@@ -52,10 +61,10 @@ class Candidates:
 
     def __post_init__(self):
         n = len(self.server_ids)
-        optional = (self.queue_depth, self.latency_per_cost, self.queued_cpu_s, self.bandwidth_bps,
-                    self.link_latency_s)
-        if not (len(self.kinds) == len(self.workers) == len(self.outstanding) == n) or \
-                any(len(col) not in (0, n) for col in optional):
+        optional = (self.queue_depth, self.latency_per_cost, self.queued_cpu_s, self.bandwidth_bps, self.link_latency_s)
+        if not (len(self.kinds) == len(self.workers) == len(self.outstanding) == n) or any(
+            len(col) not in (0, n) for col in optional
+        ):
             raise ValueError("Candidates: columns of different lengths")
         fewest = (self.workers.min() if isinstance(self.workers, np.ndarray) else min(self.workers)) if n else 1
         if fewest < 1:
@@ -78,9 +87,18 @@ class Candidates:
         def col(key, default):
             return tuple(r.get(key, default) for r in rows)
 
-        return cls(ids, col("kind", "local"), col("workers", 1), col("outstanding", 0), col("queue_depth", 0),
-                   col("latency_per_cost", 1.0), None if local is None else ids.index(local),
-                   col("queued_cpu_s", 0.0), col("bandwidth_bps", 0.0), col("link_latency_s", 0.0))
+        return cls(
+            ids,
+            col("kind", "local"),
+            col("workers", 1),
+            col("outstanding", 0),
+            col("queue_depth", 0),
+            col("latency_per_cost", 1.0),
+            None if local is None else ids.index(local),
+            col("queued_cpu_s", 0.0),
+            col("bandwidth_bps", 0.0),
+            col("link_latency_s", 0.0),
+        )
 
 
 @dataclass(frozen=True)
@@ -212,10 +230,16 @@ class DeadlineAware:
         inv = 1.0 / max(d, 1e-3)
         remote = _remote(c)
         out = _col(c.outstanding if outstanding is None else outstanding, n, 0.0)
-        scores = np.maximum(finish - d, 0.0) * (10.0 * inv) + finish * inv \
-            + np.where(remote, self.remote_penalty, self.pool_penalty) + self.backpressure * out / _col(c.workers, n, 1.0)
+        scores = (
+            np.maximum(finish - d, 0.0) * (10.0 * inv)
+            + finish * inv
+            + np.where(remote, self.remote_penalty, self.pool_penalty)
+            + self.backpressure * out / _col(c.workers, n, 1.0)
+        )
         if c.local is not None:
-            scores[c.local] -= self.remote_penalty if remote[c.local] else self.pool_penalty  # the rank's own: no penalty
+            scores[c.local] -= (
+                self.remote_penalty if remote[c.local] else self.pool_penalty
+            )  # the rank's own: no penalty
         return scores
 
     def choose(self, request: PlacementRequest, candidates: Candidates) -> Decision:
@@ -229,7 +253,7 @@ class DeadlineAware:
             return self._earliest(c, finish, finish, own)
         d = max(float(d), 0.0)
         outstanding = np.array(c.outstanding, dtype=np.float64)  # a snapshot: the Coordinator's columns move on
-        lazy = (lambda: self.scores(request, c, finish, outstanding))
+        lazy = lambda: self.scores(request, c, finish, outstanding)
         kinds = c.kinds
         n_local = kinds.index("remote") if "remote" in kinds else len(kinds)
         if kinds.count("remote") == len(kinds) - n_local:  # locals first (the Coordinator's order): no masks
@@ -241,8 +265,11 @@ class DeadlineAware:
         if local_ok:  # few (one per rank at most): scored in plain Python
             inv, best = 1.0 / max(d, 1e-3), None
             for k in local_ok:
-                score = finish.item(k) * inv + (0.0 if k == own else self.pool_penalty) \
+                score = (
+                    finish.item(k) * inv
+                    + (0.0 if k == own else self.pool_penalty)
                     + self.backpressure * outstanding.item(k) / float(c.workers[k])
+                )
                 if best is None or score < best[0]:
                     best = (score, k)
             k = best[1]

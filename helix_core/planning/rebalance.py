@@ -15,6 +15,7 @@ the default policy: equal-count LPT of the measured GPU cost within each step, k
 projected time saved on each step's slowest rank exceeds the predicted transfer time by a margin
 (the cost gate — the peers that rebalance after loading gate on a fixed imbalance threshold).
 """
+
 from __future__ import annotations
 
 import math
@@ -23,9 +24,20 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Exchange", "GateArgs", "Rebalance", "balance_cost", "check_assignment", "default_features", "gate",
-           "lpt_within_steps",
-           "plan_exchange", "projected_gain_s", "step_loads", "transfer_s"]
+__all__ = [
+    "Exchange",
+    "GateArgs",
+    "Rebalance",
+    "balance_cost",
+    "check_assignment",
+    "default_features",
+    "gate",
+    "lpt_within_steps",
+    "plan_exchange",
+    "projected_gain_s",
+    "step_loads",
+    "transfer_s",
+]
 
 Features = Sequence[dict]
 EXCHANGES = (None, "grpc", "collective")  # Rebalance.exchange: None is "grpc" (``transport``)
@@ -86,16 +98,20 @@ class Rebalance:
         if self.exchange is None:
             return "grpc"
         if self.exchange == "collective" and tls:
-            raise ValueError("Rebalance.exchange='collective' on a TLS cluster: gloo and its rendezvous store have "
-                             "no TLS and no token, so rows would cross hosts in clear text; use exchange='grpc' "
-                             "(or None, the default: gRPC over TLS)")
+            raise ValueError(
+                "Rebalance.exchange='collective' on a TLS cluster: gloo and its rendezvous store have "
+                "no TLS and no token, so rows would cross hosts in clear text; use exchange='grpc' "
+                "(or None, the default: gRPC over TLS)"
+            )
         return self.exchange
 
     def wait_s(self, deadline_s: float | None) -> float:
         """How long a batch may wait for its round, its rank needing it in ``deadline_s`` (None: unknown)."""
         if deadline_s is None:
             return self.round_timeout_s
-        return min(max(self.round_timeout_s, deadline_s - self.round_timeout_s), max(self.max_wait_s, self.round_timeout_s))
+        return min(
+            max(self.round_timeout_s, deadline_s - self.round_timeout_s), max(self.max_wait_s, self.round_timeout_s)
+        )
 
     @classmethod
     def of(cls, value) -> Rebalance | None:
@@ -115,7 +131,9 @@ class Rebalance:
         for g in groups:
             bad = [r for r in g if r >= world_size]
             if bad:
-                raise ValueError(f"Rebalance.client_ranks: rank(s) {bad} of group {list(g)} not below world_size={world_size}")
+                raise ValueError(
+                    f"Rebalance.client_ranks: rank(s) {bad} of group {list(g)} not below world_size={world_size}"
+                )
         return groups
 
 
@@ -262,8 +280,9 @@ def projected_gain_s(features: Features, assignment: Sequence[int], args: GateAr
     under ``assignment``, less the step's input wait (``args.input_wait_s``), never below zero."""
     current = [f["rank"] for f in features]
     now, new = step_loads(features, current, args.key), step_loads(features, assignment, args.key)
-    return sum(max(0.0, (max(now[s].values()) - max(new[s].values())) * args.seconds_per_unit - args.input_wait_s)
-               for s in now)
+    return sum(
+        max(0.0, (max(now[s].values()) - max(new[s].values())) * args.seconds_per_unit - args.input_wait_s) for s in now
+    )
 
 
 def transfer_s(features: Features, assignment: Sequence[int], args: GateArgs) -> float:
@@ -287,7 +306,11 @@ def transfer_s(features: Features, assignment: Sequence[int], args: GateArgs) ->
         return 0.0
     busiest = max([*out.values(), *inn.values(), 0.0])
     copied = sum(float(f.get("bytes", 0)) for f, r in zip(features, assignment) if (f.get("step", 0), r) in changed)
-    return busiest / args.bandwidth_bps + args.latency_s + (copied / args.copy_bps if args.input_wait_s > args.input_bound_s else 0.0)
+    return (
+        busiest / args.bandwidth_bps
+        + args.latency_s
+        + (copied / args.copy_bps if args.input_wait_s > args.input_bound_s else 0.0)
+    )
 
 
 def gate(features: Features, proposal: Sequence[int], args: GateArgs) -> tuple[bool, float, float]:
@@ -320,4 +343,7 @@ def default_features(sample) -> dict:
         return 0
 
     tokens = sample.get("tokens", 0) if isinstance(sample, dict) else 0
-    return {"tokens": int(tokens) if not isinstance(tokens, torch.Tensor) else int(tokens.sum()), "bytes": nbytes(sample)}
+    return {
+        "tokens": int(tokens) if not isinstance(tokens, torch.Tensor) else int(tokens.sum()),
+        "bytes": nbytes(sample),
+    }

@@ -14,6 +14,7 @@ samples move only within a step, waiting longer could add nothing they may move 
 closes when a rank asks for a batch it holds (``ask``): the rank is waiting for it now, so
 waiting longer would cost that rank the time it hoped to save.
 """
+
 from __future__ import annotations
 
 import time

@@ -6,6 +6,7 @@ bind 127.0.0.1 unless told otherwise; any other address needs a token given to i
 ``--insecure``). Pickled payloads travel only with a token and where it can't be read off the wire:
 loopback, or TLS.
 """
+
 from __future__ import annotations
 
 import hmac
@@ -18,8 +19,17 @@ import stat
 import grpc
 
 log = logging.getLogger("helix.auth")
-__all__ = ["AioTokenInterceptor", "TOKEN_METADATA", "TokenInterceptor", "call_metadata", "check_bind", "is_loopback",
-           "load_token", "new_token", "pickle_allowed"]
+__all__ = [
+    "AioTokenInterceptor",
+    "TOKEN_METADATA",
+    "TokenInterceptor",
+    "call_metadata",
+    "check_bind",
+    "is_loopback",
+    "load_token",
+    "new_token",
+    "pickle_allowed",
+]
 
 TOKEN_METADATA = "helix-token"
 
@@ -38,8 +48,10 @@ def load_token(token: str | None = None, token_file: str | None = None, coordina
             with open(token_file) as f:
                 mode = os.fstat(f.fileno()).st_mode
                 if mode & 0o077:  # as the private Helix folder's files: a token others may read is no secret
-                    raise ValueError(f"token file {token_file} is open to other users (mode {stat.filemode(mode)}): "
-                                     f"chmod 600 {token_file}")
+                    raise ValueError(
+                        f"token file {token_file} is open to other users (mode {stat.filemode(mode)}): "
+                        f"chmod 600 {token_file}"
+                    )
                 value = f.read().strip()
         except OSError as e:
             raise ValueError(f"cannot read token file {token_file}: {e.strerror or e}") from None
@@ -65,20 +77,29 @@ def is_loopback(host: str) -> bool:
 def check_bind(host: str, token: str | None, tls=None, insecure: bool = False) -> None:
     """Refuse to listen without a token, and beyond loopback without TLS unless ``insecure``."""
     if not token and is_loopback(host):
-        raise ValueError(f"a Helix service on {host} needs a token (every cluster has one: a Coordinator started "
-                         "without one makes one)")
+        raise ValueError(
+            f"a Helix service on {host} needs a token (every cluster has one: a Coordinator started "
+            "without one makes one)"
+        )
     if is_loopback(host):
         return
     if not token:
-        raise ValueError(f"listening on {host} needs a token: pass --token-file FILE or set HELIX_TOKEN "
-                         "(without one Helix only binds 127.0.0.1)")
+        raise ValueError(
+            f"listening on {host} needs a token: pass --token-file FILE or set HELIX_TOKEN "
+            "(without one Helix only binds 127.0.0.1)"
+        )
     if tls is None and not insecure:
-        raise ValueError(f"listening on {host} needs TLS (--tls-cert, --tls-key, --tls-ca or HELIX_TLS_CERT / _KEY / "
-                         "_CA): the token would cross the network in clear text. --insecure runs without it "
-                         "(and then accepts no pickled data)")
+        raise ValueError(
+            f"listening on {host} needs TLS (--tls-cert, --tls-key, --tls-ca or HELIX_TLS_CERT / _KEY / "
+            "_CA): the token would cross the network in clear text. --insecure runs without it "
+            "(and then accepts no pickled data)"
+        )
     if tls is None:
-        log.warning("listening on %s without TLS (--insecure): the token crosses the network in clear text; "
-                    "pickled datasets and batches are refused", host)
+        log.warning(
+            "listening on %s without TLS (--insecure): the token crosses the network in clear text; "
+            "pickled datasets and batches are refused",
+            host,
+        )
 
 
 def pickle_allowed(host: str, token: str | None, tls=None, allowed: bool = True) -> bool:
@@ -99,8 +120,9 @@ class TokenInterceptor(grpc.ServerInterceptor):
         self._token = token.encode()
 
         def deny(request, context):
-            context.abort(grpc.StatusCode.UNAUTHENTICATED,
-                          "missing or wrong Helix token (pass token=... or set HELIX_TOKEN)")
+            context.abort(
+                grpc.StatusCode.UNAUTHENTICATED, "missing or wrong Helix token (pass token=... or set HELIX_TOKEN)"
+            )
 
         self._deny_unary = grpc.unary_unary_rpc_method_handler(deny)
         self._deny_stream = grpc.stream_unary_rpc_method_handler(deny)
@@ -122,8 +144,9 @@ class AioTokenInterceptor(grpc.aio.ServerInterceptor):
         self._token = token.encode()
 
         async def deny(request, context):
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED,
-                                "missing or wrong Helix token (pass token=... or set HELIX_TOKEN)")
+            await context.abort(
+                grpc.StatusCode.UNAUTHENTICATED, "missing or wrong Helix token (pass token=... or set HELIX_TOKEN)"
+            )
 
         self._deny_unary = grpc.unary_unary_rpc_method_handler(deny)
         self._deny_stream = grpc.stream_unary_rpc_method_handler(deny)

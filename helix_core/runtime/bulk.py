@@ -42,6 +42,7 @@ This module holds the wire form (constants, ``BulkError``, TLS contexts, reads a
 deadlines); ``bulkrecv.py`` is the receiving side (``BulkListener``), ``bulksend.py`` the sending
 side (``BulkSender``).
 """
+
 from __future__ import annotations
 
 import os
@@ -124,7 +125,7 @@ def _send_all(sock, data, until: float) -> None:
     for start in range(0, len(view), _CHUNK):
         if time.monotonic() > until:
             raise TimeoutError(f"{start} of {len(view)} bytes sent within the transfer's deadline")
-        sock.sendall(view[start:start + _CHUNK])
+        sock.sendall(view[start : start + _CHUNK])
 
 
 def _recv(sock, n: int, until: float | None = None) -> bytes:
@@ -154,12 +155,12 @@ class Sealed:
     def sendall(self, data) -> None:
         view = memoryview(data).cast("B")
         for start in range(0, len(view), _RECORD):
-            piece = view[start:start + _RECORD]
+            piece = view[start : start + _RECORD]
             n = len(piece)
             _U32.pack_into(self._out, 0, n)
-            self._tx.encrypt_into(self._nonce(self._sent), piece, self._out[:4], self._out[4:4 + n + _TAG])
+            self._tx.encrypt_into(self._nonce(self._sent), piece, self._out[:4], self._out[4 : 4 + n + _TAG])
             self._sent += 1
-            self._raw.sendall(self._out[:4 + n + _TAG])
+            self._raw.sendall(self._out[: 4 + n + _TAG])
 
     def recv_into(self, view, until: float | None = None) -> int:
         """Plaintext into ``view`` (a record at a time); the record's reads end by ``until``."""
@@ -169,15 +170,17 @@ class Sealed:
             (n,) = _U32.unpack(head)
             if not 0 < n <= _RECORD:
                 raise ConnectionError(f"a bulk record of {n} bytes (at most {_RECORD})")
-            _recv_exact(self._raw, self._in[:n + _TAG], until)
+            _recv_exact(self._raw, self._in[: n + _TAG], until)
             direct = len(view) >= n  # the payload's records land in the slab at once
             if not direct and self._plain is None:
                 self._plain = memoryview(bytearray(_RECORD))
             into = view[:n] if direct else self._plain[:n]
             try:
-                self._rx.decrypt_into(self._nonce(self._received), self._in[:n + _TAG], bytes(head), into)
+                self._rx.decrypt_into(self._nonce(self._received), self._in[: n + _TAG], bytes(head), into)
             except InvalidTag:
-                raise ConnectionError("a bulk record failed its authentication tag (altered, or out of order)") from None
+                raise ConnectionError(
+                    "a bulk record failed its authentication tag (altered, or out of order)"
+                ) from None
             self._received += 1
             if direct:
                 return n

@@ -10,6 +10,7 @@ after its first) is closed for it, and only when every slot carries a transfer i
 ``BUSY``. A full listener is thus always "not connected" to the sender (``bulk.py``), never a lost
 delivery, and a sender's kept connections never keep another sender out.
 """
+
 from __future__ import annotations
 
 import hmac
@@ -77,13 +78,23 @@ class BulkListener:
     ``handshake_s``: a new connection's deadline to present the token (seconds; default
     ``keepalive_s + keepalive_timeout_s``)."""
 
-    def __init__(self, host: str, token: str, config, tls=None, receive=None, max_connections: int = 64,
-                 max_pending: int = 16, handshake_s: float | None = None):
+    def __init__(
+        self,
+        host: str,
+        token: str,
+        config,
+        tls=None,
+        receive=None,
+        max_connections: int = 64,
+        max_pending: int = 16,
+        handshake_s: float | None = None,
+    ):
         if not token:
             raise ValueError("a bulk listener needs the cluster's token")
         if max_connections < 1 or max_pending < 1:
-            raise ValueError(f"BulkListener(max_connections={max_connections}, max_pending={max_pending}): "
-                             "each must be at least 1")
+            raise ValueError(
+                f"BulkListener(max_connections={max_connections}, max_pending={max_pending}): each must be at least 1"
+            )
         self.token, self.config, self.receive = token.encode(), config, receive
         self.max_connections, self.max_pending = max_connections, max_pending
         self._progress = config.keepalive_s + config.keepalive_timeout_s
@@ -283,7 +294,7 @@ class BulkListener:
             self._drain(conn, header.total_bytes, until)
             return status, reason.encode(), lambda: None
         try:
-            _recv_exact(conn, view[:header.total_bytes], until)
+            _recv_exact(conn, view[: header.total_bytes], until)
             body = done()
         except BaseException:
             abort()

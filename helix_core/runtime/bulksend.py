@@ -1,5 +1,6 @@
 """The sending side of the bulk path (``bulk.py``: the wire form): a remote DataServer's
 ``BulkSender``, which keeps a few connections per receiver and sends a batch over one."""
+
 from __future__ import annotations
 
 import socket
@@ -73,18 +74,21 @@ class BulkSender:
                 raise BulkError(f"the bulk port {host}:{port} takes no more connections", connected=False)
             if status != OK:
                 (n,) = _U16.unpack(_recv(sock, 2))
-                raise BulkError(f"bulk port {host}:{port} refused us: {_recv(sock, n).decode(errors='replace')}",
-                                REFUSED)
+                raise BulkError(
+                    f"bulk port {host}:{port} refused us: {_recv(sock, n).decode(errors='replace')}", REFUSED
+                )
             if self._ctx is not None:
                 sock = seal_sender(sock)  # the payload in large AES-GCM records (bulk.py)
         except TimeoutError as e:  # (before OSError, its base) silent: a stopped receiver
             sock.close()
-            raise BulkError(f"the bulk port {host}:{port} took the connection and stopped answering: "
-                            f"{type(e).__name__}: {e}") from None
+            raise BulkError(
+                f"the bulk port {host}:{port} took the connection and stopped answering: {type(e).__name__}: {e}"
+            ) from None
         except OSError as e:  # ssl.SSLError among them: a reset, a close or a TLS failure before it took us
             sock.close()
-            raise BulkError(f"the bulk port {host}:{port} did not take the connection: {type(e).__name__}: {e}",
-                            connected=False) from None
+            raise BulkError(
+                f"the bulk port {host}:{port} did not take the connection: {type(e).__name__}: {e}", connected=False
+            ) from None
         except BaseException:
             sock.close()
             raise
@@ -119,8 +123,9 @@ class BulkSender:
         key = (host, port)
         head = header.SerializeToString()
         if len(head) > MAX_HEADER:  # the receiver would refuse it: gRPC carries it (64 MiB messages)
-            raise BulkError(f"a transfer header of {len(head)} bytes is over the bulk path's {MAX_HEADER}",
-                            connected=False)
+            raise BulkError(
+                f"a transfer header of {len(head)} bytes is over the bulk path's {MAX_HEADER}", connected=False
+            )
         for attempt in (0, 1):  # a kept connection the receiver closed meanwhile: once more on a new one
             sock = self._take(key) if attempt == 0 else None
             fresh = sock is None
@@ -129,7 +134,7 @@ class BulkSender:
             until = time.monotonic() + self.config.execute_timeout_s  # progress: the socket's timeout per piece
             try:
                 _send_all(sock, _U32.pack(len(head)) + head, until)
-                _send_all(sock, payload[:header.total_bytes], until)
+                _send_all(sock, payload[: header.total_bytes], until)
                 status, n = _ANSWER.unpack(_recv(sock, _ANSWER.size))
                 body = _recv(sock, n)
             except (ConnectionError, TimeoutError, OSError, ssl.SSLError) as e:

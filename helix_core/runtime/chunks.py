@@ -1,6 +1,7 @@
 """A payload streamed in chunks (pure memoryviews, no torch): ``iter_chunks`` cuts one for a gRPC
 stream, ``ChunkWriter`` puts one back together in a slab. A DataServer relays batches with these
 alone: one on loopback never loads torch (only Tier-2 rows that cross hosts need it: ``crosshost``)."""
+
 from __future__ import annotations
 
 from collections.abc import Iterator
@@ -16,7 +17,7 @@ def iter_chunks(payload: memoryview, nbytes: int, chunk_bytes: int = 4 << 20) ->
     if chunk_bytes <= 0:
         raise ValueError(f"iter_chunks(chunk_bytes={chunk_bytes}): must be > 0")
     for start in range(0, nbytes, chunk_bytes):
-        yield payload[start:min(nbytes, start + chunk_bytes)]
+        yield payload[start : min(nbytes, start + chunk_bytes)]
 
 
 class ChunkWriter:
@@ -31,7 +32,7 @@ class ChunkWriter:
         end = self.written + len(chunk)
         if end > self.total:
             raise ValueError(f"stream overflow: {end} bytes received, {self.total} announced")
-        self._payload[self.written:end] = chunk
+        self._payload[self.written : end] = chunk
         self.written = end
 
     @property

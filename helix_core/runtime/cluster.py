@@ -4,6 +4,7 @@ The cluster owns its processes: each gets a pipe on stdin and stops when it clos
 or interrupted training process takes them along), ``close()`` stops them gracefully and kills
 what is left after a timeout, and every shared-memory segment named for the cluster is swept.
 """
+
 from __future__ import annotations
 
 import json
@@ -48,7 +49,7 @@ def wait_ready(proc: subprocess.Popen, what: str, timeout_s: float) -> dict:
                 buf += chunk
                 for line in buf.split(b"\n")[:-1]:
                     if line.startswith(b"HELIX_READY "):
-                        return json.loads(line[len(b"HELIX_READY "):])
+                        return json.loads(line[len(b"HELIX_READY ") :])
         raise ClusterError(f"{what} process not ready within {timeout_s:.0f} s")
     finally:
         sel.close()
@@ -96,15 +97,31 @@ class LocalCluster:
     SIGKILLs one (fault injection).
     """
 
-    def __init__(self, local_servers: int = 1, remote_servers: int = 0, workers_per_server: int = 1,
-                 token: str | bool | None = None, host: str = "127.0.0.1", config: ClusterConfig | None = None,
-                 scheduler: str = "deadline", start: bool = True, tls=None, coordinator: str | None = None,
-                 advertise: str | None = None):
-        if local_servers < 0 or remote_servers < 0 or workers_per_server < 1 or \
-                (coordinator is None and local_servers < 1):
-            raise ValueError(f"LocalCluster needs local_servers >= 1 (>= 0 when joining a coordinator), "
-                             f"remote_servers >= 0, workers_per_server >= 1 "
-                             f"(got {local_servers}, {remote_servers}, {workers_per_server})")
+    def __init__(
+        self,
+        local_servers: int = 1,
+        remote_servers: int = 0,
+        workers_per_server: int = 1,
+        token: str | bool | None = None,
+        host: str = "127.0.0.1",
+        config: ClusterConfig | None = None,
+        scheduler: str = "deadline",
+        start: bool = True,
+        tls=None,
+        coordinator: str | None = None,
+        advertise: str | None = None,
+    ):
+        if (
+            local_servers < 0
+            or remote_servers < 0
+            or workers_per_server < 1
+            or (coordinator is None and local_servers < 1)
+        ):
+            raise ValueError(
+                f"LocalCluster needs local_servers >= 1 (>= 0 when joining a coordinator), "
+                f"remote_servers >= 0, workers_per_server >= 1 "
+                f"(got {local_servers}, {remote_servers}, {workers_per_server})"
+            )
         self.local_servers, self.remote_servers = local_servers, remote_servers
         self.workers_per_server = workers_per_server
         if isinstance(token, str) and token:
@@ -114,23 +131,30 @@ class LocalCluster:
         else:  # joining: that Coordinator's token (HELIX_TOKEN, or the file this user's Coordinator left)
             self.token = load_token(coordinator=coordinator)
             if not self.token:
-                raise ValueError(f"LocalCluster(coordinator={coordinator!r}) needs that cluster's token: pass token=... "
-                                 f"or set HELIX_TOKEN (none in {token_path(coordinator)})")
+                raise ValueError(
+                    f"LocalCluster(coordinator={coordinator!r}) needs that cluster's token: pass token=... "
+                    f"or set HELIX_TOKEN (none in {token_path(coordinator)})"
+                )
         self.host, self.scheduler = host, scheduler
         self.config = config or ClusterConfig()
         self.cluster_id = uuid.uuid4().hex[:12]  # joining a coordinator: its id, learnt at start
         self.tls, self._join, self.advertise = tls, coordinator, advertise
         tls_dir = tempfile.mkdtemp(prefix="helix-tls-") if tls is not None else None  # 0700, ours
         self._tls_env = tls.environ(tls_dir) if tls is not None else {}
-        self._state = {"cluster_id": self.cluster_id, "tls_dir": tls_dir,  # what cleanup sweeps and removes
-                       "token": self.token, "address": ""}
+        self._state = {
+            "cluster_id": self.cluster_id,
+            "tls_dir": tls_dir,  # what cleanup sweeps and removes
+            "token": self.token,
+            "address": "",
+        }
         self.address = ""
         self.servers: list[ServerHandle] = []
         self._coordinator: subprocess.Popen | None = None
         self._closed = False
         self._procs: list[subprocess.Popen] = []  # owned from birth, even if start() fails
-        self._finalizer = weakref.finalize(self, LocalCluster._cleanup, self._procs, self._state,
-                                           self.config.stop_timeout_s)
+        self._finalizer = weakref.finalize(
+            self, LocalCluster._cleanup, self._procs, self._state, self.config.stop_timeout_s
+        )
         if start:
             self.start()
 
@@ -141,8 +165,15 @@ class LocalCluster:
         env["HELIX_TOKEN"] = self.token
         env = {k: v for k, v in env.items() if k not in ENV.values()} if self._tls_env else env
         env.update(self._tls_env)
-        cmd = [sys.executable, "-m", "helix_core.runtime.process", *args, "--owned",
-               "--config-json", json.dumps(self.config.to_dict())]
+        cmd = [
+            sys.executable,
+            "-m",
+            "helix_core.runtime.process",
+            *args,
+            "--owned",
+            "--config-json",
+            json.dumps(self.config.to_dict()),
+        ]
         proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
         self._procs.append(proc)
         return proc, wait_ready(proc, " ".join(args[:1]), self.config.startup_timeout_s)
@@ -152,8 +183,19 @@ class LocalCluster:
             return self
         try:
             if self._join is None:
-                proc, info = self._spawn(["coordinator", "--host", self.host, "--port", "0", "--scheduler",
-                                          self.scheduler, "--cluster-id", self.cluster_id])
+                proc, info = self._spawn(
+                    [
+                        "coordinator",
+                        "--host",
+                        self.host,
+                        "--port",
+                        "0",
+                        "--scheduler",
+                        self.scheduler,
+                        "--cluster-id",
+                        self.cluster_id,
+                    ]
+                )
                 self._coordinator, self.address = proc, info["address"]
                 self._state["address"] = self.address  # its token file, if a SIGKILL left it
             else:
@@ -161,8 +203,10 @@ class LocalCluster:
             pending = [("local", r) for r in range(self.local_servers)] + [("remote", -1)] * self.remote_servers
             procs = [(kind, self._server_args(kind, rank)) for kind, rank in pending]
             started = [(kind, *self._spawn(a)) for kind, a in procs]
-            self.servers = [ServerHandle(i, kind, info["address"], info["pid"], info["server_id"], p)
-                            for i, (kind, p, info) in enumerate(started)]
+            self.servers = [
+                ServerHandle(i, kind, info["address"], info["pid"], info["server_id"], p)
+                for i, (kind, p, info) in enumerate(started)
+            ]
             if self._join is not None and started:  # the joined Coordinator's id names our segments
                 self.cluster_id = self._state["cluster_id"] = started[0][2]["cluster_id"]
         except BaseException:
@@ -172,8 +216,17 @@ class LocalCluster:
 
     def _server_args(self, kind: str, rank: int) -> list[str]:
         where = ["--local-rank", str(rank)] if kind == "local" else ["--remote"]
-        return ["dataserver", "--coordinator", self.address, *where, "--workers", str(self.workers_per_server),
-                "--host", self.host, *(["--advertise", self.advertise] if self.advertise else [])]
+        return [
+            "dataserver",
+            "--coordinator",
+            self.address,
+            *where,
+            "--workers",
+            str(self.workers_per_server),
+            "--host",
+            self.host,
+            *(["--advertise", self.advertise] if self.advertise else []),
+        ]
 
     def restart_server(self, i: int) -> ServerHandle:
         """Start DataServer ``i`` again (SIGKILLing it first if it still runs), same kind and slot,
@@ -204,8 +257,9 @@ class LocalCluster:
         from .rpc import connect
 
         with connect(self.servers[i].address, self.config, self.tls) as ch:
-            reply = pbg.DataServerStub(ch).Health(pb.HealthRequest(), timeout=self.config.rpc_timeout_s,
-                                                  metadata=call_metadata(self.token))
+            reply = pbg.DataServerStub(ch).Health(
+                pb.HealthRequest(), timeout=self.config.rpc_timeout_s, metadata=call_metadata(self.token)
+            )
         return list(reply.worker_pids)
 
     def kill_coordinator(self) -> None:
@@ -226,8 +280,19 @@ class LocalCluster:
             if self._coordinator.stdout:
                 self._coordinator.stdout.close()
         port = self.address.rsplit(":", 1)[1]
-        proc, info = self._spawn(["coordinator", "--host", self.host, "--port", port, "--scheduler", self.scheduler,
-                                  "--cluster-id", self.cluster_id])
+        proc, info = self._spawn(
+            [
+                "coordinator",
+                "--host",
+                self.host,
+                "--port",
+                port,
+                "--scheduler",
+                self.scheduler,
+                "--cluster-id",
+                self.cluster_id,
+            ]
+        )
         self._procs.remove(proc)
         self._procs.insert(0, proc)  # still stopped last (cleanup stops servers first)
         self._coordinator = proc
@@ -285,6 +350,7 @@ class LocalCluster:
         self.close()
 
     def __repr__(self) -> str:
-        return (f"LocalCluster(address={self.address!r}, local_servers={self.local_servers}, "
-                f"remote_servers={self.remote_servers}, workers_per_server={self.workers_per_server})")
-
+        return (
+            f"LocalCluster(address={self.address!r}, local_servers={self.local_servers}, "
+            f"remote_servers={self.remote_servers}, workers_per_server={self.workers_per_server})"
+        )

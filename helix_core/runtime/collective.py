@@ -10,6 +10,7 @@ bytes with those splits (gloo on CPU; NCCL, where each server is bound to a GPU,
 has a timeout (``timeout_s``): a peer that dies mid-round fails the round with ``ClusterError``
 (the caller falls back to resubmitting), never a hang.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -40,8 +41,11 @@ def _plan(samples: list) -> tuple[bytes, list[torch.Tensor], list[dict], int, in
         flat += ts
     metas, payload = layout(flat)
     # small tensors travel in the header (latin-1 text: JSON has no bytes)
-    inline = {i: t.reshape(-1).view(torch.uint8).numpy().tobytes().decode("latin-1")
-              for i, (t, m) in enumerate(zip(flat, metas)) if m["is_inline"]}
+    inline = {
+        i: t.reshape(-1).view(torch.uint8).numpy().tobytes().decode("latin-1")
+        for i, (t, m) in enumerate(zip(flat, metas))
+        if m["is_inline"]
+    }
     header = json.dumps({"trees": trees, "counts": counts, "metas": metas, "inline": inline}).encode()
     start = -(-(_LEN.size + len(header)) // _ALIGN) * _ALIGN
     return header, flat, metas, start, start + payload
@@ -50,7 +54,7 @@ def _plan(samples: list) -> tuple[bytes, list[torch.Tensor], list[dict], int, in
 def _write(plan, mv: memoryview) -> None:
     header, flat, metas, start, total = plan
     _LEN.pack_into(mv, 0, len(header))
-    mv[_LEN.size:_LEN.size + len(header)] = header
+    mv[_LEN.size : _LEN.size + len(header)] = header
     if total > start:
         write_tensors(mv[start:total], flat, metas)
 
@@ -72,7 +76,7 @@ def pack_many(groups: list[list]) -> tuple[torch.Tensor, list[int]]:
     mv, off = memoryview(buf.numpy()), 0
     for plan, n in zip(plans, sizes):
         if plan:
-            _write(plan, mv[off:off + n])
+            _write(plan, mv[off : off + n])
         off += n
     return buf, sizes
 
@@ -85,7 +89,7 @@ def unpack(buf: torch.Tensor) -> list:
     (n,) = _LEN.unpack_from(mv, 0)
     if _LEN.size + n > len(mv):
         raise ValueError(f"packed header of {n} bytes does not fit a {len(mv)}-byte buffer")
-    head = json.loads(bytes(mv[_LEN.size:_LEN.size + n]))
+    head = json.loads(bytes(mv[_LEN.size : _LEN.size + n]))
     start = -(-(_LEN.size + n) // _ALIGN) * _ALIGN
     metas = head["metas"]
     for i, data in head["inline"].items():
@@ -93,7 +97,7 @@ def unpack(buf: torch.Tensor) -> list:
     tensors = read_tensors(mv[start:], metas) if metas else []
     out, k = [], 0
     for tree, count in zip(head["trees"], head["counts"]):
-        out.append(unflatten(tree, b"", tensors[k:k + count]))
+        out.append(unflatten(tree, b"", tensors[k : k + count]))
         k += count
     return out
 
@@ -112,8 +116,16 @@ def open_store(host: str, world: int, timeout_s: float = 30.0, port: int = 0):
             sock.bind(addr[:2] if family == socket.AF_INET else addr)
             sock.listen(max(16, 2 * world))
             fd = sock.detach()  # the store's now: it closes it with itself
-        return dist.TCPStore(host, port, world, is_master=True, wait_for_workers=False,
-                             timeout=timedelta(seconds=timeout_s), master_listen_fd=fd, use_libuv=True)
+        return dist.TCPStore(
+            host,
+            port,
+            world,
+            is_master=True,
+            wait_for_workers=False,
+            timeout=timedelta(seconds=timeout_s),
+            master_listen_fd=fd,
+            use_libuv=True,
+        )
     except (RuntimeError, OSError) as e:
         if fd >= 0:
             with contextlib.suppress(OSError):
@@ -128,8 +140,18 @@ class ExchangeGroup:
     connections on ``bind`` (this member's address: gloo would otherwise pick the address its
     hostname resolves to); ``prefix`` keeps groups on one store apart."""
 
-    def __init__(self, rank: int, world: int, host: str, port: int, backend: str = "gloo", timeout_s: float = 30.0,
-                 store=None, bind: str | None = None, prefix: str = "helix"):
+    def __init__(
+        self,
+        rank: int,
+        world: int,
+        host: str,
+        port: int,
+        backend: str = "gloo",
+        timeout_s: float = 30.0,
+        store=None,
+        bind: str | None = None,
+        prefix: str = "helix",
+    ):
         import torch.distributed as dist
 
         if backend != "gloo":
@@ -163,8 +185,10 @@ class ExchangeGroup:
         """The bytes of :meth:`exchange`: ``send[...]`` cut by ``split`` (one part per rank) goes
         to each rank; one ``all_to_all`` of sizes, one of bytes. Returns each rank's part."""
         if len(split) != self.world or sum(split) != send.numel():
-            raise ValueError(f"exchange_bytes: {len(split)} parts of {sum(split)} bytes for {self.world} ranks "
-                             f"and a {send.numel()}-byte buffer")
+            raise ValueError(
+                f"exchange_bytes: {len(split)} parts of {sum(split)} bytes for {self.world} ranks "
+                f"and a {send.numel()}-byte buffer"
+            )
         try:
             sizes = torch.tensor(split, dtype=torch.int64)
             theirs = torch.empty(self.world, dtype=torch.int64)
@@ -186,7 +210,7 @@ class ExchangeGroup:
             self._pg.allgather([bufs], [torch.cat([mine, torch.zeros(most - mine.numel(), dtype=torch.uint8)])]).wait()
         except RuntimeError as e:
             raise self._failed(e) from None
-        return [json.loads(bytes(b[:int(n)].numpy())) for b, n in zip(bufs, sizes)]
+        return [json.loads(bytes(b[: int(n)].numpy())) for b, n in zip(bufs, sizes)]
 
     def close(self) -> None:
         pg, self._pg = getattr(self, "_pg", None), None

@@ -3,6 +3,7 @@
 ``Registry`` (``registry.py``) is the state and logic; ``CoordinatorServicer`` only converts
 messages. No tensor and no decoded byte ever reaches this process.
 """
+
 from __future__ import annotations
 
 import gc
@@ -36,38 +37,56 @@ class CoordinatorServicer(pbg.CoordinatorServicer):
         self.fates = RoundFates()  # Tier 2: moved rounds, for ranks whose round leader died
 
     async def Hello(self, request, context):
-        return pb.HelloReply(protocol_version=PROTOCOL_VERSION, cluster_id=self.registry.cluster_id,
-                             pickle_allowed=self.pickle_allowed)
+        return pb.HelloReply(
+            protocol_version=PROTOCOL_VERSION, cluster_id=self.registry.cluster_id, pickle_allowed=self.pickle_allowed
+        )
 
     async def RegisterServer(self, request, context):
         try:
-            st = self.registry.register_server(request.address, request.kind, request.local_rank,
-                                               request.host, request.workers)
+            st = self.registry.register_server(
+                request.address, request.kind, request.local_rank, request.host, request.workers
+            )
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        return pb.RegisterServerReply(server_id=st.server_id, cluster_id=self.registry.cluster_id,
-                                      heartbeat_interval_s=self.registry.config.heartbeat_interval_s)
+        return pb.RegisterServerReply(
+            server_id=st.server_id,
+            cluster_id=self.registry.cluster_id,
+            heartbeat_interval_s=self.registry.config.heartbeat_interval_s,
+        )
 
     async def RegisterClient(self, request, context):
-        cid, base = self.registry.register_client(request.rank, request.world_size, request.host, request.local_rank,
-                                                  request.client_id, request.task_id_base)
+        cid, base = self.registry.register_client(
+            request.rank, request.world_size, request.host, request.local_rank, request.client_id, request.task_id_base
+        )
         return pb.RegisterClientReply(client_id=cid, cluster_id=self.registry.cluster_id, task_id_base=base)
 
     async def Heartbeat(self, request, context):
-        known = self.registry.heartbeat(request.server_id, healthy=request.workers_alive > 0,
-                                        queue_depth=request.queue_depth, inflight=request.inflight,
-                                        latency_per_cost=request.latency_per_cost or 1.0, completed=request.completed,
-                                        cross_ds_bytes=request.cross_ds_bytes, bulk_bytes=request.bulk_bytes,
-                                        queued_cpu_s=request.queued_cpu_s,
-                                        link_bandwidth_bps=request.link_bandwidth_bps,
-                                        link_latency_s=request.link_latency_s, next_beat_s=request.next_beat_s)
+        known = self.registry.heartbeat(
+            request.server_id,
+            healthy=request.workers_alive > 0,
+            queue_depth=request.queue_depth,
+            inflight=request.inflight,
+            latency_per_cost=request.latency_per_cost or 1.0,
+            completed=request.completed,
+            cross_ds_bytes=request.cross_ds_bytes,
+            bulk_bytes=request.bulk_bytes,
+            queued_cpu_s=request.queued_cpu_s,
+            link_bandwidth_bps=request.link_bandwidth_bps,
+            link_latency_s=request.link_latency_s,
+            next_beat_s=request.next_beat_s,
+        )
         return pb.HeartbeatReply(known=known)
 
     async def Route(self, request, context):
         t_arrival = time.perf_counter()  # the decision's time counts from here: the handler's whole work
         c = request.cost
-        cost = {"cpu_s": c.cpu_s, "io_bytes": c.io_bytes, "out_bytes": c.out_bytes, "tokens": c.tokens,
-                "deadline_s": request.deadline_s if request.has_deadline else None}
+        cost = {
+            "cpu_s": c.cpu_s,
+            "io_bytes": c.io_bytes,
+            "out_bytes": c.out_bytes,
+            "tokens": c.tokens,
+            "deadline_s": request.deadline_s if request.has_deadline else None,
+        }
         try:
             policy = self.registry.scheduler_for(request.scheduler)
         except ValueError as e:
@@ -75,18 +94,31 @@ class CoordinatorServicer(pbg.CoordinatorServicer):
         if request.completed:  # the client's completions ride on its next Route
             self.registry.complete(request.completed)
         try:
-            chosen, delivery, decision, us = self.registry.route(request.rank, request.task_id, cost,
-                                                                 set(request.exclude), policy.name, t_arrival,
-                                                                 host=request.host, local_rank=request.local_rank,
-                                                                 client_id=request.client_id)
+            chosen, delivery, decision, us = self.registry.route(
+                request.rank,
+                request.task_id,
+                cost,
+                set(request.exclude),
+                policy.name,
+                t_arrival,
+                host=request.host,
+                local_rank=request.local_rank,
+                client_id=request.client_id,
+            )
         except NoDeliveryServer as e:  # none on the rank's host (yet): the client retries, then names the host
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
         except ValueError as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
-        return pb.RouteReply(exec_server_id=chosen.server_id, exec_address=chosen.address,
-                             delivery_server_id=delivery.server_id, delivery_address=delivery.address,
-                             reason=decision.reason, decision_us=us, exec_kind=chosen.kind,
-                             delivery_host=delivery.host)
+        return pb.RouteReply(
+            exec_server_id=chosen.server_id,
+            exec_address=chosen.address,
+            delivery_server_id=delivery.server_id,
+            delivery_address=delivery.address,
+            reason=decision.reason,
+            decision_us=us,
+            exec_kind=chosen.kind,
+            delivery_host=delivery.host,
+        )
 
     async def ReportCompletion(self, request, context):  # also a client's lease renewal (with no task ids)
         self.registry.seen(request.client_id)
@@ -110,8 +142,9 @@ class CoordinatorServicer(pbg.CoordinatorServicer):
         got = self.fates.fate((request.group, request.run, request.step), request.rank, request.age_s or math.inf)
         if got is None:
             return pb.RoundFateReply(moved=False)
-        return pb.RoundFateReply(moved=True, indices=got[0], release=[
-            pb.SlabHandle(segment=s, generation=g) for s, g in got[1]])
+        return pb.RoundFateReply(
+            moved=True, indices=got[0], release=[pb.SlabHandle(segment=s, generation=g) for s, g in got[1]]
+        )
 
     async def Telemetry(self, request, context):
         return pb.TelemetryReply(json=json.dumps(self.registry.telemetry(request.last_decisions)))
@@ -121,9 +154,18 @@ class CoordinatorServicer(pbg.CoordinatorServicer):
         return pb.Ack(ok=True)
 
 
-def serve_coordinator(host: str, port: int, token: str | None, config: ClusterConfig, scheduler: str,
-                      stop: threading.Event, on_ready=None, cluster_id: str | None = None, tls=None,
-                      insecure: bool = False) -> None:
+def serve_coordinator(
+    host: str,
+    port: int,
+    token: str | None,
+    config: ClusterConfig,
+    scheduler: str,
+    stop: threading.Event,
+    on_ready=None,
+    cluster_id: str | None = None,
+    tls=None,
+    insecure: bool = False,
+) -> None:
     """Run a Coordinator until ``stop`` is set (blocking). ``on_ready(address)`` after binding;
     ``tls``: a ``Tls`` for its port; ``insecure``: beyond loopback without TLS.
 
@@ -155,8 +197,10 @@ async def _serve(host, port, token, config, scheduler, stop, on_ready, cluster_i
     except (OSError, ValueError) as e:  # a made token nobody can find would lock everyone out
         if made:
             await server.stop(0)
-            raise ValueError(f"cannot leave this Coordinator's token for its user: {e} (set HELIX_RUNTIME_DIR to a "
-                             "private folder, or pass --token-file)") from None
+            raise ValueError(
+                f"cannot leave this Coordinator's token for its user: {e} (set HELIX_RUNTIME_DIR to a "
+                "private folder, or pass --token-file)"
+            ) from None
         log.warning("token not written to the user's Helix folder (%s); clients need it passed", e)
     # A long-lived service with a stable heap: keep startup objects out of collections and collect
     # the young generation rarely, so a collection lands in fewer than 1 in 1,000 routing decisions.
@@ -172,8 +216,9 @@ async def _serve(host, port, token, config, scheduler, stop, on_ready, cluster_i
             from .locallink import link_name
 
             try:
-                link = await serve_call_link(link_name(registry.cluster_id, f"coordinator:{bound}"), token,
-                                             servicer.Route, pb.RouteRequest)
+                link = await serve_call_link(
+                    link_name(registry.cluster_id, f"coordinator:{bound}"), token, servicer.Route, pb.RouteRequest
+                )
             except OSError as e:  # its name taken: the ranks use gRPC
                 log.warning("no local link for the Coordinator at %s: %s", address, e)
         if on_ready is not None:

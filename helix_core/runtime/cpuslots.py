@@ -29,6 +29,7 @@ the host's decode cap would double).
 and kept only if it is this user's (``_open_own``), so a symlink or file another user planted
 under the names is refused, never followed or written; cleanup leaves another user's files.
 """
+
 from __future__ import annotations
 
 import errno
@@ -73,7 +74,9 @@ def _open_own(path: str, kind: int = stat.S_IFREG) -> int:
             continue
         except OSError as e:
             if e.errno == errno.ELOOP:
-                raise PermissionError(f"{path} is a symlink (planted by another user?): refused, not followed") from None
+                raise PermissionError(
+                    f"{path} is a symlink (planted by another user?): refused, not followed"
+                ) from None
             raise
         st = os.fstat(fd)
         if st.st_uid != os.geteuid() or stat.S_IFMT(st.st_mode) != kind:

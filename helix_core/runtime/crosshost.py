@@ -22,6 +22,7 @@ holder), so a rank that dies after its round leaves nothing its producer cannot 
 A round whose exchange fails anywhere keeps every batch where it is: the slabs received so far are
 dropped, none of the senders' slabs was released (their ranks release those only once answered).
 """
+
 from __future__ import annotations
 
 import logging
@@ -55,8 +56,17 @@ def load_row_code() -> None:
 
 
 def meta_dicts(metas) -> list[dict]:
-    return [{"dtype": m.dtype, "shape": list(m.shape), "offset": m.offset, "nbytes": m.nbytes,
-             "is_inline": m.is_inline, "inline_data": m.inline_data} for m in metas]
+    return [
+        {
+            "dtype": m.dtype,
+            "shape": list(m.shape),
+            "offset": m.offset,
+            "nbytes": m.nbytes,
+            "is_inline": m.is_inline,
+            "inline_data": m.inline_data,
+        }
+        for m in metas
+    ]
 
 
 def _handle(b: pb.BatchHandle) -> dict:
@@ -71,6 +81,7 @@ def read_rows(reader, b: pb.BatchHandle, rows, n: int, pickle_allowed: bool, vie
     holder (a rank's read; a server reading a rank's slab takes none)."""
     from .merge import take_rows
     from .tensors import read_tensors, unflatten
+
     if b.tree_pickle and not pickle_allowed:
         raise ClusterError("a DataServer sent a pickled batch structure to a peer that accepts none")
     handle = _handle(b)
@@ -85,6 +96,7 @@ def read_rows(reader, b: pb.BatchHandle, rows, n: int, pickle_allowed: bool, vie
 
 def _header(batch, pickle_allowed: bool) -> tuple[pb.StreamHeader, list, list[dict], int]:
     from .tensors import flatten, layout
+
     tree_json, tree_pickle, flat = flatten(batch, allow_pickle=pickle_allowed)
     metas, total = layout(flat)
     return pb.StreamHeader(tree_json=tree_json, tree_pickle=tree_pickle, total_bytes=total), flat, metas, total
@@ -127,16 +139,21 @@ class ExchangeMember:
                 self.reader.release({"segment": h.segment, "generation": h.generation})
             return pb.ExchangeReply()
         if req.share:
-            stale = [h.segment for h, n in zip(req.share, req.readers)  # counts of 1: a failed round's undo
-                     if not self.reader.share({"segment": h.segment, "generation": h.generation}, n) and n > 1]
+            stale = [
+                h.segment
+                for h, n in zip(req.share, req.readers)  # counts of 1: a failed round's undo
+                if not self.reader.share({"segment": h.segment, "generation": h.generation}, n) and n > 1
+            ]
             if stale:
                 raise ClusterError(f"Tier-2 round {req.round}: slab(s) {stale} were released before it closed")
             return pb.ExchangeReply()
         if req.transport not in TRANSPORTS:
             raise ValueError(f"Exchange transport {req.transport!r}; valid: {', '.join(TRANSPORTS)}")
         if req.transport == "collective" and self.secure:
-            raise ClusterError(f"Tier-2 round {req.round}: this DataServer has TLS and joins no gloo collective "
-                               "(no TLS there): rows cross hosts by gRPC")
+            raise ClusterError(
+                f"Tier-2 round {req.round}: this DataServer has TLS and joins no gloo collective "
+                "(no TLS there): rows cross hosts by gRPC"
+            )
         t0 = time.perf_counter()
         if req.transport == "grpc":
             reply = self._by_grpc(req, self._rows(req))
@@ -149,8 +166,10 @@ class ExchangeMember:
 
     def _rows(self, req) -> list:
         """The rows this member sends, read out of its host's slabs (no lease: the ranks hold them)."""
-        return [(s, read_rows(self.reader, s.batch, s.rows, s.batch_rows, self.pickle_allowed, lease=False))
-                for s in req.sends]
+        return [
+            (s, read_rows(self.reader, s.batch, s.rows, s.batch_rows, self.pickle_allowed, lease=False))
+            for s in req.sends
+        ]
 
     def _slot(self, where: str) -> _Group:
         """The group of the leader whose store is at ``where``, made if new (past ``MAX_GROUPS``, the
@@ -176,6 +195,7 @@ class ExchangeMember:
         import torch
 
         from .tensors import write_tensors
+
         reply = pb.ExchangeReply()
         for s, batch in rows:
             header, flat, metas, total = _header(batch, self.pickle_allowed)
@@ -196,21 +216,31 @@ class ExchangeMember:
             to = next(s.to for s in req.sends if s.key == g.key)
             try:
                 pbg.DataServerStub(self.outbound.channel(req.members[to])).Exchange(
-                    pb.ExchangeRequest(round=req.round, drop=[g.batch.slab]), timeout=10,
-                    metadata=call_metadata(self.outbound.token))
+                    pb.ExchangeRequest(round=req.round, drop=[g.batch.slab]),
+                    timeout=10,
+                    metadata=call_metadata(self.outbound.token),
+                )
             except (grpc.RpcError, DeliveryFailed):
                 pass  # that member is gone: its slabs went with it
 
     def _join(self, req, store, slot: _Group):
         """(Under ``slot.lock``.) The leader's group at ``req.generation``, joined if new."""
         from .collective import ExchangeGroup
+
         if slot.group is not None and slot.generation == req.generation:
             return slot.group
         slot.close()
         host, port = req.store.rsplit(":", 1)
-        slot.group = ExchangeGroup(req.member, len(req.members), host.strip("[]"), int(port),
-                                   timeout_s=req.timeout_s or 30.0, store=store, bind=self.bind,
-                                   prefix=f"tier2-{req.generation}")
+        slot.group = ExchangeGroup(
+            req.member,
+            len(req.members),
+            host.strip("[]"),
+            int(port),
+            timeout_s=req.timeout_s or 30.0,
+            store=store,
+            bind=self.bind,
+            prefix=f"tier2-{req.generation}",
+        )
         slot.generation = req.generation
         return slot.group
 
@@ -238,6 +268,7 @@ class ExchangeMember:
     def _write(self, batch) -> pb.BatchHandle:
         """``batch`` into one of this server's slabs."""
         from .tensors import write_tensors
+
         header, flat, metas, total = _header(batch, self.pickle_allowed)
         slab = self.inbound.take(header)  # Refused: a full /dev/shm
         try:
@@ -262,6 +293,7 @@ class ExchangeMember:
 def batch_bytes(batch) -> int:
     """The payload bytes of a batch's tensors."""
     from .tensors import flatten
+
     return sum(t.numel() * t.element_size() for t in flatten(batch, allow_pickle=True)[2])
 
 
@@ -278,8 +310,9 @@ class HostExchange:
         self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="helix-exchange")
         self.counts = {"collective": 0, "grpc": 0, "failed": 0, "bytes": 0}
 
-    def run(self, name: str, members: list[str], sends: dict[int, list[pb.ExchangeSend]], transport: str,
-            timeout_s: float) -> tuple[dict[int, pb.BatchHandle], str]:
+    def run(
+        self, name: str, members: list[str], sends: dict[int, list[pb.ExchangeSend]], transport: str, timeout_s: float
+    ) -> tuple[dict[int, pb.BatchHandle], str]:
         """``({key: new slab}, transport used)``; ClusterError when both ways failed. ``transport``:
         what the group asked ("" for the cluster's default, :meth:`transport`)."""
         transport = self.transport(transport)
@@ -309,9 +342,18 @@ class HostExchange:
     def share(self, name: str, members: list[str], shares: dict[int, list[tuple]]) -> None:
         """Slabs read by several ranks of a member's host get their reader counts there
         (``shares``: member -> [(slab, readers)]); ClusterError if one was released meanwhile."""
-        futures = [self._pool.submit(self._call, i, members, pb.ExchangeRequest(
-            round=name, share=[s for s, _ in got], readers=[n for _, n in got]), None, 10.0)
-            for i, got in shares.items() if got]
+        futures = [
+            self._pool.submit(
+                self._call,
+                i,
+                members,
+                pb.ExchangeRequest(round=name, share=[s for s, _ in got], readers=[n for _, n in got]),
+                None,
+                10.0,
+            )
+            for i, got in shares.items()
+            if got
+        ]
         errors = []
         for fut in futures:
             try:
@@ -331,6 +373,7 @@ class HostExchange:
 
     def _run(self, name, members, sends, transport, timeout_s) -> dict[int, pb.BatchHandle]:
         from .collective import open_store
+
         store = None
         if transport == "collective":
             if self._store is None or self._store_for != members:
@@ -340,9 +383,26 @@ class HostExchange:
             store = self._store
         where = f"{self.member.bind}:{self._store.port}" if store is not None else ""
         todo = range(len(members)) if transport == "collective" else [i for i in range(len(members)) if sends.get(i)]
-        futures = {i: self._pool.submit(self._call, i, members, pb.ExchangeRequest(
-            round=name, members=members, member=i, transport=transport, sends=sends.get(i, []), store=where,
-            generation=self._generation, timeout_s=timeout_s), store, timeout_s) for i in todo}
+        futures = {
+            i: self._pool.submit(
+                self._call,
+                i,
+                members,
+                pb.ExchangeRequest(
+                    round=name,
+                    members=members,
+                    member=i,
+                    transport=transport,
+                    sends=sends.get(i, []),
+                    store=where,
+                    generation=self._generation,
+                    timeout_s=timeout_s,
+                ),
+                store,
+                timeout_s,
+            )
+            for i in todo
+        }
         replies, errors = {}, []
         for i, fut in futures.items():
             try:
@@ -363,8 +423,9 @@ class HostExchange:
         if channel is None:
             channel = self._channels[members[i]] = connect(members[i], self.config, self.tls)
         try:
-            return pbg.DataServerStub(channel).Exchange(req, timeout=timeout_s + self.config.rpc_timeout_s,
-                                                        metadata=call_metadata(self.token))
+            return pbg.DataServerStub(channel).Exchange(
+                req, timeout=timeout_s + self.config.rpc_timeout_s, metadata=call_metadata(self.token)
+            )
         except grpc.RpcError as e:
             raise ClusterError(f"{e.code().name} {e.details()}") from None
 

@@ -4,6 +4,7 @@ task retried (bounded per sample: a sample that keeps killing workers fails) or 
 
 ``WorkerDeaths`` is a base class of ``WorkerPool``: its methods run on the pool's supervisor
 thread, on the pool's state (its workers, lock, queue, futures and split batches)."""
+
 from __future__ import annotations
 
 import logging
@@ -53,8 +54,11 @@ class WorkerDeaths:
             if left > 0:
                 nxt = left if nxt is None else min(nxt, left)
                 continue
-            w.timed_out = (index, path, f"timed out: still decoding after {limit:.0f} s (sample_timeout_s); "
-                                        "its worker was killed")
+            w.timed_out = (
+                index,
+                path,
+                f"timed out: still decoding after {limit:.0f} s (sample_timeout_s); its worker was killed",
+            )
             log.warning("worker %d: sample %s (%s) ran past %.0f s; killing the worker", w.wid, index, path, limit)
             w.kill()
         return nxt
@@ -74,8 +78,13 @@ class WorkerDeaths:
         self._replace(w)
         self.respawns += 1
         task, current = w.task, w.progress.get()
-        log.warning("worker %d died (exit %s) during task %s at sample %s; respawned", w.wid, code,
-                    task and task["task_id"], current and current[0])
+        log.warning(
+            "worker %d died (exit %s) during task %s at sample %s; respawned",
+            w.wid,
+            code,
+            task and task["task_id"],
+            current and current[0],
+        )
         if task is None:
             return
         with self._lock:
@@ -88,9 +97,12 @@ class WorkerDeaths:
             if current is None:  # it died before its first sample (loading the spec, waiting for a slot)
                 task["_early_deaths"] = task.get("_early_deaths", 0) + 1
                 if task["_early_deaths"] > self.config.max_task_retries:
-                    failed = {"error_kind": ErrorKind.INTERNAL, "skipped": [],
-                              "error": f"worker processes died {task['_early_deaths']} times (last exit code {code}) "
-                                       "before preparing any sample of this task"}
+                    failed = {
+                        "error_kind": ErrorKind.INTERNAL,
+                        "skipped": [],
+                        "error": f"worker processes died {task['_early_deaths']} times (last exit code {code}) "
+                        "before preparing any sample of this task",
+                    }
                     if task["_serial"] in self._split:
                         self._piece_done(task, failed)
                     else:
@@ -99,11 +111,20 @@ class WorkerDeaths:
             if current is not None:
                 self._kills[current[0]] += 1
                 if self._kills[current[0]] > self.config.max_task_retries:
-                    cause = w.timed_out[2] if w.timed_out is not None else (
-                        f"worker process died (exit code {code}) while preparing this sample "
-                        f"{self._kills[current[0]]} times")
-                    failed = {"error_kind": ErrorKind.SAMPLE, "error": cause,
-                              "failure": _failure(current[0], current[1], cause), "skipped": []}
+                    cause = (
+                        w.timed_out[2]
+                        if w.timed_out is not None
+                        else (
+                            f"worker process died (exit code {code}) while preparing this sample "
+                            f"{self._kills[current[0]]} times"
+                        )
+                    )
+                    failed = {
+                        "error_kind": ErrorKind.SAMPLE,
+                        "error": cause,
+                        "failure": _failure(current[0], current[1], cause),
+                        "skipped": [],
+                    }
                     if task.get("on_error") == "skip":
                         task["bad"][current[0]] = cause
                     elif task["_serial"] in self._split:

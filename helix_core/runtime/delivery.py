@@ -8,6 +8,7 @@ latency) and the bytes it moved. ``Inbound``, on the delivering server, takes a 
 its slabs under the same rules on both paths: no pickled structure where the server takes no
 pickles, and a full ``/dev/shm`` refused (never SIGBUS).
 """
+
 from __future__ import annotations
 
 import logging
@@ -36,8 +37,17 @@ __all__ = ["DeliveryFailed", "Inbound", "Outbound", "Refused", "metas_to_pb", "m
 
 
 def metas_to_pb(metas: list[dict]) -> list[pb.TensorMeta]:
-    return [pb.TensorMeta(dtype=m["dtype"], shape=m["shape"], offset=m["offset"], nbytes=m["nbytes"],
-                          is_inline=m["is_inline"], inline_data=m.get("inline_data") or b"") for m in metas]
+    return [
+        pb.TensorMeta(
+            dtype=m["dtype"],
+            shape=m["shape"],
+            offset=m["offset"],
+            nbytes=m["nbytes"],
+            is_inline=m["is_inline"],
+            inline_data=m.get("inline_data") or b"",
+        )
+        for m in metas
+    ]
 
 
 def moved_bytes(result: dict) -> int:
@@ -86,7 +96,8 @@ class Outbound:
                     hello = pbg.DataServerStub(channel).Hello(
                         pb.HelloRequest(protocol_version=PROTOCOL_VERSION, role="dataserver"),
                         timeout=self.config.keepalive_s + self.config.keepalive_timeout_s,
-                        metadata=call_metadata(self.token))
+                        metadata=call_metadata(self.token),
+                    )
                 except grpc.RpcError as e:
                     channel.close()
                     raise DeliveryFailed(f"delivery server {address}: {e.code().name} {e.details()}") from None
@@ -103,8 +114,13 @@ class Outbound:
 
     def send(self, task_id: int, result: dict, address: str) -> pb.DeliverReply:
         """Deliver a worker's batch (``result``: its handle, tree and metas) to ``address``."""
-        header = pb.StreamHeader(task_id=task_id, tree_json=result["tree_json"], tree_pickle=result["tree_pickle"],
-                                 tensors=metas_to_pb(result["metas"]), total_bytes=result["handle"]["nbytes"])
+        header = pb.StreamHeader(
+            task_id=task_id,
+            tree_json=result["tree_json"],
+            tree_pickle=result["tree_pickle"],
+            tensors=metas_to_pb(result["metas"]),
+            total_bytes=result["handle"]["nbytes"],
+        )
         payload = self.reader.view(result["handle"])
         try:
             return self.push(header, payload, address)
@@ -126,9 +142,11 @@ class Outbound:
                 # the bulk connection could not be made (a firewall, full slots, TLS): gRPC's own
                 # channel decides, and for a while every batch to this peer goes that way at once
                 self._bulk_off[address] = time.monotonic() + _BULK_RETRY_S
-                log.warning("bulk path to %s unavailable (%s): delivering by gRPC for %.0f s", address, e,
-                            _BULK_RETRY_S)
+                log.warning(
+                    "bulk path to %s unavailable (%s): delivering by gRPC for %.0f s", address, e, _BULK_RETRY_S
+                )
         if reply is None:
+
             def chunks():
                 yield pb.StreamChunk(header=header)
                 yield from iter_chunks(payload, total, self.config.stream_chunk_bytes)  # raw: one copy each
@@ -136,8 +154,10 @@ class Outbound:
             try:
                 reply = deliver(chunks(), timeout=self.config.execute_timeout_s, metadata=call_metadata(self.token))
             except grpc.RpcError as e:
-                raise DeliveryFailed(f"delivery server {address}: {e.code().name} {e.details()}",
-                                     no_room=e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED) from None
+                raise DeliveryFailed(
+                    f"delivery server {address}: {e.code().name} {e.details()}",
+                    no_room=e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED,
+                ) from None
         self._account(total + sum(len(m.inline_data) for m in header.tensors), time.perf_counter() - t0, bulk)
         return reply
 
@@ -147,15 +167,21 @@ class Outbound:
             self.bulk_bytes += total if bulk else 0
             if total >= 1 << 20:  # the link's bandwidth for placement (paper Eq. 1: C_net)
                 bw = total / max(seconds, 1e-6)
-                self.link_bandwidth_bps = bw if not self.link_bandwidth_bps else 0.8 * self.link_bandwidth_bps + 0.2 * bw
+                self.link_bandwidth_bps = (
+                    bw if not self.link_bandwidth_bps else 0.8 * self.link_bandwidth_bps + 0.2 * bw
+                )
             else:
                 self.link_latency_s = seconds if not self.link_latency_s else 0.8 * self.link_latency_s + 0.2 * seconds
 
     def counters(self) -> dict:
         """What heartbeats report, read together: ``cross_ds_bytes``, ``bulk_bytes``, link terms."""
         with self._lock:
-            return {"cross_ds_bytes": self.cross_ds_bytes, "bulk_bytes": self.bulk_bytes,
-                    "link_bandwidth_bps": self.link_bandwidth_bps, "link_latency_s": self.link_latency_s}
+            return {
+                "cross_ds_bytes": self.cross_ds_bytes,
+                "bulk_bytes": self.bulk_bytes,
+                "link_bandwidth_bps": self.link_bandwidth_bps,
+                "link_latency_s": self.link_latency_s,
+            }
 
     def close(self) -> None:
         if self._sender is not None:
@@ -183,14 +209,25 @@ class Inbound:
             raise Refused(NO_ROOM, f"{shm.NO_ROOM} a {header.total_bytes}-byte batch: {e}") from None
 
     def reply(self, slab, header: pb.StreamHeader) -> pb.DeliverReply:
-        return pb.DeliverReply(server_id=self.server_id(), batch=pb.BatchHandle(
-            slab=pb.SlabHandle(**slab.handle(header.total_bytes)), tree_json=header.tree_json,
-            tree_pickle=header.tree_pickle, tensors=header.tensors))
+        return pb.DeliverReply(
+            server_id=self.server_id(),
+            batch=pb.BatchHandle(
+                slab=pb.SlabHandle(**slab.handle(header.total_bytes)),
+                tree_json=header.tree_json,
+                tree_pickle=header.tree_pickle,
+                tensors=header.tensors,
+            ),
+        )
 
     def bulk(self, header: pb.StreamHeader):
         try:
             slab = self.take(header)
         except Refused as e:
             return e.status, str(e), None, None, None
-        return (OK, "", slab.payload, lambda: self.reply(slab, header).SerializeToString(),
-                lambda: shm.release_segment(slab.handle(header.total_bytes)))
+        return (
+            OK,
+            "",
+            slab.payload,
+            lambda: self.reply(slab, header).SerializeToString(),
+            lambda: shm.release_segment(slab.handle(header.total_bytes)),
+        )

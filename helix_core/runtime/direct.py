@@ -11,6 +11,7 @@ mapped slab: no page faults either) and collates the small fields only. The resu
 byte what the generic path gives; anything unexpected (a bad sample, a transform that changed a
 shape) returns None so the caller takes the generic path, which reports errors as usual.
 """
+
 from __future__ import annotations
 
 import logging
@@ -32,9 +33,14 @@ _said: list = []  # a feature_fn that fails in place is said once per worker, no
 def _said_once(e: Exception) -> None:
     if not _said:
         _said.append(e)
-        log.warning("feature_fn failed on a batch decoded in its slab (%s: %s): such batches decode again the generic "
-                    "way. feature_fn sees each sample's video as a strided view of the batch's slab (non-contiguous "
-                    "where clips differ in size): use .reshape, not .view", type(e).__name__, e)
+        log.warning(
+            "feature_fn failed on a batch decoded in its slab (%s: %s): such batches decode again the generic "
+            "way. feature_fn sees each sample's video as a strided view of the batch's slab (non-contiguous "
+            "where clips differ in size): use .reshape, not .view",
+            type(e).__name__,
+            e,
+        )
+
 
 HEADROOM = 1 << 20  # slab bytes reserved for the batch's other non-inline tensors
 
@@ -51,8 +57,18 @@ def supports_direct(dataset, collate) -> bool:
     return definer["__getitem__"] >= definer["fetch"]
 
 
-def direct_batch(dataset, collate, indices: list[int], pool, allow_pickle: bool, progress=lambda index: None,
-                 may_start=lambda k: True, featurize=None, room=(), decoding=None):
+def direct_batch(
+    dataset,
+    collate,
+    indices: list[int],
+    pool,
+    allow_pickle: bool,
+    progress=lambda index: None,
+    may_start=lambda k: True,
+    featurize=None,
+    room=(),
+    decoding=None,
+):
     """``(slab, total, tree_json, tree_pickle, metas, decode_cpu_s, features)`` with the batch
     written in ``slab``, or None when this batch needs the generic path (nothing is held then).
     ``progress(index)`` is called before each sample is decoded; ``may_start(k)`` says whether
@@ -80,8 +96,19 @@ def direct_batch(dataset, collate, indices: list[int], pool, allow_pickle: bool,
     except Exception:
         return None  # the generic path reports it
     try:
-        got = _fill(dataset, collate, indices, shapes, slab, (b, t, c, h, w), allow_pickle, progress, may_start,
-                    featurize, decoding)
+        got = _fill(
+            dataset,
+            collate,
+            indices,
+            shapes,
+            slab,
+            (b, t, c, h, w),
+            allow_pickle,
+            progress,
+            may_start,
+            featurize,
+            decoding,
+        )
     except Exception:
         got = None
     if got is None:
@@ -99,7 +126,7 @@ def _fill(dataset, collate, indices, shapes, slab, dims, allow_pickle, progress,
     for k, (index, shape) in enumerate(zip(indices, shapes)):
         if not may_start(k):  # the rest was stolen: the batch is the samples before it
             break
-        slot = video[k, :shape[0], :, :shape[2], :shape[3]]
+        slot = video[k, : shape[0], :, : shape[2], : shape[3]]
         if decoding is not None:
             decoding.enter()
         progress(index)
@@ -119,7 +146,7 @@ def _fill(dataset, collate, indices, shapes, slab, dims, allow_pickle, progress,
     features = None
     if featurize is not None:
         try:
-            features = featurize(samples, [int(i) for i in indices[:len(samples)]])
+            features = featurize(samples, [int(i) for i in indices[: len(samples)]])
         except Exception as e:  # the generic path decodes again and names the sample, or works
             _said_once(e)
             return None
@@ -129,7 +156,7 @@ def _fill(dataset, collate, indices, shapes, slab, dims, allow_pickle, progress,
     # it), and the room of its missing rows: its small tensors go after the whole batch's video, so
     # the client grows the video in place with the other pieces' rows (one copy of theirs, none of these)
     room = video.numel()
-    video = video[:len(samples)]
+    video = video[: len(samples)]
     video_bytes = video.numel()
     if collate is pad_collate:
         batch = pad_collate(samples, video_out=video)
@@ -147,4 +174,3 @@ def _fill(dataset, collate, indices, shapes, slab, dims, allow_pickle, progress,
     metas = write_tensors(slab.payload, tensors, metas)
     del batch, tensors, video, payload
     return total, tree_json, tree_pickle, metas, cpu, features
-

@@ -1,4 +1,5 @@
 """A DataServer's queue of tasks waiting for a worker, earliest deadline first."""
+
 from __future__ import annotations
 
 import heapq
@@ -37,8 +38,9 @@ class EdfQueue:
 
     def remove(self, task_ids: set[int], client_id: str = "") -> list[dict]:
         """Drop the queued tasks (and pieces) of ``task_ids`` of client ``client_id``; the dropped ones."""
-        gone = [(seq, t) for seq, t in self._ids.items()
-                if t["task_id"] in task_ids and t.get("client_id", "") == client_id]
+        gone = [
+            (seq, t) for seq, t in self._ids.items() if t["task_id"] in task_ids and t.get("client_id", "") == client_id
+        ]
         for seq, task in gone:
             del self._ids[seq]
             self.cpu_s = max(0.0, self.cpu_s - task.get("predicted_cpu_s", 0.0))

@@ -5,6 +5,7 @@ further apart (``Beats``), each beat promising the next, until work arrives. No 
 the channel's connectivity. A beat goes to a loopback Coordinator only while this user listens
 there (``rpc.connect``'s guard, asked before every call, so after every reconnect).
 """
+
 from __future__ import annotations
 
 import logging
@@ -73,9 +74,15 @@ def heartbeats(servicer, coord, token, config: ClusterConfig, stop: threading.Ev
         servicer.slabs.reclaim()  # delivery slabs of clients that died come back; unused ones go
         st = servicer.pool.stats()
         req = pb.HeartbeatRequest(
-            server_id=servicer.server_id, queue_depth=st["queue_depth"], inflight=st["inflight"],
-            workers_alive=st["workers_alive"], latency_per_cost=st["latency_per_cost"],
-            completed=st["completed"], queued_cpu_s=st["queued_cpu_s"], **servicer.outbound.counters())
+            server_id=servicer.server_id,
+            queue_depth=st["queue_depth"],
+            inflight=st["inflight"],
+            workers_alive=st["workers_alive"],
+            latency_per_cost=st["latency_per_cost"],
+            completed=st["completed"],
+            queued_cpu_s=st["queued_cpu_s"],
+            **servicer.outbound.counters(),
+        )
         changed, last = req != last, pb.HeartbeatRequest()
         last.CopyFrom(req)
         req.next_beat_s = beats.next(changed)

@@ -7,6 +7,7 @@ that share a hostname after an image clone still differ; a reboot makes a new ho
 slabs are gone anyway). ``HELIX_HOST_ID`` (or ``--host-id``) overrides it — for containers that
 share a hostname but not /dev/shm, or hosts that share one /dev/shm under different names.
 """
+
 from __future__ import annotations
 
 import os

@@ -11,6 +11,7 @@ the ``mmap`` object alive). Small buffers, and systems without ``MADV_HUGEPAGE``
 allocators; where transparent huge pages are off (``never``) the advice is a no-op and the buffer
 costs what ``torch.empty`` does.
 """
+
 from __future__ import annotations
 
 import ctypes

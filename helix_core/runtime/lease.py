@@ -1,5 +1,6 @@
 """Who holds a shared-memory slab: a process named by its pid and start time (a reused pid is
 not the holder). ``shm`` writes and reads these in a slab's lease."""
+
 from __future__ import annotations
 
 import os

@@ -2,6 +2,7 @@
 DataServer's ``LocalListener``, which serves the servicer's ``Execute`` to the rank processes of
 its host, each request with a context that answers what a gRPC context would; and the
 Coordinator's ``serve_call_link``, which serves ``Route`` on its event loop."""
+
 from __future__ import annotations
 
 import hmac
@@ -118,8 +119,16 @@ class LocalListener:
     thread before anything else: another user's connection is closed and starts no thread), and
     must present the token within ``handshake_s`` seconds, however slowly its bytes come."""
 
-    def __init__(self, name: str, token: str, execute, timeout_s: float, threads: int, unsent=lambda reply: None,
-                 handshake_s: float = 5.0):
+    def __init__(
+        self,
+        name: str,
+        token: str,
+        execute,
+        timeout_s: float,
+        threads: int,
+        unsent=lambda reply: None,
+        handshake_s: float = 5.0,
+    ):
         """``unsent(reply)``: a reply whose link closed before it went (its slabs are nobody's)."""
         self.name, self.token, self.execute, self.timeout_s = name, token.encode(), execute, timeout_s
         self.unsent, self.handshake_s = unsent, handshake_s
@@ -146,7 +155,8 @@ class LocalListener:
             if uid != os.getuid():  # another user's process: nothing read, no thread
                 self.refused += 1
                 (log.warning if self.refused == 1 else log.debug)(  # (a flood of them writes one line)
-                    "local link %r: a connection of uid %s refused (not this user's)", self.name[1:], uid)
+                    "local link %r: a connection of uid %s refused (not this user's)", self.name[1:], uid
+                )
                 sock.close()
                 continue
             threading.Thread(target=self._serve, args=(sock,), name="helix-link-conn", daemon=True).start()
@@ -157,7 +167,7 @@ class LocalListener:
             until = time.monotonic() + self.handshake_s  # the whole handshake, however slowly it comes
             if _recv_exact(sock, 4, until) != MAGIC:
                 return
-            n, = struct.unpack("<H", _recv_exact(sock, 2, until))
+            (n,) = struct.unpack("<H", _recv_exact(sock, 2, until))
             if not hmac.compare_digest(_recv_exact(sock, n, until), self.token):
                 sock.settimeout(self.handshake_s)
                 sock.sendall(b"\1")
@@ -229,7 +239,7 @@ async def serve_call_link(name: str, token: str, handle, request_cls, handshake_
     async def handshake(reader, writer) -> bool:
         if await reader.readexactly(4) != MAGIC:
             return False
-        n, = struct.unpack("<H", await reader.readexactly(2))
+        (n,) = struct.unpack("<H", await reader.readexactly(2))
         if not hmac.compare_digest(await reader.readexactly(n), expected):
             writer.write(b"\1")
             return False

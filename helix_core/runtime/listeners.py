@@ -20,6 +20,7 @@ What is left: a listener that changes hands between the question and gRPC's conn
 must die in those microseconds, and another user bind at once). A loopback port whose listener
 this network namespace does not see (a port forwarded into a container) gets no token.
 """
+
 from __future__ import annotations
 
 import errno
@@ -103,9 +104,14 @@ def _ask(request: bytes, dump: bool) -> list[tuple[int, int, int, int]]:
 @functools.lru_cache(maxsize=1024)
 def _lookup_request(family: int, local: str, port: int, remote: str | None, remote_port: int) -> bytes:
     src, dst = socket.inet_pton(family, local), socket.inet_pton(family, remote or local)
-    body = struct.pack("=BBBBI", family, socket.IPPROTO_TCP, 0, 0, _ALL_STATES) + \
-        struct.pack("!HH", port, remote_port) + src.ljust(16, b"\0") + dst.ljust(16, b"\0") + \
-        struct.pack("=I", 0) + _NO_COOKIE
+    body = (
+        struct.pack("=BBBBI", family, socket.IPPROTO_TCP, 0, 0, _ALL_STATES)
+        + struct.pack("!HH", port, remote_port)
+        + src.ljust(16, b"\0")
+        + dst.ljust(16, b"\0")
+        + struct.pack("=I", 0)
+        + _NO_COOKIE
+    )
     return _HDR.pack(_HDR.size + len(body), _SOCK_DIAG_BY_FAMILY, _NLM_F_REQUEST, 1, 0) + body
 
 
@@ -221,8 +227,11 @@ def _check_port(where: str, port: int) -> None:
         raise _refuse(where, f"cannot be checked ({e})") from None
     foreign = sorted(owners - {os.getuid(), 0})
     if foreign:
-        raise _refuse(where, f"is listened on by uid {foreign[0]}, not this user ({os.getuid()}): its server stopped "
-                             "and another user took the port")
+        raise _refuse(
+            where,
+            f"is listened on by uid {foreign[0]}, not this user ({os.getuid()}): its server stopped "
+            "and another user took the port",
+        )
 
 
 def check_listener(address: str) -> None:
@@ -340,8 +349,11 @@ class TokenGuard:
             raise _NoListener(f"{self.address} has no listener (its server stopped)")
         foreign = sorted(uid for uid, _ in found if uid not in (os.getuid(), 0))
         if foreign:
-            raise _refuse(self.address, f"is listened on by uid {foreign[0]}, not this user ({os.getuid()}): its "
-                                        "server stopped and another user took the port")
+            raise _refuse(
+                self.address,
+                f"is listened on by uid {foreign[0]}, not this user ({os.getuid()}): its "
+                "server stopped and another user took the port",
+            )
         inodes = tuple(inode for _, inode in found)
         if inodes != self._verified:
             _check_port(self.address, self._port)

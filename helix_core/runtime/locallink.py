@@ -20,6 +20,7 @@ gRPC's keepalive does on a channel with calls in flight, a link with calls in fl
 after ``keepalive_s`` of silence, and a server that has not answered ``keepalive_timeout_s`` later
 (SIGSTOPped, hung) breaks it.
 """
+
 from __future__ import annotations
 
 import logging
@@ -158,7 +159,7 @@ class CallLink:
         if kind == REPLY:
             return reply_cls.FromString(answer)
         task_id, code = _ERROR.unpack_from(answer)
-        raise LinkError(_CODES.get(code, grpc.StatusCode.UNKNOWN), answer[_ERROR.size:].decode(errors="replace"))
+        raise LinkError(_CODES.get(code, grpc.StatusCode.UNKNOWN), answer[_ERROR.size :].decode(errors="replace"))
 
     def close(self) -> None:
         with self._lock:
@@ -178,8 +179,9 @@ class LocalLink:
         threading.Thread(target=self._read, name="helix-link-reader", daemon=True).start()
 
     @classmethod
-    def connect(cls, name: str, token: str, keepalive_s: float = 2.0,
-                keepalive_timeout_s: float = 3.0) -> LocalLink | None:
+    def connect(
+        cls, name: str, token: str, keepalive_s: float = 2.0, keepalive_timeout_s: float = 3.0
+    ) -> LocalLink | None:
         sock = _handshake(name, token)
         return None if sock is None else cls(sock, keepalive_s, keepalive_timeout_s)
 
@@ -229,8 +231,11 @@ class LocalLink:
                     task_id, code = _ERROR.unpack_from(body)
                     fut = self._take(task_id)
                     if fut is not None:
-                        fut.set_exception(LinkError(_CODES.get(code, grpc.StatusCode.UNKNOWN),
-                                                    body[_ERROR.size:].decode(errors="replace")))
+                        fut.set_exception(
+                            LinkError(
+                                _CODES.get(code, grpc.StatusCode.UNKNOWN), body[_ERROR.size :].decode(errors="replace")
+                            )
+                        )
         except (OSError, EOFError, ValueError, struct.error):
             pass
         self._fail(LinkError(grpc.StatusCode.UNAVAILABLE, f"the local link to the DataServer {why}"))

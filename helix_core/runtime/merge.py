@@ -1,5 +1,6 @@
 """Merging microbatches (or a batch's pieces) into the batch that collating all their samples at
 once would give: tensors and arrays concatenated on dim 0, other dims zero-padded to the largest."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -23,14 +24,16 @@ def _pad_cat(parts: list, path: str, fresh, cat, pad: bool, grow=None):
     rows = sum(s[0] for s in shapes)
     same = all(s[1:] == shapes[0][1:] for s in shapes)
     if not same and not pad:
-        raise ValueError(f"{path}: stack expects each tensor to be equal size, but the batch's samples have shapes "
-                         f"{shapes} across its parts (torch's default_collate raises here too; hx.pad_collate pads)")
+        raise ValueError(
+            f"{path}: stack expects each tensor to be equal size, but the batch's samples have shapes "
+            f"{shapes} across its parts (torch's default_collate raises here too; hx.pad_collate pads)"
+        )
     rest = tuple(max(s[d] for s in shapes) for d in range(1, len(shapes[0])))
     out = grow(parts[0], (rows, *rest)) if grow is not None else None
     if out is not None:  # parts[0] is in place: the others' rows, their padding zeroed (the room held old bytes)
         row = shapes[0][0]
         for p in parts[1:]:
-            dst = out[row:row + p.shape[0]]
+            dst = out[row : row + p.shape[0]]
             if tuple(p.shape[1:]) != rest:
                 dst.zero_()
             dst[(slice(None), *(slice(0, n) for n in p.shape[1:]))] = p
@@ -138,7 +141,7 @@ def take_rows(batch, rows: list[int], n: int, view: bool = False):
     per-sample lists element by element; values that are not per sample are kept."""
     if isinstance(batch, (torch.Tensor, np.ndarray)) and batch.ndim:
         if view and rows and list(rows) == list(range(rows[0], rows[0] + len(rows))):
-            return batch[rows[0]:rows[0] + len(rows)]
+            return batch[rows[0] : rows[0] + len(rows)]
         if isinstance(batch, torch.Tensor):
             return batch[torch.as_tensor(rows, dtype=torch.long)]
         return batch[np.asarray(rows, dtype=np.int64)]

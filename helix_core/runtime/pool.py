@@ -11,6 +11,7 @@ them at once (one epoll set, kept across wake-ups). A worker that dies has its t
 respawned. A worker with nothing queued takes the unstarted tail of a running splittable batch
 (``steal``): the batch comes back in pieces.
 """
+
 from __future__ import annotations
 
 import collections
@@ -50,8 +51,15 @@ class WorkerPool(WorkerDeaths):
 
     LPC_ALPHA = 0.2  # weight of the newest measurement in latency_per_cost
 
-    def __init__(self, n: int, shm_prefix: str, allow_pickle: bool, config: ClusterConfig, clock=time.monotonic,
-                 cpu_slots: tuple[str, int] | None = None):
+    def __init__(
+        self,
+        n: int,
+        shm_prefix: str,
+        allow_pickle: bool,
+        config: ClusterConfig,
+        clock=time.monotonic,
+        cpu_slots: tuple[str, int] | None = None,
+    ):
         if n < 1:
             raise ValueError(f"workers must be >= 1, got {n}")
         self.prefix, self.allow_pickle, self.config, self.clock = shm_prefix, allow_pickle, config, clock
@@ -87,8 +95,16 @@ class WorkerPool(WorkerDeaths):
 
     def _spawn(self, wid: int, incarnation: int) -> WorkerProcess:
         c = self.config
-        return WorkerProcess(wid, incarnation, self.prefix, self.allow_pickle, self.cpu_slots, c.worker_memory_fraction,
-                             (c.execute_timeout_s + c.rpc_timeout_s, c.slab_idle_s), c.worker_nice)
+        return WorkerProcess(
+            wid,
+            incarnation,
+            self.prefix,
+            self.allow_pickle,
+            self.cpu_slots,
+            c.worker_memory_fraction,
+            (c.execute_timeout_s + c.rpc_timeout_s, c.slab_idle_s),
+            c.worker_nice,
+        )
 
     # ---- API used by gRPC handler threads --------------------------------------------------------
     def configure(self, spec_id: str, payload: bytes, fmt: str) -> None:
@@ -127,20 +143,29 @@ class WorkerPool(WorkerDeaths):
                 _, fut = self._futures.pop((client_id, tid), (None, None))
                 if fut is not None:
                     fut.cancel()
-            for task in self._pending.remove(ids, client_id):  # queued pieces of a split batch never run: count them out
+            for task in self._pending.remove(
+                ids, client_id
+            ):  # queued pieces of a split batch never run: count them out
                 self._piece_done(task, {"error_kind": ErrorKind.NOT_COMPLETED, "error": "cancelled"})
 
     def stats(self) -> dict:
         with self._lock:
             busy = [w for w in self._workers if w.task is not None]
             now = self.clock()
-            running = sum(max(0.0, w.task.get("predicted_cpu_s", 0.0) - (now - w.started) / self.latency_per_cost)
-                          for w in busy)
-            return {"queue_depth": len(self._pending), "inflight": len(busy), "completed": self.completed,
-                    "workers_alive": sum(w.proc.is_alive() for w in self._workers), "respawns": self.respawns,
-                    "worker_pids": [w.proc.pid for w in self._workers], "latency_per_cost": self.latency_per_cost,
-                    "steals": self.steals,
-                    "queued_cpu_s": self._pending.cpu_s + running}
+            running = sum(
+                max(0.0, w.task.get("predicted_cpu_s", 0.0) - (now - w.started) / self.latency_per_cost) for w in busy
+            )
+            return {
+                "queue_depth": len(self._pending),
+                "inflight": len(busy),
+                "completed": self.completed,
+                "workers_alive": sum(w.proc.is_alive() for w in self._workers),
+                "respawns": self.respawns,
+                "worker_pids": [w.proc.pid for w in self._workers],
+                "latency_per_cost": self.latency_per_cost,
+                "steals": self.steals,
+                "queued_cpu_s": self._pending.cpu_s + running,
+            }
 
     # ---- supervisor thread ---------------------------------------------------------------------------
     def _supervise(self) -> None:
@@ -213,18 +238,33 @@ class WorkerPool(WorkerDeaths):
         due first, as a piece of its own (None when there is none)."""
         if not self.config.work_stealing:
             return None
-        running = sorted((w for w in self._workers if w.task is not None and w.task.get("splittable")
-                          and len(w.task["indices"]) > 1 and not w.task["bad"] and self._current(w.task)
-                          and w.proc.is_alive()),
-                         key=lambda w: w.task["_key"])
+        running = sorted(
+            (
+                w
+                for w in self._workers
+                if w.task is not None
+                and w.task.get("splittable")
+                and len(w.task["indices"]) > 1
+                and not w.task["bad"]
+                and self._current(w.task)
+                and w.proc.is_alive()
+            ),
+            key=lambda w: w.task["_key"],
+        )
         for w in running:
             got = w.claim.steal()
             if got is None:
                 continue
             start, end = got
             task, n = w.task, len(w.task["indices"])
-            piece = dict(task, indices=task["indices"][start:end], _offset=task.get("_offset", 0) + start, bad={}, room=[],
-                         predicted_cpu_s=task.get("predicted_cpu_s", 0.0) * (end - start) / n)
+            piece = dict(
+                task,
+                indices=task["indices"][start:end],
+                _offset=task.get("_offset", 0) + start,
+                bad={},
+                room=[],
+                predicted_cpu_s=task.get("predicted_cpu_s", 0.0) * (end - start) / n,
+            )
             task["indices"] = task["indices"][:start]  # what it keeps (a retry after its death runs just that)
             task["predicted_cpu_s"] = task.get("predicted_cpu_s", 0.0) * start / n
             self._split.setdefault(task["_serial"], Pieces()).add(piece["_offset"])

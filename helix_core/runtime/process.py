@@ -5,6 +5,7 @@
 ready line (``HELIX_READY {json}``) on stdout, logs to stderr only, and stops when its owner's
 pipe (stdin) closes — so nothing outlives a crashed or interrupted training process.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,6 +29,7 @@ READY = "HELIX_READY"
 
 def _watch_parent(stop: threading.Event) -> None:
     """Set ``stop`` when stdin (the owner's pipe) reaches EOF."""
+
     def run():
         try:
             while sys.stdin.buffer.read(1):
@@ -44,8 +46,15 @@ def _ready(info: dict) -> None:
     sys.stdout.flush()
 
 
-def await_coordinator(coordinator: str, token_file: str | None, timeout_s: float, config: ClusterConfig, tls,
-                      stop: threading.Event, clock=time.monotonic) -> str | None:
+def await_coordinator(
+    coordinator: str,
+    token_file: str | None,
+    timeout_s: float,
+    config: ClusterConfig,
+    tls,
+    stop: threading.Event,
+    clock=time.monotonic,
+) -> str | None:
     """The token for the Coordinator at ``coordinator``, once that Coordinator can be reached — up to
     ``timeout_s`` seconds of waiting for it (and for the token file it writes) when it is not up
     yet, saying once on stderr what it waits for; then what ``load_token`` has (None, or a
@@ -72,8 +81,11 @@ def await_coordinator(coordinator: str, token_file: str | None, timeout_s: float
             token = None
         if token or clock() >= deadline or stop.is_set():
             break
-        say(f"the token file {token_file}" if token_file else
-            f"the Coordinator at {coordinator} to write its token ({token_path(coordinator)})")
+        say(
+            f"the token file {token_file}"
+            if token_file
+            else f"the Coordinator at {coordinator} to write its token ({token_path(coordinator)})"
+        )
         stop.wait(0.2)
     if not token or stop.is_set():
         return token
@@ -108,23 +120,41 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--workers", type=int, default=2)
     d.add_argument("--host", default="127.0.0.1")
     d.add_argument("--port", type=int, default=0)
-    d.add_argument("--advertise", default=None,
-                   help="the host name or address peers dial this server by (default: --host; its FQDN for 0.0.0.0)")
-    d.add_argument("--connect-timeout-s", type=float, default=60.0,
-                   help="how long to wait for the Coordinator (and the token file it writes) when it is not up yet: "
-                        "services may start in any order")
-    d.add_argument("--host-id", default=None,
-                   help="this host's identity (default: HELIX_HOST_ID, else hostname + boot id); "
-                        "local servers serve the ranks of their own host only")
+    d.add_argument(
+        "--advertise",
+        default=None,
+        help="the host name or address peers dial this server by (default: --host; its FQDN for 0.0.0.0)",
+    )
+    d.add_argument(
+        "--connect-timeout-s",
+        type=float,
+        default=60.0,
+        help="how long to wait for the Coordinator (and the token file it writes) when it is not up yet: "
+        "services may start in any order",
+    )
+    d.add_argument(
+        "--host-id",
+        default=None,
+        help="this host's identity (default: HELIX_HOST_ID, else hostname + boot id); "
+        "local servers serve the ranks of their own host only",
+    )
     for s in (c, d):
-        s.add_argument("--token-file", default=None,
-                       help="file holding the token (or set HELIX_TOKEN; default: the one this user's Coordinator "
-                            "left in the private Helix folder, made by a Coordinator started without one)")
+        s.add_argument(
+            "--token-file",
+            default=None,
+            help="file holding the token (or set HELIX_TOKEN; default: the one this user's Coordinator "
+            "left in the private Helix folder, made by a Coordinator started without one)",
+        )
         s.add_argument("--tls-cert", default=None, help="PEM certificate (chain) of this service (or HELIX_TLS_CERT)")
         s.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert (or HELIX_TLS_KEY)")
-        s.add_argument("--tls-ca", default=None, help="PEM CA that peers' certificates are checked against (or HELIX_TLS_CA)")
-        s.add_argument("--insecure", action="store_true",
-                       help="listen beyond loopback without TLS (a warning; pickled data is then refused)")
+        s.add_argument(
+            "--tls-ca", default=None, help="PEM CA that peers' certificates are checked against (or HELIX_TLS_CA)"
+        )
+        s.add_argument(
+            "--insecure",
+            action="store_true",
+            help="listen beyond loopback without TLS (a warning; pickled data is then refused)",
+        )
         s.add_argument("--config-json", default=None, help="ClusterConfig fields as JSON")
         s.add_argument("--owned", action="store_true", help="stop when stdin closes (started by a LocalCluster)")
         s.add_argument("--log-level", default="WARNING")
@@ -133,7 +163,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level, stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.basicConfig(
+        level=args.log_level, stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s"
+    )
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
@@ -141,8 +173,11 @@ def main(argv: list[str] | None = None) -> int:
         _watch_parent(stop)
     try:
         config = ClusterConfig(**json.loads(args.config_json)) if args.config_json else ClusterConfig()
-        tls = Tls.from_files(args.tls_cert, args.tls_key, args.tls_ca) if (args.tls_cert or args.tls_key or args.tls_ca) \
+        tls = (
+            Tls.from_files(args.tls_cert, args.tls_key, args.tls_ca)
+            if (args.tls_cert or args.tls_key or args.tls_ca)
             else Tls.from_env()
+        )
         if args.role == "dataserver":
             if not args.connect_timeout_s >= 0:
                 raise ValueError(f"--connect-timeout-s must be >= 0 seconds, got {args.connect_timeout_s}")
@@ -158,18 +193,40 @@ def main(argv: list[str] | None = None) -> int:
         if args.role == "coordinator":
             from .coordinator import serve_coordinator
 
-            serve_coordinator(args.host, args.port, token, config, args.scheduler, stop,
-                              on_ready=lambda addr, cid: _ready({"address": addr, "cluster_id": cid, "pid": os.getpid()}),
-                              cluster_id=args.cluster_id, tls=tls, insecure=args.insecure)
+            serve_coordinator(
+                args.host,
+                args.port,
+                token,
+                config,
+                args.scheduler,
+                stop,
+                on_ready=lambda addr, cid: _ready({"address": addr, "cluster_id": cid, "pid": os.getpid()}),
+                cluster_id=args.cluster_id,
+                tls=tls,
+                insecure=args.insecure,
+            )
         else:
             from .dataserver import serve_dataserver
 
             kind = "remote" if args.remote else "local"
-            serve_dataserver(args.coordinator, kind, -1 if args.remote else args.local_rank, args.workers, token,
-                             config, stop, host=args.host, port=args.port, host_id=args.host_id, tls=tls,
-                             insecure=args.insecure, advertise=args.advertise,
-                             on_ready=lambda addr, sid, cid: _ready({"address": addr, "server_id": sid, "cluster_id": cid,
-                                                                    "pid": os.getpid()}))
+            serve_dataserver(
+                args.coordinator,
+                kind,
+                -1 if args.remote else args.local_rank,
+                args.workers,
+                token,
+                config,
+                stop,
+                host=args.host,
+                port=args.port,
+                host_id=args.host_id,
+                tls=tls,
+                insecure=args.insecure,
+                advertise=args.advertise,
+                on_ready=lambda addr, sid, cid: _ready(
+                    {"address": addr, "server_id": sid, "cluster_id": cid, "pid": os.getpid()}
+                ),
+            )
     except (ValueError, ClusterError) as e:  # a non-loopback address without a token, no Coordinator, ...
         print(f"error: {e}", file=sys.stderr)
         return 2

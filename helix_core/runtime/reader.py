@@ -1,5 +1,6 @@
 """The client side of shared-memory delivery: ``SlabReader`` maps segments by name (cached) and
 releases slabs by handle (``shm`` is the owner's side and the file format)."""
+
 from __future__ import annotations
 
 import contextlib
@@ -29,27 +30,34 @@ from .shm import (
 __all__ = ["SlabReader"]
 
 
-
-
 def _open_own(segment: str) -> int:
     """A read-write descriptor of ``segment``'s file: never through a symbolic link, and only a file
     of this user's (``/dev/shm`` is every user's: a name freed by its DataServer may be taken)."""
     try:
         fd = os.open(_path(segment), os.O_RDWR | os.O_NOFOLLOW)
     except FileNotFoundError:
-        raise FileNotFoundError(errno.ENOENT, f"shared-memory segment {segment} does not exist "
-                                f"(its DataServer closed or was swept)", _path(segment)) from None
+        raise FileNotFoundError(
+            errno.ENOENT,
+            f"shared-memory segment {segment} does not exist (its DataServer closed or was swept)",
+            _path(segment),
+        ) from None
     except OSError as e:
         if e.errno != errno.ELOOP:
             raise
-        raise PermissionError(errno.EPERM, f"shared-memory segment {segment} is a symbolic link: not followed",
-                              _path(segment)) from None
+        raise PermissionError(
+            errno.EPERM, f"shared-memory segment {segment} is a symbolic link: not followed", _path(segment)
+        ) from None
     st = os.fstat(fd)
     if st.st_uid != os.getuid():
         os.close(fd)
-        raise PermissionError(errno.EPERM, f"shared-memory segment {segment} belongs to uid {st.st_uid}, not this "
-                              f"user ({os.getuid()}): not read", _path(segment))
+        raise PermissionError(
+            errno.EPERM,
+            f"shared-memory segment {segment} belongs to uid {st.st_uid}, not this user ({os.getuid()}): not read",
+            _path(segment),
+        )
     return fd
+
+
 class SlabReader:
     """Client side: maps segments by name (cached) and releases slabs by handle. Thread-safe."""
 
@@ -145,14 +153,19 @@ class SlabReader:
         process becomes the slab's holder (its producer takes it back if this process dies) —
         unless the slab is shared (``share``); a DataServer reading a rank's slab passes False."""
         mm = self.attach(handle["segment"])
-        if lease and "generation" in handle and _U64.unpack_from(mm, _GEN_AT)[0] == handle["generation"] \
-                and not _U64.unpack_from(mm, _READERS_AT)[0]:
+        if (
+            lease
+            and "generation" in handle
+            and _U64.unpack_from(mm, _GEN_AT)[0] == handle["generation"]
+            and not _U64.unpack_from(mm, _READERS_AT)[0]
+        ):
             pid, start = holder_stamp()  # the lease: its producer takes it back if this process dies
             _LEASE.pack_into(mm, _LEASE_AT, pid, start, _LEASE.unpack_from(mm, _LEASE_AT)[2])
         end = HEADER_BYTES + handle["nbytes"]
         if end > len(mm):
-            raise ValueError(f"handle asks for {handle['nbytes']} bytes; segment {handle['segment']} "
-                             f"holds {len(mm) - HEADER_BYTES}")
+            raise ValueError(
+                f"handle asks for {handle['nbytes']} bytes; segment {handle['segment']} holds {len(mm) - HEADER_BYTES}"
+            )
         return memoryview(mm)[HEADER_BYTES:end]
 
     def close(self) -> None:

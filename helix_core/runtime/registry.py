@@ -2,6 +2,7 @@
 clock, no gRPC). ``coordinator.py`` is the thin servicer in front of it; the routing methods and
 their load feed are ``routing.py``'s ``Routing``.
 """
+
 from __future__ import annotations
 
 import collections
@@ -88,8 +89,17 @@ class Registry(Routing):
                     s.alive = False
             remotes = sum(s.kind == "remote" for s in self.servers.values())
             sid = f"{kind[0]}{local_rank if kind == 'local' else remotes}-{uuid.uuid4().hex[:6]}"
-            st = ServerState(sid, address, kind, local_rank if kind == "local" else -1, host, max(workers, 1), now, now,
-                             due=now + self.config.heartbeat_timeout_s)
+            st = ServerState(
+                sid,
+                address,
+                kind,
+                local_rank if kind == "local" else -1,
+                host,
+                max(workers, 1),
+                now,
+                now,
+                due=now + self.config.heartbeat_timeout_s,
+            )
             self.servers[sid] = st
             if kind == "local":
                 self._hosts.setdefault(host, len(self._hosts))
@@ -97,8 +107,9 @@ class Registry(Routing):
             log.info("registered %s server %s at %s (%d workers)", kind, sid, address, workers)
             return st
 
-    def register_client(self, rank: int, world_size: int, host: str, local_rank: int = -1, client_id: str = "",
-                        task_id_base: int = 0) -> tuple[str, int]:
+    def register_client(
+        self, rank: int, world_size: int, host: str, local_rank: int = -1, client_id: str = "", task_id_base: int = 0
+    ) -> tuple[str, int]:
         """A client's id and task-id base: its task ids are ``base + 1, base + 2, ...``. A client
         makes both itself (a uuid; a random base, ``ClusterClient``), so they survive a Coordinator
         restart and a re-registration keeps them; servers key tasks by (client id, task id), so two
@@ -107,8 +118,14 @@ class Registry(Routing):
         cid = client_id or f"c{rank}-{uuid.uuid4().hex[:6]}"
         with self._lock:
             base = task_id_base or (len(self.clients) + 1) << TASK_ID_BITS
-            self.clients[cid] = {"rank": rank, "world_size": world_size, "host": host, "local_rank": local_rank,
-                                 "task_id_base": base, "last_seen": self.clock()}
+            self.clients[cid] = {
+                "rank": rank,
+                "world_size": world_size,
+                "host": host,
+                "local_rank": local_rank,
+                "task_id_base": base,
+                "last_seen": self.clock(),
+            }
         return cid, base
 
     def heartbeat(self, server_id: str, healthy: bool = True, next_beat_s: float = 0.0, **stats) -> bool:
@@ -125,8 +142,11 @@ class Registry(Routing):
                 self._live = {}
             st.last_seen, st.alive = self.clock(), bool(healthy)
             c = self.config
-            st.due = st.last_seen + c.heartbeat_timeout_s + max(0.0, min(next_beat_s, self.longest_beat_s)
-                                                                 - c.heartbeat_interval_s)
+            st.due = (
+                st.last_seen
+                + c.heartbeat_timeout_s
+                + max(0.0, min(next_beat_s, self.longest_beat_s) - c.heartbeat_interval_s)
+            )
             for k, v in stats.items():
                 setattr(st, k, v)
             if "queued_cpu_s" in stats:  # the server's own count now covers what was routed before it
@@ -199,7 +219,8 @@ class Registry(Routing):
         table = self._live.get(host)
         if table is None:
             table = self._live[host] = ServerColumns(
-                [s for s in self._ordering()[1] if s.alive and (s.kind == "remote" or s.host == host)])
+                [s for s in self._ordering()[1] if s.alive and (s.kind == "remote" or s.host == host)]
+            )
         return table
 
     def _sync(self, st: ServerState) -> None:
@@ -227,17 +248,20 @@ class Registry(Routing):
         its shared memory is not the rank's."""
         locals_ = self._ordering()[0].get(host, [])
         if not locals_:
-            raise NoDeliveryServer(f"no local DataServer registered on host {host!r} (rank {rank}); hosts with one: "
-                              f"{sorted(h for h, s in self._ordering()[0].items() if s) or 'none'} — start "
-                              "'helix dataserver --local-rank 0' on that host")
+            raise NoDeliveryServer(
+                f"no local DataServer registered on host {host!r} (rank {rank}); hosts with one: "
+                f"{sorted(h for h, s in self._ordering()[0].items() if s) or 'none'} — start "
+                "'helix dataserver --local-rank 0' on that host"
+            )
         n, slot = len(locals_), rank if local_rank is None or local_rank < 0 else local_rank
         for skip in (exclude, set()):
             for k in range(n):
                 s = locals_[(slot + k) % n]
                 if s.alive and s.server_id not in skip:
                     return s
-        raise NoDeliveryServer(f"no live local DataServer on host {host!r} can deliver to rank {rank} "
-                          f"({n} registered there, all dead)")
+        raise NoDeliveryServer(
+            f"no live local DataServer on host {host!r} can deliver to rank {rank} ({n} registered there, all dead)"
+        )
 
     def round_leader(self, rank: int) -> ServerState:
         """Tier 2: the server that leads the rounds of a group whose lowest rank is ``rank`` — that

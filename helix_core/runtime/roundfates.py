@@ -13,6 +13,7 @@ cluster. Each call says how old its round can be at most (``age_s``: since the r
 its leader, or since the rank sent its batch; durations, so no two hosts' clocks are compared),
 and a record older than that belongs to an earlier run: it is forgotten, never served.
 """
+
 from __future__ import annotations
 
 import math
@@ -48,8 +49,9 @@ class RoundFates:
         self._lock = threading.Lock()
         self._rounds: OrderedDict[tuple, tuple[float, _Moved | None]] = OrderedDict()  # key: (when, None: refused)
 
-    def commit(self, key: tuple, moved: dict[int, list[int]], release: dict | None = None,
-               age_s: float = math.inf) -> bool:
+    def commit(
+        self, key: tuple, moved: dict[int, list[int]], release: dict | None = None, age_s: float = math.inf
+    ) -> bool:
         """The leader's moved round ``key`` (open ``age_s`` at the leader; ``release``: rank -> the
         ``(segment, generation)`` of the slabs its answer has it release). False if a rank has already been told
         it kept (the leader must then keep every batch). An empty ``moved`` withdraws the leader's

@@ -2,6 +2,7 @@
 routed tasks put on their servers until they complete, and the decisions' telemetry. A mixin of
 ``Registry`` (``registry.py``), whose state it reads and updates under its lock.
 """
+
 from __future__ import annotations
 
 import logging
@@ -31,8 +32,19 @@ class Routing:
             chosen = self._schedulers[scheduler] = make_scheduler(scheduler)
         return chosen
 
-    def route(self, rank: int, task_id: int, cost: dict, exclude: set[str], scheduler: str | None = None,
-              t_arrival: float | None = None, *, host: str, local_rank: int | None = None, client_id: str = ""):
+    def route(
+        self,
+        rank: int,
+        task_id: int,
+        cost: dict,
+        exclude: set[str],
+        scheduler: str | None = None,
+        t_arrival: float | None = None,
+        *,
+        host: str,
+        local_rank: int | None = None,
+        client_id: str = "",
+    ):
         """Place one request of a rank on ``host`` (its ``local_rank`` picks its delivery server):
         the candidates are that host's local servers and the remote ones. ``cost``:
         ``PlacementRequest`` fields (cpu_s, io_bytes, out_bytes, tokens, deadline_s). Returns
@@ -90,18 +102,32 @@ class Routing:
 
     def telemetry(self, last: int = 100) -> dict:
         us = list(self.decision_us)
-        return {"cluster_id": self.cluster_id, "routed": self.routed, "scheduler": self.scheduler,
-                "scheduler_overhead_us_p50": percentile(us, 50), "scheduler_overhead_us_p99": percentile(us, 99),
-                "servers": [asdict(s) for s in self.ordered()], "clients": dict(self.clients),
-                "hosts": self.hosts(),
-                "decisions": [_decision_entry(d) for d in list(self.decisions)[-last:]] if last else []}
+        return {
+            "cluster_id": self.cluster_id,
+            "routed": self.routed,
+            "scheduler": self.scheduler,
+            "scheduler_overhead_us_p50": percentile(us, 50),
+            "scheduler_overhead_us_p99": percentile(us, 99),
+            "servers": [asdict(s) for s in self.ordered()],
+            "clients": dict(self.clients),
+            "hosts": self.hosts(),
+            "decisions": [_decision_entry(d) for d in list(self.decisions)[-last:]] if last else [],
+        }
 
 
 def _decision_entry(record: tuple) -> dict:
     task_id, rank, delivery, decision, us, scheduler, deadline_s = record
-    entry = {"task_id": task_id, "rank": rank, "server": decision.server_id, "delivery": delivery,
-             "scheduler": scheduler, "deadline_s": deadline_s, "reason": decision.reason,
-             "scores": decision.scores_by_server(), "us": round(us, 1)}
+    entry = {
+        "task_id": task_id,
+        "rank": rank,
+        "server": decision.server_id,
+        "delivery": delivery,
+        "scheduler": scheduler,
+        "deadline_s": deadline_s,
+        "reason": decision.reason,
+        "scores": decision.scores_by_server(),
+        "us": round(us, 1),
+    }
     if len(decision.finish_s):
         entry["finish_s"] = decision.finish_by_server()
     return entry

@@ -1,4 +1,5 @@
 """gRPC plumbing shared by every service and client: server construction, channels, Hello."""
+
 from __future__ import annotations
 
 from concurrent import futures
@@ -11,7 +12,15 @@ from .auth import AioTokenInterceptor, TokenInterceptor, call_metadata, check_bi
 from .listeners import guard
 from .proto import helix_pb2 as pb
 
-__all__ = ["channel_options", "check_hello", "connect", "connected", "create_aio_server", "create_server", "server_options"]
+__all__ = [
+    "channel_options",
+    "check_hello",
+    "connect",
+    "connected",
+    "create_aio_server",
+    "create_server",
+    "server_options",
+]
 
 
 def channel_options(config: ClusterConfig, keepalive: bool = True) -> list[tuple[str, int]]:
@@ -28,10 +37,16 @@ def channel_options(config: ClusterConfig, keepalive: bool = True) -> list[tuple
         # a restarted peer (a Coordinator back on its address) is found within a second, not gRPC's
         # default back-off of up to two minutes. (Not min_reconnect_backoff_ms: gRPC also takes it
         # as the connect timeout, and a TLS handshake on a busy host takes longer than 100 ms.)
-        ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 1000)]
+        ("grpc.initial_reconnect_backoff_ms", 100),
+        ("grpc.max_reconnect_backoff_ms", 1000),
+    ]
     if keepalive:
-        options += [("grpc.keepalive_time_ms", ping_ms), ("grpc.keepalive_timeout_ms", timeout_ms),
-                    ("grpc.http2.ping_timeout_ms", timeout_ms), ("grpc.http2.max_pings_without_data", 0)]
+        options += [
+            ("grpc.keepalive_time_ms", ping_ms),
+            ("grpc.keepalive_timeout_ms", timeout_ms),
+            ("grpc.http2.ping_timeout_ms", timeout_ms),
+            ("grpc.http2.max_pings_without_data", 0),
+        ]
     return options
 
 
@@ -41,20 +56,26 @@ def server_options(config: ClusterConfig) -> list[tuple[str, int]]:
     (GOAWAY "too_many_pings"). Servers ping no one: their callers watch them."""
     return _common_options(config) + [
         ("grpc.http2.min_recv_ping_interval_without_data_ms", max(1, int(config.keepalive_s * 1000) // 2)),
-        ("grpc.http2.max_ping_strikes", 0)]
+        ("grpc.http2.max_ping_strikes", 0),
+    ]
 
 
 def _common_options(config: ClusterConfig) -> list[tuple[str, int]]:
-    return [("grpc.max_send_message_length", config.max_message_bytes),
-            ("grpc.max_receive_message_length", config.max_message_bytes),
-            ("grpc.so_reuseport", 0)]
+    return [
+        ("grpc.max_send_message_length", config.max_message_bytes),
+        ("grpc.max_receive_message_length", config.max_message_bytes),
+        ("grpc.so_reuseport", 0),
+    ]
 
 
 def _bind(server, host: str, port: int, tls) -> int:
     address = f"{host}:{port}"
     try:
-        bound = server.add_secure_port(address, tls.server_credentials()) if tls is not None \
+        bound = (
+            server.add_secure_port(address, tls.server_credentials())
+            if tls is not None
             else server.add_insecure_port(address)
+        )
     except RuntimeError:  # grpc raises instead of returning 0 on some failures
         bound = 0
     if bound == 0:
@@ -62,25 +83,26 @@ def _bind(server, host: str, port: int, tls) -> int:
     return bound
 
 
-def create_server(host: str, port: int, token: str | None, config: ClusterConfig, threads: int = 16,
-                  tls=None, insecure: bool = False) -> tuple[grpc.Server, int]:
+def create_server(
+    host: str, port: int, token: str | None, config: ClusterConfig, threads: int = 16, tls=None, insecure: bool = False
+) -> tuple[grpc.Server, int]:
     """A gRPC server bound to ``host:port`` (0 picks a free port), with the token interceptor when
     a token is set, TLS when ``tls`` (a ``Tls``) is given, and message-size limits. Beyond
     loopback it needs a token, and TLS unless ``insecure``. Returns ``(server, port)``; the caller
     adds servicers and calls ``start()``."""
     check_bind(host, token, tls, insecure)
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="helix-rpc"),
-                         interceptors=[TokenInterceptor(token)] if token else [],
-                         options=server_options(config))
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="helix-rpc"),
+        interceptors=[TokenInterceptor(token)] if token else [],
+        options=server_options(config),
+    )
     return server, _bind(server, host, port, tls)
 
 
-def create_aio_server(host: str, port: int, token: str | None, config: ClusterConfig, tls=None,
-                      insecure: bool = False):
+def create_aio_server(host: str, port: int, token: str | None, config: ClusterConfig, tls=None, insecure: bool = False):
     """``create_server`` for an asyncio service (grpc.aio; call it inside the running loop)."""
     check_bind(host, token, tls, insecure)
-    server = grpc.aio.server(interceptors=[AioTokenInterceptor(token)] if token else [],
-                             options=server_options(config))
+    server = grpc.aio.server(interceptors=[AioTokenInterceptor(token)] if token else [], options=server_options(config))
     return server, _bind(server, host, port, tls)
 
 
@@ -118,23 +140,38 @@ def connected(channel: grpc.Channel) -> bool:
 def check_hello(stub, role: str, token: str | None, timeout_s: float, what: str, tls=None) -> pb.HelloReply:
     """Call ``Hello`` and compare protocol versions; raise ``ClusterError`` naming ``what``."""
     try:
-        reply = stub.Hello(pb.HelloRequest(protocol_version=PROTOCOL_VERSION, role=role),
-                           timeout=timeout_s, metadata=call_metadata(token))
+        reply = stub.Hello(
+            pb.HelloRequest(protocol_version=PROTOCOL_VERSION, role=role),
+            timeout=timeout_s,
+            metadata=call_metadata(token),
+        )
     except grpc.RpcError as e:
         if e.code() == grpc.StatusCode.UNAUTHENTICATED:
-            hint = "" if token else ("; none was passed, and this user's private Helix folder holds none for this "
-                                     "address (its Coordinator runs under another user, or on another machine)")
+            hint = (
+                ""
+                if token
+                else (
+                    "; none was passed, and this user's private Helix folder holds none for this "
+                    "address (its Coordinator runs under another user, or on another machine)"
+                )
+            )
             raise ClusterError(f"{what} refused the connection: {e.details()}{hint}") from None
         if tls is None:
             hint = "; if it uses TLS, set HELIX_TLS_CA, HELIX_TLS_CERT and HELIX_TLS_KEY (its CA, and a certificate it signed)"
         elif tls.cert is None:
-            hint = (f"; with TLS every peer presents a certificate: give {tls.names[0]} and {tls.names[1]} "
-                    "(one the cluster's CA signed)")
+            hint = (
+                f"; with TLS every peer presents a certificate: give {tls.names[0]} and {tls.names[1]} "
+                "(one the cluster's CA signed)"
+            )
         else:
-            hint = (f"; with TLS: is its certificate signed by the CA in {tls.names[2]} and made for this address, "
-                    "and ours by its CA?")
+            hint = (
+                f"; with TLS: is its certificate signed by the CA in {tls.names[2]} and made for this address, "
+                "and ours by its CA?"
+            )
         raise ClusterError(f"cannot reach {what}: {e.code().name} {e.details()}{hint}") from None
     if reply.protocol_version != PROTOCOL_VERSION:
-        raise ClusterError(f"{what} speaks Helix protocol {reply.protocol_version}, this client "
-                           f"{PROTOCOL_VERSION}: install the same Helix version everywhere")
+        raise ClusterError(
+            f"{what} speaks Helix protocol {reply.protocol_version}, this client "
+            f"{PROTOCOL_VERSION}: install the same Helix version everywhere"
+        )
     return reply

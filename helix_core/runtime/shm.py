@@ -22,6 +22,7 @@ holder; a producer takes back a BUSY slab whose holder died, or that nobody mapp
 This module holds the format, one ``Slab`` and what is done to segments by name (release, list,
 sweep, unlink a dead producer's); the pool that owns them is ``slabpool.py``.
 """
+
 from __future__ import annotations
 
 import errno
@@ -34,8 +35,21 @@ import time
 
 from .lease import holder_alive
 
-__all__ = ["ALIGN", "BUSY", "FREE", "HEADER_BYTES", "MAGIC", "SHM_DIR", "ShmCapacityError", "Slab",
-           "list_segments", "owned", "release_segment", "sweep", "unlink_if_free"]
+__all__ = [
+    "ALIGN",
+    "BUSY",
+    "FREE",
+    "HEADER_BYTES",
+    "MAGIC",
+    "SHM_DIR",
+    "ShmCapacityError",
+    "Slab",
+    "list_segments",
+    "owned",
+    "release_segment",
+    "sweep",
+    "unlink_if_free",
+]
 
 log = logging.getLogger("helix.shm")
 
@@ -104,7 +118,7 @@ class Slab:
         self.capacity = capacity
         self.generation = generation
         self._mm = mm
-        self.payload = memoryview(mm)[HEADER_BYTES:HEADER_BYTES + capacity]
+        self.payload = memoryview(mm)[HEADER_BYTES : HEADER_BYTES + capacity]
         self.last_used = time.monotonic()
 
     @property
@@ -157,10 +171,16 @@ def _create_segment(name: str, capacity: int, reserve: float = 0.0) -> Slab:
     free, total = _space()
     keep = int(reserve * total)
     if size + keep > free:
-        why = (f" while keeping {keep} bytes free for others: every slab this pool keeps for reuse is held "
-               "(are kept batches piling up?)" if keep else "")
-        raise ShmCapacityError(f"/dev/shm cannot hold segment {name}: it needs {size} bytes and "
-                               f"{free} bytes are free{why} (raise the tmpfs size or lower the prefetch depth)")
+        why = (
+            f" while keeping {keep} bytes free for others: every slab this pool keeps for reuse is held "
+            "(are kept batches piling up?)"
+            if keep
+            else ""
+        )
+        raise ShmCapacityError(
+            f"/dev/shm cannot hold segment {name}: it needs {size} bytes and "
+            f"{free} bytes are free{why} (raise the tmpfs size or lower the prefetch depth)"
+        )
     path = _path(name)
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
@@ -170,8 +190,9 @@ def _create_segment(name: str, capacity: int, reserve: float = 0.0) -> Slab:
     except OSError as e:
         os.unlink(path)
         if e.errno == errno.ENOSPC:
-            raise ShmCapacityError(f"/dev/shm cannot hold segment {name}: it needs {size} bytes and "
-                                   f"{_space()[0]} bytes are free") from e
+            raise ShmCapacityError(
+                f"/dev/shm cannot hold segment {name}: it needs {size} bytes and {_space()[0]} bytes are free"
+            ) from e
         raise
     except BaseException:
         os.unlink(path)
@@ -214,8 +235,10 @@ def sweep(prefix: str) -> int:
     "helix-<cluster>-"); returns how many. Used after killed processes, whose pools never ran
     close(). Another user's files (or symlinks) under the prefix are left and logged, never an error."""
     if len(prefix) < 8 or not prefix.startswith("helix-"):
-        raise ValueError(f"sweep({prefix!r}): the prefix must start with 'helix-' and have at least "
-                         f"8 characters, so it can only match one cluster's segments")
+        raise ValueError(
+            f"sweep({prefix!r}): the prefix must start with 'helix-' and have at least "
+            f"8 characters, so it can only match one cluster's segments"
+        )
     count, foreign = 0, []
     for name in list_segments(prefix):
         path = os.path.join(SHM_DIR, name)
@@ -230,8 +253,12 @@ def sweep(prefix: str) -> int:
         except PermissionError:  # (owned a moment ago: replaced meanwhile)
             foreign.append(name)
     if foreign:
-        log.warning("sweep(%r): left %d file(s) that are not this user's: %s", prefix, len(foreign),
-                    ", ".join(foreign[:5]) + (" ..." if len(foreign) > 5 else ""))
+        log.warning(
+            "sweep(%r): left %d file(s) that are not this user's: %s",
+            prefix,
+            len(foreign),
+            ", ".join(foreign[:5]) + (" ..." if len(foreign) > 5 else ""),
+        )
     return count
 
 

@@ -1,5 +1,6 @@
 """The owner of a process's slabs: a ``SlabPool`` creates segments (``shm``), hands them out,
 reuses the ones clients released, takes back orphaned ones and unlinks them at close or exit."""
+
 from __future__ import annotations
 
 import os
@@ -77,7 +78,7 @@ class SlabPool:
                 slab = self._create(nbytes, reserve=OVERFLOW_RESERVE if len(self._slabs) >= self.max_segments else 0.0)
             slab._mark_busy()
             if len(self._slabs) > self.max_segments:  # the overflow of kept batches, once they are free
-                self._drop([s for s in self._slabs if s.free][:len(self._slabs) - self.max_segments])
+                self._drop([s for s in self._slabs if s.free][: len(self._slabs) - self.max_segments])
             return slab
 
     def reclaim(self) -> int:
@@ -121,9 +122,13 @@ class SlabPool:
         """segments (count), bytes (of /dev/shm held, headers included), busy (count),
         created and reused (acquires since the pool started)."""
         with self._lock:
-            return {"segments": len(self._slabs), "bytes": sum(HEADER_BYTES + s.capacity for s in self._slabs),
-                    "busy": sum(not s.free for s in self._slabs), "created": self._created,
-                    "reused": self._reused}
+            return {
+                "segments": len(self._slabs),
+                "bytes": sum(HEADER_BYTES + s.capacity for s in self._slabs),
+                "busy": sum(not s.free for s in self._slabs),
+                "created": self._created,
+                "reused": self._reused,
+            }
 
     def close(self) -> None:
         """Unmap and unlink every segment (idempotent). Clients that still map a slab keep

@@ -8,6 +8,7 @@ dataset class or transform defined in or beside a training script just works —
 runs ``--insecure`` beyond loopback or with ``ClusterConfig(allow_pickle=False)``: then the loader
 refuses at construction, naming the argument, its module and the fix.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -16,8 +17,17 @@ import json
 import sys
 import types
 
-__all__ = ["function_path", "import_path", "json_function", "load_spec", "make_spec", "resolve", "resolve_function",
-           "sample_path", "why_not_json"]
+__all__ = [
+    "function_path",
+    "import_path",
+    "json_function",
+    "load_spec",
+    "make_spec",
+    "resolve",
+    "resolve_function",
+    "sample_path",
+    "why_not_json",
+]
 
 _DEFAULT_COLLATE = "torch.utils.data:default_collate"
 
@@ -120,8 +130,10 @@ def make_spec(dataset, collate_fn, pickle_allowed: bool, feature_fn=None) -> tup
         parts = {"dataset": dataset, "collate_fn": collate_fn or default_collate, "feature_fn": feature_fn}
         payload, fmt = dumps({k: None if v is None else dumps(v) for k, v in parts.items()}), "cloudpickle"
     else:
-        raise ValueError(f"{lost} cannot travel to the DataServers without cloudpickle, and this cluster takes none "
-                         f"(reached beyond loopback without TLS, or ClusterConfig(allow_pickle=False)): use {PICKLING}")
+        raise ValueError(
+            f"{lost} cannot travel to the DataServers without cloudpickle, and this cluster takes none "
+            f"(reached beyond loopback without TLS, or ClusterConfig(allow_pickle=False)): use {PICKLING}"
+        )
     return hashlib.sha256(fmt.encode() + payload).hexdigest()[:16], payload, fmt
 
 
@@ -147,8 +159,13 @@ def load_spec(payload: bytes, fmt: str, allow_pickle: bool):
         raise TypeError(f"{target} is not a torch Dataset class")
     collate_path = spec.get("collate_fn") or _DEFAULT_COLLATE
     collate = _rebuilt(f"collate_fn ({collate_path})", lambda: resolve_function(collate_path, "collate_fn"))
-    feature_fn = _rebuilt(f"Rebalance.feature_fn ({spec['feature_fn']})",
-                          lambda: resolve_function(spec["feature_fn"], "feature_fn")) if spec.get("feature_fn") else None
+    feature_fn = (
+        _rebuilt(
+            f"Rebalance.feature_fn ({spec['feature_fn']})", lambda: resolve_function(spec["feature_fn"], "feature_fn")
+        )
+        if spec.get("feature_fn")
+        else None
+    )
     if isinstance(kwargs.get("transform"), str):  # a dataset's transform travels by import path too
         path = kwargs["transform"]
         _rebuilt(f"transform ({path})", lambda: resolve_function(path, "transform"))
@@ -162,9 +179,11 @@ def _rebuilt(what: str, build):
     except TypeError as e:  # a name a JSON spec may not carry (not a function, the standard library's)
         raise TypeError(f"the DataServer cannot rebuild the {what}: {e}") from None
     except (ImportError, AttributeError) as e:
-        raise ValueError(f"the DataServer cannot rebuild the {what}: {type(e).__name__}: {e} (install that module "
-                         "where the DataServers run, or use a cluster that takes cloudpickle: its code then travels "
-                         "by value)") from None
+        raise ValueError(
+            f"the DataServer cannot rebuild the {what}: {type(e).__name__}: {e} (install that module "
+            "where the DataServers run, or use a cluster that takes cloudpickle: its code then travels "
+            "by value)"
+        ) from None
     except Exception as e:
         raise ValueError(f"the DataServer cannot rebuild the {what}: {type(e).__name__}: {e}") from None
 

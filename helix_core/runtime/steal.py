@@ -9,6 +9,7 @@ it did. The pieces come back as one reply and the client merges them, which is e
 collates whose merge is exact (``default_collate``, ``pad_collate``: the request says
 ``splittable``), so the batch is the one a single worker would have made, sooner.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -129,10 +130,16 @@ class Pieces:
             error.setdefault("skipped", [])
             return error, [r for r in ordered if "handle" in r]
         features = [f for r in ordered for f in r.get("features", ())]
-        return {"pieces": ordered, "rows": [int(r["rows"]) for r in ordered], "skipped": [],
-                **({"features": features} if any("features" in r for r in ordered) else {}),
-                "decoded": decoded, "decode_cpu_s": cpu, "exec_s": max(r.get("exec_s", 0.0) for r in ordered),
-                "queue_s": ordered[0].get("queue_s", 0.0)}, []
+        return {
+            "pieces": ordered,
+            "rows": [int(r["rows"]) for r in ordered],
+            "skipped": [],
+            **({"features": features} if any("features" in r for r in ordered) else {}),
+            "decoded": decoded,
+            "decode_cpu_s": cpu,
+            "exec_s": max(r.get("exec_s", 0.0) for r in ordered),
+            "queue_s": ordered[0].get("queue_s", 0.0),
+        }, []
 
 
 def handles(result: dict) -> list[dict]:

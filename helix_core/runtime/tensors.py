@@ -7,6 +7,7 @@ float / bool / None. The tree travels as JSON with placeholders (`{"__t": i}` fo
 cloudpickle, which only an authenticated cluster reached over loopback or TLS allows (`allow_pickle=True`).
 Tensor metas match the `TensorMeta` message: dtype, shape, offset, nbytes, is_inline, inline_data.
 """
+
 from __future__ import annotations
 
 import json
@@ -25,9 +26,27 @@ __all__ = ["INLINE_BYTES", "copy_tensors", "flatten", "layout", "read_tensors", 
 INLINE_BYTES = 4096  # tensors smaller than this (bytes) travel inside the message
 _ALIGN = 64  # payload offsets of non-inline tensors (bytes): cache-line and any dtype's alignment
 
-_DTYPES = {name: getattr(torch, name) for name in (
-    "uint8", "int8", "int16", "int32", "int64", "uint16", "uint32", "uint64", "float16", "bfloat16",
-    "float32", "float64", "complex64", "complex128", "bool") if hasattr(torch, name)}
+_DTYPES = {
+    name: getattr(torch, name)
+    for name in (
+        "uint8",
+        "int8",
+        "int16",
+        "int32",
+        "int64",
+        "uint16",
+        "uint32",
+        "uint64",
+        "float16",
+        "bfloat16",
+        "float32",
+        "float64",
+        "complex64",
+        "complex128",
+        "bool",
+    )
+    if hasattr(torch, name)
+}
 _JSON_SCALARS = (str, int, float, bool, type(None))
 _RESERVED_KEYS = ("__t", "__tuple")
 
@@ -130,9 +149,11 @@ def flatten(batch, allow_pickle: bool = False) -> tuple[str, bytes, list[torch.T
         return json.dumps(_to_json_tree(batch, "batch", ex), separators=(",", ":")), b"", ex.tensors
     except _Unsupported as e:
         if not allow_pickle:
-            raise TypeError(f"{e.path} is {e.what}, which Helix can only send with cloudpickle: use "
-                            f"{PICKLING} or return plain "
-                            f"types (dict/list/tuple/tensor/ndarray/str/int/float/bool/None)") from None
+            raise TypeError(
+                f"{e.path} is {e.what}, which Helix can only send with cloudpickle: use "
+                f"{PICKLING} or return plain "
+                f"types (dict/list/tuple/tensor/ndarray/str/int/float/bool/None)"
+            ) from None
     ex = _Extractor()
     return "", _pickle_tree(batch, ex), ex.tensors
 
@@ -166,8 +187,9 @@ def unflatten(tree_json: str, tree_pickle: bytes, tensors: list):
     return _Unpickler(io.BytesIO(tree_pickle)).load()
 
 
-def layout(tensors: list[torch.Tensor], pinned: dict[int, tuple[int, int]] | None = None,
-           reserve: int = 0) -> tuple[list[dict], int]:
+def layout(
+    tensors: list[torch.Tensor], pinned: dict[int, tuple[int, int]] | None = None, reserve: int = 0
+) -> tuple[list[dict], int]:
     """(metas, payload bytes): non-inline tensors packed in order at 64-byte-aligned offsets.
     ``pinned``: ``{tensor position: (offset, nbytes)}`` of tensors already written in place in the
     payload (decoded straight into it); the others are packed after them, and after ``reserve``
@@ -178,8 +200,15 @@ def layout(tensors: list[torch.Tensor], pinned: dict[int, tuple[int, int]] | Non
     for k, t in enumerate(tensors):
         if k in pinned:
             name = _dtype_name(t)
-            metas.append({"dtype": name, "shape": list(t.shape), "offset": pinned[k][0], "nbytes": pinned[k][1],
-                          "is_inline": False})
+            metas.append(
+                {
+                    "dtype": name,
+                    "shape": list(t.shape),
+                    "offset": pinned[k][0],
+                    "nbytes": pinned[k][1],
+                    "is_inline": False,
+                }
+            )
             continue
         name = _dtype_name(t)
         if name is None:
@@ -189,8 +218,7 @@ def layout(tensors: list[torch.Tensor], pinned: dict[int, tuple[int, int]] | Non
         offset = 0 if inline else -(-end // _ALIGN) * _ALIGN
         if not inline:
             end = offset + nbytes
-        metas.append({"dtype": name, "shape": list(t.shape), "offset": offset, "nbytes": nbytes,
-                      "is_inline": inline})
+        metas.append({"dtype": name, "shape": list(t.shape), "offset": offset, "nbytes": nbytes, "is_inline": inline})
     return metas, end
 
 
@@ -215,7 +243,7 @@ def write_tensors(payload: memoryview, tensors: list[torch.Tensor], metas: list[
             if off + n > dst.numel():
                 raise ValueError(f"tensor needs payload bytes [{off}, {off + n}); the payload has {dst.numel()}")
             if not (n and t.data_ptr() == dst[off:].data_ptr()):  # else already in place (decoded into it)
-                dst[off:off + n].copy_(_bytes_of(t))
+                dst[off : off + n].copy_(_bytes_of(t))
         out.append(meta)
     return out
 
@@ -253,8 +281,10 @@ def read_tensors(buffer, metas: list[dict], on_release: Callable[[], Any] | None
             weakref.finalize(base, on_release)
         base_t = torch.from_numpy(base)
         del base
-    out = [_inline_tensor(m) if m["is_inline"]
-           else _typed(base_t[m["offset"] - lo:m["offset"] - lo + m["nbytes"]], m) for m in metas]
+    out = [
+        _inline_tensor(m) if m["is_inline"] else _typed(base_t[m["offset"] - lo : m["offset"] - lo + m["nbytes"]], m)
+        for m in metas
+    ]
     if base_t is None and on_release is not None:
         on_release()
     return out
@@ -263,4 +293,7 @@ def read_tensors(buffer, metas: list[dict], on_release: Callable[[], Any] | None
 def copy_tensors(buffer, metas: list[dict]) -> list[torch.Tensor]:
     """Owned copies of the tensors (e.g. to pin or stage on a device); the caller may release the
     slab as soon as this returns."""
-    return [t if m["is_inline"] else fresh_tensor(t.shape, t.dtype).copy_(t) for t, m in zip(read_tensors(buffer, metas), metas)]
+    return [
+        t if m["is_inline"] else fresh_tensor(t.shape, t.dtype).copy_(t)
+        for t, m in zip(read_tensors(buffer, metas), metas)
+    ]

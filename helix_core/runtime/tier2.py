@@ -26,6 +26,7 @@ condition until its own round closes, or until the open round's timeout is due.
 The round itself runs in ``tier2_policy.py`` (the assignment) and ``tier2_outcome.py`` (the
 takes, the cross-host exchange, the replies); this module holds the calls until it does.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -87,8 +88,16 @@ class RoundTable(RoundOutcome, RoundPolicy):
     """The rounds this DataServer leads, one open round per group and step. Thread-safe: each held
     call runs on its own gRPC thread; the one whose batch closes a round (or finds it due) runs it."""
 
-    def __init__(self, allow_pickle: bool, clock=time.monotonic, exchange=None, address: str = "", host: str = "",
-                 commit=None, max_held: int = 32):
+    def __init__(
+        self,
+        allow_pickle: bool,
+        clock=time.monotonic,
+        exchange=None,
+        address: str = "",
+        host: str = "",
+        commit=None,
+        max_held: int = 32,
+    ):
         self.allow_pickle, self.clock = allow_pickle, clock
         # calls held at once (each takes a gRPC handler thread): one past it keeps its batch at once
         # ("busy"), so held rounds never take the threads the server's other RPCs need
@@ -114,16 +123,23 @@ class RoundTable(RoundOutcome, RoundPolicy):
             if why:
                 raise ValueError(why)
             features = json.loads(request.features_json or "[]")
-            if not isinstance(features, list) or len(features) != sum(request.batch_rows) or \
-                    len(request.batches) != len(request.batch_rows):
-                raise ValueError(f"{len(features) if isinstance(features, list) else 'no'} feature dicts for "
-                                 f"{sum(request.batch_rows)} rows in {len(request.batches)} slabs")
+            if (
+                not isinstance(features, list)
+                or len(features) != sum(request.batch_rows)
+                or len(request.batches) != len(request.batch_rows)
+            ):
+                raise ValueError(
+                    f"{len(features) if isinstance(features, list) else 'no'} feature dicts for "
+                    f"{sum(request.batch_rows)} rows in {len(request.batches)} slabs"
+                )
             ranks = [int(r) for r in request.group.rsplit(":", 1)[-1].split(",")]
         except (ValueError, TypeError) as e:
             return self._keep(_Call(request), f"error: bad Rebalance request from rank {request.rank}: {e}")
         call = _Call(request, arrived=self.clock())
-        items = [RoundItem((call, k), request.rank, request.step, f if isinstance(f, dict) else {})
-                 for k, f in enumerate(features)]
+        items = [
+            RoundItem((call, k), request.rank, request.step, f if isinstance(f, dict) else {})
+            for k, f in enumerate(features)
+        ]
         # samples move only within a step: one round per step, and per run (a rank that resumed
         # never trades with one still on the run before)
         key = (request.group, request.run, request.step)
@@ -141,8 +157,9 @@ class RoundTable(RoundOutcome, RoundPolicy):
             self._remember(self._calls, name, call)
             buf = self._buffers.get(key)
             if buf is None:
-                buf = self._buffers[key] = RoundBuffer(ranks, max(2, request.buffer_size),
-                                                       request.timeout_s or 0.05, self.clock)
+                buf = self._buffers[key] = RoundBuffer(
+                    ranks, max(2, request.buffer_size), request.timeout_s or 0.05, self.clock
+                )
             for old in {it.key[0] for it in buf.drop(request.rank, request.step)}:  # a resumed run's step again
                 self._keep(old, "superseded")
                 self._cond.notify_all()
@@ -190,8 +207,14 @@ class RoundTable(RoundOutcome, RoundPolicy):
         with self._cond:
             call = self._calls.get((*key, request.rank, request.client_id))
             buf = self._buffers.get(key)
-            if call is None or not call.added or call.closed or call.reply is not None or buf is None \
-                    or not buf.ask(request.rank, request.step):
+            if (
+                call is None
+                or not call.added
+                or call.closed
+                or call.reply is not None
+                or buf is None
+                or not buf.ask(request.rank, request.step)
+            ):
                 return pb.AskRoundReply(asked=False)
             self._cond.notify_all()  # a held call wakes, finds the round due and runs it
         return pb.AskRoundReply(asked=True)
@@ -250,10 +273,14 @@ class RoundTable(RoundOutcome, RoundPolicy):
     def _keep(self, call: _Call, outcome: str, **fields) -> pb.RebalanceReply:
         """``call`` keeps its batch; its reply (with ``fields``) is whole before a waiter can see it."""
         req = call.request
-        call.reply = pb.RebalanceReply(takes=[pb.RowTake(batch=b, rows=range(n), batch_rows=n,
-                                                         indices=[call.index(k, r) for r in range(n)])
-                                              for k, (b, n) in enumerate(zip(req.batches, req.batch_rows))],
-                                       outcome=outcome, **fields)
+        call.reply = pb.RebalanceReply(
+            takes=[
+                pb.RowTake(batch=b, rows=range(n), batch_rows=n, indices=[call.index(k, r) for r in range(n)])
+                for k, (b, n) in enumerate(zip(req.batches, req.batch_rows))
+            ],
+            outcome=outcome,
+            **fields,
+        )
         return call.reply
 
     def close(self) -> None:

@@ -5,6 +5,7 @@ carries their count, ``SlabReader.share``), rows that change host moved by one D
 
 A base class of ``RoundTable`` (``runtime/tier2.py``), whose ``_keep`` makes a kept batch's reply.
 """
+
 from __future__ import annotations
 
 import time
@@ -44,8 +45,15 @@ class RoundOutcome:
         if assignment is None:
             self.counts[outcome.split(":")[0]] += 1
             for c in calls:
-                self._keep(c, outcome, round_samples=len(rnd.items), closed_by=rnd.closed_by,
-                           gain_s=gain, transfer_s=cost, input_wait_s=waited)  # what the gate saw
+                self._keep(
+                    c,
+                    outcome,
+                    round_samples=len(rnd.items),
+                    closed_by=rnd.closed_by,
+                    gain_s=gain,
+                    transfer_s=cost,
+                    input_wait_s=waited,
+                )  # what the gate saw
             return
         by_call = {(c.request.step, c.request.rank): c for c in calls}
         rows: dict[tuple, list] = {}  # (source call, its slab, taker): rows, in order
@@ -65,8 +73,9 @@ class RoundOutcome:
             crossed, transport = self._cross(calls, rows, members, at)
         except (ClusterError, ValueError) as e:  # a member gone or failed: the round keeps every batch
             return self._keep_all(calls, rnd, f"error: the cross-host exchange failed (kept): {e}")
-        replies = {c: self._reply(c, rows, readers, crossed, transport, outcome, rnd, gain, cost, waited)
-                   for c in calls}
+        replies = {
+            c: self._reply(c, rows, readers, crossed, transport, outcome, rnd, gain, cost, waited) for c in calls
+        }
         shares: dict[int, list] = {}  # before any reply: a reader's release counts down from here
         for (src, b), who in readers.items():
             if len(who) > 1:
@@ -119,36 +128,65 @@ class RoundOutcome:
             return "a rank did not name its samples"  # no record could tell a rank what to decode again
         # what a rank releases had it read its answer: each take's slab (a shared one counts it), and
         # its own slabs whose rows all left its host
-        release = {c.request.rank: list(dict.fromkeys((h.segment, h.generation) for h in
-                                                      [*(t.batch.slab for t in r.takes), *r.release]))
-                   for c, r in replies.items()}
+        release = {
+            c.request.rank: list(
+                dict.fromkeys((h.segment, h.generation) for h in [*(t.batch.slab for t in r.takes), *r.release])
+            )
+            for c, r in replies.items()
+        }
         try:
-            return self.commit(req.group, req.run, req.step, moved, release, self.clock() - opened) \
+            return (
+                self.commit(req.group, req.run, req.step, moved, release, self.clock() - opened)
                 or "a rank was told to keep its batch"
+            )
         except Exception as e:  # noqa: BLE001 - unknown whether it landed: withdraw it
             why = f"{type(e).__name__}: {e}"
         paused, pause = 0.0, 0.05
         while True:  # a commit that stood while every rank was told it kept would be the one disagreement
             try:
-                return "withdrawn: " + why if self.commit(req.group, req.run, req.step, {}, {},
-                                                          self.clock() - opened) else True
+                return (
+                    "withdrawn: " + why
+                    if self.commit(req.group, req.run, req.step, {}, {}, self.clock() - opened)
+                    else True
+                )
             except Exception as e:  # noqa: BLE001 - the Coordinator is out of reach: try again, a while
                 if paused + pause > EXCHANGE_TIMEOUT_S:
                     return f"{why}; not withdrawn: {type(e).__name__}: {e}"
             time.sleep(pause)  # a back-off between tries (counted, so a table's own clock may stand still)
             paused, pause = paused + pause, min(2 * pause, 1.0)
 
-    def _reply(self, c, rows: dict, readers: dict, crossed: dict, transport: str, outcome: str, rnd: Round,
-               gain: float, cost: float, waited: float) -> pb.RebalanceReply:
+    def _reply(
+        self,
+        c,
+        rows: dict,
+        readers: dict,
+        crossed: dict,
+        transport: str,
+        outcome: str,
+        rnd: Round,
+        gain: float,
+        cost: float,
+        waited: float,
+    ) -> pb.RebalanceReply:
         """Call ``c``'s answer: the rows it takes, its own first, then by source rank, slab and row."""
-        reply = pb.RebalanceReply(outcome=outcome, gain_s=gain, transfer_s=cost, round_samples=len(rnd.items),
-                                  closed_by=rnd.closed_by, transport=transport if crossed.get(c) else "",
-                                  input_wait_s=waited)
+        reply = pb.RebalanceReply(
+            outcome=outcome,
+            gain_s=gain,
+            transfer_s=cost,
+            round_samples=len(rnd.items),
+            closed_by=rnd.closed_by,
+            transport=transport if crossed.get(c) else "",
+            input_wait_s=waited,
+        )
         units = []  # (order, the take)
         for (src, b, to), got in rows.items():
             if to is not c:
-                if src is c and to.request.host != c.request.host and not readers[(src, b)] and \
-                        _slab_pb(src, b) not in reply.release:
+                if (
+                    src is c
+                    and to.request.host != c.request.host
+                    and not readers[(src, b)]
+                    and _slab_pb(src, b) not in reply.release
+                ):
                     reply.release.append(_slab_pb(src, b))  # every row of it left this host
                 continue
             take_rows = [r for r, _ in got]
@@ -160,11 +198,18 @@ class RoundOutcome:
             costs = [float(it.features.get("cost", 0.0) or 0.0) for _, it in got]
             if to.request.host != src.request.host:  # its rows' new slab on this host
                 reply.crossed_bytes += sum(int(it.features.get("bytes", 0) or 0) for _, it in got)
-                take = pb.RowTake(batch=crossed[c][(src, b)], rows=range(len(got)), batch_rows=len(got),
-                                  indices=indices, costs=costs)
+                take = pb.RowTake(
+                    batch=crossed[c][(src, b)], rows=range(len(got)), batch_rows=len(got), indices=indices, costs=costs
+                )
             else:
-                take = pb.RowTake(batch=src.request.batches[b], rows=take_rows, shared=len(readers[(src, b)]) > 1,
-                                  batch_rows=src.request.batch_rows[b], indices=indices, costs=costs)
+                take = pb.RowTake(
+                    batch=src.request.batches[b],
+                    rows=take_rows,
+                    shared=len(readers[(src, b)]) > 1,
+                    batch_rows=src.request.batch_rows[b],
+                    indices=indices,
+                    costs=costs,
+                )
             units.append((order, take))
         reply.moved_out = sum(len(got) for (src, _, to), got in rows.items() if src is c and to is not c)
         reply.takes.extend(t for _, t in sorted(units, key=lambda u: u[0]))
@@ -197,12 +242,17 @@ class RoundOutcome:
             raise ValueError(f"rank(s) {missing} named no delivery server")
         sends: dict[int, list] = {}
         for n, ((src, b, to), got) in enumerate(crossing):
-            sends.setdefault(at[src.request.host], []).append(pb.ExchangeSend(
-                batch=src.request.batches[b], rows=[r for r, _ in got], batch_rows=src.request.batch_rows[b],
-                to=at[to.request.host], key=n))
+            sends.setdefault(at[src.request.host], []).append(
+                pb.ExchangeSend(
+                    batch=src.request.batches[b],
+                    rows=[r for r, _ in got],
+                    batch_rows=src.request.batch_rows[b],
+                    to=at[to.request.host],
+                    key=n,
+                )
+            )
         name = f"{calls[0].request.group}@{calls[0].request.step}"
-        new, transport = self.exchange.run(name, members, sends, calls[0].request.exchange,
-                                           EXCHANGE_TIMEOUT_S)
+        new, transport = self.exchange.run(name, members, sends, calls[0].request.exchange, EXCHANGE_TIMEOUT_S)
         crossed: dict = {}
         for n, ((src, b, to), _) in enumerate(crossing):
             crossed.setdefault(to, {})[(src, b)] = new[n]

@@ -4,6 +4,7 @@ gate) or the group's ``sort_fn`` — checked before any row moves.
 
 A base class of ``RoundTable`` (``runtime/tier2.py``), which holds the policies it loaded.
 """
+
 from __future__ import annotations
 
 import dataclasses

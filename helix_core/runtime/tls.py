@@ -9,6 +9,7 @@ instead of the address, so one certificate serves every host of the job; a job o
 derives its CA and certificate on every node from the job's secret (``Tls.from_secret``), so no
 private key crosses the network. ``repr`` never shows a private key.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -18,8 +19,12 @@ from dataclasses import dataclass
 
 __all__ = ["ENV", "JOB_SERVER_NAME", "Tls", "write_certificates"]
 
-ENV = {"cert": "HELIX_TLS_CERT", "key": "HELIX_TLS_KEY", "ca": "HELIX_TLS_CA",
-       "server_name": "HELIX_TLS_SERVER_NAME"}  # the last: the name certificates are checked for (optional)
+ENV = {
+    "cert": "HELIX_TLS_CERT",
+    "key": "HELIX_TLS_KEY",
+    "ca": "HELIX_TLS_CA",
+    "server_name": "HELIX_TLS_SERVER_NAME",
+}  # the last: the name certificates are checked for (optional)
 FLAGS = {"cert": "--tls-cert", "key": "--tls-key", "ca": "--tls-ca"}
 JOB_SERVER_NAME = "helix-cluster"
 
@@ -71,12 +76,16 @@ class Tls:
             key = serialization.load_pem_private_key(self.key, password=None)
         except (ValueError, TypeError) as e:
             raise ValueError(f"{key_name}: not an unencrypted PEM private key ({e})") from None
-        if key.public_key().public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo) != \
-                chain[0].public_key().public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo):
+        if key.public_key().public_bytes(
+            serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
+        ) != chain[0].public_key().public_bytes(
+            serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
+        ):
             raise ValueError(f"{key_name} is not the key of the certificate in {cert_name}")
         if not any(_issued_by(c, ca) for c in chain for ca in cas):
-            raise ValueError(f"the certificate in {cert_name} is not signed by the CA in {ca_name}: "
-                             "peers would refuse it")
+            raise ValueError(
+                f"the certificate in {cert_name} is not signed by the CA in {ca_name}: peers would refuse it"
+            )
 
     @classmethod
     def from_files(cls, cert: str | None, key: str | None, ca: str | None, names: dict = FLAGS) -> Tls | None:
@@ -84,9 +93,15 @@ class Tls:
         if not (cert or key or ca):
             return None
         if not ca:
-            raise ValueError(f"{names['ca']} is needed with {names['cert']} / {names['key']} (the CA peers are checked against)")
-        return cls(_read(ca, names["ca"]), _read(cert, names["cert"]) if cert else None,
-                   _read(key, names["key"]) if key else None, names=(names["cert"], names["key"], names["ca"]))
+            raise ValueError(
+                f"{names['ca']} is needed with {names['cert']} / {names['key']} (the CA peers are checked against)"
+            )
+        return cls(
+            _read(ca, names["ca"]),
+            _read(cert, names["cert"]) if cert else None,
+            _read(key, names["key"]) if key else None,
+            names=(names["cert"], names["key"], names["ca"]),
+        )
 
     @classmethod
     def from_env(cls) -> Tls | None:
@@ -119,9 +134,11 @@ class Tls:
         return cls(ca_pem, cert_pem, key_pem, server_name=JOB_SERVER_NAME)
 
     def __repr__(self) -> str:  # never the private key (a log line or a traceback would carry it)
-        return (f"Tls(ca=<{self.ca.count(b'-----BEGIN ')} certificate(s)>, "
-                f"cert={'<certificate>' if self.cert else None}, key={'<redacted>' if self.key else None}, "
-                f"server_name={self.server_name!r})")
+        return (
+            f"Tls(ca=<{self.ca.count(b'-----BEGIN ')} certificate(s)>, "
+            f"cert={'<certificate>' if self.cert else None}, key={'<redacted>' if self.key else None}, "
+            f"server_name={self.server_name!r})"
+        )
 
     # ---- gRPC ---------------------------------------------------------------------------------
     def server_credentials(self):
@@ -130,14 +147,14 @@ class Tls:
         if self.cert is None:
             raise ValueError(f"serving with TLS needs {self.names[0]} and {self.names[1]}")
         # mutual: every peer presents a certificate the CA signed (gRPC Python can't make it optional)
-        return grpc.ssl_server_credentials([(self.key, self.cert)], root_certificates=self.ca,
-                                           require_client_auth=True)
+        return grpc.ssl_server_credentials([(self.key, self.cert)], root_certificates=self.ca, require_client_auth=True)
 
     def channel_credentials(self):
         import grpc
 
-        return grpc.ssl_channel_credentials(root_certificates=self.ca, private_key=self.key,
-                                            certificate_chain=self.cert)
+        return grpc.ssl_channel_credentials(
+            root_certificates=self.ca, private_key=self.key, certificate_chain=self.cert
+        )
 
     def channel_options(self) -> list[tuple[str, str]]:
         return [("grpc.ssl_target_name_override", self.server_name)] if self.server_name else []
@@ -169,8 +186,10 @@ def _check_dates(certs, where: str) -> None:
     now = datetime.datetime.now(datetime.timezone.utc)
     for c in certs:
         if not c.not_valid_before_utc <= now <= c.not_valid_after_utc:
-            raise ValueError(f"{where}: the certificate for {c.subject.rfc4514_string()} is valid only from "
-                             f"{c.not_valid_before_utc:%Y-%m-%d} to {c.not_valid_after_utc:%Y-%m-%d}")
+            raise ValueError(
+                f"{where}: the certificate for {c.subject.rfc4514_string()} is valid only from "
+                f"{c.not_valid_before_utc:%Y-%m-%d} to {c.not_valid_after_utc:%Y-%m-%d}"
+            )
 
 
 def _issued_by(cert, ca) -> bool:
@@ -206,11 +225,17 @@ def _make_ca(days: int = 30, key=None):
 
     key = key or ec.generate_private_key(ec.SECP256R1())
     now = datetime.datetime.now(datetime.timezone.utc)
-    cert = (x509.CertificateBuilder().subject_name(_name("helix job CA")).issuer_name(_name("helix job CA"))
-            .public_key(key.public_key()).serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=days))
-            .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-            .sign(key, hashes.SHA256()))
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(_name("helix job CA"))
+        .issuer_name(_name("helix job CA"))
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=days))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .sign(key, hashes.SHA256())
+    )
     return cert.public_bytes(serialization.Encoding.PEM), key, cert
 
 
@@ -249,12 +274,19 @@ def _make_leaf(ca_key, ca_cert, names: list[str], days: int = 30, key=None):
     key = key or ec.generate_private_key(ec.SECP256R1())
     now = datetime.datetime.now(datetime.timezone.utc)
     san = _san(names)
-    cert = (x509.CertificateBuilder().subject_name(_name(names[0])).issuer_name(ca_cert.subject)
-            .public_key(key.public_key()).serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=days))
-            .add_extension(san, critical=False)
-            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-            .sign(ca_key, hashes.SHA256()))
-    key_pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                serialization.NoEncryption())
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(_name(names[0]))
+        .issuer_name(ca_cert.subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=days))
+        .add_extension(san, critical=False)
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .sign(ca_key, hashes.SHA256())
+    )
+    key_pem = key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
     return cert.public_bytes(serialization.Encoding.PEM), key_pem

@@ -16,6 +16,7 @@ A token is sent only to a loopback port this user (or root) listens on (``listen
 before every call): a port another user took over after this user's Coordinator stopped never
 receives it. Beyond loopback, TLS checks the peer.
 """
+
 from __future__ import annotations
 
 import os
@@ -62,11 +63,15 @@ def _check_private(path: Path, what: str) -> None:
     if stat.S_ISLNK(st.st_mode):
         raise ValueError(f"Helix token {what} {path} is a symbolic link: remove it (Helix follows none)")
     if st.st_uid != os.getuid():
-        raise ValueError(f"Helix token {what} {path} belongs to uid {st.st_uid}, not this user ({os.getuid()}): "
-                         "set HELIX_RUNTIME_DIR to a folder of your own")
+        raise ValueError(
+            f"Helix token {what} {path} belongs to uid {st.st_uid}, not this user ({os.getuid()}): "
+            "set HELIX_RUNTIME_DIR to a folder of your own"
+        )
     if st.st_mode & 0o077:
-        raise ValueError(f"Helix token {what} {path} is readable by other users (mode {stat.filemode(st.st_mode)}): "
-                         f"chmod {'700' if what == 'folder' else '600'} it, or remove it")
+        raise ValueError(
+            f"Helix token {what} {path} is readable by other users (mode {stat.filemode(st.st_mode)}): "
+            f"chmod {'700' if what == 'folder' else '600'} it, or remove it"
+        )
 
 
 def _split(address: str) -> tuple[str, int]:

@@ -13,6 +13,7 @@ by value; ``why_local`` says, for an error message, why a name cannot be sent by
 DataServers that the loader starts itself also get the client's ``sys.path`` and working
 directory (``server_environ``), as torch's workers do.
 """
+
 from __future__ import annotations
 
 import functools

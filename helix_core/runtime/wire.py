@@ -7,6 +7,7 @@ functions write and read exactly the same bytes with one copy on each side, so t
 ``helix.proto`` stays the truth and any protobuf peer interoperates. Header chunks (field 1) go
 through protobuf as usual.
 """
+
 from __future__ import annotations
 
 import grpc
@@ -56,8 +57,9 @@ def decode_chunk(raw: bytes):
 def deliver_callable(channel: grpc.Channel):
     """``DataServer.Deliver`` on ``channel``, taking an iterator of ``StreamChunk`` headers and raw
     data parts (bytes / memoryviews) and returning the ``DeliverReply``."""
-    return channel.stream_unary(f"/{_SERVICE}/Deliver", request_serializer=encode_chunk,
-                                response_deserializer=pb.DeliverReply.FromString)
+    return channel.stream_unary(
+        f"/{_SERVICE}/Deliver", request_serializer=encode_chunk, response_deserializer=pb.DeliverReply.FromString
+    )
 
 
 def add_servicer(servicer, server: grpc.Server) -> None:
@@ -67,11 +69,16 @@ def add_servicer(servicer, server: grpc.Server) -> None:
     for method in pb.DESCRIPTOR.services_by_name["DataServer"].methods:
         request_cls, reply_cls = GetMessageClass(method.input_type), GetMessageClass(method.output_type)
         deserialize = decode_chunk if method.name == "Deliver" else request_cls.FromString
-        kind = {(False, False): grpc.unary_unary_rpc_method_handler,
-                (True, False): grpc.stream_unary_rpc_method_handler,
-                (False, True): grpc.unary_stream_rpc_method_handler,
-                (True, True): grpc.stream_stream_rpc_method_handler}[method.client_streaming, method.server_streaming]
-        handlers[method.name] = kind(getattr(servicer, method.name), request_deserializer=deserialize,
-                                     response_serializer=reply_cls.SerializeToString)
+        kind = {
+            (False, False): grpc.unary_unary_rpc_method_handler,
+            (True, False): grpc.stream_unary_rpc_method_handler,
+            (False, True): grpc.unary_stream_rpc_method_handler,
+            (True, True): grpc.stream_stream_rpc_method_handler,
+        }[method.client_streaming, method.server_streaming]
+        handlers[method.name] = kind(
+            getattr(servicer, method.name),
+            request_deserializer=deserialize,
+            response_serializer=reply_cls.SerializeToString,
+        )
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(_SERVICE, handlers),))
     server.add_registered_method_handlers(_SERVICE, handlers)

@@ -7,6 +7,7 @@ the result goes back on its pipe. The sample it is working on is written into a 
 (``Progress``) rather than sent: the supervisor reads it only if the worker dies, to name the
 sample that killed it. It exits when its parent's pipe closes.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -41,7 +42,7 @@ class Progress:
     def set(self, index: int, path: str) -> None:
         raw = str(path).encode("utf-8", "surrogateescape")[: self.SIZE - self._HEAD - 1]
         self._buf[8:20] = struct.pack("<di", time.monotonic(), len(raw))
-        self._buf[20:20 + len(raw)] = raw
+        self._buf[20 : 20 + len(raw)] = raw
         self._buf[0:8] = struct.pack("<q", int(index))  # last: a reader never sees a new index with an old path
 
     def clear(self) -> None:
@@ -57,7 +58,7 @@ class Progress:
         if index < 0:
             return None
         started, n = struct.unpack("<di", self._buf[8:20])
-        return index, self._buf[20:20 + n].decode("utf-8", "replace"), started
+        return index, self._buf[20 : 20 + n].decode("utf-8", "replace"), started
 
 
 class Stopped(BaseException):
@@ -101,9 +102,18 @@ def limit_memory(fraction: float) -> int:
         return 0
 
 
-def worker_main(conn, shm_prefix: str, allow_pickle: bool, parent_pid: int, cpu_slots=None,
-                progress: Progress | None = None, claim=None, memory_fraction: float = 1.0,
-                slab_lease: tuple[float, float] = (900.0, 60.0), nice: int = 0) -> None:
+def worker_main(
+    conn,
+    shm_prefix: str,
+    allow_pickle: bool,
+    parent_pid: int,
+    cpu_slots=None,
+    progress: Progress | None = None,
+    claim=None,
+    memory_fraction: float = 1.0,
+    slab_lease: tuple[float, float] = (900.0, 60.0),
+    nice: int = 0,
+) -> None:
     """Entry point of a worker process: serve ``("spec", ...)`` and ``("task", ...)`` messages.
     ``cpu_slots``: ``(prefix, n)`` of the host's decode slots (a task runs holding one);
     ``progress``: where it records the sample it is working on; ``claim``: the ``steal.Claim``
@@ -124,9 +134,9 @@ def worker_main(conn, shm_prefix: str, allow_pickle: bool, parent_pid: int, cpu_
 
     torch.set_num_threads(1)
     slots = CpuSlots(*cpu_slots) if cpu_slots else None
-    orphaned = (lambda: os.getppid() != parent_pid)
+    orphaned = lambda: os.getppid() != parent_pid
     pipe = conn.fileno()
-    readable = (lambda timeout: bool(select.select([pipe], [], [], timeout)[0]))  # conn.poll builds a selector each time
+    readable = lambda timeout: bool(select.select([pipe], [], [], timeout)[0])  # conn.poll builds a selector each time
     pool = SlabPool(shm_prefix, orphan_s=slab_lease[0], idle_s=slab_lease[1])
     specs: dict[str, tuple] = {}
     try:
@@ -153,8 +163,15 @@ def worker_main(conn, shm_prefix: str, allow_pickle: bool, parent_pid: int, cpu_
                 # while it waits for a slot, the pool sends it nothing but "stop" (or its pipe closes): watch the pipe
                 decoding = DecodeSlot(slots, task.get("_key"), lambda: orphaned() or readable(0), (pipe,))
                 try:
-                    result = _run_task(task, specs, pool, progress, allow_pickle,
-                                       claim.take if claim is not None else (lambda k: True), decoding)
+                    result = _run_task(
+                        task,
+                        specs,
+                        pool,
+                        progress,
+                        allow_pickle,
+                        claim.take if claim is not None else (lambda k: True),
+                        decoding,
+                    )
                 except Stopped:
                     return
                 finally:
@@ -194,17 +211,35 @@ def _run_task(task: dict, specs: dict, pool, progress, allow_pickle: bool, may_s
     subs = list(task.get("substitutes", ()))
     bad = task.get("bad", {})
     if not bad and supports_direct(dataset, collate):  # decode straight into the slab
-        featurize = (lambda samples, decoded: sample_features(samples, decoded, feature_fn, dataset)) \
-            if want_features else None
-        got = direct_batch(dataset, collate, list(task["indices"]), pool, allow_pickle,
-                           (lambda i: progress.set(i, sample_path(dataset, i))) if progress else (lambda i: None),
-                           may_start, featurize, room=list(task.get("room", ())), decoding=decoding)
+        featurize = (
+            (lambda samples, decoded: sample_features(samples, decoded, feature_fn, dataset)) if want_features else None
+        )
+        got = direct_batch(
+            dataset,
+            collate,
+            list(task["indices"]),
+            pool,
+            allow_pickle,
+            (lambda i: progress.set(i, sample_path(dataset, i))) if progress else (lambda i: None),
+            may_start,
+            featurize,
+            room=list(task.get("room", ())),
+            decoding=decoding,
+        )
         if got is not None:
             slab, total, tree_json, tree_pickle, metas, cpu, features = got
-            return {"handle": slab.handle(total), "tree_json": tree_json, "tree_pickle": tree_pickle, "metas": metas,
-                    "skipped": [], "exec_s": time.perf_counter() - t0, "rows": len(cpu),
-                    "decoded": [int(i) for i in task["indices"][:len(cpu)]], "decode_cpu_s": cpu,
-                    **({"features": features} if features is not None else {})}
+            return {
+                "handle": slab.handle(total),
+                "tree_json": tree_json,
+                "tree_pickle": tree_pickle,
+                "metas": metas,
+                "skipped": [],
+                "exec_s": time.perf_counter() - t0,
+                "rows": len(cpu),
+                "decoded": [int(i) for i in task["indices"][: len(cpu)]],
+                "decode_cpu_s": cpu,
+                **({"features": features} if features is not None else {}),
+            }
     samples, skipped, decoded, decode_cpu = [], [], [], []
     for k, index in enumerate(task["indices"]):
         if not may_start(k):
@@ -229,7 +264,12 @@ def _run_task(task: dict, specs: dict, pool, progress, allow_pickle: bool, may_s
                 fail = _failure(index, path, f"{type(e).__name__}: {e}")
             if task.get("on_error") != "skip" or not subs:
                 why = "" if task.get("on_error") != "skip" else " (no substitute left)"
-                return {"error_kind": ErrorKind.SAMPLE, "error": fail["cause"] + why, "failure": fail, "skipped": skipped}
+                return {
+                    "error_kind": ErrorKind.SAMPLE,
+                    "error": fail["cause"] + why,
+                    "failure": fail,
+                    "skipped": skipped,
+                }
             skipped.append(fail)
             index = subs.pop(0)
     if decoding is not None:
@@ -252,11 +292,23 @@ def _run_task(task: dict, specs: dict, pool, progress, allow_pickle: bool, may_s
         if slab is not None:
             slab.release()  # nobody will get its handle
         kind = ErrorKind.NO_ROOM if isinstance(e, shm.ShmCapacityError) else ErrorKind.INTERNAL
-        return {"error_kind": kind, "error": f"collate/deliver failed for task {task['task_id']}: "
-                                             f"{type(e).__name__}: {e}", "skipped": skipped}
-    return {"handle": slab.handle(total), "tree_json": tree_json, "tree_pickle": tree_pickle, "metas": metas,
-            "skipped": skipped, "exec_s": time.perf_counter() - t0, "rows": len(samples), "decoded": decoded,
-            "decode_cpu_s": decode_cpu, **({"features": features} if features is not None else {})}
+        return {
+            "error_kind": kind,
+            "error": f"collate/deliver failed for task {task['task_id']}: {type(e).__name__}: {e}",
+            "skipped": skipped,
+        }
+    return {
+        "handle": slab.handle(total),
+        "tree_json": tree_json,
+        "tree_pickle": tree_pickle,
+        "metas": metas,
+        "skipped": skipped,
+        "exec_s": time.perf_counter() - t0,
+        "rows": len(samples),
+        "decoded": decoded,
+        "decode_cpu_s": decode_cpu,
+        **({"features": features} if features is not None else {}),
+    }
 
 
 def sample_features(samples: list, decoded: list, feature_fn, dataset) -> list[dict]:
@@ -275,6 +327,8 @@ def sample_features(samples: list, decoded: list, feature_fn, dataset) -> list[d
                 raise TypeError(f"returned {type(f).__name__}, not a dict")
             json.dumps(f)
         except Exception as e:
-            raise SampleError(index, sample_path(dataset, index), f"Rebalance.feature_fn: {type(e).__name__}: {e}") from None
+            raise SampleError(
+                index, sample_path(dataset, index), f"Rebalance.feature_fn: {type(e).__name__}: {e}"
+            ) from None
         out.append(f)
     return out

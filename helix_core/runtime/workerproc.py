@@ -1,5 +1,6 @@
 """The supervisor's handle of one worker process (``worker.py`` is the child's program): its
 pipe, its progress and steal-claim cells, the task it runs — and what its death leaves behind."""
+
 from __future__ import annotations
 
 import multiprocessing as mp
@@ -17,8 +18,17 @@ class WorkerProcess:
     ``<prefix>w<wid>i<incarnation>-``; ``slab_lease``: their ``(orphan_s, idle_s)``; ``nice``: its
     niceness (``ClusterConfig.worker_nice``)."""
 
-    def __init__(self, wid: int, incarnation: int, prefix: str, allow_pickle: bool, cpu_slots=None,
-                 memory_fraction: float = 1.0, slab_lease: tuple[float, float] = (900.0, 60.0), nice: int = 0):
+    def __init__(
+        self,
+        wid: int,
+        incarnation: int,
+        prefix: str,
+        allow_pickle: bool,
+        cpu_slots=None,
+        memory_fraction: float = 1.0,
+        slab_lease: tuple[float, float] = (900.0, 60.0),
+        nice: int = 0,
+    ):
         ctx = mp.get_context("spawn")
         self.wid, self.incarnation, self.cpu_slots = wid, incarnation, cpu_slots
         self.prefix = f"{prefix}w{wid}i{incarnation}-"
@@ -26,10 +36,23 @@ class WorkerProcess:
         self.progress = Progress(ctx)
         self.progress.clear()
         self.claim = Claim(ctx, os.path.join(shm.SHM_DIR, f"{prefix}claim-w{wid}i{incarnation}"))
-        self.proc = ctx.Process(target=worker_main, args=(child, self.prefix, allow_pickle, os.getpid(), cpu_slots,
-                                                          self.progress, self.claim, memory_fraction, slab_lease,
-                                                          nice),
-                                name=f"helix-worker-{wid}", daemon=True)
+        self.proc = ctx.Process(
+            target=worker_main,
+            args=(
+                child,
+                self.prefix,
+                allow_pickle,
+                os.getpid(),
+                cpu_slots,
+                self.progress,
+                self.claim,
+                memory_fraction,
+                slab_lease,
+                nice,
+            ),
+            name=f"helix-worker-{wid}",
+            daemon=True,
+        )
         self.proc.start()
         child.close()
         self.task: dict | None = None

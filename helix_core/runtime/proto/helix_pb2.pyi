@@ -18,6 +18,7 @@ class ErrorKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ERROR_NOT_COMPLETED: _ClassVar[ErrorKind]
     ERROR_DELIVERY_LOST: _ClassVar[ErrorKind]
     ERROR_NO_ROOM: _ClassVar[ErrorKind]
+
 ERROR_NONE: ErrorKind
 ERROR_SAMPLE: ErrorKind
 ERROR_SPEC: ErrorKind
@@ -44,7 +45,13 @@ class HelloReply(_message.Message):
     cluster_id: str
     pickle_allowed: bool
     bulk_port: int
-    def __init__(self, protocol_version: int | None = ..., cluster_id: str | None = ..., pickle_allowed: bool | None = ..., bulk_port: int | None = ...) -> None: ...
+    def __init__(
+        self,
+        protocol_version: int | None = ...,
+        cluster_id: str | None = ...,
+        pickle_allowed: bool | None = ...,
+        bulk_port: int | None = ...,
+    ) -> None: ...
 
 class Ack(_message.Message):
     __slots__ = ("ok",)
@@ -64,7 +71,14 @@ class RegisterServerRequest(_message.Message):
     local_rank: int
     host: str
     workers: int
-    def __init__(self, address: str | None = ..., kind: str | None = ..., local_rank: int | None = ..., host: str | None = ..., workers: int | None = ...) -> None: ...
+    def __init__(
+        self,
+        address: str | None = ...,
+        kind: str | None = ...,
+        local_rank: int | None = ...,
+        host: str | None = ...,
+        workers: int | None = ...,
+    ) -> None: ...
 
 class RegisterServerReply(_message.Message):
     __slots__ = ("server_id", "cluster_id", "heartbeat_interval_s")
@@ -74,7 +88,9 @@ class RegisterServerReply(_message.Message):
     server_id: str
     cluster_id: str
     heartbeat_interval_s: float
-    def __init__(self, server_id: str | None = ..., cluster_id: str | None = ..., heartbeat_interval_s: float | None = ...) -> None: ...
+    def __init__(
+        self, server_id: str | None = ..., cluster_id: str | None = ..., heartbeat_interval_s: float | None = ...
+    ) -> None: ...
 
 class RegisterClientRequest(_message.Message):
     __slots__ = ("rank", "world_size", "host", "local_rank", "client_id", "task_id_base")
@@ -90,7 +106,15 @@ class RegisterClientRequest(_message.Message):
     local_rank: int
     client_id: str
     task_id_base: int
-    def __init__(self, rank: int | None = ..., world_size: int | None = ..., host: str | None = ..., local_rank: int | None = ..., client_id: str | None = ..., task_id_base: int | None = ...) -> None: ...
+    def __init__(
+        self,
+        rank: int | None = ...,
+        world_size: int | None = ...,
+        host: str | None = ...,
+        local_rank: int | None = ...,
+        client_id: str | None = ...,
+        task_id_base: int | None = ...,
+    ) -> None: ...
 
 class RoundLeaderRequest(_message.Message):
     __slots__ = ("client_id", "rank")
@@ -118,7 +142,12 @@ class RankSamples(_message.Message):
     rank: int
     indices: _containers.RepeatedScalarFieldContainer[int]
     release: _containers.RepeatedCompositeFieldContainer[SlabHandle]
-    def __init__(self, rank: int | None = ..., indices: _Iterable[int] | None = ..., release: _Iterable[SlabHandle | _Mapping] | None = ...) -> None: ...
+    def __init__(
+        self,
+        rank: int | None = ...,
+        indices: _Iterable[int] | None = ...,
+        release: _Iterable[SlabHandle | _Mapping] | None = ...,
+    ) -> None: ...
 
 class CommitRoundRequest(_message.Message):
     __slots__ = ("group", "run", "step", "ranks", "age_s")
@@ -132,7 +161,14 @@ class CommitRoundRequest(_message.Message):
     step: int
     ranks: _containers.RepeatedCompositeFieldContainer[RankSamples]
     age_s: float
-    def __init__(self, group: str | None = ..., run: str | None = ..., step: int | None = ..., ranks: _Iterable[RankSamples | _Mapping] | None = ..., age_s: float | None = ...) -> None: ...
+    def __init__(
+        self,
+        group: str | None = ...,
+        run: str | None = ...,
+        step: int | None = ...,
+        ranks: _Iterable[RankSamples | _Mapping] | None = ...,
+        age_s: float | None = ...,
+    ) -> None: ...
 
 class CommitRoundReply(_message.Message):
     __slots__ = ("committed",)
@@ -152,7 +188,14 @@ class RoundFateRequest(_message.Message):
     step: int
     rank: int
     age_s: float
-    def __init__(self, group: str | None = ..., run: str | None = ..., step: int | None = ..., rank: int | None = ..., age_s: float | None = ...) -> None: ...
+    def __init__(
+        self,
+        group: str | None = ...,
+        run: str | None = ...,
+        step: int | None = ...,
+        rank: int | None = ...,
+        age_s: float | None = ...,
+    ) -> None: ...
 
 class RoundFateReply(_message.Message):
     __slots__ = ("moved", "indices", "release")
@@ -162,7 +205,12 @@ class RoundFateReply(_message.Message):
     moved: bool
     indices: _containers.RepeatedScalarFieldContainer[int]
     release: _containers.RepeatedCompositeFieldContainer[SlabHandle]
-    def __init__(self, moved: bool | None = ..., indices: _Iterable[int] | None = ..., release: _Iterable[SlabHandle | _Mapping] | None = ...) -> None: ...
+    def __init__(
+        self,
+        moved: bool | None = ...,
+        indices: _Iterable[int] | None = ...,
+        release: _Iterable[SlabHandle | _Mapping] | None = ...,
+    ) -> None: ...
 
 class RegisterClientReply(_message.Message):
     __slots__ = ("client_id", "cluster_id", "task_id_base")
@@ -172,10 +220,25 @@ class RegisterClientReply(_message.Message):
     client_id: str
     cluster_id: str
     task_id_base: int
-    def __init__(self, client_id: str | None = ..., cluster_id: str | None = ..., task_id_base: int | None = ...) -> None: ...
+    def __init__(
+        self, client_id: str | None = ..., cluster_id: str | None = ..., task_id_base: int | None = ...
+    ) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("server_id", "queue_depth", "inflight", "workers_alive", "latency_per_cost", "completed", "cross_ds_bytes", "queued_cpu_s", "link_bandwidth_bps", "link_latency_s", "bulk_bytes", "next_beat_s")
+    __slots__ = (
+        "server_id",
+        "queue_depth",
+        "inflight",
+        "workers_alive",
+        "latency_per_cost",
+        "completed",
+        "cross_ds_bytes",
+        "queued_cpu_s",
+        "link_bandwidth_bps",
+        "link_latency_s",
+        "bulk_bytes",
+        "next_beat_s",
+    )
     SERVER_ID_FIELD_NUMBER: _ClassVar[int]
     QUEUE_DEPTH_FIELD_NUMBER: _ClassVar[int]
     INFLIGHT_FIELD_NUMBER: _ClassVar[int]
@@ -200,7 +263,21 @@ class HeartbeatRequest(_message.Message):
     link_latency_s: float
     bulk_bytes: int
     next_beat_s: float
-    def __init__(self, server_id: str | None = ..., queue_depth: int | None = ..., inflight: int | None = ..., workers_alive: int | None = ..., latency_per_cost: float | None = ..., completed: int | None = ..., cross_ds_bytes: int | None = ..., queued_cpu_s: float | None = ..., link_bandwidth_bps: float | None = ..., link_latency_s: float | None = ..., bulk_bytes: int | None = ..., next_beat_s: float | None = ...) -> None: ...
+    def __init__(
+        self,
+        server_id: str | None = ...,
+        queue_depth: int | None = ...,
+        inflight: int | None = ...,
+        workers_alive: int | None = ...,
+        latency_per_cost: float | None = ...,
+        completed: int | None = ...,
+        cross_ds_bytes: int | None = ...,
+        queued_cpu_s: float | None = ...,
+        link_bandwidth_bps: float | None = ...,
+        link_latency_s: float | None = ...,
+        bulk_bytes: int | None = ...,
+        next_beat_s: float | None = ...,
+    ) -> None: ...
 
 class HeartbeatReply(_message.Message):
     __slots__ = ("known",)
@@ -218,10 +295,28 @@ class CostTerm(_message.Message):
     io_bytes: int
     out_bytes: int
     tokens: int
-    def __init__(self, cpu_s: float | None = ..., io_bytes: int | None = ..., out_bytes: int | None = ..., tokens: int | None = ...) -> None: ...
+    def __init__(
+        self,
+        cpu_s: float | None = ...,
+        io_bytes: int | None = ...,
+        out_bytes: int | None = ...,
+        tokens: int | None = ...,
+    ) -> None: ...
 
 class RouteRequest(_message.Message):
-    __slots__ = ("client_id", "rank", "task_id", "cost", "deadline_s", "exclude", "scheduler", "has_deadline", "completed", "host", "local_rank")
+    __slots__ = (
+        "client_id",
+        "rank",
+        "task_id",
+        "cost",
+        "deadline_s",
+        "exclude",
+        "scheduler",
+        "has_deadline",
+        "completed",
+        "host",
+        "local_rank",
+    )
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
@@ -244,10 +339,32 @@ class RouteRequest(_message.Message):
     completed: _containers.RepeatedScalarFieldContainer[int]
     host: str
     local_rank: int
-    def __init__(self, client_id: str | None = ..., rank: int | None = ..., task_id: int | None = ..., cost: CostTerm | _Mapping | None = ..., deadline_s: float | None = ..., exclude: _Iterable[str] | None = ..., scheduler: str | None = ..., has_deadline: bool | None = ..., completed: _Iterable[int] | None = ..., host: str | None = ..., local_rank: int | None = ...) -> None: ...
+    def __init__(
+        self,
+        client_id: str | None = ...,
+        rank: int | None = ...,
+        task_id: int | None = ...,
+        cost: CostTerm | _Mapping | None = ...,
+        deadline_s: float | None = ...,
+        exclude: _Iterable[str] | None = ...,
+        scheduler: str | None = ...,
+        has_deadline: bool | None = ...,
+        completed: _Iterable[int] | None = ...,
+        host: str | None = ...,
+        local_rank: int | None = ...,
+    ) -> None: ...
 
 class RouteReply(_message.Message):
-    __slots__ = ("exec_server_id", "exec_address", "delivery_server_id", "delivery_address", "reason", "decision_us", "exec_kind", "delivery_host")
+    __slots__ = (
+        "exec_server_id",
+        "exec_address",
+        "delivery_server_id",
+        "delivery_address",
+        "reason",
+        "decision_us",
+        "exec_kind",
+        "delivery_host",
+    )
     EXEC_SERVER_ID_FIELD_NUMBER: _ClassVar[int]
     EXEC_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     DELIVERY_SERVER_ID_FIELD_NUMBER: _ClassVar[int]
@@ -264,7 +381,17 @@ class RouteReply(_message.Message):
     decision_us: float
     exec_kind: str
     delivery_host: str
-    def __init__(self, exec_server_id: str | None = ..., exec_address: str | None = ..., delivery_server_id: str | None = ..., delivery_address: str | None = ..., reason: str | None = ..., decision_us: float | None = ..., exec_kind: str | None = ..., delivery_host: str | None = ...) -> None: ...
+    def __init__(
+        self,
+        exec_server_id: str | None = ...,
+        exec_address: str | None = ...,
+        delivery_server_id: str | None = ...,
+        delivery_address: str | None = ...,
+        reason: str | None = ...,
+        decision_us: float | None = ...,
+        exec_kind: str | None = ...,
+        delivery_host: str | None = ...,
+    ) -> None: ...
 
 class Completions(_message.Message):
     __slots__ = ("client_id", "task_ids")
@@ -314,7 +441,15 @@ class TensorMeta(_message.Message):
     nbytes: int
     inline_data: bytes
     is_inline: bool
-    def __init__(self, dtype: str | None = ..., shape: _Iterable[int] | None = ..., offset: int | None = ..., nbytes: int | None = ..., inline_data: bytes | None = ..., is_inline: bool | None = ...) -> None: ...
+    def __init__(
+        self,
+        dtype: str | None = ...,
+        shape: _Iterable[int] | None = ...,
+        offset: int | None = ...,
+        nbytes: int | None = ...,
+        inline_data: bytes | None = ...,
+        is_inline: bool | None = ...,
+    ) -> None: ...
 
 class SlabHandle(_message.Message):
     __slots__ = ("segment", "generation", "nbytes")
@@ -336,7 +471,13 @@ class BatchHandle(_message.Message):
     tree_json: str
     tree_pickle: bytes
     tensors: _containers.RepeatedCompositeFieldContainer[TensorMeta]
-    def __init__(self, slab: SlabHandle | _Mapping | None = ..., tree_json: str | None = ..., tree_pickle: bytes | None = ..., tensors: _Iterable[TensorMeta | _Mapping] | None = ...) -> None: ...
+    def __init__(
+        self,
+        slab: SlabHandle | _Mapping | None = ...,
+        tree_json: str | None = ...,
+        tree_pickle: bytes | None = ...,
+        tensors: _Iterable[TensorMeta | _Mapping] | None = ...,
+    ) -> None: ...
 
 class SampleFailure(_message.Message):
     __slots__ = ("index", "path", "cause")
@@ -349,7 +490,22 @@ class SampleFailure(_message.Message):
     def __init__(self, index: int | None = ..., path: str | None = ..., cause: str | None = ...) -> None: ...
 
 class ExecuteRequest(_message.Message):
-    __slots__ = ("task_id", "spec_id", "indices", "epoch", "substitutes", "on_error", "deliver_to", "client_id", "deadline_s", "has_deadline", "predicted_cpu_s", "splittable", "features", "room")
+    __slots__ = (
+        "task_id",
+        "spec_id",
+        "indices",
+        "epoch",
+        "substitutes",
+        "on_error",
+        "deliver_to",
+        "client_id",
+        "deadline_s",
+        "has_deadline",
+        "predicted_cpu_s",
+        "splittable",
+        "features",
+        "room",
+    )
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
     SPEC_ID_FIELD_NUMBER: _ClassVar[int]
     INDICES_FIELD_NUMBER: _ClassVar[int]
@@ -378,10 +534,42 @@ class ExecuteRequest(_message.Message):
     splittable: bool
     features: bool
     room: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, task_id: int | None = ..., spec_id: str | None = ..., indices: _Iterable[int] | None = ..., epoch: int | None = ..., substitutes: _Iterable[int] | None = ..., on_error: str | None = ..., deliver_to: str | None = ..., client_id: str | None = ..., deadline_s: float | None = ..., has_deadline: bool | None = ..., predicted_cpu_s: float | None = ..., splittable: bool | None = ..., features: bool | None = ..., room: _Iterable[int] | None = ...) -> None: ...
+    def __init__(
+        self,
+        task_id: int | None = ...,
+        spec_id: str | None = ...,
+        indices: _Iterable[int] | None = ...,
+        epoch: int | None = ...,
+        substitutes: _Iterable[int] | None = ...,
+        on_error: str | None = ...,
+        deliver_to: str | None = ...,
+        client_id: str | None = ...,
+        deadline_s: float | None = ...,
+        has_deadline: bool | None = ...,
+        predicted_cpu_s: float | None = ...,
+        splittable: bool | None = ...,
+        features: bool | None = ...,
+        room: _Iterable[int] | None = ...,
+    ) -> None: ...
 
 class ExecuteReply(_message.Message):
-    __slots__ = ("task_id", "batch", "error_kind", "error", "failure", "skipped", "delivered_by", "cross_ds_bytes", "exec_s", "decoded", "decode_cpu_s", "queue_s", "pieces", "piece_rows", "features_json")
+    __slots__ = (
+        "task_id",
+        "batch",
+        "error_kind",
+        "error",
+        "failure",
+        "skipped",
+        "delivered_by",
+        "cross_ds_bytes",
+        "exec_s",
+        "decoded",
+        "decode_cpu_s",
+        "queue_s",
+        "pieces",
+        "piece_rows",
+        "features_json",
+    )
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
     BATCH_FIELD_NUMBER: _ClassVar[int]
     ERROR_KIND_FIELD_NUMBER: _ClassVar[int]
@@ -412,7 +600,24 @@ class ExecuteReply(_message.Message):
     pieces: _containers.RepeatedCompositeFieldContainer[BatchHandle]
     piece_rows: _containers.RepeatedScalarFieldContainer[int]
     features_json: str
-    def __init__(self, task_id: int | None = ..., batch: BatchHandle | _Mapping | None = ..., error_kind: ErrorKind | str | None = ..., error: str | None = ..., failure: SampleFailure | _Mapping | None = ..., skipped: _Iterable[SampleFailure | _Mapping] | None = ..., delivered_by: str | None = ..., cross_ds_bytes: int | None = ..., exec_s: float | None = ..., decoded: _Iterable[int] | None = ..., decode_cpu_s: _Iterable[float] | None = ..., queue_s: float | None = ..., pieces: _Iterable[BatchHandle | _Mapping] | None = ..., piece_rows: _Iterable[int] | None = ..., features_json: str | None = ...) -> None: ...
+    def __init__(
+        self,
+        task_id: int | None = ...,
+        batch: BatchHandle | _Mapping | None = ...,
+        error_kind: ErrorKind | str | None = ...,
+        error: str | None = ...,
+        failure: SampleFailure | _Mapping | None = ...,
+        skipped: _Iterable[SampleFailure | _Mapping] | None = ...,
+        delivered_by: str | None = ...,
+        cross_ds_bytes: int | None = ...,
+        exec_s: float | None = ...,
+        decoded: _Iterable[int] | None = ...,
+        decode_cpu_s: _Iterable[float] | None = ...,
+        queue_s: float | None = ...,
+        pieces: _Iterable[BatchHandle | _Mapping] | None = ...,
+        piece_rows: _Iterable[int] | None = ...,
+        features_json: str | None = ...,
+    ) -> None: ...
 
 class StreamHeader(_message.Message):
     __slots__ = ("task_id", "tree_json", "tree_pickle", "tensors", "total_bytes")
@@ -426,7 +631,14 @@ class StreamHeader(_message.Message):
     tree_pickle: bytes
     tensors: _containers.RepeatedCompositeFieldContainer[TensorMeta]
     total_bytes: int
-    def __init__(self, task_id: int | None = ..., tree_json: str | None = ..., tree_pickle: bytes | None = ..., tensors: _Iterable[TensorMeta | _Mapping] | None = ..., total_bytes: int | None = ...) -> None: ...
+    def __init__(
+        self,
+        task_id: int | None = ...,
+        tree_json: str | None = ...,
+        tree_pickle: bytes | None = ...,
+        tensors: _Iterable[TensorMeta | _Mapping] | None = ...,
+        total_bytes: int | None = ...,
+    ) -> None: ...
 
 class StreamChunk(_message.Message):
     __slots__ = ("header", "data")
@@ -472,10 +684,40 @@ class HealthReply(_message.Message):
     worker_pids: _containers.RepeatedScalarFieldContainer[int]
     pid: int
     inflight: int
-    def __init__(self, server_id: str | None = ..., workers_alive: int | None = ..., queue_depth: int | None = ..., serving: bool | None = ..., worker_pids: _Iterable[int] | None = ..., pid: int | None = ..., inflight: int | None = ...) -> None: ...
+    def __init__(
+        self,
+        server_id: str | None = ...,
+        workers_alive: int | None = ...,
+        queue_depth: int | None = ...,
+        serving: bool | None = ...,
+        worker_pids: _Iterable[int] | None = ...,
+        pid: int | None = ...,
+        inflight: int | None = ...,
+    ) -> None: ...
 
 class RebalanceRequest(_message.Message):
-    __slots__ = ("group", "group_size", "rank", "step", "batches", "batch_rows", "features_json", "host", "buffer_size", "timeout_s", "policy_id", "policy", "policy_format", "client_id", "seconds_per_unit", "indices", "delivery", "exchange", "run", "input_wait_s")
+    __slots__ = (
+        "group",
+        "group_size",
+        "rank",
+        "step",
+        "batches",
+        "batch_rows",
+        "features_json",
+        "host",
+        "buffer_size",
+        "timeout_s",
+        "policy_id",
+        "policy",
+        "policy_format",
+        "client_id",
+        "seconds_per_unit",
+        "indices",
+        "delivery",
+        "exchange",
+        "run",
+        "input_wait_s",
+    )
     GROUP_FIELD_NUMBER: _ClassVar[int]
     GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
@@ -516,7 +758,29 @@ class RebalanceRequest(_message.Message):
     exchange: str
     run: str
     input_wait_s: float
-    def __init__(self, group: str | None = ..., group_size: int | None = ..., rank: int | None = ..., step: int | None = ..., batches: _Iterable[BatchHandle | _Mapping] | None = ..., batch_rows: _Iterable[int] | None = ..., features_json: str | None = ..., host: str | None = ..., buffer_size: int | None = ..., timeout_s: float | None = ..., policy_id: str | None = ..., policy: bytes | None = ..., policy_format: str | None = ..., client_id: str | None = ..., seconds_per_unit: float | None = ..., indices: _Iterable[int] | None = ..., delivery: str | None = ..., exchange: str | None = ..., run: str | None = ..., input_wait_s: float | None = ...) -> None: ...
+    def __init__(
+        self,
+        group: str | None = ...,
+        group_size: int | None = ...,
+        rank: int | None = ...,
+        step: int | None = ...,
+        batches: _Iterable[BatchHandle | _Mapping] | None = ...,
+        batch_rows: _Iterable[int] | None = ...,
+        features_json: str | None = ...,
+        host: str | None = ...,
+        buffer_size: int | None = ...,
+        timeout_s: float | None = ...,
+        policy_id: str | None = ...,
+        policy: bytes | None = ...,
+        policy_format: str | None = ...,
+        client_id: str | None = ...,
+        seconds_per_unit: float | None = ...,
+        indices: _Iterable[int] | None = ...,
+        delivery: str | None = ...,
+        exchange: str | None = ...,
+        run: str | None = ...,
+        input_wait_s: float | None = ...,
+    ) -> None: ...
 
 class RowTake(_message.Message):
     __slots__ = ("batch", "rows", "shared", "batch_rows", "indices", "costs")
@@ -532,10 +796,32 @@ class RowTake(_message.Message):
     batch_rows: int
     indices: _containers.RepeatedScalarFieldContainer[int]
     costs: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, batch: BatchHandle | _Mapping | None = ..., rows: _Iterable[int] | None = ..., shared: bool | None = ..., batch_rows: int | None = ..., indices: _Iterable[int] | None = ..., costs: _Iterable[float] | None = ...) -> None: ...
+    def __init__(
+        self,
+        batch: BatchHandle | _Mapping | None = ...,
+        rows: _Iterable[int] | None = ...,
+        shared: bool | None = ...,
+        batch_rows: int | None = ...,
+        indices: _Iterable[int] | None = ...,
+        costs: _Iterable[float] | None = ...,
+    ) -> None: ...
 
 class RebalanceReply(_message.Message):
-    __slots__ = ("takes", "outcome", "moved_in", "moved_out", "gain_s", "transfer_s", "round_samples", "closed_by", "moved_bytes", "crossed_bytes", "transport", "release", "input_wait_s")
+    __slots__ = (
+        "takes",
+        "outcome",
+        "moved_in",
+        "moved_out",
+        "gain_s",
+        "transfer_s",
+        "round_samples",
+        "closed_by",
+        "moved_bytes",
+        "crossed_bytes",
+        "transport",
+        "release",
+        "input_wait_s",
+    )
     TAKES_FIELD_NUMBER: _ClassVar[int]
     OUTCOME_FIELD_NUMBER: _ClassVar[int]
     MOVED_IN_FIELD_NUMBER: _ClassVar[int]
@@ -562,7 +848,22 @@ class RebalanceReply(_message.Message):
     transport: str
     release: _containers.RepeatedCompositeFieldContainer[SlabHandle]
     input_wait_s: float
-    def __init__(self, takes: _Iterable[RowTake | _Mapping] | None = ..., outcome: str | None = ..., moved_in: int | None = ..., moved_out: int | None = ..., gain_s: float | None = ..., transfer_s: float | None = ..., round_samples: int | None = ..., closed_by: str | None = ..., moved_bytes: int | None = ..., crossed_bytes: int | None = ..., transport: str | None = ..., release: _Iterable[SlabHandle | _Mapping] | None = ..., input_wait_s: float | None = ...) -> None: ...
+    def __init__(
+        self,
+        takes: _Iterable[RowTake | _Mapping] | None = ...,
+        outcome: str | None = ...,
+        moved_in: int | None = ...,
+        moved_out: int | None = ...,
+        gain_s: float | None = ...,
+        transfer_s: float | None = ...,
+        round_samples: int | None = ...,
+        closed_by: str | None = ...,
+        moved_bytes: int | None = ...,
+        crossed_bytes: int | None = ...,
+        transport: str | None = ...,
+        release: _Iterable[SlabHandle | _Mapping] | None = ...,
+        input_wait_s: float | None = ...,
+    ) -> None: ...
 
 class LeaveRoundRequest(_message.Message):
     __slots__ = ("group", "run", "step", "rank", "timeout_s", "client_id")
@@ -578,7 +879,15 @@ class LeaveRoundRequest(_message.Message):
     rank: int
     timeout_s: float
     client_id: str
-    def __init__(self, group: str | None = ..., run: str | None = ..., step: int | None = ..., rank: int | None = ..., timeout_s: float | None = ..., client_id: str | None = ...) -> None: ...
+    def __init__(
+        self,
+        group: str | None = ...,
+        run: str | None = ...,
+        step: int | None = ...,
+        rank: int | None = ...,
+        timeout_s: float | None = ...,
+        client_id: str | None = ...,
+    ) -> None: ...
 
 class AskRoundRequest(_message.Message):
     __slots__ = ("group", "run", "step", "rank", "client_id")
@@ -592,7 +901,14 @@ class AskRoundRequest(_message.Message):
     step: int
     rank: int
     client_id: str
-    def __init__(self, group: str | None = ..., run: str | None = ..., step: int | None = ..., rank: int | None = ..., client_id: str | None = ...) -> None: ...
+    def __init__(
+        self,
+        group: str | None = ...,
+        run: str | None = ...,
+        step: int | None = ...,
+        rank: int | None = ...,
+        client_id: str | None = ...,
+    ) -> None: ...
 
 class AskRoundReply(_message.Message):
     __slots__ = ("asked",)
@@ -622,10 +938,30 @@ class ExchangeSend(_message.Message):
     to: int
     key: int
     last_reader: bool
-    def __init__(self, batch: BatchHandle | _Mapping | None = ..., rows: _Iterable[int] | None = ..., batch_rows: int | None = ..., to: int | None = ..., key: int | None = ..., last_reader: bool | None = ...) -> None: ...
+    def __init__(
+        self,
+        batch: BatchHandle | _Mapping | None = ...,
+        rows: _Iterable[int] | None = ...,
+        batch_rows: int | None = ...,
+        to: int | None = ...,
+        key: int | None = ...,
+        last_reader: bool | None = ...,
+    ) -> None: ...
 
 class ExchangeRequest(_message.Message):
-    __slots__ = ("round", "members", "member", "transport", "sends", "store", "generation", "timeout_s", "drop", "share", "readers")
+    __slots__ = (
+        "round",
+        "members",
+        "member",
+        "transport",
+        "sends",
+        "store",
+        "generation",
+        "timeout_s",
+        "drop",
+        "share",
+        "readers",
+    )
     ROUND_FIELD_NUMBER: _ClassVar[int]
     MEMBERS_FIELD_NUMBER: _ClassVar[int]
     MEMBER_FIELD_NUMBER: _ClassVar[int]
@@ -648,7 +984,20 @@ class ExchangeRequest(_message.Message):
     drop: _containers.RepeatedCompositeFieldContainer[SlabHandle]
     share: _containers.RepeatedCompositeFieldContainer[SlabHandle]
     readers: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, round: str | None = ..., members: _Iterable[str] | None = ..., member: int | None = ..., transport: str | None = ..., sends: _Iterable[ExchangeSend | _Mapping] | None = ..., store: str | None = ..., generation: int | None = ..., timeout_s: float | None = ..., drop: _Iterable[SlabHandle | _Mapping] | None = ..., share: _Iterable[SlabHandle | _Mapping] | None = ..., readers: _Iterable[int] | None = ...) -> None: ...
+    def __init__(
+        self,
+        round: str | None = ...,
+        members: _Iterable[str] | None = ...,
+        member: int | None = ...,
+        transport: str | None = ...,
+        sends: _Iterable[ExchangeSend | _Mapping] | None = ...,
+        store: str | None = ...,
+        generation: int | None = ...,
+        timeout_s: float | None = ...,
+        drop: _Iterable[SlabHandle | _Mapping] | None = ...,
+        share: _Iterable[SlabHandle | _Mapping] | None = ...,
+        readers: _Iterable[int] | None = ...,
+    ) -> None: ...
 
 class ExchangeGot(_message.Message):
     __slots__ = ("key", "batch")
@@ -666,4 +1015,6 @@ class ExchangeReply(_message.Message):
     got: _containers.RepeatedCompositeFieldContainer[ExchangeGot]
     bytes: int
     seconds: float
-    def __init__(self, got: _Iterable[ExchangeGot | _Mapping] | None = ..., bytes: int | None = ..., seconds: float | None = ...) -> None: ...
+    def __init__(
+        self, got: _Iterable[ExchangeGot | _Mapping] | None = ..., bytes: int | None = ..., seconds: float | None = ...
+    ) -> None: ...
