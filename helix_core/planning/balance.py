@@ -44,7 +44,7 @@ def fill_unknown_costs(costs: Sequence[float | None], buckets: Sequence[Hashable
     become tuples). A pure function of its inputs: every rank fills the same values.
     """
     c = np.asarray([np.nan if v is None else float(v) for v in costs], dtype=np.float64)
-    keys = [tuple(np.asarray(b).tolist()) if np.ndim(b) else b for b in buckets]
+    keys = [tuple(np.asarray(b).tolist()) if np.ndim(b) else b for b in buckets]  # type: ignore[arg-type]
     if len(keys) != len(c):
         raise ValueError(f"buckets has {len(keys)} entries for {len(c)} costs")
     known = ~np.isnan(c)

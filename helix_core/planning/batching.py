@@ -85,7 +85,7 @@ class TokenPlanner:
         if self.world_size == 1:  # one rank: nothing to balance, keep the sampler's order
             return [[list(map(int, st[0]))] for st in steps]
         # the better of two starts (ties: the first); the second is skipped within 1% of perfect
-        best = None
+        best: _Window | None = None
         for start in ("chunks", "bins"):
             state = _Window(q, sizes, self.world_size, start)
             state.improve()
@@ -93,6 +93,7 @@ class TokenPlanner:
                 best = state
             if len(state.sizes) == 1 or best.objective() * self.world_size * 100 <= int(q.sum()) * 101:
                 break  # one step: both starts are the same LPT
+        assert best is not None  # the loop ran at least once
         if _objective(q, sizes, self.world_size) <= best.objective():  # never worse than the sampler
             return [[list(map(int, batch)) for batch in step] for step in steps]
         return best.plan(idx, sizes)
@@ -246,7 +247,8 @@ def _check_steps(steps, world_size: int, window: int) -> tuple[list[int], np.nda
     """Per-step per-rank lengths and the window's indices, flattened step by step, rank by rank."""
     if len(steps) > window:
         raise ValueError(f"steps: {len(steps)} steps exceed window={window}")
-    sizes, flat = [], []
+    sizes: list[int] = []
+    flat: list[int] = []
     for s, step in enumerate(steps):
         if len(step) != world_size:
             raise ValueError(f"steps[{s}] has {len(step)} ranks, world_size={world_size}")

@@ -19,7 +19,9 @@ def fan_out(indices: list[int], costs: list, deadline_s: float) -> list[list[int
     if total <= deadline_s or total <= 0:
         return [indices]
     k = min(len(indices), max(2, math.ceil(total / max(deadline_s, 1e-3))))
-    parts, current, acc = [], [], 0.0
+    parts: list[list[int]] = []
+    current: list[int] = []
+    acc = 0.0
     for i, c in zip(indices, costs):
         current.append(i)
         acc += c.cpu_s

@@ -17,6 +17,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+#: A column of ``Candidates``: a tuple, or a numpy array the Coordinator keeps up to date.
+Column = tuple[float, ...] | tuple[int, ...] | np.ndarray
+
 __all__ = [
     "Candidates",
     "DeadlineAware",
@@ -44,14 +47,14 @@ class Candidates:
 
     server_ids: tuple[str, ...]
     kinds: tuple[str, ...]
-    workers: tuple[int, ...]
-    outstanding: tuple[int, ...]
-    queue_depth: tuple[int, ...] = ()
-    latency_per_cost: tuple[float, ...] = ()
+    workers: Column
+    outstanding: Column
+    queue_depth: Column = ()
+    latency_per_cost: Column = ()
     local: int | None = None
-    queued_cpu_s: tuple[float, ...] = ()
-    bandwidth_bps: tuple[float, ...] = ()
-    link_latency_s: tuple[float, ...] = ()
+    queued_cpu_s: Column = ()
+    bandwidth_bps: Column = ()
+    link_latency_s: Column = ()
     remote_mask: np.ndarray | None = None  # kinds == "remote", precomputed (the Coordinator caches it)
     # precomputed by the Coordinator (None: derived here): effective latency per cost (> 0), and the
     # network terms of Eq. 1 per server — seconds per output byte and seconds per delivery, 0 for local ones
@@ -272,6 +275,7 @@ class DeadlineAware:
                 )
                 if best is None or score < best[0]:
                     best = (score, k)
+            assert best is not None  # every server is a candidate here, and there is at least one
             k = best[1]
             if j is not None and finish.item(k) - finish.item(j) > self.gain_threshold * d:
                 return Decision(c.server_ids[j], "remote-gain", c.server_ids, lazy, finish, j)

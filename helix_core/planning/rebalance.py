@@ -19,7 +19,7 @@ projected time saved on each step's slowest rank exceeds the predicted transfer 
 from __future__ import annotations
 
 import math
-from collections import Counter
+from collections import Counter, defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -291,8 +291,8 @@ def transfer_s(features: Features, assignment: Sequence[int], args: GateArgs) ->
     moves; where input binds (``input_wait_s`` > ``input_bound_s``), plus the changed ranks' copies
     of their new batches at ``copy_bps``, which take the decoders' CPU."""
     host = args.same_host
-    out: Counter = Counter()
-    inn: Counter = Counter()
+    out: defaultdict[int, float] = defaultdict(float)  # bytes out of / into each rank
+    inn: defaultdict[int, float] = defaultdict(float)
     changed: set = set()  # (step, rank) whose batch changes
     for f, r in zip(features, assignment):
         if r == f["rank"]:

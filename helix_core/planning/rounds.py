@@ -74,7 +74,7 @@ class RoundBuffer:
     def add(self, item: RoundItem) -> Round | None:
         if item.rank not in self.ranks:
             raise ValueError(f"RoundBuffer: rank {item.rank} is not in this group {sorted(self.ranks)}")
-        if not self._items:
+        if not self._items or self._opened is None:
             self._opened = self.clock()
             self._due = self._opened + self.timeout_s
         self._limits.setdefault((item.rank, item.step), self._opened + self.timeout_s)

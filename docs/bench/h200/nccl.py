@@ -1,6 +1,10 @@
 """Two processes, one GPU: does NCCL form the group and run all_to_all_single? (Tier-2's NCCL path
 binds each DataServer to a GPU of its own; this checks what one GPU allows.)"""
-import os, socket, time
+
+import os
+import socket
+import time
+
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -21,14 +25,23 @@ def run(rank, world, port, q):
             dist.all_to_all_single(recv, send)
         torch.cuda.synchronize()
         dt = (time.perf_counter() - t0) / 5
-        q.put((rank, "ok", f"{n * world / 1e6:.0f} MB per rank in {dt * 1e3:.2f} ms ({n * (world - 1) / dt / 1e9:.1f} GB/s out)"))
+        q.put(
+            (
+                rank,
+                "ok",
+                f"{n * world / 1e6:.0f} MB per rank in {dt * 1e3:.2f} ms ({n * (world - 1) / dt / 1e9:.1f} GB/s out)",
+            )
+        )
         dist.destroy_process_group()
     except Exception as e:
         q.put((rank, "error", f"{type(e).__name__}: {str(e)[:400]}"))
 
 
 if __name__ == "__main__":
-    s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     ps = [ctx.Process(target=run, args=(r, 2, port, q)) for r in range(2)]
