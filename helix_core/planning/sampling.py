@@ -25,8 +25,14 @@ def rank_indices(
     num_samples: int, rank: int, world_size: int, shuffle: bool, seed: int, epoch: int, drop_last: bool = False
 ) -> list[int]:
     """Rank ``rank``'s sample indices of ``epoch``, in order (``DistributedSampler``'s shard)."""
+    data = _Len(num_samples)  # a length is all the sampler reads of its dataset
     sampler: DistributedSampler = DistributedSampler(
-        _Len(num_samples),  # type: ignore[arg-type]  # a length is all the sampler reads num_replicas=world_size, rank=rank, shuffle=shuffle, seed=seed, drop_last=drop_last
+        data,  # type: ignore[arg-type]
+        num_replicas=world_size,
+        rank=rank,
+        shuffle=shuffle,
+        seed=seed,
+        drop_last=drop_last,
     )
     sampler.set_epoch(epoch)
     return list(sampler)
