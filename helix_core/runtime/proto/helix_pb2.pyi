@@ -1,11 +1,9 @@
-from collections.abc import Iterable as _Iterable
-from collections.abc import Mapping as _Mapping
-from typing import ClassVar as _ClassVar
-
-from google.protobuf import descriptor as _descriptor
-from google.protobuf import message as _message
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
@@ -18,7 +16,6 @@ class ErrorKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ERROR_NOT_COMPLETED: _ClassVar[ErrorKind]
     ERROR_DELIVERY_LOST: _ClassVar[ErrorKind]
     ERROR_NO_ROOM: _ClassVar[ErrorKind]
-
 ERROR_NONE: ErrorKind
 ERROR_SAMPLE: ErrorKind
 ERROR_SPEC: ErrorKind
@@ -33,7 +30,7 @@ class HelloRequest(_message.Message):
     ROLE_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     role: str
-    def __init__(self, protocol_version: int | None = ..., role: str | None = ...) -> None: ...
+    def __init__(self, protocol_version: _Optional[int] = ..., role: _Optional[str] = ...) -> None: ...
 
 class HelloReply(_message.Message):
     __slots__ = ("protocol_version", "cluster_id", "pickle_allowed", "bulk_port")
@@ -45,19 +42,13 @@ class HelloReply(_message.Message):
     cluster_id: str
     pickle_allowed: bool
     bulk_port: int
-    def __init__(
-        self,
-        protocol_version: int | None = ...,
-        cluster_id: str | None = ...,
-        pickle_allowed: bool | None = ...,
-        bulk_port: int | None = ...,
-    ) -> None: ...
+    def __init__(self, protocol_version: _Optional[int] = ..., cluster_id: _Optional[str] = ..., pickle_allowed: _Optional[bool] = ..., bulk_port: _Optional[int] = ...) -> None: ...
 
 class Ack(_message.Message):
     __slots__ = ("ok",)
     OK_FIELD_NUMBER: _ClassVar[int]
     ok: bool
-    def __init__(self, ok: bool | None = ...) -> None: ...
+    def __init__(self, ok: _Optional[bool] = ...) -> None: ...
 
 class RegisterServerRequest(_message.Message):
     __slots__ = ("address", "kind", "local_rank", "host", "workers")
@@ -71,14 +62,7 @@ class RegisterServerRequest(_message.Message):
     local_rank: int
     host: str
     workers: int
-    def __init__(
-        self,
-        address: str | None = ...,
-        kind: str | None = ...,
-        local_rank: int | None = ...,
-        host: str | None = ...,
-        workers: int | None = ...,
-    ) -> None: ...
+    def __init__(self, address: _Optional[str] = ..., kind: _Optional[str] = ..., local_rank: _Optional[int] = ..., host: _Optional[str] = ..., workers: _Optional[int] = ...) -> None: ...
 
 class RegisterServerReply(_message.Message):
     __slots__ = ("server_id", "cluster_id", "heartbeat_interval_s")
@@ -88,9 +72,7 @@ class RegisterServerReply(_message.Message):
     server_id: str
     cluster_id: str
     heartbeat_interval_s: float
-    def __init__(
-        self, server_id: str | None = ..., cluster_id: str | None = ..., heartbeat_interval_s: float | None = ...
-    ) -> None: ...
+    def __init__(self, server_id: _Optional[str] = ..., cluster_id: _Optional[str] = ..., heartbeat_interval_s: _Optional[float] = ...) -> None: ...
 
 class RegisterClientRequest(_message.Message):
     __slots__ = ("rank", "world_size", "host", "local_rank", "client_id", "task_id_base")
@@ -106,15 +88,7 @@ class RegisterClientRequest(_message.Message):
     local_rank: int
     client_id: str
     task_id_base: int
-    def __init__(
-        self,
-        rank: int | None = ...,
-        world_size: int | None = ...,
-        host: str | None = ...,
-        local_rank: int | None = ...,
-        client_id: str | None = ...,
-        task_id_base: int | None = ...,
-    ) -> None: ...
+    def __init__(self, rank: _Optional[int] = ..., world_size: _Optional[int] = ..., host: _Optional[str] = ..., local_rank: _Optional[int] = ..., client_id: _Optional[str] = ..., task_id_base: _Optional[int] = ...) -> None: ...
 
 class RoundLeaderRequest(_message.Message):
     __slots__ = ("client_id", "rank")
@@ -122,7 +96,7 @@ class RoundLeaderRequest(_message.Message):
     RANK_FIELD_NUMBER: _ClassVar[int]
     client_id: str
     rank: int
-    def __init__(self, client_id: str | None = ..., rank: int | None = ...) -> None: ...
+    def __init__(self, client_id: _Optional[str] = ..., rank: _Optional[int] = ...) -> None: ...
 
 class RoundLeaderReply(_message.Message):
     __slots__ = ("server_id", "address", "host")
@@ -132,7 +106,7 @@ class RoundLeaderReply(_message.Message):
     server_id: str
     address: str
     host: str
-    def __init__(self, server_id: str | None = ..., address: str | None = ..., host: str | None = ...) -> None: ...
+    def __init__(self, server_id: _Optional[str] = ..., address: _Optional[str] = ..., host: _Optional[str] = ...) -> None: ...
 
 class RankSamples(_message.Message):
     __slots__ = ("rank", "indices", "release")
@@ -142,12 +116,7 @@ class RankSamples(_message.Message):
     rank: int
     indices: _containers.RepeatedScalarFieldContainer[int]
     release: _containers.RepeatedCompositeFieldContainer[SlabHandle]
-    def __init__(
-        self,
-        rank: int | None = ...,
-        indices: _Iterable[int] | None = ...,
-        release: _Iterable[SlabHandle | _Mapping] | None = ...,
-    ) -> None: ...
+    def __init__(self, rank: _Optional[int] = ..., indices: _Optional[_Iterable[int]] = ..., release: _Optional[_Iterable[_Union[SlabHandle, _Mapping]]] = ...) -> None: ...
 
 class CommitRoundRequest(_message.Message):
     __slots__ = ("group", "run", "step", "ranks", "age_s")
@@ -161,20 +130,13 @@ class CommitRoundRequest(_message.Message):
     step: int
     ranks: _containers.RepeatedCompositeFieldContainer[RankSamples]
     age_s: float
-    def __init__(
-        self,
-        group: str | None = ...,
-        run: str | None = ...,
-        step: int | None = ...,
-        ranks: _Iterable[RankSamples | _Mapping] | None = ...,
-        age_s: float | None = ...,
-    ) -> None: ...
+    def __init__(self, group: _Optional[str] = ..., run: _Optional[str] = ..., step: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankSamples, _Mapping]]] = ..., age_s: _Optional[float] = ...) -> None: ...
 
 class CommitRoundReply(_message.Message):
     __slots__ = ("committed",)
     COMMITTED_FIELD_NUMBER: _ClassVar[int]
     committed: bool
-    def __init__(self, committed: bool | None = ...) -> None: ...
+    def __init__(self, committed: _Optional[bool] = ...) -> None: ...
 
 class RoundFateRequest(_message.Message):
     __slots__ = ("group", "run", "step", "rank", "age_s")
@@ -188,14 +150,7 @@ class RoundFateRequest(_message.Message):
     step: int
     rank: int
     age_s: float
-    def __init__(
-        self,
-        group: str | None = ...,
-        run: str | None = ...,
-        step: int | None = ...,
-        rank: int | None = ...,
-        age_s: float | None = ...,
-    ) -> None: ...
+    def __init__(self, group: _Optional[str] = ..., run: _Optional[str] = ..., step: _Optional[int] = ..., rank: _Optional[int] = ..., age_s: _Optional[float] = ...) -> None: ...
 
 class RoundFateReply(_message.Message):
     __slots__ = ("moved", "indices", "release")
@@ -205,12 +160,7 @@ class RoundFateReply(_message.Message):
     moved: bool
     indices: _containers.RepeatedScalarFieldContainer[int]
     release: _containers.RepeatedCompositeFieldContainer[SlabHandle]
-    def __init__(
-        self,
-        moved: bool | None = ...,
-        indices: _Iterable[int] | None = ...,
-        release: _Iterable[SlabHandle | _Mapping] | None = ...,
-    ) -> None: ...
+    def __init__(self, moved: _Optional[bool] = ..., indices: _Optional[_Iterable[int]] = ..., release: _Optional[_Iterable[_Union[SlabHandle, _Mapping]]] = ...) -> None: ...
 
 class RegisterClientReply(_message.Message):
     __slots__ = ("client_id", "cluster_id", "task_id_base")
@@ -220,25 +170,10 @@ class RegisterClientReply(_message.Message):
     client_id: str
     cluster_id: str
     task_id_base: int
-    def __init__(
-        self, client_id: str | None = ..., cluster_id: str | None = ..., task_id_base: int | None = ...
-    ) -> None: ...
+    def __init__(self, client_id: _Optional[str] = ..., cluster_id: _Optional[str] = ..., task_id_base: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = (
-        "server_id",
-        "queue_depth",
-        "inflight",
-        "workers_alive",
-        "latency_per_cost",
-        "completed",
-        "cross_ds_bytes",
-        "queued_cpu_s",
-        "link_bandwidth_bps",
-        "link_latency_s",
-        "bulk_bytes",
-        "next_beat_s",
-    )
+    __slots__ = ("server_id", "queue_depth", "inflight", "workers_alive", "latency_per_cost", "completed", "cross_ds_bytes", "queued_cpu_s", "link_bandwidth_bps", "link_latency_s", "bulk_bytes", "next_beat_s")
     SERVER_ID_FIELD_NUMBER: _ClassVar[int]
     QUEUE_DEPTH_FIELD_NUMBER: _ClassVar[int]
     INFLIGHT_FIELD_NUMBER: _ClassVar[int]
@@ -263,27 +198,13 @@ class HeartbeatRequest(_message.Message):
     link_latency_s: float
     bulk_bytes: int
     next_beat_s: float
-    def __init__(
-        self,
-        server_id: str | None = ...,
-        queue_depth: int | None = ...,
-        inflight: int | None = ...,
-        workers_alive: int | None = ...,
-        latency_per_cost: float | None = ...,
-        completed: int | None = ...,
-        cross_ds_bytes: int | None = ...,
-        queued_cpu_s: float | None = ...,
-        link_bandwidth_bps: float | None = ...,
-        link_latency_s: float | None = ...,
-        bulk_bytes: int | None = ...,
-        next_beat_s: float | None = ...,
-    ) -> None: ...
+    def __init__(self, server_id: _Optional[str] = ..., queue_depth: _Optional[int] = ..., inflight: _Optional[int] = ..., workers_alive: _Optional[int] = ..., latency_per_cost: _Optional[float] = ..., completed: _Optional[int] = ..., cross_ds_bytes: _Optional[int] = ..., queued_cpu_s: _Optional[float] = ..., link_bandwidth_bps: _Optional[float] = ..., link_latency_s: _Optional[float] = ..., bulk_bytes: _Optional[int] = ..., next_beat_s: _Optional[float] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
     __slots__ = ("known",)
     KNOWN_FIELD_NUMBER: _ClassVar[int]
     known: bool
-    def __init__(self, known: bool | None = ...) -> None: ...
+    def __init__(self, known: _Optional[bool] = ...) -> None: ...
 
 class CostTerm(_message.Message):
     __slots__ = ("cpu_s", "io_bytes", "out_bytes", "tokens")
@@ -295,28 +216,10 @@ class CostTerm(_message.Message):
     io_bytes: int
     out_bytes: int
     tokens: int
-    def __init__(
-        self,
-        cpu_s: float | None = ...,
-        io_bytes: int | None = ...,
-        out_bytes: int | None = ...,
-        tokens: int | None = ...,
-    ) -> None: ...
+    def __init__(self, cpu_s: _Optional[float] = ..., io_bytes: _Optional[int] = ..., out_bytes: _Optional[int] = ..., tokens: _Optional[int] = ...) -> None: ...
 
 class RouteRequest(_message.Message):
-    __slots__ = (
-        "client_id",
-        "rank",
-        "task_id",
-        "cost",
-        "deadline_s",
-        "exclude",
-        "scheduler",
-        "has_deadline",
-        "completed",
-        "host",
-        "local_rank",
-    )
+    __slots__ = ("client_id", "rank", "task_id", "cost", "deadline_s", "exclude", "scheduler", "has_deadline", "completed", "host", "local_rank")
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
@@ -339,32 +242,10 @@ class RouteRequest(_message.Message):
     completed: _containers.RepeatedScalarFieldContainer[int]
     host: str
     local_rank: int
-    def __init__(
-        self,
-        client_id: str | None = ...,
-        rank: int | None = ...,
-        task_id: int | None = ...,
-        cost: CostTerm | _Mapping | None = ...,
-        deadline_s: float | None = ...,
-        exclude: _Iterable[str] | None = ...,
-        scheduler: str | None = ...,
-        has_deadline: bool | None = ...,
-        completed: _Iterable[int] | None = ...,
-        host: str | None = ...,
-        local_rank: int | None = ...,
-    ) -> None: ...
+    def __init__(self, client_id: _Optional[str] = ..., rank: _Optional[int] = ..., task_id: _Optional[int] = ..., cost: _Optional[_Union[CostTerm, _Mapping]] = ..., deadline_s: _Optional[float] = ..., exclude: _Optional[_Iterable[str]] = ..., scheduler: _Optional[str] = ..., has_deadline: _Optional[bool] = ..., completed: _Optional[_Iterable[int]] = ..., host: _Optional[str] = ..., local_rank: _Optional[int] = ...) -> None: ...
 
 class RouteReply(_message.Message):
-    __slots__ = (
-        "exec_server_id",
-        "exec_address",
-        "delivery_server_id",
-        "delivery_address",
-        "reason",
-        "decision_us",
-        "exec_kind",
-        "delivery_host",
-    )
+    __slots__ = ("exec_server_id", "exec_address", "delivery_server_id", "delivery_address", "reason", "decision_us", "exec_kind", "delivery_host")
     EXEC_SERVER_ID_FIELD_NUMBER: _ClassVar[int]
     EXEC_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     DELIVERY_SERVER_ID_FIELD_NUMBER: _ClassVar[int]
@@ -381,17 +262,7 @@ class RouteReply(_message.Message):
     decision_us: float
     exec_kind: str
     delivery_host: str
-    def __init__(
-        self,
-        exec_server_id: str | None = ...,
-        exec_address: str | None = ...,
-        delivery_server_id: str | None = ...,
-        delivery_address: str | None = ...,
-        reason: str | None = ...,
-        decision_us: float | None = ...,
-        exec_kind: str | None = ...,
-        delivery_host: str | None = ...,
-    ) -> None: ...
+    def __init__(self, exec_server_id: _Optional[str] = ..., exec_address: _Optional[str] = ..., delivery_server_id: _Optional[str] = ..., delivery_address: _Optional[str] = ..., reason: _Optional[str] = ..., decision_us: _Optional[float] = ..., exec_kind: _Optional[str] = ..., delivery_host: _Optional[str] = ...) -> None: ...
 
 class Completions(_message.Message):
     __slots__ = ("client_id", "task_ids")
@@ -399,19 +270,19 @@ class Completions(_message.Message):
     TASK_IDS_FIELD_NUMBER: _ClassVar[int]
     client_id: str
     task_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, client_id: str | None = ..., task_ids: _Iterable[int] | None = ...) -> None: ...
+    def __init__(self, client_id: _Optional[str] = ..., task_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class TelemetryRequest(_message.Message):
     __slots__ = ("last_decisions",)
     LAST_DECISIONS_FIELD_NUMBER: _ClassVar[int]
     last_decisions: int
-    def __init__(self, last_decisions: int | None = ...) -> None: ...
+    def __init__(self, last_decisions: _Optional[int] = ...) -> None: ...
 
 class TelemetryReply(_message.Message):
     __slots__ = ("json",)
     JSON_FIELD_NUMBER: _ClassVar[int]
     json: str
-    def __init__(self, json: str | None = ...) -> None: ...
+    def __init__(self, json: _Optional[str] = ...) -> None: ...
 
 class ShutdownRequest(_message.Message):
     __slots__ = ()
@@ -425,7 +296,7 @@ class ConfigureRequest(_message.Message):
     spec_id: str
     payload: bytes
     format: str
-    def __init__(self, spec_id: str | None = ..., payload: bytes | None = ..., format: str | None = ...) -> None: ...
+    def __init__(self, spec_id: _Optional[str] = ..., payload: _Optional[bytes] = ..., format: _Optional[str] = ...) -> None: ...
 
 class TensorMeta(_message.Message):
     __slots__ = ("dtype", "shape", "offset", "nbytes", "inline_data", "is_inline")
@@ -441,15 +312,7 @@ class TensorMeta(_message.Message):
     nbytes: int
     inline_data: bytes
     is_inline: bool
-    def __init__(
-        self,
-        dtype: str | None = ...,
-        shape: _Iterable[int] | None = ...,
-        offset: int | None = ...,
-        nbytes: int | None = ...,
-        inline_data: bytes | None = ...,
-        is_inline: bool | None = ...,
-    ) -> None: ...
+    def __init__(self, dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ..., inline_data: _Optional[bytes] = ..., is_inline: _Optional[bool] = ...) -> None: ...
 
 class SlabHandle(_message.Message):
     __slots__ = ("segment", "generation", "nbytes")
@@ -459,7 +322,7 @@ class SlabHandle(_message.Message):
     segment: str
     generation: int
     nbytes: int
-    def __init__(self, segment: str | None = ..., generation: int | None = ..., nbytes: int | None = ...) -> None: ...
+    def __init__(self, segment: _Optional[str] = ..., generation: _Optional[int] = ..., nbytes: _Optional[int] = ...) -> None: ...
 
 class BatchHandle(_message.Message):
     __slots__ = ("slab", "tree_json", "tree_pickle", "tensors")
@@ -471,13 +334,7 @@ class BatchHandle(_message.Message):
     tree_json: str
     tree_pickle: bytes
     tensors: _containers.RepeatedCompositeFieldContainer[TensorMeta]
-    def __init__(
-        self,
-        slab: SlabHandle | _Mapping | None = ...,
-        tree_json: str | None = ...,
-        tree_pickle: bytes | None = ...,
-        tensors: _Iterable[TensorMeta | _Mapping] | None = ...,
-    ) -> None: ...
+    def __init__(self, slab: _Optional[_Union[SlabHandle, _Mapping]] = ..., tree_json: _Optional[str] = ..., tree_pickle: _Optional[bytes] = ..., tensors: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ...) -> None: ...
 
 class SampleFailure(_message.Message):
     __slots__ = ("index", "path", "cause")
@@ -487,25 +344,10 @@ class SampleFailure(_message.Message):
     index: int
     path: str
     cause: str
-    def __init__(self, index: int | None = ..., path: str | None = ..., cause: str | None = ...) -> None: ...
+    def __init__(self, index: _Optional[int] = ..., path: _Optional[str] = ..., cause: _Optional[str] = ...) -> None: ...
 
 class ExecuteRequest(_message.Message):
-    __slots__ = (
-        "task_id",
-        "spec_id",
-        "indices",
-        "epoch",
-        "substitutes",
-        "on_error",
-        "deliver_to",
-        "client_id",
-        "deadline_s",
-        "has_deadline",
-        "predicted_cpu_s",
-        "splittable",
-        "features",
-        "room",
-    )
+    __slots__ = ("task_id", "spec_id", "indices", "epoch", "substitutes", "on_error", "deliver_to", "client_id", "deadline_s", "has_deadline", "predicted_cpu_s", "splittable", "features", "room")
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
     SPEC_ID_FIELD_NUMBER: _ClassVar[int]
     INDICES_FIELD_NUMBER: _ClassVar[int]
@@ -534,42 +376,10 @@ class ExecuteRequest(_message.Message):
     splittable: bool
     features: bool
     room: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(
-        self,
-        task_id: int | None = ...,
-        spec_id: str | None = ...,
-        indices: _Iterable[int] | None = ...,
-        epoch: int | None = ...,
-        substitutes: _Iterable[int] | None = ...,
-        on_error: str | None = ...,
-        deliver_to: str | None = ...,
-        client_id: str | None = ...,
-        deadline_s: float | None = ...,
-        has_deadline: bool | None = ...,
-        predicted_cpu_s: float | None = ...,
-        splittable: bool | None = ...,
-        features: bool | None = ...,
-        room: _Iterable[int] | None = ...,
-    ) -> None: ...
+    def __init__(self, task_id: _Optional[int] = ..., spec_id: _Optional[str] = ..., indices: _Optional[_Iterable[int]] = ..., epoch: _Optional[int] = ..., substitutes: _Optional[_Iterable[int]] = ..., on_error: _Optional[str] = ..., deliver_to: _Optional[str] = ..., client_id: _Optional[str] = ..., deadline_s: _Optional[float] = ..., has_deadline: _Optional[bool] = ..., predicted_cpu_s: _Optional[float] = ..., splittable: _Optional[bool] = ..., features: _Optional[bool] = ..., room: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ExecuteReply(_message.Message):
-    __slots__ = (
-        "task_id",
-        "batch",
-        "error_kind",
-        "error",
-        "failure",
-        "skipped",
-        "delivered_by",
-        "cross_ds_bytes",
-        "exec_s",
-        "decoded",
-        "decode_cpu_s",
-        "queue_s",
-        "pieces",
-        "piece_rows",
-        "features_json",
-    )
+    __slots__ = ("task_id", "batch", "error_kind", "error", "failure", "skipped", "delivered_by", "cross_ds_bytes", "exec_s", "decoded", "decode_cpu_s", "queue_s", "pieces", "piece_rows", "features_json")
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
     BATCH_FIELD_NUMBER: _ClassVar[int]
     ERROR_KIND_FIELD_NUMBER: _ClassVar[int]
@@ -600,24 +410,7 @@ class ExecuteReply(_message.Message):
     pieces: _containers.RepeatedCompositeFieldContainer[BatchHandle]
     piece_rows: _containers.RepeatedScalarFieldContainer[int]
     features_json: str
-    def __init__(
-        self,
-        task_id: int | None = ...,
-        batch: BatchHandle | _Mapping | None = ...,
-        error_kind: ErrorKind | str | None = ...,
-        error: str | None = ...,
-        failure: SampleFailure | _Mapping | None = ...,
-        skipped: _Iterable[SampleFailure | _Mapping] | None = ...,
-        delivered_by: str | None = ...,
-        cross_ds_bytes: int | None = ...,
-        exec_s: float | None = ...,
-        decoded: _Iterable[int] | None = ...,
-        decode_cpu_s: _Iterable[float] | None = ...,
-        queue_s: float | None = ...,
-        pieces: _Iterable[BatchHandle | _Mapping] | None = ...,
-        piece_rows: _Iterable[int] | None = ...,
-        features_json: str | None = ...,
-    ) -> None: ...
+    def __init__(self, task_id: _Optional[int] = ..., batch: _Optional[_Union[BatchHandle, _Mapping]] = ..., error_kind: _Optional[_Union[ErrorKind, str]] = ..., error: _Optional[str] = ..., failure: _Optional[_Union[SampleFailure, _Mapping]] = ..., skipped: _Optional[_Iterable[_Union[SampleFailure, _Mapping]]] = ..., delivered_by: _Optional[str] = ..., cross_ds_bytes: _Optional[int] = ..., exec_s: _Optional[float] = ..., decoded: _Optional[_Iterable[int]] = ..., decode_cpu_s: _Optional[_Iterable[float]] = ..., queue_s: _Optional[float] = ..., pieces: _Optional[_Iterable[_Union[BatchHandle, _Mapping]]] = ..., piece_rows: _Optional[_Iterable[int]] = ..., features_json: _Optional[str] = ...) -> None: ...
 
 class StreamHeader(_message.Message):
     __slots__ = ("task_id", "tree_json", "tree_pickle", "tensors", "total_bytes")
@@ -631,14 +424,7 @@ class StreamHeader(_message.Message):
     tree_pickle: bytes
     tensors: _containers.RepeatedCompositeFieldContainer[TensorMeta]
     total_bytes: int
-    def __init__(
-        self,
-        task_id: int | None = ...,
-        tree_json: str | None = ...,
-        tree_pickle: bytes | None = ...,
-        tensors: _Iterable[TensorMeta | _Mapping] | None = ...,
-        total_bytes: int | None = ...,
-    ) -> None: ...
+    def __init__(self, task_id: _Optional[int] = ..., tree_json: _Optional[str] = ..., tree_pickle: _Optional[bytes] = ..., tensors: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., total_bytes: _Optional[int] = ...) -> None: ...
 
 class StreamChunk(_message.Message):
     __slots__ = ("header", "data")
@@ -646,7 +432,7 @@ class StreamChunk(_message.Message):
     DATA_FIELD_NUMBER: _ClassVar[int]
     header: StreamHeader
     data: bytes
-    def __init__(self, header: StreamHeader | _Mapping | None = ..., data: bytes | None = ...) -> None: ...
+    def __init__(self, header: _Optional[_Union[StreamHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class DeliverReply(_message.Message):
     __slots__ = ("batch", "server_id")
@@ -654,7 +440,7 @@ class DeliverReply(_message.Message):
     SERVER_ID_FIELD_NUMBER: _ClassVar[int]
     batch: BatchHandle
     server_id: str
-    def __init__(self, batch: BatchHandle | _Mapping | None = ..., server_id: str | None = ...) -> None: ...
+    def __init__(self, batch: _Optional[_Union[BatchHandle, _Mapping]] = ..., server_id: _Optional[str] = ...) -> None: ...
 
 class CancelRequest(_message.Message):
     __slots__ = ("task_ids", "client_id")
@@ -662,7 +448,7 @@ class CancelRequest(_message.Message):
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     task_ids: _containers.RepeatedScalarFieldContainer[int]
     client_id: str
-    def __init__(self, task_ids: _Iterable[int] | None = ..., client_id: str | None = ...) -> None: ...
+    def __init__(self, task_ids: _Optional[_Iterable[int]] = ..., client_id: _Optional[str] = ...) -> None: ...
 
 class HealthRequest(_message.Message):
     __slots__ = ()
@@ -684,40 +470,10 @@ class HealthReply(_message.Message):
     worker_pids: _containers.RepeatedScalarFieldContainer[int]
     pid: int
     inflight: int
-    def __init__(
-        self,
-        server_id: str | None = ...,
-        workers_alive: int | None = ...,
-        queue_depth: int | None = ...,
-        serving: bool | None = ...,
-        worker_pids: _Iterable[int] | None = ...,
-        pid: int | None = ...,
-        inflight: int | None = ...,
-    ) -> None: ...
+    def __init__(self, server_id: _Optional[str] = ..., workers_alive: _Optional[int] = ..., queue_depth: _Optional[int] = ..., serving: _Optional[bool] = ..., worker_pids: _Optional[_Iterable[int]] = ..., pid: _Optional[int] = ..., inflight: _Optional[int] = ...) -> None: ...
 
 class RebalanceRequest(_message.Message):
-    __slots__ = (
-        "group",
-        "group_size",
-        "rank",
-        "step",
-        "batches",
-        "batch_rows",
-        "features_json",
-        "host",
-        "buffer_size",
-        "timeout_s",
-        "policy_id",
-        "policy",
-        "policy_format",
-        "client_id",
-        "seconds_per_unit",
-        "indices",
-        "delivery",
-        "exchange",
-        "run",
-        "input_wait_s",
-    )
+    __slots__ = ("group", "group_size", "rank", "step", "batches", "batch_rows", "features_json", "host", "buffer_size", "timeout_s", "policy_id", "policy", "policy_format", "client_id", "seconds_per_unit", "indices", "delivery", "exchange", "run", "input_wait_s")
     GROUP_FIELD_NUMBER: _ClassVar[int]
     GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
@@ -758,29 +514,7 @@ class RebalanceRequest(_message.Message):
     exchange: str
     run: str
     input_wait_s: float
-    def __init__(
-        self,
-        group: str | None = ...,
-        group_size: int | None = ...,
-        rank: int | None = ...,
-        step: int | None = ...,
-        batches: _Iterable[BatchHandle | _Mapping] | None = ...,
-        batch_rows: _Iterable[int] | None = ...,
-        features_json: str | None = ...,
-        host: str | None = ...,
-        buffer_size: int | None = ...,
-        timeout_s: float | None = ...,
-        policy_id: str | None = ...,
-        policy: bytes | None = ...,
-        policy_format: str | None = ...,
-        client_id: str | None = ...,
-        seconds_per_unit: float | None = ...,
-        indices: _Iterable[int] | None = ...,
-        delivery: str | None = ...,
-        exchange: str | None = ...,
-        run: str | None = ...,
-        input_wait_s: float | None = ...,
-    ) -> None: ...
+    def __init__(self, group: _Optional[str] = ..., group_size: _Optional[int] = ..., rank: _Optional[int] = ..., step: _Optional[int] = ..., batches: _Optional[_Iterable[_Union[BatchHandle, _Mapping]]] = ..., batch_rows: _Optional[_Iterable[int]] = ..., features_json: _Optional[str] = ..., host: _Optional[str] = ..., buffer_size: _Optional[int] = ..., timeout_s: _Optional[float] = ..., policy_id: _Optional[str] = ..., policy: _Optional[bytes] = ..., policy_format: _Optional[str] = ..., client_id: _Optional[str] = ..., seconds_per_unit: _Optional[float] = ..., indices: _Optional[_Iterable[int]] = ..., delivery: _Optional[str] = ..., exchange: _Optional[str] = ..., run: _Optional[str] = ..., input_wait_s: _Optional[float] = ...) -> None: ...
 
 class RowTake(_message.Message):
     __slots__ = ("batch", "rows", "shared", "batch_rows", "indices", "costs")
@@ -796,32 +530,10 @@ class RowTake(_message.Message):
     batch_rows: int
     indices: _containers.RepeatedScalarFieldContainer[int]
     costs: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(
-        self,
-        batch: BatchHandle | _Mapping | None = ...,
-        rows: _Iterable[int] | None = ...,
-        shared: bool | None = ...,
-        batch_rows: int | None = ...,
-        indices: _Iterable[int] | None = ...,
-        costs: _Iterable[float] | None = ...,
-    ) -> None: ...
+    def __init__(self, batch: _Optional[_Union[BatchHandle, _Mapping]] = ..., rows: _Optional[_Iterable[int]] = ..., shared: _Optional[bool] = ..., batch_rows: _Optional[int] = ..., indices: _Optional[_Iterable[int]] = ..., costs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class RebalanceReply(_message.Message):
-    __slots__ = (
-        "takes",
-        "outcome",
-        "moved_in",
-        "moved_out",
-        "gain_s",
-        "transfer_s",
-        "round_samples",
-        "closed_by",
-        "moved_bytes",
-        "crossed_bytes",
-        "transport",
-        "release",
-        "input_wait_s",
-    )
+    __slots__ = ("takes", "outcome", "moved_in", "moved_out", "gain_s", "transfer_s", "round_samples", "closed_by", "moved_bytes", "crossed_bytes", "transport", "release", "input_wait_s")
     TAKES_FIELD_NUMBER: _ClassVar[int]
     OUTCOME_FIELD_NUMBER: _ClassVar[int]
     MOVED_IN_FIELD_NUMBER: _ClassVar[int]
@@ -848,22 +560,7 @@ class RebalanceReply(_message.Message):
     transport: str
     release: _containers.RepeatedCompositeFieldContainer[SlabHandle]
     input_wait_s: float
-    def __init__(
-        self,
-        takes: _Iterable[RowTake | _Mapping] | None = ...,
-        outcome: str | None = ...,
-        moved_in: int | None = ...,
-        moved_out: int | None = ...,
-        gain_s: float | None = ...,
-        transfer_s: float | None = ...,
-        round_samples: int | None = ...,
-        closed_by: str | None = ...,
-        moved_bytes: int | None = ...,
-        crossed_bytes: int | None = ...,
-        transport: str | None = ...,
-        release: _Iterable[SlabHandle | _Mapping] | None = ...,
-        input_wait_s: float | None = ...,
-    ) -> None: ...
+    def __init__(self, takes: _Optional[_Iterable[_Union[RowTake, _Mapping]]] = ..., outcome: _Optional[str] = ..., moved_in: _Optional[int] = ..., moved_out: _Optional[int] = ..., gain_s: _Optional[float] = ..., transfer_s: _Optional[float] = ..., round_samples: _Optional[int] = ..., closed_by: _Optional[str] = ..., moved_bytes: _Optional[int] = ..., crossed_bytes: _Optional[int] = ..., transport: _Optional[str] = ..., release: _Optional[_Iterable[_Union[SlabHandle, _Mapping]]] = ..., input_wait_s: _Optional[float] = ...) -> None: ...
 
 class LeaveRoundRequest(_message.Message):
     __slots__ = ("group", "run", "step", "rank", "timeout_s", "client_id")
@@ -879,15 +576,7 @@ class LeaveRoundRequest(_message.Message):
     rank: int
     timeout_s: float
     client_id: str
-    def __init__(
-        self,
-        group: str | None = ...,
-        run: str | None = ...,
-        step: int | None = ...,
-        rank: int | None = ...,
-        timeout_s: float | None = ...,
-        client_id: str | None = ...,
-    ) -> None: ...
+    def __init__(self, group: _Optional[str] = ..., run: _Optional[str] = ..., step: _Optional[int] = ..., rank: _Optional[int] = ..., timeout_s: _Optional[float] = ..., client_id: _Optional[str] = ...) -> None: ...
 
 class AskRoundRequest(_message.Message):
     __slots__ = ("group", "run", "step", "rank", "client_id")
@@ -901,20 +590,13 @@ class AskRoundRequest(_message.Message):
     step: int
     rank: int
     client_id: str
-    def __init__(
-        self,
-        group: str | None = ...,
-        run: str | None = ...,
-        step: int | None = ...,
-        rank: int | None = ...,
-        client_id: str | None = ...,
-    ) -> None: ...
+    def __init__(self, group: _Optional[str] = ..., run: _Optional[str] = ..., step: _Optional[int] = ..., rank: _Optional[int] = ..., client_id: _Optional[str] = ...) -> None: ...
 
 class AskRoundReply(_message.Message):
     __slots__ = ("asked",)
     ASKED_FIELD_NUMBER: _ClassVar[int]
     asked: bool
-    def __init__(self, asked: bool | None = ...) -> None: ...
+    def __init__(self, asked: _Optional[bool] = ...) -> None: ...
 
 class LeaveRoundReply(_message.Message):
     __slots__ = ("left", "reply")
@@ -922,7 +604,7 @@ class LeaveRoundReply(_message.Message):
     REPLY_FIELD_NUMBER: _ClassVar[int]
     left: bool
     reply: RebalanceReply
-    def __init__(self, left: bool | None = ..., reply: RebalanceReply | _Mapping | None = ...) -> None: ...
+    def __init__(self, left: _Optional[bool] = ..., reply: _Optional[_Union[RebalanceReply, _Mapping]] = ...) -> None: ...
 
 class ExchangeSend(_message.Message):
     __slots__ = ("batch", "rows", "batch_rows", "to", "key", "last_reader")
@@ -938,30 +620,10 @@ class ExchangeSend(_message.Message):
     to: int
     key: int
     last_reader: bool
-    def __init__(
-        self,
-        batch: BatchHandle | _Mapping | None = ...,
-        rows: _Iterable[int] | None = ...,
-        batch_rows: int | None = ...,
-        to: int | None = ...,
-        key: int | None = ...,
-        last_reader: bool | None = ...,
-    ) -> None: ...
+    def __init__(self, batch: _Optional[_Union[BatchHandle, _Mapping]] = ..., rows: _Optional[_Iterable[int]] = ..., batch_rows: _Optional[int] = ..., to: _Optional[int] = ..., key: _Optional[int] = ..., last_reader: _Optional[bool] = ...) -> None: ...
 
 class ExchangeRequest(_message.Message):
-    __slots__ = (
-        "round",
-        "members",
-        "member",
-        "transport",
-        "sends",
-        "store",
-        "generation",
-        "timeout_s",
-        "drop",
-        "share",
-        "readers",
-    )
+    __slots__ = ("round", "members", "member", "transport", "sends", "store", "generation", "timeout_s", "drop", "share", "readers")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     MEMBERS_FIELD_NUMBER: _ClassVar[int]
     MEMBER_FIELD_NUMBER: _ClassVar[int]
@@ -984,20 +646,7 @@ class ExchangeRequest(_message.Message):
     drop: _containers.RepeatedCompositeFieldContainer[SlabHandle]
     share: _containers.RepeatedCompositeFieldContainer[SlabHandle]
     readers: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(
-        self,
-        round: str | None = ...,
-        members: _Iterable[str] | None = ...,
-        member: int | None = ...,
-        transport: str | None = ...,
-        sends: _Iterable[ExchangeSend | _Mapping] | None = ...,
-        store: str | None = ...,
-        generation: int | None = ...,
-        timeout_s: float | None = ...,
-        drop: _Iterable[SlabHandle | _Mapping] | None = ...,
-        share: _Iterable[SlabHandle | _Mapping] | None = ...,
-        readers: _Iterable[int] | None = ...,
-    ) -> None: ...
+    def __init__(self, round: _Optional[str] = ..., members: _Optional[_Iterable[str]] = ..., member: _Optional[int] = ..., transport: _Optional[str] = ..., sends: _Optional[_Iterable[_Union[ExchangeSend, _Mapping]]] = ..., store: _Optional[str] = ..., generation: _Optional[int] = ..., timeout_s: _Optional[float] = ..., drop: _Optional[_Iterable[_Union[SlabHandle, _Mapping]]] = ..., share: _Optional[_Iterable[_Union[SlabHandle, _Mapping]]] = ..., readers: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ExchangeGot(_message.Message):
     __slots__ = ("key", "batch")
@@ -1005,7 +654,7 @@ class ExchangeGot(_message.Message):
     BATCH_FIELD_NUMBER: _ClassVar[int]
     key: int
     batch: BatchHandle
-    def __init__(self, key: int | None = ..., batch: BatchHandle | _Mapping | None = ...) -> None: ...
+    def __init__(self, key: _Optional[int] = ..., batch: _Optional[_Union[BatchHandle, _Mapping]] = ...) -> None: ...
 
 class ExchangeReply(_message.Message):
     __slots__ = ("got", "bytes", "seconds")
@@ -1015,6 +664,4 @@ class ExchangeReply(_message.Message):
     got: _containers.RepeatedCompositeFieldContainer[ExchangeGot]
     bytes: int
     seconds: float
-    def __init__(
-        self, got: _Iterable[ExchangeGot | _Mapping] | None = ..., bytes: int | None = ..., seconds: float | None = ...
-    ) -> None: ...
+    def __init__(self, got: _Optional[_Iterable[_Union[ExchangeGot, _Mapping]]] = ..., bytes: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
