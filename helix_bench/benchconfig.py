@@ -8,8 +8,8 @@ from pathlib import Path
 
 from helix_core.planning.gpu import GPU_COSTS
 
-from .emulate import REGIMES
-from .ranks import HELIX_VARIANTS
+from helix_bench.emulate import REGIMES
+from helix_bench.ranks import HELIX_VARIANTS
 
 __all__ = ["BenchConfig", "SYSTEMS"]
 

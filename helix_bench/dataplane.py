@@ -28,8 +28,8 @@ from pathlib import Path
 
 from helix_core.telemetry import percentile
 
-from .e2e import bench_e2e
-from .tables import print_rows
+from helix_bench.e2e import bench_e2e
+from helix_bench.tables import print_rows
 
 __all__ = ["bench_remote", "bench_route", "main", "route_figures", "stream_figures"]
 
@@ -357,7 +357,7 @@ def main(argv=None) -> dict:
     from rich.console import Console
     from rich.progress import Progress
 
-    from .transport import bench_local_delivery
+    from helix_bench.transport import bench_local_delivery
 
     p = argparse.ArgumentParser(
         prog="python -m helix_bench.dataplane",

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from helix_core.telemetry import percentile
 
-from .tables import print_rows
+from helix_bench.tables import print_rows
 
 __all__ = ["bench_e2e", "e2e_figures"]
 

@@ -11,7 +11,7 @@ import math
 import textwrap
 from pathlib import Path
 
-from .slots import draw_timeline
+from helix_bench.slots import draw_timeline
 
 __all__ = ["FIGURES", "draw_figures"]
 

@@ -20,11 +20,11 @@ import numpy as np
 
 from helix_core.planning.gpu import GPU_COSTS, GpuCost
 
-from .benchconfig import BenchConfig
-from .emulate import measure_decode, regime_window_scale
-from .ranks import RankPlan
-from .results import RAY_MODES, system_result
-from .systemrun import _run_system
+from helix_bench.benchconfig import BenchConfig
+from helix_bench.emulate import measure_decode, regime_window_scale
+from helix_bench.ranks import RankPlan
+from helix_bench.results import RAY_MODES, system_result
+from helix_bench.systemrun import _run_system
 
 __all__ = ["run_bench", "run_one"]
 
@@ -78,7 +78,7 @@ def expected_indices(n: int, cfg: BenchConfig, total_steps: int | None = None) -
 def measured_gpu_s(expected: list, tokens: dict, cost: GpuCost, scale: float) -> float:
     """The bound's GPU term: the token-balanced GPU seconds of the measured steps, ``expected``
     being ``[rank][step] -> indices``."""
-    from .metrics import balanced_gpu_s
+    from helix_bench.metrics import balanced_gpu_s
 
     ranks, steps = len(expected), len(expected[0])
     per_step = [
@@ -92,9 +92,9 @@ def run_one(cfg: BenchConfig, console=None, live=None) -> dict:
     """Run every system of one configuration; return the results dict of ``report.write_report``."""
     import tempfile
 
-    from .metrics import Bound
-    from .samples import round_to_windows, window_spans
-    from .timed import CapacityProbe, TimedClipDataset
+    from helix_bench.metrics import Bound
+    from helix_bench.samples import round_to_windows, window_spans
+    from helix_bench.timed import CapacityProbe, TimedClipDataset
 
     say = console.print if console is not None else (lambda *a, **k: None)
     live = live or (lambda *a: None)
@@ -156,7 +156,7 @@ def run_one(cfg: BenchConfig, console=None, live=None) -> dict:
         logs = stack.enter_context(tempfile.TemporaryDirectory(prefix="helix-bench-"))
         for system in cfg.systems:
             if system in RAY_MODES:
-                from .raypool import ray_available
+                from helix_bench.raypool import ray_available
 
                 why = ray_available()
                 if why:
@@ -220,7 +220,7 @@ def run_bench(configs: list[BenchConfig], out_dir: str | os.PathLike, console=No
     """Run ``configs`` in turn with a rich live view; write results.json, report.md and figures."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from .report import print_table, write_report
+    from helix_bench.report import print_table, write_report
 
     runs = []
     with Progress(

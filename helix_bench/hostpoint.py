@@ -12,7 +12,7 @@ import sys
 from dataclasses import asdict, replace
 from pathlib import Path
 
-from .hosts import HostBenchConfig
+from helix_bench.hosts import HostBenchConfig
 
 
 def _start_service(hosts, host: str, args: list[str], env: dict) -> tuple[subprocess.Popen, dict]:
@@ -66,7 +66,7 @@ def _routed(hosts, coordinator: str, env: dict) -> dict:
 
 def _run_point(cfg: HostBenchConfig, hosts, system: str, k: int, plan, tmp: Path, env: dict) -> dict:
     """One system at one sidecar count: services (helix), the ranks; their records and stats."""
-    from .hostcpu import HostCpuSampler
+    from helix_bench.hostcpu import HostCpuSampler
 
     services = []
     roles: dict[str, dict[str, list[int]]] = {}  # host -> role -> pids (hostcpu.py)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import sys
 
-from .ranks import RankPlan, rank_main
+from helix_bench.ranks import RankPlan, rank_main
 
 
 class _FileResult:

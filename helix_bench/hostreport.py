@@ -12,7 +12,7 @@ _ROLES = ("decode", "dataserver", "ranks", "coordinator")
 def _cpu_table(points: list[dict]) -> list[str]:
     """Where each kind of host's CPU went over the measured steps (``hostcpu.py``): what its quota
     allowed, what it used and in which role, and how long the quota held it back."""
-    from .hostcpu import summarize
+    from helix_bench.hostcpu import summarize
 
     rows = []
     for p in points:
@@ -49,7 +49,7 @@ def _factors(points: list[dict]) -> list[str]:
     rate), as three factors whose product it is: the share of the quotas used, the share of that
     spent by the decode workers, and their efficiency (the yardstick's CPU-s per sample over the
     run's). What is left of 100 % in each says which term holds the point."""
-    from .hostcpu import summarize
+    from helix_bench.hostcpu import summarize
 
     rows = []
     for p in points:

@@ -99,15 +99,15 @@ def run_hosts_bench(cfg: HostBenchConfig, out_dir, console=None) -> dict:
     from helix_core.runtime.auth import new_token
     from helix_core.runtime.tls import write_certificates
 
-    from .benchconfig import BenchConfig
-    from .emulate import measure_decode, window_scale
-    from .harness import _dataset, expected_indices, measured_gpu_s, steps_per_epoch
-    from .hostpoint import _run_point
-    from .hostreport import _write
-    from .metrics import Bound
-    from .ranks import RankPlan
-    from .samples import round_to_windows
-    from .timed import TimedClipDataset
+    from helix_bench.benchconfig import BenchConfig
+    from helix_bench.emulate import measure_decode, window_scale
+    from helix_bench.harness import _dataset, expected_indices, measured_gpu_s, steps_per_epoch
+    from helix_bench.hostpoint import _run_point
+    from helix_bench.hostreport import _write
+    from helix_bench.metrics import Bound
+    from helix_bench.ranks import RankPlan
+    from helix_bench.samples import round_to_windows
+    from helix_bench.timed import TimedClipDataset
 
     why = EmulatedHosts.unavailable()
     if why:

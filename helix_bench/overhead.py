@@ -213,7 +213,7 @@ def run_overhead(out=None, console=None, idle_s: float = 30.0, batches: int = 40
     from rich.console import Console
     from rich.table import Table
 
-    from .rpcfloor import measure_rpc_floor
+    from helix_bench.rpcfloor import measure_rpc_floor
 
     console = console or Console()
     with console.status("(a) idle cluster"):

@@ -135,7 +135,7 @@ def rank_main(rank: int, plan: RankPlan, results, progress) -> None:
         if plan.system == "native":
             loader, set_epoch = _native_loader(plan, rank, ds)
         elif plan.system in ("ray", "ray-rr"):
-            from .raypool import ray_loader
+            from helix_bench.raypool import ray_loader
 
             loader, set_epoch = ray_loader(plan, rank, ds)
         else:
@@ -144,7 +144,7 @@ def rank_main(rank: int, plan: RankPlan, results, progress) -> None:
         barrier = torch.zeros(1)
         model = None
         if plan.compute == "model":
-            from .model import ModelCompute
+            from helix_bench.model import ModelCompute
 
             device = plan.device
             if device == "cuda":

@@ -10,9 +10,9 @@ import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from .figures import CAPTIONS, FIGURES, draw_figures
-from .reportrows import HEADERS, _fmt, _num, cpu_rows, table_rows, tier2_rows
-from .runs import RUN_KEYS, _prepare, write_results
+from helix_bench.figures import CAPTIONS, FIGURES, draw_figures
+from helix_bench.reportrows import HEADERS, _fmt, _num, cpu_rows, table_rows, tier2_rows
+from helix_bench.runs import RUN_KEYS, _prepare, write_results
 
 __all__ = ["FIGURES", "print_table", "run_label", "write_report"]
 

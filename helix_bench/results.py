@@ -11,7 +11,7 @@ import numpy as np
 
 from helix_core.planning.rebalance import lpt_within_steps
 
-from .ranks import BALANCED
+from helix_bench.ranks import BALANCED
 
 __all__ = ["RAY_MODES", "system_result", "tier2_rounds"]
 
@@ -23,11 +23,11 @@ def system_result(system, cfg, got, m, expected, spans, bound, decode, units, lo
     """One system's metrics: checked samples, step metrics, where the CPU went, planner ratio."""
     from helix_core.planning.balance import imbalance_ratio
 
-    from .cpuroles import cpu_by_role, decode_efficiency, split_decode
-    from .metrics import StepRecord, system_metrics
-    from .samples import check_consumed
-    from .slots import decode_spans, slot_busy, timeline
-    from .timed import read_decode_log
+    from helix_bench.cpuroles import cpu_by_role, decode_efficiency, split_decode
+    from helix_bench.metrics import StepRecord, system_metrics
+    from helix_bench.samples import check_consumed
+    from helix_bench.slots import decode_spans, slot_busy, timeline
+    from helix_bench.timed import read_decode_log
 
     records, overhead, cross, stats_by_rank, consumed = [], [], 0, [], []
     for _, rank, recs, extra in sorted(got, key=lambda g: g[1]):

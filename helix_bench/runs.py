@@ -17,7 +17,7 @@ import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from .metrics import SYSTEM_METRIC_KEYS
+from helix_bench.metrics import SYSTEM_METRIC_KEYS
 
 __all__ = ["BOUND_KEYS", "RUN_KEYS", "validate_run", "write_results"]
 

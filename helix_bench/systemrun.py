@@ -10,9 +10,9 @@ import queue
 import time
 from dataclasses import replace
 
-from .benchconfig import BenchConfig
-from .ranks import CLUSTER_VARIANTS, RankPlan, rank_main
-from .results import RAY_MODES
+from helix_bench.benchconfig import BenchConfig
+from helix_bench.ranks import CLUSTER_VARIANTS, RankPlan, rank_main
+from helix_bench.results import RAY_MODES
 
 
 def _roles(procs, cluster, pool) -> dict[str, list[int]]:
@@ -37,7 +37,7 @@ def _run_system(system: str, cfg: BenchConfig, plan: RankPlan, live) -> tuple[li
     from helix_core.config import ClusterConfig
     from helix_core.runtime.cluster import LocalCluster, host_layout
 
-    from .cpuroles import snapshot
+    from helix_bench.cpuroles import snapshot
 
     ctx = mp.get_context("spawn")
     results, progress = ctx.Queue(), ctx.Queue()
@@ -57,7 +57,7 @@ def _run_system(system: str, cfg: BenchConfig, plan: RankPlan, live) -> tuple[li
             )
             plan = replace(plan, coordinator=cluster.address)
         elif system in RAY_MODES:
-            from .raypool import RayPool
+            from helix_bench.raypool import RayPool
 
             pool = RayPool(cfg.budget, plan.dataset, mode=RAY_MODES[system])
             plan = replace(plan, ray=pool.info())

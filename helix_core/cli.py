@@ -8,8 +8,8 @@ import signal
 import sys
 from pathlib import Path
 
-from .cluster_cli import add_cluster_commands
-from .config import cache_dir
+from helix_core.cluster_cli import add_cluster_commands
+from helix_core.config import cache_dir
 
 __all__ = ["main"]
 
@@ -41,7 +41,7 @@ def _print_profile(table, console) -> None:
 
 
 def _cmd_synth(a, console) -> int:
-    from .media.synth import make_dataset
+    from helix_core.media.synth import make_dataset
 
     root = make_dataset(
         a.out, workload=a.workload, num_clips=a.clips, seed=a.seed, scale=a.scale, workers=a.workers, progress=True
@@ -51,7 +51,7 @@ def _cmd_synth(a, console) -> int:
 
 
 def _cmd_profile(a, console) -> int:
-    from .profiles import profile_dataset
+    from helix_core.profiles import profile_dataset
 
     out = a.out or Path(a.manifest).parent / "profiles.jsonl"
     table = profile_dataset(a.manifest, out, calibrate_per_bucket=a.calibrate, workers=a.workers, progress=True)
@@ -102,7 +102,7 @@ def _cmd_demo(a, console) -> int:
 
 
 def _models() -> tuple[str, ...]:
-    from .families import MODELS  # the one table of model families
+    from helix_core.families import MODELS  # the one table of model families
 
     return MODELS
 
@@ -249,13 +249,13 @@ def _cmd_microbench(a, console) -> int:
 
 
 def _run_service(role: str, rest: list[str]) -> int:
-    from .runtime.process import main as process_main
+    from helix_core.runtime.process import main as process_main
 
     return process_main([role, *rest])
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .media.synth import WORKLOADS
+    from helix_core.media.synth import WORKLOADS
 
     p = argparse.ArgumentParser(
         prog="helix", description="Helix: a CPU–GPU co-scheduling data plane for video training"
@@ -408,7 +408,7 @@ def _interrupt(signum, frame):
 def main(argv: list[str] | None = None) -> int:
     from rich.console import Console
 
-    from .errors import ClusterError, ManifestError, SampleError
+    from helix_core.errors import ClusterError, ManifestError, SampleError
 
     console = Console()
     argv = sys.argv[1:] if argv is None else argv

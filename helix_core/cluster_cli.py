@@ -13,12 +13,12 @@ def _cmd_status(a, console) -> int:
 
     from rich.table import Table
 
-    from .config import ClusterConfig
-    from .runtime.auth import call_metadata, load_token
-    from .runtime.proto import helix_pb2 as pb
-    from .runtime.proto import helix_pb2_grpc as pbg
-    from .runtime.rpc import check_hello, connect
-    from .runtime.tls import Tls
+    from helix_core.config import ClusterConfig
+    from helix_core.runtime.auth import call_metadata, load_token
+    from helix_core.runtime.proto import helix_pb2 as pb
+    from helix_core.runtime.proto import helix_pb2_grpc as pbg
+    from helix_core.runtime.rpc import check_hello, connect
+    from helix_core.runtime.tls import Tls
 
     token, config, tls = load_token(token_file=a.token_file, coordinator=a.coordinator), ClusterConfig(), Tls.from_env()
     channel = connect(a.coordinator, config, tls)
@@ -72,7 +72,7 @@ def _cmd_status(a, console) -> int:
 
 
 def _cmd_certs(a, console) -> int:
-    from .runtime.tls import write_certificates
+    from helix_core.runtime.tls import write_certificates
 
     paths = write_certificates(a.out, [x for x in a.names.split(",") if x], a.days)
     console.print(f"wrote a new CA and a certificate for {a.names}: " + ", ".join(f"{k} {v}" for k, v in paths.items()))
@@ -89,8 +89,8 @@ def _cmd_sidecars(a, console) -> int:
     import signal
     import threading
 
-    from .runtime.auth import load_token
-    from .sidecars import ray_sidecars
+    from helix_core.runtime.auth import load_token
+    from helix_core.sidecars import ray_sidecars
 
     try:
         resources = json.loads(a.resources) if a.resources else {}

@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from .descriptors import SampleDescriptor
+from helix_core.descriptors import SampleDescriptor
 
 __all__ = ["CostFit", "CostModel", "calibrate", "profile_bucket"]
 
@@ -112,7 +112,7 @@ def _calibration_configs(d: SampleDescriptor):
     """Two sequential decodes per clip that differ mostly in output work, so the fit can tell
     codec cost from swscale cost: 4 frames at a 64p short side, and up to 64 frames at source
     resolution (``(indices, resize_hw)`` pairs)."""
-    from .media.decode import uniform_indices
+    from helix_core.media.decode import uniform_indices
 
     short = max(min(d.width, d.height), 1)
     s = min(64, short)
@@ -127,8 +127,8 @@ def calibrate(descriptors: list[SampleDescriptor], per_bucket: int = 2, progress
     fitted ratio; ``points`` lists every measurement (for the table's header). Clips that fail to
     decode are left out. ``progress`` is called once per decode.
     """
-    from .errors import SampleError
-    from .media.decode import decode_frames
+    from helix_core.errors import SampleError
+    from helix_core.media.decode import decode_frames
 
     chosen: dict[str, list[SampleDescriptor]] = {}
     for d in descriptors:

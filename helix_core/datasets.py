@@ -13,15 +13,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .costs import CostFit, CostModel, profile_bucket
-from .descriptors import CostProfile, SampleDescriptor
-from .errors import PICKLING, SampleError, text_of
-from .families import VideoSpec
-from .manifest import Manifest
-from .media.decode import decode_frames, uniform_indices
-from .media.probe import probe
-from .profiles import ProfileTable
-from .text import load_tokenizer
+from helix_core.costs import CostFit, CostModel, profile_bucket
+from helix_core.descriptors import CostProfile, SampleDescriptor
+from helix_core.errors import PICKLING, SampleError, text_of
+from helix_core.families import VideoSpec
+from helix_core.manifest import Manifest
+from helix_core.media.decode import decode_frames, uniform_indices
+from helix_core.media.probe import probe
+from helix_core.profiles import ProfileTable
+from helix_core.text import load_tokenizer
 
 __all__ = ["MAX_FRAMES", "MAX_FRAME_PIXELS", "VideoClipDataset", "VideoTextDataset", "sample_generator"]
 
@@ -78,7 +78,7 @@ class VideoClipDataset(torch.utils.data.Dataset):
         self.manifest = Manifest(manifest)
         self.seed, self.epoch = int(seed), 0
         if isinstance(transform, str):  # an import path, as a JSON spec carries it
-            from .runtime.specs import resolve_function
+            from helix_core.runtime.specs import resolve_function
 
             transform = resolve_function(transform, "transform")
         self.random_flip, self.transform = float(random_flip), transform
@@ -271,8 +271,8 @@ class VideoClipDataset(torch.utils.data.Dataset):
         that is not a module-level function; a subclass that does not define its own
         ``helix_spec``, whose fields would be lost) — it then needs cloudpickle, which a cluster reached
         over loopback or TLS accepts."""
-        from .errors import SpecError
-        from .runtime.specs import function_path
+        from helix_core.errors import SpecError
+        from helix_core.runtime.specs import function_path
 
         name = type(self).__name__
         if "helix_spec" not in type(self).__dict__:
@@ -295,7 +295,7 @@ class VideoClipDataset(torch.utils.data.Dataset):
         if self.transform is not None:
             kwargs["transform"] = function_path(self.transform)
             if kwargs["transform"] is None:
-                from .runtime.specs import why_not_json
+                from helix_core.runtime.specs import why_not_json
 
                 raise SpecError(name, f"transform={self.transform!r}", why_not_json(self.transform))
         return {"target": f"{type(self).__module__}.{type(self).__qualname__}", "kwargs": kwargs}
@@ -331,7 +331,7 @@ class VideoTextDataset(VideoClipDataset):
         return sample, r
 
     def helix_spec(self) -> dict:
-        from .errors import SpecError
+        from helix_core.errors import SpecError
 
         spec = super().helix_spec()
         source = self.tokenizer.source

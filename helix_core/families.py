@@ -21,8 +21,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from . import tokens as tk
-from .media.decode import SEEK_DECODE_FRAMES, SEEK_STRIDE
+from helix_core import tokens as tk
+from helix_core.media.decode import SEEK_DECODE_FRAMES, SEEK_STRIDE
 
 __all__ = ["FAMILIES", "Family", "Geometry", "MODELS", "VideoSpec"]
 

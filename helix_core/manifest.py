@@ -7,7 +7,7 @@ import json
 import os
 from pathlib import Path
 
-from .errors import ManifestError
+from helix_core.errors import ManifestError
 
 __all__ = ["Manifest"]
 

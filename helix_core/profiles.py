@@ -16,10 +16,10 @@ from pathlib import Path
 
 import numpy as np
 
-from .costs import CostFit, calibrate, profile_bucket
-from .descriptors import SampleDescriptor
-from .errors import SampleError, text_of
-from .manifest import Manifest
+from helix_core.costs import CostFit, calibrate, profile_bucket
+from helix_core.descriptors import SampleDescriptor
+from helix_core.errors import SampleError, text_of
+from helix_core.manifest import Manifest
 
 __all__ = ["PROFILE_VERSION", "ProfileTable", "profile_dataset"]
 
@@ -143,7 +143,7 @@ class ProfileTable:
 
 
 def _probe_row(args):
-    from .media.probe import probe
+    from helix_core.media.probe import probe
 
     i, path, caption_len, locality = args
     try:

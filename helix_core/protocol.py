@@ -10,7 +10,7 @@ import enum
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-from .runtime.proto import helix_pb2 as pb
+from helix_core.runtime.proto import helix_pb2 as pb
 
 __all__ = ["ErrorKind", "Part", "Route", "Task", "cost_term", "execute_request", "route_request"]
 

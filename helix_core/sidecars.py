@@ -15,8 +15,8 @@ import os
 import subprocess
 import sys
 
-from .config import ClusterConfig
-from .errors import ClusterError
+from helix_core.config import ClusterConfig
+from helix_core.errors import ClusterError
 
 __all__ = ["RaySidecars", "ray_sidecars"]
 
@@ -37,7 +37,7 @@ class _Sidecar:
     ):
         import ray
 
-        from .runtime.cluster import wait_ready
+        from helix_core.runtime.cluster import wait_ready
 
         token = ray.get(token_ref[0]) if token_ref else None  # from the object store: no actor argument shows it
         host = host or toward(coordinator)
@@ -136,7 +136,7 @@ def toward(coordinator: str) -> str:
     """The address of this node's interface toward the Coordinator at ``coordinator`` (loopback for
     a loopback Coordinator): what a sidecar binds, so the Coordinator's ranks reach it and no one
     else needs to."""
-    from .client.rendezvous import node_address
+    from helix_core.client.rendezvous import node_address
 
     host = coordinator.rpartition(":")[0].strip("[]")
     try:
@@ -185,7 +185,7 @@ def ray_sidecars(
         import ray
     except ImportError:
         raise ClusterError("sidecars on Ray need Ray: pip install 'ray>=2.40'") from None
-    from .runtime.auth import is_loopback, load_token
+    from helix_core.runtime.auth import is_loopback, load_token
 
     config, token = (
         config or ClusterConfig(),

@@ -42,7 +42,7 @@ class IndexDataset(torch.utils.data.Dataset):
         if i in self.crash:
             os._exit(17)
         if i in self.fail:
-            from .errors import SampleError
+            from helix_core.errors import SampleError
 
             raise SampleError(i, self.sample_path(i), self.fail[i])
         if i in self.delays:
@@ -94,8 +94,8 @@ class CostedDataset(IndexDataset):
         return sample
 
     def estimate_cost(self, i: int):
-        from .descriptors import CostProfile
-        from .errors import SampleError
+        from helix_core.descriptors import CostProfile
+        from helix_core.errors import SampleError
 
         i = int(i)
         if i in self.broken:

@@ -28,13 +28,8 @@ from collections.abc import Mapping
 
 import torch
 
-from .callbacks import METRICS, _Window
-from .data import (
-    DatasetConfig,
-    build_loader,
-    check_loader_options,
-    dataset_length_error,
-)
+from helix_lightning.callbacks import METRICS, _Window
+from helix_lightning.data import DatasetConfig, build_loader, check_loader_options, dataset_length_error
 
 __all__ = ["HelixAcceleratePlugin", "HelixAcceleratedLoader"]
 

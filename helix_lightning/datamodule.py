@@ -19,13 +19,7 @@ import torch
 
 import helix_core as hx
 
-from .data import (
-    LOADERS,
-    DatasetConfig,
-    build_loader,
-    check_loader_options,
-    dataset_length_error,
-)
+from helix_lightning.data import LOADERS, DatasetConfig, build_loader, check_loader_options, dataset_length_error
 
 __all__ = ["HelixDataModule"]
 
@@ -180,7 +174,7 @@ class HelixDataModule(pl.LightningDataModule):
 
     @staticmethod
     def _add_callback(trainer) -> None:
-        from .callbacks import HelixDeadlineCallback
+        from helix_lightning.callbacks import HelixDeadlineCallback
 
         if not any(isinstance(c, HelixDeadlineCallback) for c in trainer.callbacks):
             trainer.callbacks.append(HelixDeadlineCallback())

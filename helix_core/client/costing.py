@@ -8,9 +8,9 @@ from collections.abc import Callable
 
 import numpy as np
 
-from ..dataset import CostArrays, Costed
-from ..planning.gpu import GPU_COSTS, GpuCost
-from ..planning.gpu import gpu_cost as family_cost
+from helix_core.dataset import CostArrays, Costed
+from helix_core.planning.gpu import GPU_COSTS, GpuCost
+from helix_core.planning.gpu import gpu_cost as family_cost
 
 __all__ = ["PlanCosts", "gpu_units"]
 

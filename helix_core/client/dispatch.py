@@ -15,9 +15,9 @@ import time
 
 from torchdata.nodes import BaseNode
 
-from .plan import ShardBatches
-from .waits import END as _END
-from .waits import Outbox, Stop
+from helix_core.client.plan import ShardBatches
+from helix_core.client.waits import END as _END
+from helix_core.client.waits import Outbox, Stop
 
 __all__ = ["Dispatch"]
 

@@ -26,8 +26,8 @@ import os
 import threading
 from typing import NamedTuple
 
-from ..config import ClusterConfig
-from ..errors import ClusterError
+from helix_core.config import ClusterConfig
+from helix_core.errors import ClusterError
 
 __all__ = ["Embedded", "acquire_embedded", "embedded_cluster", "release_embedded"]
 
@@ -85,8 +85,8 @@ def _local_world(world_size: int) -> int:
 
 def embedded_cluster(world_size: int, num_workers: int | None, config: ClusterConfig) -> Embedded:
     """Start this process's part of the job's cluster, or find the part another rank started."""
-    from ..runtime.cluster import LocalCluster, host_layout
-    from .rendezvous import job_rendezvous
+    from helix_core.runtime.cluster import LocalCluster, host_layout
+    from helix_core.client.rendezvous import job_rendezvous
 
     local_world = _local_world(world_size)
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
@@ -121,7 +121,7 @@ def embedded_cluster(world_size: int, num_workers: int | None, config: ClusterCo
 def _private_token(address) -> str:
     """The token of this user's Coordinator at ``address`` (the job's store gave the address),
     from the user's private Helix folder; ``ClusterError`` if there is none."""
-    from ..runtime.tokenfiles import find_token, token_path
+    from helix_core.runtime.tokenfiles import find_token, token_path
 
     try:
         token = find_token(address) if isinstance(address, str) else None
@@ -140,8 +140,8 @@ def _private_token(address) -> str:
 def _job_credentials(job) -> tuple[str, object]:
     """The token and TLS of a job on several nodes, the same on every rank and never from the
     store: ``HELIX_TOKEN`` / ``HELIX_TLS_*`` where set, else derived from the job's secret."""
-    from ..runtime.tls import Tls
-    from .rendezvous import JOB_SECRET, derive, job_secret
+    from helix_core.runtime.tls import Tls
+    from helix_core.client.rendezvous import JOB_SECRET, derive, job_secret
 
     token, tls, secret = os.environ.get("HELIX_TOKEN") or None, Tls.from_env(), job_secret()
     if secret is None and (token is None or tls is None):
@@ -159,9 +159,9 @@ def _job_credentials(job) -> tuple[str, object]:
 
 
 def _several_nodes(job, servers: int, per_server: int, local_rank: int, config: ClusterConfig) -> Embedded:
-    from ..runtime.cluster import LocalCluster
-    from ..runtime.hostid import host_id
-    from .rendezvous import node_address
+    from helix_core.runtime.cluster import LocalCluster
+    from helix_core.runtime.hostid import host_id
+    from helix_core.client.rendezvous import node_address
 
     master = os.environ.get("MASTER_ADDR", "127.0.0.1")
     here = node_address(master)

@@ -5,8 +5,8 @@ fewest of this client's outstanding requests, skipping those the request found d
 
 from __future__ import annotations
 
-from ..errors import ClusterError
-from ..protocol import Route
+from helix_core.errors import ClusterError
+from helix_core.protocol import Route
 
 __all__ = ["KnownServers"]
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import sys
 import time
 
-from .plan import ShardBatches
+from helix_core.client.plan import ShardBatches
 
 __all__ = ["EpochSampler", "LoaderIter"]
 

@@ -22,23 +22,23 @@ import warnings
 
 import torch
 
-from ..collate import pad_collate
-from ..config import ClusterConfig
-from ..planning.batching import TokenPlanner
-from ..planning.placement import SCHEDULERS
-from ..planning.rebalance import Rebalance
-from ..runtime.specs import make_spec
-from ..telemetry import LoaderStats
-from .costing import PlanCosts, gpu_units
-from .deadline import DeadlineEstimator
-from .dispatch import Dispatch
-from .embedded import acquire_embedded, release_embedded
-from .iterator import EpochSampler, LoaderIter
-from .options import check_loader_options
-from .plan import CostTagger, PlannedBatches, ShardBatches
-from .requests import Requests
-from .tier2 import Tier2, rebalance_group
-from .transport import ClusterClient
+from helix_core.collate import pad_collate
+from helix_core.config import ClusterConfig
+from helix_core.planning.batching import TokenPlanner
+from helix_core.planning.placement import SCHEDULERS
+from helix_core.planning.rebalance import Rebalance
+from helix_core.runtime.specs import make_spec
+from helix_core.telemetry import LoaderStats
+from helix_core.client.costing import PlanCosts, gpu_units
+from helix_core.client.deadline import DeadlineEstimator
+from helix_core.client.dispatch import Dispatch
+from helix_core.client.embedded import acquire_embedded, release_embedded
+from helix_core.client.iterator import EpochSampler, LoaderIter
+from helix_core.client.options import check_loader_options
+from helix_core.client.plan import CostTagger, PlannedBatches, ShardBatches
+from helix_core.client.requests import Requests
+from helix_core.client.tier2 import Tier2, rebalance_group
+from helix_core.client.transport import ClusterClient
 
 __all__ = ["DistributedDataLoader"]
 

@@ -48,7 +48,7 @@ def check_loader_options(
     ddl_tolerance_s,
 ) -> None:
     """Raise ``TypeError`` (wrong type) or ``ValueError`` (out of range) naming the option."""
-    from ..config import ClusterConfig
+    from helix_core.config import ClusterConfig
 
     _int("batch_size", batch_size, 1)
     _int("prefetch_depth", prefetch_depth, 1)

@@ -13,10 +13,10 @@ from __future__ import annotations
 import numpy as np
 from torchdata.nodes import BaseNode
 
-from ..dataset import Costed
-from ..planning.balance import fill_unknown_costs
-from ..planning.sampling import rank_batches, rank_indices, steps
-from ..protocol import Task
+from helix_core.dataset import Costed
+from helix_core.planning.balance import fill_unknown_costs
+from helix_core.planning.sampling import rank_batches, rank_indices, steps
+from helix_core.protocol import Task
 
 __all__ = ["CostTagger", "PlannedBatches", "ShardBatches"]
 

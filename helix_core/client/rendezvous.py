@@ -24,7 +24,7 @@ import os
 import socket
 import time
 
-from ..errors import ClusterError
+from helix_core.errors import ClusterError
 
 __all__ = ["JOB_SECRET", "JobRendezvous", "derive", "job_rendezvous", "job_secret", "node_address"]
 

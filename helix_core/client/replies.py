@@ -9,12 +9,12 @@ import math
 
 import torch
 
-from ..errors import ClusterError, SampleError
-from ..protocol import ErrorKind
-from ..runtime.crosshost import meta_dicts
-from ..runtime.merge import merge_batches
-from ..runtime.proto import helix_pb2 as pb
-from ..runtime.tensors import copy_tensors, read_tensors, unflatten
+from helix_core.errors import ClusterError, SampleError
+from helix_core.protocol import ErrorKind
+from helix_core.runtime.crosshost import meta_dicts
+from helix_core.runtime.merge import merge_batches
+from helix_core.runtime.proto import helix_pb2 as pb
+from helix_core.runtime.tensors import copy_tensors, read_tensors, unflatten
 
 __all__ = ["ReplyBatches"]
 

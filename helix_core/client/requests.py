@@ -17,13 +17,13 @@ import time
 import grpc
 import numpy as np
 
-from ..dataset import CostFeedback
-from ..errors import ClusterError
-from ..planning.fanout import fan_out, sum_costs
-from ..protocol import ErrorKind, Part, Task, execute_request
-from ..runtime.merge import merge_batches
-from .tier2 import RoundLost
-from .transport import TRANSIENT
+from helix_core.dataset import CostFeedback
+from helix_core.errors import ClusterError
+from helix_core.planning.fanout import fan_out, sum_costs
+from helix_core.protocol import ErrorKind, Part, Task, execute_request
+from helix_core.runtime.merge import merge_batches
+from helix_core.client.tier2 import RoundLost
+from helix_core.client.transport import TRANSIENT
 
 __all__ = ["Requests"]
 

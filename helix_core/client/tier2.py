@@ -20,15 +20,15 @@ import time
 
 import numpy as np
 
-from ..errors import ClusterError
-from ..planning.rebalance import Rebalance
-from ..runtime.crosshost import read_rows
-from ..runtime.merge import merge_batches
-from ..runtime.proto import helix_pb2 as pb
-from ..runtime.specs import function_path, why_not_json
-from ..runtime.tier2_outcome import EXCHANGE_TIMEOUT_S
-from ..runtime.usercode import dumps
-from .transport import RoundStopped, RoundUnknown
+from helix_core.errors import ClusterError
+from helix_core.planning.rebalance import Rebalance
+from helix_core.runtime.crosshost import read_rows
+from helix_core.runtime.merge import merge_batches
+from helix_core.runtime.proto import helix_pb2 as pb
+from helix_core.runtime.specs import function_path, why_not_json
+from helix_core.runtime.tier2_outcome import EXCHANGE_TIMEOUT_S
+from helix_core.runtime.usercode import dumps
+from helix_core.client.transport import RoundStopped, RoundUnknown
 
 __all__ = ["STEP_STRIDE", "RoundLost", "Tier2", "policy_spec", "rebalance_group", "run_name"]
 

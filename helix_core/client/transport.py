@@ -16,21 +16,21 @@ import uuid
 
 import grpc
 
-from ..config import ClusterConfig
-from ..errors import ClusterError
-from ..runtime.auth import call_metadata, load_token, pickle_allowed
-from ..runtime.hostid import host_id
-from ..runtime.locallink import LocalLink, link_name
-from ..runtime.proto import helix_pb2 as pb
-from ..runtime.proto import helix_pb2_grpc as pbg
-from ..runtime.reader import SlabReader
-from ..runtime.registry import TASK_ID_BITS
-from ..runtime.rpc import check_hello, connect
-from ..runtime.tls import Tls
-from ..runtime.tokenfiles import check_listener
-from .fallback import KnownServers
-from .replies import ReplyBatches
-from .transport_coordinator import CoordinatorCalls
+from helix_core.config import ClusterConfig
+from helix_core.errors import ClusterError
+from helix_core.runtime.auth import call_metadata, load_token, pickle_allowed
+from helix_core.runtime.hostid import host_id
+from helix_core.runtime.locallink import LocalLink, link_name
+from helix_core.runtime.proto import helix_pb2 as pb
+from helix_core.runtime.proto import helix_pb2_grpc as pbg
+from helix_core.runtime.reader import SlabReader
+from helix_core.runtime.registry import TASK_ID_BITS
+from helix_core.runtime.rpc import check_hello, connect
+from helix_core.runtime.tls import Tls
+from helix_core.runtime.tokenfiles import check_listener
+from helix_core.client.fallback import KnownServers
+from helix_core.client.replies import ReplyBatches
+from helix_core.client.transport_coordinator import CoordinatorCalls
 
 __all__ = ["ClusterClient", "TRANSIENT"]
 

@@ -13,10 +13,10 @@ import time
 
 import grpc
 
-from ..errors import ClusterError
-from ..protocol import Route, route_request
-from ..runtime.locallink import CallLink, link_name
-from ..runtime.proto import helix_pb2 as pb
+from helix_core.errors import ClusterError
+from helix_core.protocol import Route, route_request
+from helix_core.runtime.locallink import CallLink, link_name
+from helix_core.runtime.proto import helix_pb2 as pb
 
 __all__ = ["CoordinatorCalls"]
 

@@ -14,8 +14,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ..errors import SampleError
-from .probe import open_video
+from helix_core.errors import SampleError
+from helix_core.media.probe import open_video
 
 __all__ = ["Decoded", "SEEK_STRIDE", "choose_strategy", "decode_frames", "uniform_indices"]
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import os
 
-from ..descriptors import SampleDescriptor
-from ..errors import SampleError
+from helix_core.descriptors import SampleDescriptor
+from helix_core.errors import SampleError
 
 __all__ = ["open_video", "probe"]
 

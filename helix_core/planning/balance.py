@@ -8,7 +8,7 @@ from collections.abc import Callable, Hashable, Sequence
 
 import numpy as np
 
-from .batching import Costs, Plan
+from helix_core.planning.batching import Costs, Plan
 
 __all__ = ["fill_unknown_costs", "imbalance_ratio"]
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .placement import Candidates, DeadlineAware
+from helix_core.planning.placement import Candidates, DeadlineAware
 
 __all__ = ["ServerColumns"]
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..families import FAMILIES
+from helix_core.families import FAMILIES
 
 __all__ = ["GPU_COSTS", "GpuCost", "gpu_cost"]
 

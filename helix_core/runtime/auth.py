@@ -58,7 +58,7 @@ def load_token(token: str | None = None, token_file: str | None = None, coordina
         if not value:
             raise ValueError(f"token file {token_file} is empty")
         return value
-    from .tokenfiles import find_token
+    from helix_core.runtime.tokenfiles import find_token
 
     return os.environ.get("HELIX_TOKEN") or find_token(coordinator)
 

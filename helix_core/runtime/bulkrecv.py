@@ -19,25 +19,8 @@ import socket
 import threading
 import time
 
-from .bulk import (
-    _ANSWER,
-    _IDLE_S,
-    _MAX_TOKEN,
-    _U16,
-    _U32,
-    BAD,
-    BUSY,
-    MAGIC,
-    MAX_HEADER,
-    OK,
-    REFUSED,
-    _contexts,
-    _recv,
-    _recv_exact,
-    _send_all,
-    seal_receiver,
-)
-from .proto import helix_pb2 as pb
+from helix_core.runtime.bulk import _ANSWER, _IDLE_S, _MAX_TOKEN, _U16, _U32, BAD, BUSY, MAGIC, MAX_HEADER, OK, REFUSED, _contexts, _recv, _recv_exact, _send_all, seal_receiver
+from helix_core.runtime.proto import helix_pb2 as pb
 
 __all__ = ["BulkListener"]
 

@@ -8,27 +8,10 @@ import ssl
 import threading
 import time
 
-from .auth import is_loopback
-from .bulk import (
-    _ANSWER,
-    _KEEP_PER_PEER,
-    _SENDER_IDLE_S,
-    _U16,
-    _U32,
-    BAD,
-    BUSY,
-    MAGIC,
-    MAX_HEADER,
-    OK,
-    REFUSED,
-    BulkError,
-    _contexts,
-    _recv,
-    _send_all,
-    seal_sender,
-)
-from .listeners import check_socket
-from .proto import helix_pb2 as pb
+from helix_core.runtime.auth import is_loopback
+from helix_core.runtime.bulk import _ANSWER, _KEEP_PER_PEER, _SENDER_IDLE_S, _U16, _U32, BAD, BUSY, MAGIC, MAX_HEADER, OK, REFUSED, BulkError, _contexts, _recv, _send_all, seal_sender
+from helix_core.runtime.listeners import check_socket
+from helix_core.runtime.proto import helix_pb2 as pb
 
 __all__ = ["BulkSender"]
 

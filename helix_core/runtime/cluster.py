@@ -20,13 +20,13 @@ import uuid
 import weakref
 from dataclasses import dataclass
 
-from ..config import ClusterConfig
-from ..errors import ClusterError
-from . import shm
-from .auth import load_token, new_token
-from .tls import ENV
-from .tokenfiles import remove_token, token_path
-from .usercode import server_environ
+from helix_core.config import ClusterConfig
+from helix_core.errors import ClusterError
+from helix_core.runtime import shm
+from helix_core.runtime.auth import load_token, new_token
+from helix_core.runtime.tls import ENV
+from helix_core.runtime.tokenfiles import remove_token, token_path
+from helix_core.runtime.usercode import server_environ
 
 __all__ = ["LocalCluster", "ServerHandle", "host_layout", "wait_ready"]
 
@@ -251,10 +251,10 @@ class LocalCluster:
 
     def worker_pids(self, i: int) -> list[int]:
         """The worker process ids of DataServer ``i`` (its ``Health`` reply), for fault injection."""
-        from .auth import call_metadata
-        from .proto import helix_pb2 as pb
-        from .proto import helix_pb2_grpc as pbg
-        from .rpc import connect
+        from helix_core.runtime.auth import call_metadata
+        from helix_core.runtime.proto import helix_pb2 as pb
+        from helix_core.runtime.proto import helix_pb2_grpc as pbg
+        from helix_core.runtime.rpc import connect
 
         with connect(self.servers[i].address, self.config, self.tls) as ch:
             reply = pbg.DataServerStub(ch).Health(

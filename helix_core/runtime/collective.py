@@ -22,8 +22,8 @@ from datetime import timedelta
 
 import torch
 
-from ..errors import ClusterError
-from .tensors import flatten, layout, read_tensors, unflatten, write_tensors
+from helix_core.errors import ClusterError
+from helix_core.runtime.tensors import flatten, layout, read_tensors, unflatten, write_tensors
 
 __all__ = ["ExchangeGroup", "open_store", "pack", "pack_many", "unpack"]
 

@@ -16,11 +16,11 @@ import uuid
 
 import grpc
 
-from ..config import PROTOCOL_VERSION, ClusterConfig
-from .proto import helix_pb2 as pb
-from .proto import helix_pb2_grpc as pbg
-from .registry import NoDeliveryServer, Registry, ServerState
-from .roundfates import RoundFates
+from helix_core.config import PROTOCOL_VERSION, ClusterConfig
+from helix_core.runtime.proto import helix_pb2 as pb
+from helix_core.runtime.proto import helix_pb2_grpc as pbg
+from helix_core.runtime.registry import NoDeliveryServer, Registry, ServerState
+from helix_core.runtime.roundfates import RoundFates
 
 __all__ = ["CoordinatorServicer", "Registry", "ServerState", "serve_coordinator"]
 
@@ -181,9 +181,9 @@ def serve_coordinator(
 async def _serve(host, port, token, config, scheduler, stop, on_ready, cluster_id, tls, insecure) -> None:
     import asyncio
 
-    from .auth import is_loopback, new_token, pickle_allowed
-    from .rpc import create_aio_server
-    from .tokenfiles import find_token, remove_token, write_token
+    from helix_core.runtime.auth import is_loopback, new_token, pickle_allowed
+    from helix_core.runtime.rpc import create_aio_server
+    from helix_core.runtime.tokenfiles import find_token, remove_token, write_token
 
     token = token or None
     made = token is None and is_loopback(host)  # beyond loopback, create_aio_server asks for one
@@ -212,8 +212,8 @@ async def _serve(host, port, token, config, scheduler, stop, on_ready, cluster_i
     try:
         await server.start()
         if config.local_link:  # the ranks of its host Route over a Unix socket (runtime/locallink.py)
-            from .linkserver import serve_call_link
-            from .locallink import link_name
+            from helix_core.runtime.linkserver import serve_call_link
+            from helix_core.runtime.locallink import link_name
 
             try:
                 link = await serve_call_link(

@@ -43,7 +43,7 @@ import time
 
 import numpy as np
 
-from .shm import owned
+from helix_core.runtime.shm import owned
 
 __all__ = ["CpuSlots", "HostSlots", "notify"]
 

@@ -33,12 +33,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
-from ..errors import ClusterError
-from .auth import call_metadata
-from .delivery import DeliveryFailed, metas_to_pb
-from .proto import helix_pb2 as pb
-from .proto import helix_pb2_grpc as pbg
-from .rpc import connect
+from helix_core.errors import ClusterError
+from helix_core.runtime.auth import call_metadata
+from helix_core.runtime.delivery import DeliveryFailed, metas_to_pb
+from helix_core.runtime.proto import helix_pb2 as pb
+from helix_core.runtime.proto import helix_pb2_grpc as pbg
+from helix_core.runtime.rpc import connect
 
 # torch and what is built on it (``tensors``, ``merge``, ``collective``) are imported where rows are
 # read, packed or written: every DataServer holds an ``ExchangeMember``, and one that never moves
@@ -52,7 +52,7 @@ TRANSPORTS = ("collective", "grpc")
 
 def load_row_code() -> None:
     """Import torch and the row code: a DataServer reachable from other hosts does it before it serves."""
-    from . import collective, merge  # noqa: F401  (torch and tensors with them)
+    from helix_core.runtime import collective, merge  # noqa: F401  (torch and tensors with them)
 
 
 def meta_dicts(metas) -> list[dict]:
@@ -79,8 +79,8 @@ def read_rows(reader, b: pb.BatchHandle, rows, n: int, pickle_allowed: bool, vie
     that follow each other are a view of the slab instead (the caller copies them, and checks
     ``held`` after, before it releases the slab). ``lease``: this process becomes the slab's
     holder (a rank's read; a server reading a rank's slab takes none)."""
-    from .merge import take_rows
-    from .tensors import read_tensors, unflatten
+    from helix_core.runtime.merge import take_rows
+    from helix_core.runtime.tensors import read_tensors, unflatten
 
     if b.tree_pickle and not pickle_allowed:
         raise ClusterError("a DataServer sent a pickled batch structure to a peer that accepts none")
@@ -95,7 +95,7 @@ def read_rows(reader, b: pb.BatchHandle, rows, n: int, pickle_allowed: bool, vie
 
 
 def _header(batch, pickle_allowed: bool) -> tuple[pb.StreamHeader, list, list[dict], int]:
-    from .tensors import flatten, layout
+    from helix_core.runtime.tensors import flatten, layout
 
     tree_json, tree_pickle, flat = flatten(batch, allow_pickle=pickle_allowed)
     metas, total = layout(flat)
@@ -194,7 +194,7 @@ class ExchangeMember:
     def _by_grpc(self, req, rows) -> pb.ExchangeReply:
         import torch
 
-        from .tensors import write_tensors
+        from helix_core.runtime.tensors import write_tensors
 
         reply = pb.ExchangeReply()
         for s, batch in rows:
@@ -225,7 +225,7 @@ class ExchangeMember:
 
     def _join(self, req, store, slot: _Group):
         """(Under ``slot.lock``.) The leader's group at ``req.generation``, joined if new."""
-        from .collective import ExchangeGroup
+        from helix_core.runtime.collective import ExchangeGroup
 
         if slot.group is not None and slot.generation == req.generation:
             return slot.group
@@ -267,7 +267,7 @@ class ExchangeMember:
 
     def _write(self, batch) -> pb.BatchHandle:
         """``batch`` into one of this server's slabs."""
-        from .tensors import write_tensors
+        from helix_core.runtime.tensors import write_tensors
 
         header, flat, metas, total = _header(batch, self.pickle_allowed)
         slab = self.inbound.take(header)  # Refused: a full /dev/shm
@@ -292,7 +292,7 @@ class ExchangeMember:
 
 def batch_bytes(batch) -> int:
     """The payload bytes of a batch's tensors."""
-    from .tensors import flatten
+    from helix_core.runtime.tensors import flatten
 
     return sum(t.numel() * t.element_size() for t in flatten(batch, allow_pickle=True)[2])
 
@@ -372,7 +372,7 @@ class HostExchange:
                 pass  # that member is gone, and its slabs with it
 
     def _run(self, name, members, sends, transport, timeout_s) -> dict[int, pb.BatchHandle]:
-        from .collective import open_store
+        from helix_core.runtime.collective import open_store
 
         store = None
         if transport == "collective":

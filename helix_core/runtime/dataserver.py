@@ -17,29 +17,29 @@ import threading
 
 import grpc
 
-from ..config import PROTOCOL_VERSION, ClusterConfig
-from ..errors import PICKLING, ClusterError, text_of
-from ..protocol import ErrorKind
-from . import shm
-from .auth import call_metadata
-from .bulk import NO_ROOM
-from .bulkrecv import BulkListener
-from .chunks import ChunkWriter
-from .cpuslots import HostSlots
-from .crosshost import ExchangeMember, HostExchange, load_row_code
-from .delivery import DeliveryFailed, Inbound, Outbound, Refused, metas_to_pb, moved_bytes
-from .heartbeats import Beats, heartbeats
-from .linkserver import LocalListener
-from .locallink import link_name
-from .pool import WorkerPool
-from .proto import helix_pb2 as pb
-from .proto import helix_pb2_grpc as pbg
-from .reader import SlabReader
-from .rpc import connect
-from .slabpool import SlabPool
-from .steal import handles
-from .tier2 import RoundTable, bad_timeout
-from .wire import add_servicer
+from helix_core.config import PROTOCOL_VERSION, ClusterConfig
+from helix_core.errors import PICKLING, ClusterError, text_of
+from helix_core.protocol import ErrorKind
+from helix_core.runtime import shm
+from helix_core.runtime.auth import call_metadata
+from helix_core.runtime.bulk import NO_ROOM
+from helix_core.runtime.bulkrecv import BulkListener
+from helix_core.runtime.chunks import ChunkWriter
+from helix_core.runtime.cpuslots import HostSlots
+from helix_core.runtime.crosshost import ExchangeMember, HostExchange, load_row_code
+from helix_core.runtime.delivery import DeliveryFailed, Inbound, Outbound, Refused, metas_to_pb, moved_bytes
+from helix_core.runtime.heartbeats import Beats, heartbeats
+from helix_core.runtime.linkserver import LocalListener
+from helix_core.runtime.locallink import link_name
+from helix_core.runtime.pool import WorkerPool
+from helix_core.runtime.proto import helix_pb2 as pb
+from helix_core.runtime.proto import helix_pb2_grpc as pbg
+from helix_core.runtime.reader import SlabReader
+from helix_core.runtime.rpc import connect
+from helix_core.runtime.slabpool import SlabPool
+from helix_core.runtime.steal import handles
+from helix_core.runtime.tier2 import RoundTable, bad_timeout
+from helix_core.runtime.wire import add_servicer
 
 __all__ = ["DataServerServicer", "serve_dataserver"]
 
@@ -310,11 +310,11 @@ def serve_dataserver(
     the address to listen on; ``host_id``: this host's identity (default ``hostid.host_id()``);
     ``tls``: a ``Tls`` for its port and its channels; ``insecure``: beyond loopback without TLS;
     ``advertise``: the name peers dial it by (default ``host``, or the FQDN when ``host`` is a wildcard)."""
-    from .auth import is_loopback, pickle_allowed
-    from .hostid import host_id as this_host
-    from .rpc import check_hello, create_server
-    from .tokenfiles import check_listener as check_coordinator
-    from .tokenfiles import token_path
+    from helix_core.runtime.auth import is_loopback, pickle_allowed
+    from helix_core.runtime.hostid import host_id as this_host
+    from helix_core.runtime.rpc import check_hello, create_server
+    from helix_core.runtime.tokenfiles import check_listener as check_coordinator
+    from helix_core.runtime.tokenfiles import token_path
 
     check_coordinator(coordinator)  # never this user's token to another user's port
     if not token:

@@ -10,9 +10,9 @@ from __future__ import annotations
 import logging
 import time
 
-from ..protocol import ErrorKind
-from .worker import _failure
-from .workerproc import WorkerProcess
+from helix_core.protocol import ErrorKind
+from helix_core.runtime.worker import _failure
+from helix_core.runtime.workerproc import WorkerProcess
 
 __all__ = ["WorkerDeaths"]
 

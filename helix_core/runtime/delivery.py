@@ -17,18 +17,18 @@ import time
 
 import grpc
 
-from ..config import PROTOCOL_VERSION
-from ..errors import PICKLING
-from . import shm
-from .auth import call_metadata
-from .bulk import MAX_HEADER, NO_ROOM, OK, REFUSED, BulkError
-from .bulksend import BulkSender
-from .chunks import iter_chunks
-from .proto import helix_pb2 as pb
-from .proto import helix_pb2_grpc as pbg
-from .rpc import connect
-from .slabpool import SlabPool
-from .wire import deliver_callable
+from helix_core.config import PROTOCOL_VERSION
+from helix_core.errors import PICKLING
+from helix_core.runtime import shm
+from helix_core.runtime.auth import call_metadata
+from helix_core.runtime.bulk import MAX_HEADER, NO_ROOM, OK, REFUSED, BulkError
+from helix_core.runtime.bulksend import BulkSender
+from helix_core.runtime.chunks import iter_chunks
+from helix_core.runtime.proto import helix_pb2 as pb
+from helix_core.runtime.proto import helix_pb2_grpc as pbg
+from helix_core.runtime.rpc import connect
+from helix_core.runtime.slabpool import SlabPool
+from helix_core.runtime.wire import deliver_callable
 
 log = logging.getLogger("helix.delivery")
 _BULK_RETRY_S = 60.0  # a bulk port that could not be reached is tried again after this

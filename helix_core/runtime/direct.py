@@ -20,9 +20,9 @@ import time
 import torch
 from torch.utils.data import default_collate
 
-from ..collate import pad_collate
-from ..dataset import DirectDecode
-from .tensors import flatten, layout, write_tensors
+from helix_core.collate import pad_collate
+from helix_core.dataset import DirectDecode
+from helix_core.runtime.tensors import flatten, layout, write_tensors
 
 __all__ = ["direct_batch", "supports_direct"]
 

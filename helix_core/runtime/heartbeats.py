@@ -13,9 +13,9 @@ import threading
 
 import grpc
 
-from ..config import ClusterConfig
-from .auth import call_metadata
-from .proto import helix_pb2 as pb
+from helix_core.config import ClusterConfig
+from helix_core.runtime.auth import call_metadata
+from helix_core.runtime.proto import helix_pb2 as pb
 
 __all__ = ["Beats", "heartbeats"]
 

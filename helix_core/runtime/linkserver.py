@@ -16,21 +16,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
-from .locallink import (
-    _ERROR,
-    _FRAME,
-    ERROR,
-    MAGIC,
-    PING,
-    PONG,
-    REPLY,
-    REQUEST,
-    _peer_uid,
-    _recv_exact,
-    _recv_frame,
-    _shut,
-)
-from .proto import helix_pb2 as pb
+from helix_core.runtime.locallink import _ERROR, _FRAME, ERROR, MAGIC, PING, PONG, REPLY, REQUEST, _peer_uid, _recv_exact, _recv_frame, _shut
+from helix_core.runtime.proto import helix_pb2 as pb
 
 __all__ = ["LocalListener", "serve_call_link"]
 

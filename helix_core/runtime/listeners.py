@@ -202,7 +202,7 @@ def _split(address: str) -> tuple[str, int]:
 def _loopback_targets(host: str) -> list[tuple[int, str]]:
     """Where a connection to ``host`` lands on this machine, if it stays on it: ``[(family, ip)]``
     (empty beyond loopback: TLS checks the peer there)."""
-    from .auth import is_loopback
+    from helix_core.runtime.auth import is_loopback
 
     if host in ("", "0.0.0.0"):
         return [(socket.AF_INET, "127.0.0.1")]
@@ -361,7 +361,7 @@ class TokenGuard:
 
     def refusal(self, metadata) -> _Refused | None:
         """None if a call with ``metadata`` may go; else the failed call to return or raise."""
-        from .auth import TOKEN_METADATA
+        from helix_core.runtime.auth import TOKEN_METADATA
 
         if not any(k == TOKEN_METADATA for k, _ in metadata or ()):
             return None

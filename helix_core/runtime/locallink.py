@@ -34,7 +34,7 @@ from concurrent.futures import Future
 
 import grpc
 
-from .proto import helix_pb2 as pb
+from helix_core.runtime.proto import helix_pb2 as pb
 
 __all__ = ["CallLink", "LinkError", "LocalLink", "link_name"]
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .hostmem import fresh_array, fresh_tensor
+from helix_core.runtime.hostmem import fresh_array, fresh_tensor
 
 __all__ = ["merge_batches", "take_rows"]
 

@@ -24,13 +24,13 @@ import threading
 import time
 from concurrent.futures import Future
 
-from ..config import ClusterConfig
-from ..protocol import ErrorKind
-from . import shm
-from .deaths import WorkerDeaths
-from .edf import EdfQueue
-from .steal import Pieces, handles
-from .workerproc import WorkerProcess
+from helix_core.config import ClusterConfig
+from helix_core.protocol import ErrorKind
+from helix_core.runtime import shm
+from helix_core.runtime.deaths import WorkerDeaths
+from helix_core.runtime.edf import EdfQueue
+from helix_core.runtime.steal import Pieces, handles
+from helix_core.runtime.workerproc import WorkerProcess
 
 __all__ = ["WorkerPool"]
 

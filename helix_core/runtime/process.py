@@ -17,10 +17,10 @@ import sys
 import threading
 import time
 
-from ..config import ClusterConfig
-from ..errors import ClusterError
-from .auth import load_token
-from .tls import Tls
+from helix_core.config import ClusterConfig
+from helix_core.errors import ClusterError
+from helix_core.runtime.auth import load_token
+from helix_core.runtime.tls import Tls
 
 __all__ = ["main"]
 
@@ -62,8 +62,8 @@ def await_coordinator(
     it waits: it only connects."""
     import grpc
 
-    from .rpc import connect
-    from .tokenfiles import token_path
+    from helix_core.runtime.rpc import connect
+    from helix_core.runtime.tokenfiles import token_path
 
     deadline, said = clock() + timeout_s, set()
 
@@ -191,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         if args.role == "coordinator":
-            from .coordinator import serve_coordinator
+            from helix_core.runtime.coordinator import serve_coordinator
 
             serve_coordinator(
                 args.host,
@@ -206,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
                 insecure=args.insecure,
             )
         else:
-            from .dataserver import serve_dataserver
+            from helix_core.runtime.dataserver import serve_dataserver
 
             kind = "remote" if args.remote else "local"
             serve_dataserver(

@@ -11,21 +11,8 @@ import os
 import threading
 import time
 
-from .lease import holder_stamp
-from .shm import (
-    _GEN_AT,
-    _LEASE,
-    _LEASE_AT,
-    _READERS_AT,
-    _STATE_AT,
-    _U64,
-    FREE,
-    HEADER_BYTES,
-    MAGIC,
-    SHM_DIR,
-    _close_map,
-    _path,
-)
+from helix_core.runtime.lease import holder_stamp
+from helix_core.runtime.shm import _GEN_AT, _LEASE, _LEASE_AT, _READERS_AT, _STATE_AT, _U64, FREE, HEADER_BYTES, MAGIC, SHM_DIR, _close_map, _path
 
 __all__ = ["SlabReader"]
 

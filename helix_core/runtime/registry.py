@@ -12,10 +12,10 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from ..config import ClusterConfig
-from ..planning.columns import ServerColumns
-from ..planning.placement import Candidates, make_scheduler
-from .routing import Routing
+from helix_core.config import ClusterConfig
+from helix_core.planning.columns import ServerColumns
+from helix_core.planning.placement import Candidates, make_scheduler
+from helix_core.runtime.routing import Routing
 
 __all__ = ["NoDeliveryServer", "Registry", "ServerState", "TASK_ID_BITS"]
 

@@ -9,8 +9,8 @@ import logging
 import time
 from dataclasses import asdict
 
-from ..planning.placement import PlacementRequest, make_scheduler
-from ..telemetry import percentile
+from helix_core.planning.placement import PlacementRequest, make_scheduler
+from helix_core.telemetry import percentile
 
 __all__ = ["Routing"]
 

@@ -6,11 +6,11 @@ from concurrent import futures
 
 import grpc
 
-from ..config import PROTOCOL_VERSION, ClusterConfig
-from ..errors import ClusterError
-from .auth import AioTokenInterceptor, TokenInterceptor, call_metadata, check_bind
-from .listeners import guard
-from .proto import helix_pb2 as pb
+from helix_core.config import PROTOCOL_VERSION, ClusterConfig
+from helix_core.errors import ClusterError
+from helix_core.runtime.auth import AioTokenInterceptor, TokenInterceptor, call_metadata, check_bind
+from helix_core.runtime.listeners import guard
+from helix_core.runtime.proto import helix_pb2 as pb
 
 __all__ = [
     "channel_options",

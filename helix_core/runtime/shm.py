@@ -33,7 +33,7 @@ import stat
 import struct
 import time
 
-from .lease import holder_alive
+from helix_core.runtime.lease import holder_alive
 
 __all__ = [
     "ALIGN",

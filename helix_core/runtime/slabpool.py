@@ -9,7 +9,7 @@ import threading
 import time
 import weakref
 
-from .shm import HEADER_BYTES, SHM_DIR, Slab, _create_segment, _path
+from helix_core.runtime.shm import HEADER_BYTES, SHM_DIR, Slab, _create_segment, _path
 
 __all__ = ["SlabPool"]
 

@@ -67,14 +67,14 @@ def json_function(fn) -> bool:
 def function_path(fn) -> str | None:
     """``"module:qualname"`` of a function a JSON spec may carry (``json_function``) and a server can
     import (``usercode.why_local``), else None."""
-    from .usercode import why_local
+    from helix_core.runtime.usercode import why_local
 
     return import_path(fn) if json_function(fn) and why_local(fn) is None else None
 
 
 def why_not_json(fn) -> str:
     """Why ``function_path(fn)`` is None, for an error message: what ``fn`` is and the fix."""
-    from .usercode import why_local
+    from helix_core.runtime.usercode import why_local
 
     reason = why_local(fn) if isinstance(fn, types.FunctionType) else None
     if reason is None:
@@ -101,8 +101,8 @@ def make_spec(dataset, collate_fn, pickle_allowed: bool, feature_fn=None) -> tup
     ``feature_fn`` (Tier 2) travels with the dataset: it runs where each sample is decoded."""
     from torch.utils.data import default_collate
 
-    from ..dataset import Specced
-    from ..errors import PICKLING, SpecError
+    from helix_core.dataset import Specced
+    from helix_core.errors import PICKLING, SpecError
 
     collate_path = _DEFAULT_COLLATE if collate_fn in (None, default_collate) else function_path(collate_fn)
     lost = None if collate_path is not None else f"collate_fn {collate_fn!r} ({why_not_json(collate_fn)})"
@@ -125,7 +125,7 @@ def make_spec(dataset, collate_fn, pickle_allowed: bool, feature_fn=None) -> tup
             spec["feature_fn"] = feature_path
         payload, fmt = json.dumps(spec, sort_keys=True).encode(), "json"
     elif pickle_allowed:
-        from .usercode import dumps
+        from helix_core.runtime.usercode import dumps
 
         parts = {"dataset": dataset, "collate_fn": collate_fn or default_collate, "feature_fn": feature_fn}
         payload, fmt = dumps({k: None if v is None else dumps(v) for k, v in parts.items()}), "cloudpickle"
@@ -189,7 +189,7 @@ def _rebuilt(what: str, build):
 
 
 def sample_path(dataset, index: int) -> str:
-    from ..dataset import SamplePaths
+    from helix_core.dataset import SamplePaths
 
     try:
         return str(dataset.sample_path(index)) if isinstance(dataset, SamplePaths) else ""

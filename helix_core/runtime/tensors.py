@@ -18,8 +18,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..errors import PICKLING
-from .hostmem import fresh_tensor
+from helix_core.errors import PICKLING
+from helix_core.runtime.hostmem import fresh_tensor
 
 __all__ = ["INLINE_BYTES", "copy_tensors", "flatten", "layout", "read_tensors", "unflatten", "write_tensors"]
 

@@ -37,11 +37,11 @@ import threading
 import time
 from collections import Counter, OrderedDict
 
-from ..planning.rounds import Round, RoundBuffer, RoundItem
-from .proto import helix_pb2 as pb
-from .reader import SlabReader
-from .tier2_outcome import EXCHANGE_TIMEOUT_S, RoundOutcome
-from .tier2_policy import RoundPolicy
+from helix_core.planning.rounds import Round, RoundBuffer, RoundItem
+from helix_core.runtime.proto import helix_pb2 as pb
+from helix_core.runtime.reader import SlabReader
+from helix_core.runtime.tier2_outcome import EXCHANGE_TIMEOUT_S, RoundOutcome
+from helix_core.runtime.tier2_policy import RoundPolicy
 
 __all__ = ["RoundTable", "bad_timeout"]
 

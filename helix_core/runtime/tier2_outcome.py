@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import time
 
-from ..errors import ClusterError
-from ..planning.rounds import Round
-from .proto import helix_pb2 as pb
+from helix_core.errors import ClusterError
+from helix_core.planning.rounds import Round
+from helix_core.runtime.proto import helix_pb2 as pb
 
 __all__ = ["EXCHANGE_TIMEOUT_S", "RoundOutcome"]
 

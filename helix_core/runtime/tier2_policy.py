@@ -12,10 +12,10 @@ import hashlib
 import json
 from typing import NamedTuple
 
-from ..planning.rebalance import GateArgs, check_assignment, gate, lpt_within_steps
-from ..planning.rounds import Round
-from .proto import helix_pb2 as pb
-from .specs import resolve_function
+from helix_core.planning.rebalance import GateArgs, check_assignment, gate, lpt_within_steps
+from helix_core.planning.rounds import Round
+from helix_core.runtime.proto import helix_pb2 as pb
+from helix_core.runtime.specs import resolve_function
 
 __all__ = ["Decision", "RoundPolicy", "load_policy"]
 

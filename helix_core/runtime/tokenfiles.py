@@ -24,7 +24,7 @@ import re
 import stat
 from pathlib import Path
 
-from .listeners import check_listener
+from helix_core.runtime.listeners import check_listener
 
 RUN_USER = "/run/user"  # systemd-logind makes /run/user/<uid> (XDG_RUNTIME_DIR) for a login session
 
@@ -83,14 +83,14 @@ def _split(address: str) -> tuple[str, int]:
 
 def _is_local(host: str) -> bool:
     """Loopback, or a wildcard bind (which loopback clients reach)."""
-    from .auth import is_loopback
+    from helix_core.runtime.auth import is_loopback
 
     return host in ("0.0.0.0", "::", "") or is_loopback(host)
 
 
 def _host_key(host: str) -> str:
     if _is_local(host):
-        from .hostid import host_id
+        from helix_core.runtime.hostid import host_id
 
         return "loopback@" + re.sub(r"[^A-Za-z0-9._-]", "_", host_id())
     return re.sub(r"[^A-Za-z0-9._:-]", "_", host)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import grpc
 from google.protobuf.message_factory import GetMessageClass
 
-from .proto import helix_pb2 as pb
+from helix_core.runtime.proto import helix_pb2 as pb
 
 __all__ = ["add_servicer", "decode_chunk", "deliver_callable", "encode_chunk"]
 

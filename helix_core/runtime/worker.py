@@ -17,12 +17,12 @@ import signal
 import struct
 import time
 
-from ..dataset import Epochs
-from ..errors import SampleError
-from ..protocol import ErrorKind
-from . import shm
-from .slabpool import SlabPool
-from .specs import load_spec, sample_path
+from helix_core.dataset import Epochs
+from helix_core.errors import SampleError
+from helix_core.protocol import ErrorKind
+from helix_core.runtime import shm
+from helix_core.runtime.slabpool import SlabPool
+from helix_core.runtime.specs import load_spec, sample_path
 
 __all__ = ["DecodeSlot", "Progress", "worker_main"]
 
@@ -130,7 +130,7 @@ def worker_main(
         limit_memory(memory_fraction)
     import torch
 
-    from .cpuslots import CpuSlots
+    from helix_core.runtime.cpuslots import CpuSlots
 
     torch.set_num_threads(1)
     slots = CpuSlots(*cpu_slots) if cpu_slots else None
@@ -186,7 +186,7 @@ def worker_main(
 
 
 def _failure(index: int, path: str, cause: str) -> dict:
-    from ..errors import text_of
+    from helix_core.errors import text_of
 
     return {"index": int(index), "path": text_of(path), "cause": text_of(cause)}
 
@@ -195,9 +195,9 @@ def _run_task(task: dict, specs: dict, pool, progress, allow_pickle: bool, may_s
     """Prepare the task's samples in order — each one only if ``may_start(k)`` (the rest may have
     been stolen) — collate them into a slab: the result dict the pool receives (``rows``: samples
     in the batch). ``decoding``: its ``DecodeSlot``, held while samples are prepared."""
-    from ..errors import SampleError
-    from .direct import direct_batch, supports_direct
-    from .tensors import flatten, layout, write_tensors
+    from helix_core.errors import SampleError
+    from helix_core.runtime.direct import direct_batch, supports_direct
+    from helix_core.runtime.tensors import flatten, layout, write_tensors
 
     t0 = time.perf_counter()
     spec = specs.get(task["spec_id"])
@@ -316,7 +316,7 @@ def sample_features(samples: list, decoded: list, feature_fn, dataset) -> list[d
     dicts; one that raises, or returns anything else, is a ``SampleError`` naming the sample."""
     import json
 
-    from ..planning.rebalance import default_features
+    from helix_core.planning.rebalance import default_features
 
     fn = feature_fn or default_features
     out = []

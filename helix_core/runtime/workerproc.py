@@ -6,9 +6,9 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 
-from . import cpuslots, shm
-from .steal import Claim
-from .worker import Progress, worker_main
+from helix_core.runtime import cpuslots, shm
+from helix_core.runtime.steal import Claim
+from helix_core.runtime.worker import Progress, worker_main
 
 __all__ = ["WorkerProcess"]
 
