@@ -6,10 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from helix_core.planning.gpu import GPU_COSTS
-
 from helix_bench.emulate import REGIMES
 from helix_bench.ranks import HELIX_VARIANTS
+from helix_core.planning.gpu import GPU_COSTS
 
 __all__ = ["BenchConfig", "SYSTEMS"]
 

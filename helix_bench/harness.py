@@ -18,13 +18,12 @@ from pathlib import Path
 
 import numpy as np
 
-from helix_core.planning.gpu import GPU_COSTS, GpuCost
-
 from helix_bench.benchconfig import BenchConfig
 from helix_bench.emulate import measure_decode, regime_window_scale
 from helix_bench.ranks import RankPlan
 from helix_bench.results import RAY_MODES, system_result
 from helix_bench.systemrun import _run_system
+from helix_core.planning.gpu import GPU_COSTS, GpuCost
 
 __all__ = ["run_bench", "run_one"]
 
@@ -40,9 +39,9 @@ def _free_port() -> int:
 
 
 def _dataset(cfg: BenchConfig, progress):
-    from helix_core.datasets import VideoClipDataset
-    from helix_core.media.synth import make_dataset
-    from helix_core.profiles import profile_dataset
+    from helix_core.data.media.synth import make_dataset
+    from helix_core.data.profiles import profile_dataset
+    from helix_core.data.video import VideoClipDataset
 
     root = Path(cfg.data_dir) / f"{cfg.workload}-{cfg.clips}-s{cfg.scale:g}-seed{cfg.seed}"
     make_dataset(
@@ -220,7 +219,7 @@ def run_bench(configs: list[BenchConfig], out_dir: str | os.PathLike, console=No
     """Run ``configs`` in turn with a rich live view; write results.json, report.md and figures."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from helix_bench.report import print_table, write_report
+    from helix_bench.report.write import print_table, write_report
 
     runs = []
     with Progress(

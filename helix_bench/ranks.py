@@ -62,7 +62,7 @@ class RankPlan:
 
 
 def _dataset(spec: dict):
-    from helix_core.runtime.specs import resolve
+    from helix_core.data.specs import resolve
 
     return resolve(spec["target"])(**spec["kwargs"])
 
@@ -70,7 +70,7 @@ def _dataset(spec: dict):
 def _native_loader(plan: RankPlan, rank: int, ds):
     import torch
 
-    from helix_core.collate import pad_collate
+    from helix_core.data.collate import pad_collate
 
     sampler = torch.utils.data.DistributedSampler(ds, num_replicas=plan.ranks, rank=rank, shuffle=True, seed=plan.seed)
     kw = {}
@@ -87,8 +87,8 @@ def _native_loader(plan: RankPlan, rank: int, ds):
 
 
 def _helix_loader(plan: RankPlan, rank: int, ds):
-    from helix_core.client.loader import DistributedDataLoader
-    from helix_core.collate import pad_collate
+    from helix_core.data.collate import pad_collate
+    from helix_core.loader.loader import DistributedDataLoader
 
     opts = dict(prefetch_depth=plan.prefetch, scheduler="least-request")
     opts.update(HELIX_VARIANTS[plan.system])

@@ -55,7 +55,7 @@ class _Decoder:
         os.environ["OMP_NUM_THREADS"] = "1"
         import torch
 
-        from helix_core.runtime.specs import resolve
+        from helix_core.data.specs import resolve
 
         torch.set_num_threads(1)
         self.ds = resolve(spec["target"])(**spec["kwargs"])
@@ -65,7 +65,7 @@ class _Decoder:
 
     def get_batch(self, indices: list[int], epoch: int) -> dict:
         """``pad_collate`` of the samples: torch tensors (``ray-rr``)."""
-        from helix_core.collate import pad_collate
+        from helix_core.data.collate import pad_collate
 
         if hasattr(self.ds, "set_epoch"):
             self.ds.set_epoch(epoch)

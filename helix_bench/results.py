@@ -9,9 +9,8 @@ import os
 
 import numpy as np
 
-from helix_core.planning.rebalance import lpt_within_steps
-
 from helix_bench.ranks import BALANCED
+from helix_core.tier2.rebalance import lpt_within_steps
 
 __all__ = ["RAY_MODES", "system_result", "tier2_rounds"]
 
@@ -21,13 +20,12 @@ WORKER_ROLE = {"native": "loader-workers", "ray": "ray-decoders", "helix": "work
 
 def system_result(system, cfg, got, m, expected, spans, bound, decode, units, log_dir) -> dict:
     """One system's metrics: checked samples, step metrics, where the CPU went, planner ratio."""
-    from helix_core.planning.balance import imbalance_ratio
-
     from helix_bench.cpuroles import cpu_by_role, decode_efficiency, split_decode
     from helix_bench.metrics import StepRecord, system_metrics
     from helix_bench.samples import check_consumed
     from helix_bench.slots import decode_spans, slot_busy, timeline
     from helix_bench.timed import read_decode_log
+    from helix_core.planning.balance import imbalance_ratio
 
     records, overhead, cross, stats_by_rank, consumed = [], [], 0, [], []
     for _, rank, recs, extra in sorted(got, key=lambda g: g[1]):

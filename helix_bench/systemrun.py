@@ -34,10 +34,9 @@ def _run_system(system: str, cfg: BenchConfig, plan: RankPlan, live) -> tuple[li
     CPU snapshots by role and wall times (``time.time()``) at the start and end of the measured steps."""
     import psutil
 
-    from helix_core.config import ClusterConfig
-    from helix_core.runtime.cluster import LocalCluster, host_layout
-
     from helix_bench.cpuroles import snapshot
+    from helix_core.config import ClusterConfig
+    from helix_core.launch.cluster import LocalCluster, host_layout
 
     ctx = mp.get_context("spawn")
     results, progress = ctx.Queue(), ctx.Queue()

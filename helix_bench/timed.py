@@ -17,7 +17,7 @@ import queue
 import time
 from pathlib import Path
 
-from helix_core.datasets import VideoClipDataset
+from helix_core.data.video import VideoClipDataset
 
 __all__ = ["CapacityProbe", "TimedClipDataset", "capacity_from_spans", "read_decode_log"]
 
@@ -135,7 +135,7 @@ def _capacity_main(spec: dict, order: list[int], barrier, orders, results) -> No
     try:
         import torch
 
-        from helix_core.runtime.specs import resolve
+        from helix_core.data.specs import resolve
 
         torch.set_num_threads(1)
         ds = resolve(spec["target"])(**spec["kwargs"])

@@ -18,7 +18,6 @@ import lightning.pytorch as pl
 import torch
 
 import helix_core as hx
-
 from helix_lightning.data import LOADERS, DatasetConfig, build_loader, check_loader_options, dataset_length_error
 
 __all__ = ["HelixDataModule"]

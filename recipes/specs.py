@@ -163,7 +163,7 @@ def dataset_kind(family: str) -> str:
 
 def default_collate_for(family: str):
     """The collate function of a family's batches: ``helix_core.pad_collate`` for all."""
-    from helix_core.collate import pad_collate
+    from helix_core.data.collate import pad_collate
 
     _check_family(family)
     return pad_collate

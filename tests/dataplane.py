@@ -13,7 +13,7 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
 import helix_core as hx
-from helix_core.runtime import shm
+from helix_core.memory import shm
 
 CFG = hx.ClusterConfig.for_tests()
 
@@ -88,7 +88,7 @@ def helix_children() -> list:
     out = []
     for p in psutil.Process().children(recursive=True):
         try:
-            if "helix_core.runtime.process" in " ".join(p.cmdline()) and p.status() != psutil.STATUS_ZOMBIE:
+            if "helix_core.launch.process" in " ".join(p.cmdline()) and p.status() != psutil.STATUS_ZOMBIE:
                 out.append(p)
         except psutil.Error:
             pass

@@ -6,7 +6,7 @@ import threading
 from dataplane import CFG
 
 import helix_core as hx
-from helix_core.testing import CostedDataset
+from helix_core.testing.datasets import CostedDataset
 
 HEAVY, LIGHT = 1000, 10
 

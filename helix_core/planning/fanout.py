@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 
-from helix_core.descriptors import CostProfile
+from helix_core.data.descriptors import CostProfile
 
 __all__ = ["fan_out", "sum_costs"]
 

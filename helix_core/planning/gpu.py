@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from helix_core.families import FAMILIES
+from helix_core.data.families import FAMILIES
 
 __all__ = ["GPU_COSTS", "GpuCost", "gpu_cost"]
 
@@ -38,7 +38,7 @@ class GpuCost:
         return float(np.sum(self.sample_units(tokens)) + self.c)
 
 
-#: relative costs per model family (from the one table, ``helix_core.families.FAMILIES``)
+#: relative costs per model family (from the one table, ``helix_core.data.families.FAMILIES``)
 GPU_COSTS = {name: GpuCost(*family.gpu_cost) for name, family in FAMILIES.items()}
 
 

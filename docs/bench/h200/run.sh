@@ -4,7 +4,7 @@
 # takes two ranks on one GPU (the Tier-2 NCCL path).
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0
-H="python3 -m helix_core.cli"
+H="python3 -m helix_core.launch.cli"
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; nproc; free -g | head -2;
   python3 -c "import torch, av, grpc, google.protobuf as pb, torchdata, lightning, accelerate; print('torch', torch.__version__, torch.cuda.is_available(), 'av', av.__version__, 'grpc', grpc.__version__, 'protobuf', pb.__version__)"; } 2>&1 | tee $OUT/env.txt
 T0=$(date +%s)

@@ -1,0 +1,220 @@
+"""The offline profile table (paper §4.5): ``profiles.jsonl`` beside the manifest.
+
+Line 1 is a header ``{"helix_profiles": 1, "fit": {...}, "calibration": [...]}``; every other line
+is one sample's source facts (``SampleDescriptor`` fields), its ``bucket``, its calibrated
+``cost_scale`` and an ``error`` (null, or why probing failed). Loading is columnar (pyarrow), so a
+million rows load without a Python loop per row. Tokens and output bytes are not stored: they
+depend on the dataset's model / frames / size and are computed by the dataset, vectorised.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, fields
+from pathlib import Path
+
+import numpy as np
+
+from helix_core.data.costs import CostFit, calibrate, profile_bucket
+from helix_core.data.descriptors import SampleDescriptor
+from helix_core.data.manifest import Manifest
+from helix_core.errors import SampleError, text_of
+
+__all__ = ["PROFILE_VERSION", "ProfileTable", "profile_dataset"]
+
+PROFILE_VERSION = 1
+_INT = ("index", "bytes", "frames", "width", "height", "caption_len")
+_FLOAT = ("duration_s", "fps", "cost_scale")
+_STR = ("path", "codec", "locality", "frames_source", "duration_source", "bucket", "error")
+
+
+class ProfileTable:
+    """Columns of per-sample facts as numpy arrays, plus the cost ``fit`` and calibration points."""
+
+    def __init__(self, columns: dict[str, np.ndarray], fit: CostFit, calibration: list | None = None):
+        n = {len(v) for v in columns.values()}
+        if len(n) != 1:
+            raise ValueError(f"profile columns differ in length: { {k: len(v) for k, v in columns.items()} }")
+        missing = [k for k in _INT + _FLOAT + _STR if k not in columns]
+        if missing:
+            raise ValueError(f"profile table lacks columns {missing}")
+        self.columns = columns
+        self.fit = fit
+        self.calibration = calibration or []
+
+    def __len__(self) -> int:
+        return len(self.columns["index"])
+
+    def __getattr__(self, name):
+        cols = self.__dict__.get("columns", {})
+        if name in cols:
+            return cols[name]
+        raise AttributeError(name)
+
+    def ok(self) -> np.ndarray:
+        """Boolean mask of rows that probed cleanly."""
+        return np.array([e is None or e == "" for e in self.columns["error"]], dtype=bool)
+
+    def descriptor(self, i: int) -> SampleDescriptor:
+        """Row ``i`` as a ``SampleDescriptor``; raises ``SampleError`` for a row that failed."""
+        err = self.columns["error"][i]
+        if err:
+            raise SampleError(int(self.columns["index"][i]), str(self.columns["path"][i]), str(err))
+        kw = {f.name: self.columns[f.name][i] for f in fields(SampleDescriptor)}
+        for k in _INT:
+            kw[k] = int(kw[k])
+        for k in ("duration_s", "fps"):
+            kw[k] = float(kw[k])
+        return SampleDescriptor(**{k: (str(v) if isinstance(v, np.str_) else v) for k, v in kw.items()})
+
+    def summary(self) -> list[dict]:
+        """One dict per bucket: clips, mean frames / size / MB, fitted cost scale, failures."""
+        rows = []
+        buckets = self.columns["bucket"]
+        ok = self.ok()
+        for b in sorted(set(buckets[ok].tolist())):
+            m = (buckets == b) & ok
+            rows.append(
+                {
+                    "bucket": b,
+                    "clips": int(m.sum()),
+                    "frames": float(self.frames[m].mean()),
+                    "width": float(self.width[m].mean()),
+                    "height": float(self.height[m].mean()),
+                    "mb": float(self.columns["bytes"][m].sum() / 1e6),
+                    "cost_scale": float(self.cost_scale[m].mean()),
+                }
+            )
+        if (~ok).any():
+            rows.append({"bucket": "(failed)", "clips": int((~ok).sum())})
+        return rows
+
+    # ---- persistence -------------------------------------------------------------------------
+    def save(self, path: str | os.PathLike) -> Path:
+        """Write the JSONL table atomically (temporary file, then rename)."""
+        path = Path(path)
+        tmp = path.with_name(f".{path.name}.part")
+        header = {"helix_profiles": PROFILE_VERSION, "fit": asdict(self.fit), "calibration": self.calibration}
+        cols = {k: self.columns[k].tolist() for k in _INT + _FLOAT + _STR}
+        for k in _STR:  # a non-UTF-8 file name: its bytes as \xNN escapes (JSON readers refuse lone surrogates)
+            cols[k] = [text_of(v) if isinstance(v, str) else v for v in cols[k]]
+        keys = list(cols)
+        with open(tmp, "w") as f:
+            f.write(json.dumps(header) + "\n")
+            for row in zip(*(cols[k] for k in keys)):
+                f.write(json.dumps(dict(zip(keys, row))) + "\n")
+        os.replace(tmp, path)
+        return path
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> ProfileTable:
+        """Read a table written by ``save`` (columnar; no per-row Python work)."""
+        import pyarrow as pa
+        import pyarrow.json as pj
+
+        path = Path(path)
+        with open(path, "rb") as f:
+            first = f.readline()
+        try:
+            header = json.loads(first)
+            version = header["helix_profiles"]
+        except (json.JSONDecodeError, KeyError, TypeError):
+            raise ValueError(f"{path}, line 1: not a Helix profile table header") from None
+        if version != PROFILE_VERSION:
+            raise ValueError(f"{path}: profile table version {version}, this Helix reads {PROFILE_VERSION}")
+        body = pa.memory_map(str(path)).read_buffer().slice(len(first))  # no copy of the rows
+        schema = pa.schema(
+            [(k, pa.int64()) for k in _INT] + [(k, pa.float64()) for k in _FLOAT] + [(k, pa.string()) for k in _STR]
+        )
+        if body.size > 0 and bytes(body.slice(0, min(body.size, 4096))).strip():
+            try:
+                table = pj.read_json(pa.BufferReader(body), parse_options=pj.ParseOptions(explicit_schema=schema))
+            except pa.ArrowInvalid as e:
+                raise ValueError(f"{path}: malformed profile rows ({e}); re-run `helix profile`") from None
+        else:
+            table = schema.empty_table()
+        cols = {}
+        for k in _INT + _FLOAT:
+            cols[k] = table.column(k).to_numpy(zero_copy_only=False)
+        for k in _STR:
+            cols[k] = np.asarray(table.column(k).to_numpy(zero_copy_only=False), dtype=object)
+        return cls(cols, CostFit(**header["fit"]), header.get("calibration", []))
+
+
+def _probe_row(args):
+    from helix_core.data.media.probe import probe
+
+    i, path, caption_len, locality = args
+    try:
+        return probe(path, index=i, caption_len=caption_len, locality=locality).to_dict(), None
+    except SampleError as e:
+        return {"index": i, "path": path, "caption_len": caption_len, "locality": locality}, e.cause
+
+
+def profile_dataset(
+    manifest: str | os.PathLike,
+    out: str | os.PathLike | None = None,
+    *,
+    calibrate_per_bucket: int = 2,
+    workers: int = 1,
+    progress: bool = False,
+) -> ProfileTable:
+    """Probe every clip of ``manifest`` (metadata only), calibrate the CPU-cost fit on a few clips
+    per bucket, and save ``profiles.jsonl`` beside the manifest (or at ``out``).
+
+    A clip that fails to probe gets a row with its ``error``; profiling never stops for one bad file.
+    """
+    from rich.progress import Progress
+
+    man = Manifest(manifest)
+    jobs = [
+        (i, p, len(r.get("caption", "") or ""), str(r.get("locality", "local")))
+        for i, (p, r) in enumerate(zip(man.paths, man.records))
+    ]
+    with Progress(disable=not progress) as bar:
+        task = bar.add_task("probe", total=len(jobs))
+        results = []
+        if workers > 1:
+            from concurrent.futures import ThreadPoolExecutor  # PyAV releases the GIL while probing
+
+            with ThreadPoolExecutor(workers) as pool:
+                for r in pool.map(_probe_row, jobs, chunksize=64):
+                    results.append(r)
+                    bar.advance(task)
+        else:
+            for job in jobs:
+                results.append(_probe_row(job))
+                bar.advance(task)
+        descs = [SampleDescriptor.from_dict(d) for d, err in results if err is None]
+        cal = bar.add_task("calibrate", total=None)
+        fit, scale, points = calibrate(descs, per_bucket=calibrate_per_bucket, progress=lambda: bar.advance(cal))
+    cols = _columns(results)
+    cols["cost_scale"] = np.array([scale.get(b, 1.0) for b in cols["bucket"]], dtype=np.float64)
+    table = ProfileTable(cols, fit, points)
+    table.save(out if out is not None else Path(manifest).parent / "profiles.jsonl")
+    return table
+
+
+def _columns(results) -> dict[str, np.ndarray]:
+    defaults = {
+        "bytes": 0,
+        "duration_s": 0.0,
+        "fps": 0.0,
+        "frames": 0,
+        "width": 0,
+        "height": 0,
+        "codec": "",
+        "frames_source": "header",
+        "duration_source": "header",
+    }
+    cols: dict[str, list] = {k: [] for k in _INT + _FLOAT + _STR if k not in ("bucket", "cost_scale")}
+    for d, err in results:
+        for k in cols:
+            cols[k].append(err if k == "error" else d.get(k, defaults.get(k)))
+    arrays = {
+        k: np.asarray(v, dtype=object if k in _STR else (np.int64 if k in _INT else np.float64))
+        for k, v in cols.items()
+    }
+    arrays["bucket"] = np.asarray(profile_bucket(arrays["frames"], arrays["width"], arrays["height"]), dtype=object)
+    return arrays

@@ -1,0 +1,345 @@
+"""Map-style video datasets whose every sample can be costed before it is decoded.
+
+Building a dataset reads the manifest (and ``profiles.jsonl`` when present) and never opens a
+clip, so one bad file in a million cannot stop it: a bad sample fails when it is fetched or costed,
+as ``SampleError`` naming its index, path and cause.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from helix_core.data.costs import CostFit, CostModel, profile_bucket
+from helix_core.data.descriptors import CostProfile, SampleDescriptor
+from helix_core.data.families import VideoSpec
+from helix_core.data.manifest import Manifest
+from helix_core.data.media.decode import decode_frames, uniform_indices
+from helix_core.data.media.probe import probe
+from helix_core.data.profiles import ProfileTable
+from helix_core.data.text import load_tokenizer
+from helix_core.errors import PICKLING, SampleError, text_of
+
+__all__ = ["MAX_FRAMES", "MAX_FRAME_PIXELS", "VideoClipDataset", "VideoTextDataset", "sample_generator"]
+
+#: Caps checked from the container's header before a sample is decoded (a forged header must not
+#: make a worker allocate gigabytes): far above any training clip — 8K UHD is 33 Mpx, a 2-hour
+#: film at 30 fps 216,000 frames.
+MAX_FRAME_PIXELS = 8192 * 8192
+MAX_FRAMES = 500_000
+_GEOMETRY_MEMO = 4096  # samples whose geometry a dataset keeps (those in flight, many times over)
+
+
+def sample_generator(seed: int, epoch: int, index: int) -> torch.Generator:
+    """The generator a sample's random transforms draw from: seeded by (seed, epoch, index), so
+    the sample is identical whichever process decodes it, and after a resume."""
+    state = np.random.SeedSequence([int(seed) & 0xFFFFFFFF, int(epoch), int(index)]).generate_state(2, dtype=np.uint32)
+    return torch.Generator().manual_seed(int(state[0]) << 32 | int(state[1]))
+
+
+class VideoClipDataset(torch.utils.data.Dataset):
+    """Clips of a manifest decoded for one model family.
+
+    ``ds[i]`` is a dict: ``"video"`` uint8 [T, 3, H, W], ``"index"``, ``"tokens"`` (visual tokens),
+    ``"label"`` (-1 when the manifest has none), and for Qwen-VL ``"video_grid_thw"`` — the same
+    bytes whichever process decodes it. ``fetch(i)`` also returns the decode measurements. See ``helix_core.data.families`` for ``size`` per family.
+
+    ``profiles``: path of a profile table (default ``profiles.jsonl`` beside the manifest, used
+    when it exists; ``False`` to ignore it). ``random_flip``: probability of a horizontal flip;
+    ``transform(sample, generator)``: an extra user transform. Both draw from
+    ``sample_generator(seed, epoch, index)``; ``set_epoch`` advances the epoch.
+    """
+
+    def __init__(
+        self,
+        manifest: str | os.PathLike,
+        model: str = "videomae",
+        num_frames: int | None = None,
+        size: int | tuple[int, int] | None = None,
+        *,
+        profiles: str | os.PathLike | bool | None = None,
+        seed: int = 0,
+        random_flip: float = 0.0,
+        transform=None,
+        max_frame_pixels: int = MAX_FRAME_PIXELS,
+        max_frames: int = MAX_FRAMES,
+    ):
+        if not 0.0 <= random_flip <= 1.0:
+            raise ValueError(f"random_flip must be a probability in [0, 1], got {random_flip}")
+        for name, v in (("max_frame_pixels", max_frame_pixels), ("max_frames", max_frames)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+        self.max_frame_pixels, self.max_frames = max_frame_pixels, max_frames
+        self.manifest_path = Path(manifest).absolute()
+        self.spec = VideoSpec(model, num_frames, size)
+        self.manifest = Manifest(manifest)
+        self.seed, self.epoch = int(seed), 0
+        if isinstance(transform, str):  # an import path, as a JSON spec carries it
+            from helix_core.data.specs import resolve_function
+
+            transform = resolve_function(transform, "transform")
+        self.random_flip, self.transform = float(random_flip), transform
+        self._profiles = profiles if profiles in (None, True, False) else Path(profiles).absolute()
+        self.table = self._load_table(profiles)
+        self._hints = (np.asarray(self.manifest.hint("num_frames")), np.asarray(self.manifest.hint("size")))
+        self._probed: dict[int, SampleDescriptor] = {}
+        self._geo: dict = {}  # index -> its geometry (fixed per sample): planning, decoding and costing share it
+        self.cost_model = CostModel(self.table.fit if self.table is not None else CostFit(), work_fn=self._work)
+        self._costs = self._table_costs() if self.table is not None else None
+
+    # ---- construction helpers ----------------------------------------------------------------
+    def _load_table(self, profiles) -> ProfileTable | None:
+        if profiles is False:
+            return None
+        path = Path(profiles) if profiles not in (None, True) else self.manifest_path.parent / "profiles.jsonl"
+        if not path.exists():
+            if profiles not in (None, True):
+                raise FileNotFoundError(f"profile table {path} does not exist (make it with `helix profile`)")
+            return None
+        table = ProfileTable.load(path)
+        if len(table) != len(self.manifest) or list(table.path) != [text_of(p) for p in self.manifest.paths]:
+            raise ValueError(
+                f"profile table {path} does not match manifest {self.manifest_path} "
+                f"({len(table)} rows for {len(self.manifest)} samples or other paths): "
+                "re-run `helix profile`"
+            )
+        return table
+
+    def _table_costs(self) -> dict[str, np.ndarray]:
+        """Vectorised cost arrays over every row of the profile table."""
+        t = self.table
+        geo = self.spec.geometry(t.frames, t.fps, t.height, t.width, *self._hints)
+        decoded_px = geo.frames_decoded * t.width * t.height
+        output_px = geo.t * geo.resize_h * geo.resize_w
+        return {
+            "cpu_s": self.table.fit.predict(decoded_px, output_px) * t.cost_scale,
+            "out_bytes": geo.t * 3 * geo.out_h * geo.out_w,
+            "tokens": geo.tokens,
+            "t": geo.t,
+            "h": geo.out_h,
+            "w": geo.out_w,
+            "io_bytes": t.columns["bytes"],
+            "bucket": np.asarray(profile_bucket(t.frames, t.width, t.height)),
+            "ok": t.ok(),
+        }
+
+    # ---- descriptors and costs (never decode) --------------------------------------------------
+    def __len__(self) -> int:
+        return len(self.manifest)
+
+    def descriptor(self, index: int) -> SampleDescriptor:
+        """Container facts of sample ``index`` (from the profile table, else a metadata probe)."""
+        index = self._check(index)
+        if self.table is not None:
+            return self.table.descriptor(index)
+        if index not in self._probed:
+            rec = self.manifest.records[index]
+            self._probed[index] = probe(
+                self.manifest.paths[index],
+                index=index,
+                caption_len=len(rec.get("caption", "") or ""),
+                locality=str(rec.get("locality", "local")),
+            )
+        return self._probed[index]
+
+    def _geometry(self, d: SampleDescriptor):
+        i = d.index
+        g = self._geo.get(i)
+        if g is None:  # a sample's geometry is asked for several times on its way (plan, decode, cost)
+            if len(self._geo) >= _GEOMETRY_MEMO:
+                self._geo.clear()
+            g = self._geo[i] = self.spec.geometry(
+                d.frames, d.fps, d.height, d.width, self._hints[0][i : i + 1], self._hints[1][i : i + 1]
+            )
+        return g
+
+    def _work(self, d: SampleDescriptor) -> tuple[float, float]:
+        g = self._geometry(d)
+        return float(g.frames_decoded[0] * d.width * d.height), float(g.t[0] * g.resize_h[0] * g.resize_w[0])
+
+    def estimate_cost(self, index: int) -> CostProfile:
+        """Predicted cost of sample ``index`` without decoding (``SampleError`` if it can't be probed)."""
+        index = self._check(index)
+        if self._costs is not None:
+            self.table.descriptor(index)  # raises SampleError for a row that failed to probe
+            c = self._costs
+            cpu_s = float(c["cpu_s"][index]) * self.cost_model.correction(str(c["bucket"][index]))
+            return CostProfile(
+                cpu_s=cpu_s,
+                io_bytes=int(c["io_bytes"][index]),
+                out_bytes=int(c["out_bytes"][index]),
+                tokens=int(c["tokens"][index]),
+                profile=f"{c['t'][index]}x{c['h'][index]}x{c['w'][index]}",
+            )
+        d = self.descriptor(index)
+        g = self._geometry(d)
+        t, h, w = int(g.t[0]), int(g.out_h[0]), int(g.out_w[0])
+        return CostProfile(
+            cpu_s=self.cost_model.predict(d),
+            io_bytes=d.bytes,
+            out_bytes=t * 3 * h * w,
+            tokens=int(g.tokens[0]),
+            profile=f"{t}x{h}x{w}",
+        )
+
+    def cost_arrays(self) -> dict[str, np.ndarray] | None:
+        """Every row's ``cpu_s`` (offline, without online corrections), ``io_bytes``,
+        ``out_bytes``, ``tokens``, profile ``t/h/w``, source ``bucket`` and ``ok`` (False where
+        the clip failed to probe) as arrays (needs a profile table; ``None`` without one)."""
+        return self._costs
+
+    def observe_cost(self, index: int, cpu_s: float) -> None:
+        """Fold one measured decode (CPU seconds of ``ds[index]``) into the online cost model: its
+        profile bucket's correction, which ``estimate_cost`` applies from then on."""
+        try:
+            d = self.descriptor(index)
+        except Exception:  # a sample that cannot be described has no bucket to refine
+            return
+        scale = float(self.table.cost_scale[int(index)]) if self.table is not None else 1.0
+        self.cost_model.update(d, cpu_s, scale=scale)
+
+    # ---- fetching ------------------------------------------------------------------------------
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = int(epoch)
+
+    def __getitem__(self, index: int) -> dict:
+        return self.fetch(index)[0]
+
+    def video_shape(self, index: int) -> tuple[int, int, int, int]:
+        """The shape [T, 3, H, W] of sample ``index``'s ``"video"``, without decoding (so a
+        DataServer worker can decode it straight into its place in a shared-memory batch)."""
+        g = self._geometry(self.descriptor(self._check(index)))
+        return int(g.t[0]), 3, int(g.out_h[0]), int(g.out_w[0])
+
+    def fetch(self, index: int, out: np.ndarray | None = None):
+        """``(sample, Decoded)``: the sample and its decode measurements (``decode_s`` wall
+        seconds, ``cpu_s`` CPU seconds, ``strategy``, ``frames_decoded``) for the cost model.
+        ``out``: a uint8 array of ``video_shape(index)`` (a view is fine) to decode into; the
+        sample's ``"video"`` is then that memory, unless a transform made a new tensor."""
+        index = self._check(index)
+        d = self.descriptor(index)
+        if d.width * d.height > self.max_frame_pixels:
+            raise SampleError(
+                index,
+                d.path,
+                f"frames of {d.width}x{d.height} ({d.width * d.height:,} pixels) exceed "
+                f"max_frame_pixels={self.max_frame_pixels:,}: not decoded",
+            )
+        if d.frames > self.max_frames:
+            raise SampleError(index, d.path, f"{d.frames:,} frames exceed max_frames={self.max_frames:,}: not decoded")
+        g = self._geometry(d)
+        idx = uniform_indices(d.frames, int(g.t[0]))
+        crop = (int(g.out_h[0]), int(g.out_w[0]))
+        r = decode_frames(
+            d.path,
+            idx,
+            (int(g.resize_h[0]), int(g.resize_w[0])),
+            crop,
+            index=index,
+            exact_count=d.frames_source == "header",
+            out=out,
+        )
+        video = torch.from_numpy(r.video)
+        rec = self.manifest.records[index]
+        sample = {"video": video, "index": index, "tokens": int(g.tokens[0]), "label": int(rec.get("label", -1))}
+        if self.spec.is_qwen:
+            sample["video_grid_thw"] = torch.tensor([(int(g.t[0]) + 1) // 2, crop[0] // 14, crop[1] // 14])
+        if self.random_flip > 0 or self.transform is not None:
+            gen = sample_generator(self.seed, self.epoch, index)
+            if self.random_flip > 0 and torch.rand((), generator=gen).item() < self.random_flip:
+                sample["video"] = video.flip(-1)
+            if self.transform is not None:
+                sample = self.transform(sample, gen)
+        return sample, r
+
+    def sample_path(self, index: int) -> str:
+        """The file of sample ``index`` (for error messages)."""
+        return self.manifest.paths[self._check(index)]
+
+    def _check(self, index) -> int:
+        i = int(index)
+        if not 0 <= i < len(self):
+            raise IndexError(f"sample index {index} out of range for {len(self)} samples")
+        return i
+
+    def helix_spec(self) -> dict:
+        """Import path plus JSON arguments that rebuild this very dataset in another process (paths
+        absolute); ``SpecError`` naming the argument when one cannot travel as JSON (a ``transform``
+        that is not a module-level function; a subclass that does not define its own
+        ``helix_spec``, whose fields would be lost) — it then needs cloudpickle, which a cluster reached
+        over loopback or TLS accepts."""
+        from helix_core.data.specs import function_path
+        from helix_core.errors import SpecError
+
+        name = type(self).__name__
+        if "helix_spec" not in type(self).__dict__:
+            raise SpecError(
+                name,
+                f"the fields of subclass {name}",
+                f"define {name}.helix_spec() (extend super().helix_spec()), or use " + PICKLING,
+            )
+        kwargs = {
+            "manifest": str(self.manifest_path),
+            "model": self.spec.model,
+            "num_frames": self.spec.num_frames,
+            "size": list(self.spec.size) if isinstance(self.spec.size, tuple) else self.spec.size,
+            "seed": self.seed,
+            "random_flip": self.random_flip,
+            "max_frame_pixels": self.max_frame_pixels,
+            "max_frames": self.max_frames,
+            "profiles": str(self._profiles) if isinstance(self._profiles, Path) else self._profiles,
+        }
+        if self.transform is not None:
+            kwargs["transform"] = function_path(self.transform)
+            if kwargs["transform"] is None:
+                from helix_core.data.specs import why_not_json
+
+                raise SpecError(name, f"transform={self.transform!r}", why_not_json(self.transform))
+        return {"target": f"{type(self).__module__}.{type(self).__qualname__}", "kwargs": kwargs}
+
+
+class VideoTextDataset(VideoClipDataset):
+    """Video plus caption: adds ``"caption"`` (str) and ``"input_ids"`` (int64, at most
+    ``max_text_len``) from ``tokenizer`` — a Hugging Face tokenizer object, a local tokenizer
+    folder, or ``None`` for the built-in byte tokenizer (nothing is downloaded)."""
+
+    def __init__(
+        self,
+        manifest,
+        model: str = "qwen2-vl",
+        num_frames=None,
+        size=None,
+        *,
+        tokenizer=None,
+        max_text_len: int = 128,
+        **kwargs,
+    ):
+        super().__init__(manifest, model, num_frames, size, **kwargs)
+        if max_text_len < 2:
+            raise ValueError(f"max_text_len must be >= 2, got {max_text_len}")
+        self.tokenizer = load_tokenizer(tokenizer)
+        self.max_text_len = int(max_text_len)
+
+    def fetch(self, index: int, out: np.ndarray | None = None):
+        sample, r = super().fetch(index, out)
+        caption = self.manifest.records[sample["index"]].get("caption", "") or ""
+        sample["caption"] = caption
+        sample["input_ids"] = torch.as_tensor(self.tokenizer.encode(caption, self.max_text_len), dtype=torch.int64)
+        return sample, r
+
+    def helix_spec(self) -> dict:
+        from helix_core.errors import SpecError
+
+        spec = super().helix_spec()
+        source = self.tokenizer.source
+        if not isinstance(source, (str, os.PathLike, type(None))):
+            raise SpecError(
+                type(self).__name__, "tokenizer (an object)", "pass its local folder path instead, or use " + PICKLING
+            )
+        if source is not None and Path(source).exists():
+            source = str(Path(source).absolute())
+        spec["kwargs"].update(tokenizer=None if source is None else str(source), max_text_len=self.max_text_len)
+        return spec

@@ -1,0 +1,371 @@
+"""The client's wires: the Coordinator (routes) and DataServers (execute, shared-memory handles).
+
+``ClusterClient`` opens the channels and makes the DataServer calls (Execute, Cancel, a Tier-2
+round's Rebalance / AskRound / LeaveRound); its Coordinator calls are in ``transport_coordinator.py``, and
+turning replies into batches in ``replies.py``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import threading
+import time
+import uuid
+
+import grpc
+
+from helix_core.config import ClusterConfig
+from helix_core.coordinator.registry import TASK_ID_BITS
+from helix_core.errors import ClusterError
+from helix_core.loader.coordinator_calls import CoordinatorCalls
+from helix_core.loader.fallback import KnownServers
+from helix_core.loader.replies import ReplyBatches
+from helix_core.memory.reader import SlabReader
+from helix_core.security.auth import call_metadata, load_token, pickle_allowed
+from helix_core.security.hostid import host_id
+from helix_core.security.tls import Tls
+from helix_core.security.tokenfiles import check_listener
+from helix_core.wire.locallink.link import LocalLink, link_name
+from helix_core.wire.proto import helix_pb2 as pb
+from helix_core.wire.proto import helix_pb2_grpc as pbg
+from helix_core.wire.rpc import check_hello, connect
+
+__all__ = ["ClusterClient", "TRANSIENT"]
+
+#: Status codes that mean "this server (or the path to it) is gone": resubmit elsewhere.
+#: (A full /dev/shm is not among them: it comes back as ``ErrorKind.NO_ROOM``, final.)
+TRANSIENT = {
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.CANCELLED,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.UNKNOWN,
+    grpc.StatusCode.INTERNAL,
+    grpc.StatusCode.FAILED_PRECONDITION,
+}
+
+
+log = logging.getLogger("helix.client")
+
+
+class RoundStopped(ClusterError):
+    """The loader stopped while its batch was in a Tier-2 round: ``reply`` is the round's answer
+    if it came all the same (its rows are this rank's to give back), else None."""
+
+    def __init__(self, reply):
+        super().__init__("loader stopped")
+        self.reply = reply
+
+
+class RoundUnknown(ClusterError):
+    """A Tier-2 round's leader cannot say what became of a rank's batch (it died, or its round runs
+    past every exchange's limit), and the Coordinator says the round moved samples (``indices``:
+    those it gave this rank, to decode again; ``release``: the slab handles its answer had it
+    release) or cannot say either (``indices`` None). Other ranks may read its other slabs, so the
+    rank neither reads nor releases them."""
+
+    def __init__(self, why: str, indices: list[int] | None = None, release: list[dict] = ()):
+        super().__init__(why)
+        self.indices, self.release = indices, list(release)
+
+
+class _Unavailable(grpc.RpcError):
+    """A DataServer that fails its Hello: handled like any lost server (resubmit elsewhere)."""
+
+    def __init__(self, address: str):
+        super().__init__(f"DataServer {address} unavailable")
+        self._address = address
+
+    def code(self):
+        return grpc.StatusCode.UNAVAILABLE
+
+    def details(self):
+        return f"DataServer {self._address} failed the protocol check"
+
+
+class ClusterClient(CoordinatorCalls, ReplyBatches):
+    """One rank's connection to a Helix cluster. Thread-safe."""
+
+    def __init__(
+        self,
+        address: str,
+        token: str | None,
+        config: ClusterConfig,
+        rank: int,
+        world_size: int,
+        local_rank: int | None = None,
+        tls=None,
+    ):
+        """``token``: default ``HELIX_TOKEN``, else the one this user's Coordinator at ``address``
+        left in the private Helix folder; ``tls``: a ``Tls`` for every channel (default:
+        ``HELIX_TLS_*``, else none)."""
+        token = load_token(token, coordinator=address)
+        try:
+            check_listener(address)  # a loopback port another user took: this user's token never goes there
+        except ValueError as e:
+            raise ClusterError(str(e)) from None
+        self.address, self.token, self.config = address, token, config
+        self.tls = Tls.from_env() if tls is None else tls
+        self.rank, self.world_size = rank, world_size
+        # its host's identity and its slot among that host's local servers (torchrun's LOCAL_RANK)
+        self.host = host_id()
+        self.local_rank = int(os.environ.get("LOCAL_RANK", rank)) if local_rank is None else int(local_rank)
+        self.metadata = call_metadata(token)
+        self._channel = connect(address, config, self.tls)
+        self.coordinator = pbg.CoordinatorStub(self._channel)
+        hello = check_hello(
+            self.coordinator, "client", token, config.rpc_timeout_s, f"the Coordinator at {address}", self.tls
+        )
+        # pickles only with a token, and only where it can't be read off the wire (loopback or TLS)
+        self.cluster_id = hello.cluster_id
+        self.pickle_allowed = hello.pickle_allowed and pickle_allowed(
+            address.rsplit(":", 1)[0], token, self.tls, config.allow_pickle
+        )
+        # its own id and task-id base, so both survive a Coordinator restart (servers key tasks by
+        # client id and task id; the random base keeps ids apart in the Coordinator's books too)
+        self.client_id = f"c{rank}-{uuid.uuid4().hex[:12]}"
+        self.task_id_base = (secrets.randbits(23) + 1) << TASK_ID_BITS
+        self._register()
+        self.servers = KnownServers()  # learnt from routes; routes by itself while the Coordinator is away
+        self._outage: float | None = None  # monotonic time the Coordinator became unreachable (None: it answers)
+        self._watching, self._state = False, None
+        self._last_rpc = time.monotonic()
+        self._closing = threading.Event()
+        threading.Thread(target=self._keep_lease, name="helix-lease", daemon=True).start()
+        self._stubs: dict[str, pbg.DataServerStub] = {}
+        self._channels: list[grpc.Channel] = [self._channel]
+        self._configured: set[tuple[str, str]] = set()
+        self._lock = threading.Lock()
+        self._fired: set = set()  # fire-and-forget calls still in flight
+        self._landed_cond = threading.Condition(self._lock)
+        self._completed: list[int] = []  # task ids whose replies landed, for the next Route to carry
+        self.reader = SlabReader()
+        self._links: dict[str, LocalLink | None] = {}  # Execute to the DataServers of this host (None: gRPC)
+        self._route_link = False  # Route to a Coordinator of this host (None: gRPC; False: not looked for yet)
+
+    def _fire(self, method, request) -> None:
+        """Fire and forget (``close`` lets these land before it closes the channels)."""
+        try:
+            fut = method.future(request, timeout=self.config.rpc_timeout_s, metadata=self.metadata)
+        except (grpc.RpcError, ValueError):  # ValueError: the channel is closed already
+            return
+        with self._lock:
+            self._fired.add(fut)
+        fut.add_done_callback(self._landed)
+
+    def _landed(self, fut) -> None:
+        with self._lock:
+            self._fired.discard(fut)
+            self._landed_cond.notify_all()
+
+    def stub(self, address: str) -> pbg.DataServerStub:
+        with self._lock:
+            s = self._stubs.get(address)
+        if s is None:  # a new connection starts with the protocol-version check
+            ch = connect(address, self.config, self.tls)
+            s = pbg.DataServerStub(ch)
+            try:
+                check_hello(s, "client", self.token, self.config.rpc_timeout_s, f"the DataServer at {address}")
+            except ClusterError:
+                ch.close()
+                raise _Unavailable(address) from None
+            with self._lock:
+                self._channels.append(ch)
+                self._stubs[address] = s
+                if not pickle_allowed(address.rsplit(":", 1)[0], self.token, self.tls):
+                    self.pickle_allowed = False  # a peer beyond loopback without TLS: no pickles from anyone
+        return s
+
+    def execute(self, address: str, spec: tuple[str, bytes, str], request: pb.ExecuteRequest):
+        """Configure ``address`` with ``spec`` once, then start ``Execute`` — over the server's local
+        link where it has one on this host, else gRPC; returns a future of the reply (its
+        exception: a ``grpc.RpcError``)."""
+        stub = self.stub(address)
+        key = (address, spec[0])
+        if key not in self._configured:
+            stub.Configure(
+                pb.ConfigureRequest(spec_id=spec[0], payload=spec[1], format=spec[2]),
+                timeout=self.config.rpc_timeout_s,
+                metadata=self.metadata,
+            )
+            with self._lock:
+                self._configured.add(key)
+        link = self._link(address)
+        if link is not None:
+            return link.execute(request)
+        return stub.Execute.future(request, timeout=self.config.execute_timeout_s, metadata=self.metadata)
+
+    def _link(self, address: str) -> LocalLink | None:
+        """The local link to the DataServer at ``address``: connected once, again after it broke
+        (the server restarted); None where there is none (another host, a sidecar, no token)."""
+        if not self.config.local_link or not self.token:
+            return None
+        with self._lock:
+            if address in self._links and not (self._links[address] is not None and self._links[address].broken):
+                return self._links[address]
+        link = LocalLink.connect(
+            link_name(self.cluster_id, address), self.token, self.config.keepalive_s, self.config.keepalive_timeout_s
+        )
+        with self._lock:
+            old, self._links[address] = self._links.get(address), link
+        if old is not None:
+            old.close()
+        return link
+
+    def forget(self, address: str) -> None:
+        """A server failed: configure it again if it is ever used again (it may have restarted)."""
+        with self._lock:
+            self._configured = {k for k in self._configured if k[0] != address}
+            if self._links.get(address, 1) is None:  # no link before: it may have one now (restarted)
+                del self._links[address]
+
+    def cancel(self, address: str, task_ids: list[int]) -> None:
+        try:
+            stub = self.stub(address)
+        except grpc.RpcError:
+            return
+        self._fire(stub.Cancel, pb.CancelRequest(task_ids=task_ids, client_id=self.client_id))
+
+    def round_leader(self, rank: int, stop=None) -> str:
+        """Tier 2: the address of the DataServer leading the rounds of the group whose lowest rank is ``rank``."""
+        return self._call(
+            self.coordinator.RoundLeader, pb.RoundLeaderRequest(client_id=self.client_id, rank=rank), stop=stop
+        ).address
+
+    def rebalance(
+        self,
+        address: str,
+        request: pb.RebalanceRequest,
+        timeout_s: float,
+        stop,
+        leave_s: float,
+        wanted=None,
+        grace_s: float = 0.0,
+    ):
+        """Tier 2: this rank's batch into its round at ``address``; the reply, or None when the rank
+        keeps its batch (the leader could not be reached, or the batch left its round). ``wanted``
+        (a future) is done once the rank waits in ``next()`` for the batch: ``grace_s`` later, a
+        round still open is asked to close now (``AskRound``). A call that does not answer (the
+        loader stopped, or it failed) is cancelled and the leader says who owns the batch
+        (``LeaveRound``, within ``leave_s``): still the rank's, or the round's answer, which a
+        stopped loader gives back (``RoundStopped(reply)``). When the leader cannot say (it died),
+        the Coordinator does (``_round_fate``)."""
+        sent = time.monotonic()
+        try:
+            fut = self.stub(address).Rebalance.future(request, timeout=timeout_s, metadata=self.metadata)
+        except _Unavailable as e:
+            log.warning("Tier-2 round at %s: %s (rank %d keeps its batch)", address, e, self.rank)
+            return None
+        self._hold(address, request, fut, timeout_s + self.config.rpc_timeout_s, stop, wanted, grace_s)
+        why = "the loader stopped" if stop.is_set() else f"no answer in {timeout_s:.0f} s"
+        if fut.done() and not fut.cancelled():
+            try:
+                reply = fut.result(timeout=0)
+            except grpc.RpcError as e:
+                why = f"{e.code().name}: {e.details()}"
+            else:
+                if stop.is_set():
+                    raise RoundStopped(reply)
+                return reply
+        fut.cancel()
+        leave = pb.LeaveRoundRequest(
+            group=request.group,
+            run=request.run,
+            step=request.step,
+            rank=request.rank,
+            client_id=request.client_id,
+            timeout_s=leave_s,
+        )
+        try:
+            answer = self.stub(address).LeaveRound(
+                leave, timeout=leave_s + self.config.rpc_timeout_s, metadata=self.metadata
+            )
+        except (grpc.RpcError, _Unavailable) as e:  # the leader is gone: the Coordinator knows its rounds
+            log.warning(
+                "Tier-2 round at %s: %s, and no LeaveRound (%s)",
+                address,
+                why,
+                e.code().name if isinstance(e, grpc.RpcError) else e,
+            )
+            answer = pb.LeaveRoundReply()
+        reply = None if answer.left or not answer.HasField("reply") else answer.reply
+        if not answer.HasField("reply") and not stop.is_set():  # the leader is gone, or never had the call
+            self._round_fate(address, request, stop, sent, sure=not answer.left)  # (it restarted?)
+        if stop.is_set():
+            raise RoundStopped(reply)
+        if reply is None:
+            log.warning("Tier-2 round at %s: %s (rank %d keeps its batch)", address, why, self.rank)
+        return reply
+
+    def _round_fate(self, address: str, request: pb.RebalanceRequest, stop, sent: float, sure: bool) -> None:
+        """Tier 2: the round at ``address`` cannot answer for the batch sent at ``sent``. Returns if
+        the rank keeps it (never committed: a reader count set on its slabs is undone); else
+        ``RoundUnknown``, with what the committed round gave the rank, or none if the Coordinator
+        cannot say — where the leader never had the call (not ``sure``) one try, then it keeps."""
+        ask = pb.RoundFateRequest(group=request.group, run=request.run, step=request.step, rank=request.rank)
+
+        def fate_now(req, **kw):  # each try states the round's age afresh
+            req.age_s = time.monotonic() - sent
+            return self.coordinator.RoundFate(req, **kw)
+
+        try:
+            fate = (
+                self._call(fate_now, ask, stop=stop)
+                if sure
+                else fate_now(ask, timeout=self.config.rpc_timeout_s, metadata=self.metadata)
+            )
+        except (ClusterError, grpc.RpcError) as e:
+            if sure:
+                raise RoundUnknown(
+                    f"neither its Tier-2 round's leader at {address} nor the Coordinator can say what "
+                    f"became of it ({e})"
+                ) from None
+            return
+        if fate.moved:
+            raise RoundUnknown(
+                f"its Tier-2 round's leader at {address} cannot answer; the round moved samples",
+                list(fate.indices),
+                [{"segment": h.segment, "generation": h.generation} for h in fate.release],
+            )
+        for b in request.batches:  # no rank reads them now: the rank's own again
+            try:
+                self.reader.share({"segment": b.slab.segment, "generation": b.slab.generation}, 1)
+            except OSError:
+                pass  # gone with its server: the batch is resubmitted as any lost one
+
+    def _hold(self, address: str, request, fut, limit_s: float, stop, wanted, grace_s: float) -> None:
+        """Wait for the round's reply ``fut`` (``limit_s`` at most); once ``wanted`` is done and
+        ``grace_s`` has passed with no reply, ask the leader to close the round now."""
+        end = time.monotonic() + limit_s
+        if wanted is None or stop.wait(fut, limit_s, or_=wanted) or stop.is_set() or fut.done():
+            return
+        if (
+            wanted.done()
+            and not stop.wait(fut, min(grace_s, end - time.monotonic()))
+            and not stop.is_set()
+            and not fut.done()
+        ):
+            ask = pb.AskRoundRequest(
+                group=request.group, run=request.run, step=request.step, rank=request.rank, client_id=request.client_id
+            )
+            try:  # answered at once; the held call then answers once the round ran
+                self.stub(address).AskRound(ask, timeout=self.config.rpc_timeout_s, metadata=self.metadata)
+            except grpc.RpcError as e:  # the leader is gone: the held call fails too, and is settled as such
+                log.debug("AskRound at %s: %s", address, e)
+        stop.wait(fut, max(0.0, end - time.monotonic()))
+
+    def close(self) -> None:
+        self._closing.set()
+        self.flush_completions()
+        with self._lock:  # reports and cancels in flight land first (a dead peer: not long)
+            self._landed_cond.wait_for(lambda: not self._fired, min(2.0, self.config.rpc_timeout_s))
+        for ch in self._channels:
+            ch.close()
+        with self._lock:
+            links, self._links = [k for k in self._links.values() if k is not None], {}
+        for link in links:
+            link.close()
+        if self._route_link:
+            self._route_link.close()
+        self.reader.close()

@@ -1,0 +1,176 @@
+"""The client side of shared-memory delivery: ``SlabReader`` maps segments by name (cached) and
+releases slabs by handle (``shm`` is the owner's side and the file format)."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import mmap
+import os
+import threading
+import time
+
+from helix_core.memory.lease import holder_stamp
+from helix_core.memory.shm import (
+    _GEN_AT,
+    _LEASE,
+    _LEASE_AT,
+    _READERS_AT,
+    _STATE_AT,
+    _U64,
+    FREE,
+    HEADER_BYTES,
+    MAGIC,
+    SHM_DIR,
+    _close_map,
+    _path,
+)
+
+__all__ = ["SlabReader"]
+
+
+def _open_own(segment: str) -> int:
+    """A read-write descriptor of ``segment``'s file: never through a symbolic link, and only a file
+    of this user's (``/dev/shm`` is every user's: a name freed by its DataServer may be taken)."""
+    try:
+        fd = os.open(_path(segment), os.O_RDWR | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        raise FileNotFoundError(
+            errno.ENOENT,
+            f"shared-memory segment {segment} does not exist (its DataServer closed or was swept)",
+            _path(segment),
+        ) from None
+    except OSError as e:
+        if e.errno != errno.ELOOP:
+            raise
+        raise PermissionError(
+            errno.EPERM, f"shared-memory segment {segment} is a symbolic link: not followed", _path(segment)
+        ) from None
+    st = os.fstat(fd)
+    if st.st_uid != os.getuid():
+        os.close(fd)
+        raise PermissionError(
+            errno.EPERM,
+            f"shared-memory segment {segment} belongs to uid {st.st_uid}, not this user ({os.getuid()}): not read",
+            _path(segment),
+        )
+    return fd
+
+
+class SlabReader:
+    """Client side: maps segments by name (cached) and releases slabs by handle. Thread-safe."""
+
+    def __init__(self):
+        self._maps: dict[str, mmap.mmap] = {}
+        # re-entrant: a batch's on_release finalizer may call release() from a GC pass that
+        # happens to run while this thread is inside attach() or close()
+        self._lock = threading.RLock()
+
+    def attach(self, segment: str) -> mmap.mmap:
+        """A writable mapping of the whole segment file (header included), cached by name."""
+        with self._lock:
+            mm = self._maps.get(segment)
+            if mm is not None:
+                return mm
+            # A new name means the pool may have unlinked others; unmapping those frees their pages.
+            self._prune_unlinked()
+            fd = _open_own(segment)
+            try:
+                mm = mmap.mmap(fd, os.fstat(fd).st_size)
+            finally:
+                os.close(fd)
+            if len(mm) < HEADER_BYTES or mm[:8] != MAGIC:
+                mm.close()
+                raise ValueError(f"{_path(segment)} is not a Helix slab (bad header)")
+            self._maps[segment] = mm
+            return mm
+
+    def _prune_unlinked(self) -> None:
+        for name in [n for n in self._maps if not os.path.exists(os.path.join(SHM_DIR, n))]:
+            if _close_map(self._maps[name]):
+                del self._maps[name]
+
+    def release(self, handle: dict) -> bool:
+        """Mark the slab FREE if it is still at `handle["generation"]`; returns whether it did.
+        A stale handle (the slab was handed out again) or a vanished segment is ignored. A slab
+        shared by several readers (``share``) counts down instead: the last one frees it."""
+        try:
+            mm = self.attach(handle["segment"])
+        except FileNotFoundError:
+            return False
+        if _U64.unpack_from(mm, _GEN_AT)[0] != handle["generation"]:
+            return False
+        if _U64.unpack_from(mm, _READERS_AT)[0]:  # set before any of its readers got the handle
+            with self._locked(handle["segment"]):
+                if _U64.unpack_from(mm, _GEN_AT)[0] != handle["generation"]:
+                    return False
+                left = _U64.unpack_from(mm, _READERS_AT)[0]
+                if left > 1:
+                    _U64.pack_into(mm, _READERS_AT, left - 1)
+                    return False
+                _U64.pack_into(mm, _READERS_AT, 0)
+        _U64.pack_into(mm, _STATE_AT, FREE)
+        return True
+
+    def share(self, handle: dict, readers: int) -> bool:
+        """Tier 2: ``readers`` ranks will each release this slab once (it is FREE after the last);
+        False if the handle is stale (the round keeps the batch then).
+
+        A shared slab's lease names no process (no one reader may stand for the others, nor a dead
+        one free it under a live one): it is the time of the share, so its producer takes it back
+        once every reader released it or, if one died first, ``orphan_s`` after the share. Readers
+        copy its rows at once and check its generation after (``crosshost.read_rows``)."""
+        mm = self.attach(handle["segment"])
+        with self._locked(handle["segment"]):
+            if _U64.unpack_from(mm, _GEN_AT)[0] != handle["generation"] or _U64.unpack_from(mm, _STATE_AT)[0] == FREE:
+                return False
+            if readers > 1:
+                _LEASE.pack_into(mm, _LEASE_AT, 0, 0, time.monotonic())  # the producer's clock (one host)
+            _U64.pack_into(mm, _READERS_AT, readers if readers > 1 else 0)
+        return True
+
+    def held(self, handle: dict) -> bool:
+        """Whether the slab is still handed out at ``handle``'s generation (nobody released it)."""
+        try:
+            mm = self.attach(handle["segment"])
+        except FileNotFoundError:
+            return False
+        return _U64.unpack_from(mm, _GEN_AT)[0] == handle["generation"] and _U64.unpack_from(mm, _STATE_AT)[0] != FREE
+
+    @staticmethod
+    @contextlib.contextmanager
+    def _locked(segment: str):
+        fd = _open_own(segment)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)  # the kernel drops it if this process dies
+            yield
+        finally:
+            os.close(fd)
+
+    def view(self, handle: dict, lease: bool = True) -> memoryview:
+        """The used payload bytes, [HEADER_BYTES, HEADER_BYTES + nbytes) of the file. ``lease``: this
+        process becomes the slab's holder (its producer takes it back if this process dies) —
+        unless the slab is shared (``share``); a DataServer reading a rank's slab passes False."""
+        mm = self.attach(handle["segment"])
+        if (
+            lease
+            and "generation" in handle
+            and _U64.unpack_from(mm, _GEN_AT)[0] == handle["generation"]
+            and not _U64.unpack_from(mm, _READERS_AT)[0]
+        ):
+            pid, start = holder_stamp()  # the lease: its producer takes it back if this process dies
+            _LEASE.pack_into(mm, _LEASE_AT, pid, start, _LEASE.unpack_from(mm, _LEASE_AT)[2])
+        end = HEADER_BYTES + handle["nbytes"]
+        if end > len(mm):
+            raise ValueError(
+                f"handle asks for {handle['nbytes']} bytes; segment {handle['segment']} holds {len(mm) - HEADER_BYTES}"
+            )
+        return memoryview(mm)[HEADER_BYTES:end]
+
+    def close(self) -> None:
+        """Unmap what nobody uses; mappings still exported by live tensors stay (GC unmaps them)."""
+        with self._lock:
+            for name in list(self._maps):
+                if _close_map(self._maps[name]):
+                    del self._maps[name]
