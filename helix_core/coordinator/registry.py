@@ -16,11 +16,11 @@ from helix_core.config import ClusterConfig
 from helix_core.coordinator.routing import Routing
 from helix_core.planning.columns import ServerColumns
 from helix_core.planning.placement import Candidates, make_scheduler
+from helix_core.wire.messages import TASK_ID_BITS
 
-__all__ = ["NoDeliveryServer", "Registry", "ServerState", "TASK_ID_BITS"]
+__all__ = ["NoDeliveryServer", "Registry", "ServerState"]
 
 log = logging.getLogger("helix.coordinator")
-TASK_ID_BITS = 40  # task ids a client may use before it would reach the next client's base
 
 
 class NoDeliveryServer(LookupError):

@@ -136,7 +136,7 @@ def toward(coordinator: str) -> str:
     """The address of this node's interface toward the Coordinator at ``coordinator`` (loopback for
     a loopback Coordinator): what a sidecar binds, so the Coordinator's ranks reach it and no one
     else needs to."""
-    from helix_core.loader.rendezvous import node_address
+    from helix_core.launch.rendezvous import node_address
 
     host = coordinator.rpartition(":")[0].strip("[]")
     try:

@@ -17,7 +17,6 @@ import uuid
 import grpc
 
 from helix_core.config import ClusterConfig
-from helix_core.coordinator.registry import TASK_ID_BITS
 from helix_core.errors import ClusterError
 from helix_core.loader.coordinator_calls import CoordinatorCalls
 from helix_core.loader.fallback import KnownServers
@@ -27,7 +26,9 @@ from helix_core.security.auth import call_metadata, load_token, pickle_allowed
 from helix_core.security.hostid import host_id
 from helix_core.security.tls import Tls
 from helix_core.security.tokenfiles import check_listener
+from helix_core.tier2.errors import RoundStopped, RoundUnknown
 from helix_core.wire.locallink.link import LocalLink, link_name
+from helix_core.wire.messages import TASK_ID_BITS
 from helix_core.wire.proto import helix_pb2 as pb
 from helix_core.wire.proto import helix_pb2_grpc as pbg
 from helix_core.wire.rpc import check_hello, connect
@@ -47,27 +48,6 @@ TRANSIENT = {
 
 
 log = logging.getLogger("helix.client")
-
-
-class RoundStopped(ClusterError):
-    """The loader stopped while its batch was in a Tier-2 round: ``reply`` is the round's answer
-    if it came all the same (its rows are this rank's to give back), else None."""
-
-    def __init__(self, reply):
-        super().__init__("loader stopped")
-        self.reply = reply
-
-
-class RoundUnknown(ClusterError):
-    """A Tier-2 round's leader cannot say what became of a rank's batch (it died, or its round runs
-    past every exchange's limit), and the Coordinator says the round moved samples (``indices``:
-    those it gave this rank, to decode again; ``release``: the slab handles its answer had it
-    release) or cannot say either (``indices`` None). Other ranks may read its other slabs, so the
-    rank neither reads nor releases them."""
-
-    def __init__(self, why: str, indices: list[int] | None = None, release: list[dict] = ()):
-        super().__init__(why)
-        self.indices, self.release = indices, list(release)
 
 
 class _Unavailable(grpc.RpcError):

@@ -25,11 +25,11 @@ import torch
 from helix_core.config import ClusterConfig
 from helix_core.data.collate import pad_collate
 from helix_core.data.specs import make_spec
+from helix_core.launch.embedded import acquire_embedded, release_embedded
 from helix_core.loader.cluster_client import ClusterClient
 from helix_core.loader.costing import PlanCosts, gpu_units
 from helix_core.loader.deadline import DeadlineEstimator
 from helix_core.loader.dispatch import Dispatch
-from helix_core.loader.embedded import acquire_embedded, release_embedded
 from helix_core.loader.iterator import EpochSampler, LoaderIter
 from helix_core.loader.options import check_loader_options
 from helix_core.loader.plan import CostTagger, PlannedBatches, ShardBatches

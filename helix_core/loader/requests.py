@@ -22,7 +22,7 @@ from helix_core.errors import ClusterError
 from helix_core.loader.cluster_client import TRANSIENT
 from helix_core.memory.merge import merge_batches
 from helix_core.planning.fanout import fan_out, sum_costs
-from helix_core.tier2.rank import RoundLost
+from helix_core.tier2.errors import RoundLost
 from helix_core.wire.messages import ErrorKind, Part, Task, execute_request
 
 __all__ = ["Requests"]

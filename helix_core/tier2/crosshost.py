@@ -53,7 +53,6 @@ TRANSPORTS = ("collective", "grpc")
 def load_row_code() -> None:
     """Import torch and the row code: a DataServer reachable from other hosts does it before it serves."""
     from helix_core.memory import merge  # noqa: F401  (torch and tensors with them)
-    from helix_core.tier2 import collective
 
 
 def meta_dicts(metas) -> list[dict]:

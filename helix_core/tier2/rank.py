@@ -23,9 +23,9 @@ import numpy as np
 from helix_core.data.specs import function_path, why_not_json
 from helix_core.data.usercode import dumps
 from helix_core.errors import ClusterError
-from helix_core.loader.cluster_client import RoundStopped, RoundUnknown
 from helix_core.memory.merge import merge_batches
 from helix_core.tier2.crosshost import read_rows
+from helix_core.tier2.errors import RoundLost, RoundStopped, RoundUnknown
 from helix_core.tier2.outcome import EXCHANGE_TIMEOUT_S
 from helix_core.tier2.rebalance import Rebalance
 from helix_core.wire.proto import helix_pb2 as pb
@@ -37,15 +37,6 @@ log = logging.getLogger("helix.tier2")
 STEP_STRIDE = 1 << 32  # a global step is epoch * STEP_STRIDE + the batch's position in the epoch
 WAIT_STEPS = 6  # a rank's wait for input is the mean of its last this many batches (short, so the
 # start-up's waits, before the prefetch window first fills, leave it within a few steps)
-
-
-class RoundLost(Exception):
-    """A round's slab vanished (its server died) before this rank read it: ``indices`` are the
-    samples of the batch the round gave the rank, in order, to decode again."""
-
-    def __init__(self, indices: list[int], why: str):
-        super().__init__(why)
-        self.indices = indices
 
 
 def run_name(resume: str = "", env=os.environ) -> str:

@@ -12,7 +12,9 @@ from dataclasses import dataclass, field
 
 from helix_core.wire.proto import helix_pb2 as pb
 
-__all__ = ["ErrorKind", "Part", "Route", "Task", "cost_term", "execute_request", "route_request"]
+__all__ = ["TASK_ID_BITS", "ErrorKind", "Part", "Route", "Task", "cost_term", "execute_request", "route_request"]
+
+TASK_ID_BITS = 40  # task ids a client may use before it would reach the next client's base
 
 
 class ErrorKind(enum.IntEnum):

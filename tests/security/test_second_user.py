@@ -19,9 +19,9 @@ import pytest
 from dataplane import CFG
 
 import helix_core as hx
+from helix_core.launch.embedded import Embedded, embedded_cluster
+from helix_core.launch.rendezvous import JobRendezvous, derive, job_secret
 from helix_core.loader.cluster_client import ClusterClient
-from helix_core.loader.embedded import Embedded, embedded_cluster
-from helix_core.loader.rendezvous import JobRendezvous, derive, job_secret
 from helix_core.security.auth import load_token
 from helix_core.security.hostid import host_id
 from helix_core.security.listeners import ForeignListener, check_socket

@@ -152,7 +152,7 @@ def test_the_job_store_rendezvous_never_trusts_a_stale_or_foreign_entry():
 
     import torch.distributed as dist
 
-    from helix_core.loader.rendezvous import JobRendezvous
+    from helix_core.launch.rendezvous import JobRendezvous
 
     store = dist.HashStore()
     this = JobRendezvous(store, "run-7", "1")  # restart 1 of run-7

@@ -86,7 +86,7 @@ def _local_world(world_size: int) -> int:
 def embedded_cluster(world_size: int, num_workers: int | None, config: ClusterConfig) -> Embedded:
     """Start this process's part of the job's cluster, or find the part another rank started."""
     from helix_core.launch.cluster import LocalCluster, host_layout
-    from helix_core.loader.rendezvous import job_rendezvous
+    from helix_core.launch.rendezvous import job_rendezvous
 
     local_world = _local_world(world_size)
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
@@ -140,7 +140,7 @@ def _private_token(address) -> str:
 def _job_credentials(job) -> tuple[str, object]:
     """The token and TLS of a job on several nodes, the same on every rank and never from the
     store: ``HELIX_TOKEN`` / ``HELIX_TLS_*`` where set, else derived from the job's secret."""
-    from helix_core.loader.rendezvous import JOB_SECRET, derive, job_secret
+    from helix_core.launch.rendezvous import JOB_SECRET, derive, job_secret
     from helix_core.security.tls import Tls
 
     token, tls, secret = os.environ.get("HELIX_TOKEN") or None, Tls.from_env(), job_secret()
@@ -160,7 +160,7 @@ def _job_credentials(job) -> tuple[str, object]:
 
 def _several_nodes(job, servers: int, per_server: int, local_rank: int, config: ClusterConfig) -> Embedded:
     from helix_core.launch.cluster import LocalCluster
-    from helix_core.loader.rendezvous import node_address
+    from helix_core.launch.rendezvous import node_address
     from helix_core.security.hostid import host_id
 
     master = os.environ.get("MASTER_ADDR", "127.0.0.1")
