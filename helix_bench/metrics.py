@@ -1,4 +1,4 @@
-"""Benchmark metrics (DESIGN.md "Metrics"): per-step records in, one plain dict per system out.
+"""Benchmark metrics (docs/guide/bench.md, "Metrics"): per-step records in, one plain dict per system out.
 
 Pure: plain data in, plain data out; no processes, no clocks. Every time is in seconds unless a
 name ends in ``_us`` (microseconds); bytes are bytes; rates are fractions in 0..1.
@@ -101,7 +101,7 @@ class StepRecord:
 
 @dataclass(frozen=True)
 class Bound:
-    """The physical bound of a run (DESIGN.md "Metrics"): it can't finish faster than
+    """The physical bound of a run (docs/guide/bench.md, "Metrics"): it can't finish faster than
     ``max(decode_s / capacity, gpu_s)``.
 
     ``decode_s``: total decode CPU-seconds of the measured samples at single-decoder speed
@@ -251,7 +251,7 @@ def system_metrics(
     scheduler_overhead_us: Iterable[float] = (),
     cpu_util: float | None = None,
 ) -> dict:
-    """The metrics of one system's run (DESIGN.md "Metrics"), as a plain dict.
+    """The metrics of one system's run (docs/guide/bench.md, "Metrics"), as a plain dict.
 
     ``records``: every measured step of every rank (warm-up excluded); ``ddl_tolerance_s``: a step
     whose input wait exceeds it (strictly) is a DDL miss; ``bound``: the run's physical bound (its

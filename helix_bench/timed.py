@@ -4,8 +4,8 @@
 of the decode to ``<decode_log>/decode-<pid>.log`` — in whichever process decodes it: a torch
 DataLoader worker, a Ray actor or a DataServer worker (the log folder travels in ``helix_spec()``).
 ``read_decode_log`` sums a time window of those lines. ``CapacityProbe`` measures how many
-single-threaded decoders' worth of work the machine really does at once (DESIGN.md "Metrics":
-two vCPUs gave 1.75–1.97x one decoder here, not 2x), the denominator of the physical bound.
+single-threaded decoders' worth of work the machine really does at once (two vCPUs do less than
+twice one decoder's work), the denominator of the physical bound (docs/guide/bench.md, "Metrics").
 """
 
 from __future__ import annotations

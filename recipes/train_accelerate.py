@@ -172,7 +172,7 @@ def main(argv=None) -> dict:
                 prepared.close()
         # the DDP wrapper (its Reducer holds the gloo group) must die now, before the group is destroyed:
         # left to interpreter teardown, the group's destructor joins gloo's worker thread holding the GIL
-        # while that thread needs the GIL to free a finished work's tensor — a hang at exit (DESIGN.md)
+        # while that thread needs the GIL to free a finished work's tensor — a hang at exit
         model = optimizer = batch = loss = None
         accelerator.free_memory()
         accelerator.end_training()

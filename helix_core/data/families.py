@@ -1,6 +1,6 @@
 """What a model family makes of a clip: sampled frames, output geometry, tokens (pure, vectorised).
 
-``size`` means, per family (DESIGN.md, "Samples"):
+``size`` means, per family:
 - ``videomae``: short side resized to ``size``, then a centre crop ``size x size`` (default 224,
   16 frames, uniform sampling).
 - ``qwen2-vl`` / ``qwen2.5-vl``: frames sampled at 2 fps (or exactly ``num_frames`` uniformly when

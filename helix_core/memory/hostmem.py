@@ -3,9 +3,9 @@ owned copy of a slab's tensors).
 
 A large buffer comes from an anonymous mapping advised for transparent huge pages
 (``MADV_HUGEPAGE``), aligned to a huge page. A fresh allocation is paid in first-touch page
-faults, not in the copy: merging a 154 MB kinetics-large batch from two pieces took 81 ms into
-``torch.cat``'s fresh memory (37,600 faults) and 17 ms into such a mapping (330 faults) on the
-2-core machine. The kernel hands the mapping out zero-filled, so a padded merge needs no zeroing
+faults, not in the copy: merging a batch of a few hundred MB from its pieces into ``torch.cat``'s
+fresh memory faults every 4 KiB page, into such a mapping one fault per 2 MiB (the measured gap is
+in docs/guide/data-plane.md). The kernel hands the mapping out zero-filled, so a padded merge needs no zeroing
 pass of its own. The mapping is unmapped when the last array viewing it is freed (the tensor keeps
 the ``mmap`` object alive). Small buffers, and systems without ``MADV_HUGEPAGE``, use the ordinary
 allocators; where transparent huge pages are off (``never``) the advice is a no-op and the buffer

@@ -3,7 +3,7 @@
 Before anything is decoded, the planner takes the next ``window`` global steps of the epoch's
 sampler order and recomposes exactly those samples into ``window`` steps x ``world_size`` ranks,
 each rank keeping its batch size, so that the sum over steps of the slowest rank's predicted GPU
-cost is small. One step alone leaves little freedom (a kinetics-large clip costs ~30x a small one
+cost is small. One step alone leaves little freedom (a large clip costs tens of times a small one
 for VideoMAE); a window of a few steps can group similar clips into one step and make its ranks
 nearly equal, while the window still holds exactly the sampler's mixture (no token-sorted prefix).
 

@@ -1,6 +1,6 @@
 """A host-wide cap on concurrent decodes, granted earliest deadline first.
 
-One single-threaded decoder per core is the fastest layout (DESIGN.md, "Facts"): a CPU budget
+One single-threaded decoder per core is the fastest layout (PyAV's threaded decode loses on few cores): a CPU budget
 of more worker processes than cores — several DataServers on one host, each with its workers —
 would otherwise run them all at once and lose a tenth or more of every core to context switches
 and cold caches. And which batch a free core prepares next matters: each DataServer orders its

@@ -2,7 +2,7 @@
 
 The generic path decodes each sample into memory of its own, collates (a copy into a freshly
 allocated, zero-filled batch tensor) and writes the batch into a slab (a second copy) — for a
-batch of two 64-frame 448² clips that is ~150 MB of page faults and copies, CPU taken from
+batch of two 64-frame 448² clips that is a hundred-odd MB of page faults and copies, CPU taken from
 decoding. When the dataset can tell a sample's video shape before decoding it (``video_shape``)
 and decode into a given array (``fetch(index, out=)``), and the collate function is torch's
 ``default_collate`` or ``hx.pad_collate`` (whose result we can lay out in advance), the worker

@@ -1,4 +1,4 @@
-"""Synthetic workloads: real H.264, deterministic per seed, manifest format of DESIGN.md."""
+"""Synthetic workloads: real H.264, deterministic per seed, the manifest format of docs/guide/data-plane.md."""
 
 import hashlib
 import json

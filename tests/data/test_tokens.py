@@ -1,4 +1,4 @@
-"""Token and latent formulas against DESIGN.md's worked examples."""
+"""Token and latent formulas against the model families' worked examples (docs/guide/data-plane.md)."""
 
 import numpy as np
 from hypothesis import given, settings
