@@ -1,7 +1,9 @@
 """Helix: a CPU–GPU co-scheduling data plane for multimodal training (the runtime).
 
-The public surface; everything else is internal. Names load on first use (PEP 562), so the
-Coordinator process and the ``helix`` command start without importing torch.
+The user's surface — the names a training script needs; everything else is internal. Names load
+on first use (PEP 562), so the Coordinator process and the ``helix`` command start without
+importing torch; ``__init__.pyi`` declares them for type checkers and editors
+(``tests/test_layers.py`` keeps the two equal).
 """
 
 from __future__ import annotations
@@ -22,7 +24,6 @@ _EXPORTS = {
     "CostFit": "data.costs",
     "CostModel": "data.costs",
     "calibrate": "data.costs",
-    "profile_bucket": "data.costs",
     "DistributedDataLoader": "loader.loader",
     "LocalCluster": "launch.cluster",
     "Tls": "security.tls",
@@ -38,12 +39,9 @@ _EXPORTS = {
     "VideoTextDataset": "data.video",
     "sample_generator": "data.video",
     "decode_frames": "data.media.decode",
-    "uniform_indices": "data.media.decode",
     "pad_collate": "data.collate",
     "probe": "data.media.probe",
-    "GPU_COSTS": "planning.gpu",
     "GpuCost": "planning.gpu",
-    "TokenPlanner": "planning.batching",
     "Rebalance": "tier2.rebalance",
     "GateArgs": "tier2.rebalance",
 }

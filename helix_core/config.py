@@ -17,7 +17,7 @@ def cache_dir() -> Path:
 
 
 #: Wire protocol version; every connection checks it first (Hello).
-PROTOCOL_VERSION = 11  # 11: a moved Tier-2 round is committed at the Coordinator before a rank sees it, and a rank whose leader died asks its fate (CommitRound, RoundFate); 10: a rank that waits for a batch held in its Tier-2 round closes the round (AskRound); 9: Tier-2 rows across hosts (Exchange: one all_to_all, or gRPC streams); 8: Tier-2 rounds (Rebalance, RoundLeader, features); 7: an idle server's heartbeats promise their next one (next_beat_s); 6: client-made client ids and task-id bases (tasks keyed by client); 5: host identities on registration and Route (host-aware topology); 4: work stealing
+PROTOCOL_VERSION = 11  # what each version added: docs/protocol.md
 
 
 @dataclass(frozen=True)

@@ -201,3 +201,13 @@ def test_a_file_past_the_house_size_is_a_warning():
     }
     if big:
         warnings.warn(f"past {MAX_LINES} lines, look for the second idea: {big}", stacklevel=1)
+
+
+def test_the_public_surface_has_a_stub_with_the_same_names():
+    import helix_core
+
+    stub = ast.parse((ROOT / "helix_core" / "__init__.pyi").read_text())
+    declared = {a.asname or a.name for node in stub.body if isinstance(node, ast.ImportFrom) for a in node.names}
+    assert declared == set(helix_core.__all__)
+    for name in helix_core.__all__:
+        getattr(helix_core, name)  # every name loads

