@@ -31,20 +31,22 @@ from helix_core.loader.costing import PlanCosts, gpu_units
 from helix_core.loader.deadline import DeadlineEstimator
 from helix_core.loader.dispatch import Dispatch
 from helix_core.loader.iterator import EpochSampler, LoaderIter
-from helix_core.loader.options import check_loader_options
+from helix_core.loader.options import LoaderOptions
 from helix_core.loader.plan import CostTagger, PlannedBatches, ShardBatches
 from helix_core.loader.requests import Requests
 from helix_core.planning.batching import TokenPlanner
-from helix_core.planning.placement import SCHEDULERS
 from helix_core.telemetry import LoaderStats
 from helix_core.tier2.rank import Tier2, rebalance_group
 from helix_core.tier2.rebalance import Rebalance
 
 __all__ = ["DistributedDataLoader"]
 
-BALANCES = (None, "tokens")
-ON_ERROR = ("raise", "skip")
 _EXACT_MERGE = (None, torch.utils.data.default_collate, pad_collate)  # collates whose microbatch merge is exact
+
+
+def _option(name: str) -> property:
+    """A read-only loader attribute that is its ``LoaderOptions`` field ``name``."""
+    return property(lambda self: getattr(self.options, name), doc=f"``options.{name}``")
 
 
 def _default_rank_world() -> tuple[int, int]:
@@ -74,6 +76,9 @@ class DistributedDataLoader:
     ``report_step_time(seconds)``. ``rebalance`` (an ``hx.Rebalance`` or a dict of its keys, the
     paper's ``load_balance_config``): Tier 2 — once a batch is decoded, the ranks of its group trade
     samples of the same global step by their measured features (each keeps its batch size).
+
+    ``options``: the plain options above, checked and frozen (a ``LoaderOptions``; each is also an
+    attribute by its own name); ``rank`` / ``world_size``: as resolved.
     """
 
     def __init__(
@@ -104,7 +109,7 @@ class DistributedDataLoader:
         tls=None,
         rebalance=None,
     ):
-        check_loader_options(
+        self.options = opts = LoaderOptions(
             batch_size=batch_size,
             rank=rank,
             world_size=world_size,
@@ -113,25 +118,20 @@ class DistributedDataLoader:
             shuffle=shuffle,
             seed=seed,
             drop_last=drop_last,
-            collate_fn=collate_fn,
             prefetch_depth=prefetch_depth,
+            scheduler=scheduler,
+            balance=balance,
+            window=window,
             microbatch_size=microbatch_size,
+            on_error=on_error,
             pin_memory=pin_memory,
             num_workers=num_workers,
-            config=config,
             ddl_tolerance_s=ddl_tolerance_s,
         )
-        if scheduler not in SCHEDULERS:
-            raise ValueError(f"scheduler={scheduler!r}; valid: {', '.join(SCHEDULERS)}")
-        if balance not in BALANCES:
-            raise ValueError(f"balance={balance!r}; valid: None, 'tokens'")
-        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-            raise ValueError(
-                f"window={window!r}: the number of global steps the token planner recomposes "
-                "together must be an int >= 1 (1: within each step)"
-            )
-        if on_error not in ON_ERROR:
-            raise ValueError(f"on_error={on_error!r}; valid: {', '.join(ON_ERROR)}")
+        if collate_fn is not None and not callable(collate_fn):
+            raise TypeError(f"collate_fn must be callable or None, got {type(collate_fn).__name__}")
+        if config is not None and not isinstance(config, ClusterConfig):
+            raise TypeError(f"config must be a hx.ClusterConfig or None, got {type(config).__name__}")
         rebalance = Rebalance.of(rebalance)
         if rebalance is not None and collate_fn not in _EXACT_MERGE:
             raise ValueError(
@@ -139,30 +139,28 @@ class DistributedDataLoader:
                 f"{collate_fn!r}'s batches cannot be told apart to move samples between ranks"
             )
         r, w = _default_rank_world()
-        self.rank, self.world_size = (r if rank is None else rank), (w if world_size is None else world_size)
+        self.rank = r if opts.rank is None else opts.rank  # the options as given; these as resolved
+        self.world_size = w if opts.world_size is None else opts.world_size
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank {self.rank} is outside world_size {self.world_size}")
-        self.dataset, self.batch_size, self.seed, self.shuffle = dataset, batch_size, seed, shuffle
-        self.drop_last, self.collate_fn, self.on_error = drop_last, collate_fn, on_error
-        self.microbatch_size, self.prefetch_depth = microbatch_size, prefetch_depth
-        self.scheduler, self.balance, self.window = scheduler, balance, window
-        self.deadlines = DeadlineEstimator()
-        self.pin_memory, self.device = pin_memory, (torch.device(device) if device is not None else None)
+        self.dataset, self.collate_fn = dataset, collate_fn
+        self.device = torch.device(device) if device is not None else None
         self.config = config or ClusterConfig()
+        self.deadlines = DeadlineEstimator()
         group = rebalance_group(rebalance, self.rank, self.world_size)
-        self._stats = LoaderStats(ddl_tolerance_s)
+        self._stats = LoaderStats(opts.ddl_tolerance_s)
         units, step_units = gpu_units(dataset, gpu_cost)
-        shard = (self.rank, self.world_size, shuffle, seed, drop_last)
-        if balance == "tokens":  # built before any cluster: a dataset it can't cost fails here, holding nothing
+        shard = (len(dataset), opts.batch_size, self.rank, self.world_size, opts.shuffle, opts.seed, opts.drop_last)
+        if opts.balance == "tokens":  # built before any cluster: a dataset it can't cost fails here, holding nothing
             self._batches = PlannedBatches(
-                len(dataset), batch_size, *shard, TokenPlanner(self.world_size, window), PlanCosts(dataset, units)
+                *shard, TokenPlanner(self.world_size, opts.window), PlanCosts(dataset, units)
             )
         else:
-            self._batches = ShardBatches(len(dataset), batch_size, *shard)
+            self._batches = ShardBatches(*shard)
         self._embedded, self.cluster = False, None  # cluster: the LocalCluster this process started for it
-        address = coordinator or os.environ.get("HELIX_COORDINATOR")
+        address = opts.coordinator or os.environ.get("HELIX_COORDINATOR")
         if address is None:  # shared by this process's loaders (train and val); one per job
-            self.cluster, address, token, job_tls = acquire_embedded(self.world_size, num_workers, self.config)
+            self.cluster, address, token, job_tls = acquire_embedded(self.world_size, opts.num_workers, self.config)
             tls = tls if job_tls is None else job_tls
             self._embedded = True
         self._closed = True  # until construction succeeded (close() must not touch what isn't there)
@@ -172,7 +170,7 @@ class DistributedDataLoader:
                 spec = make_spec(
                     dataset, collate_fn, self.client.pickle_allowed, feature_fn=rebalance.feature_fn if group else None
                 )
-                pad = microbatch_size is not None or collate_fn is pad_collate
+                pad = opts.microbatch_size is not None or collate_fn is pad_collate
                 tier2 = (
                     Tier2(self.client, rebalance, group, spec[0], units, self.deadlines, self._stats, pad, step_units)
                     if group
@@ -190,32 +188,45 @@ class DistributedDataLoader:
         # the request path holds no reference back to the loader: one dropped without close()
         # closes at once, not at some later cyclic collection
         self._requests = Requests(
-            self.client,
-            spec,
-            self.config,
-            self._stats,
-            self.deadlines,
-            units,
-            step_units,
-            scheduler,
-            on_error,
-            microbatch_size is None and collate_fn in _EXACT_MERGE,
-            dataset,
-            pin_memory or self.device is not None,
-            itertools.count(self.client.task_id_base + 1),
+            client=self.client,
+            spec=spec,
+            config=self.config,
+            stats=self._stats,
+            deadlines=self.deadlines,
+            units=units,
+            step_units=step_units,
+            scheduler=opts.scheduler,
+            on_error=opts.on_error,
+            fanout=opts.microbatch_size is None and collate_fn in _EXACT_MERGE,
+            dataset=dataset,
+            copy=opts.pin_memory or self.device is not None,
+            task_ids=itertools.count(self.client.task_id_base + 1),
             pad=pad,
             tier2=tier2,
         )
         self._tier2 = tier2
         self._root = Dispatch(
-            CostTagger(self._batches, dataset, seed, microbatch_size),
+            CostTagger(self._batches, dataset, opts.seed, opts.microbatch_size),
             self._requests,
-            prefetch_depth,
+            opts.prefetch_depth,
             self.config.execute_timeout_s + 2 * self.config.rpc_timeout_s,
         )
         self._epoch, self._position, self._resume = 0, 0, 0  # position: batches of the epoch yielded
         self._iteration, self._started = 0, 0
         self._closed = False
+
+    # the options by their own names, as torch's DataLoader has them (trainers and tests read them)
+    batch_size = _option("batch_size")
+    shuffle = _option("shuffle")
+    seed = _option("seed")
+    drop_last = _option("drop_last")
+    prefetch_depth = _option("prefetch_depth")
+    scheduler = _option("scheduler")
+    balance = _option("balance")
+    window = _option("window")
+    microbatch_size = _option("microbatch_size")
+    on_error = _option("on_error")
+    pin_memory = _option("pin_memory")
 
     # ---- the torch DataLoader surface ----------------------------------------------------------------
     def __len__(self) -> int:

@@ -29,7 +29,8 @@ __all__ = ["Requests"]
 
 
 class Requests:
-    """The request path of one loader. ``units(tokens)`` / ``step_units``: GPU cost units for
+    """The request path of one loader (its arguments by keyword). ``scheduler`` / ``on_error``:
+    the loader's options of those names; ``units(tokens)`` / ``step_units``: GPU cost units for
     the deadline estimator; ``fanout``: split a batch whose predicted CPU time exceeds its
     deadline; ``copy``: materialize into owned memory (pinned / device copies follow);
     ``pad``: a batch that comes back in parts is merged zero-padding its tensors (``pad_collate``,
@@ -37,6 +38,7 @@ class Requests:
 
     def __init__(
         self,
+        *,
         client,
         spec,
         config,
