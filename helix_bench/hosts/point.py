@@ -1,4 +1,4 @@
-"""One point of ``helix bench --hosts`` (``hosts.py``): one system at one sidecar count on the
+"""One point of ``helix bench --hosts`` (``sweep.py``): one system at one sidecar count on the
 emulated hosts — its services (a Coordinator and the DataServers, for helix), its ranks, their
 records and the Coordinator's telemetry."""
 
@@ -12,7 +12,7 @@ import sys
 from dataclasses import asdict, replace
 from pathlib import Path
 
-from helix_bench.hosts.sweep import HostBenchConfig
+from helix_bench.hosts.config import HostBenchConfig
 
 
 def _start_service(hosts, host: str, args: list[str], env: dict) -> tuple[subprocess.Popen, dict]:
@@ -31,7 +31,8 @@ def _start_service(hosts, host: str, args: list[str], env: dict) -> tuple[subpro
 _TELEMETRY = """
 import json, sys
 from helix_core.config import ClusterConfig
-from helix_core.security.auth import call_metadata, load_token
+from helix_core.security.auth import call_metadata
+from helix_core.security.tokenfiles import load_token
 from helix_core.wire.proto import helix_pb2 as pb, helix_pb2_grpc as pbg
 from helix_core.wire.rpc import connect
 from helix_core.security.tls import Tls
@@ -64,12 +65,12 @@ def _routed(hosts, coordinator: str, env: dict) -> dict:
         return {"telemetry_error": done.stderr[-500:]}
 
 
-def _run_point(cfg: HostBenchConfig, hosts, system: str, k: int, plan, tmp: Path, env: dict) -> dict:
+def run_point(cfg: HostBenchConfig, hosts, system: str, k: int, plan, tmp: Path, env: dict) -> dict:
     """One system at one sidecar count: services (helix), the ranks; their records and stats."""
     from helix_bench.hosts.cpu import HostCpuSampler
 
     services = []
-    roles: dict[str, dict[str, list[int]]] = {}  # host -> role -> pids (hostcpu.py)
+    roles: dict[str, dict[str, list[int]]] = {}  # host -> role -> pids (cpu.py)
 
     def role(host: str, name: str, pid: int) -> None:
         roles.setdefault(host, {}).setdefault(name, []).append(pid)

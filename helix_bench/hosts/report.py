@@ -1,4 +1,4 @@
-"""The report of ``helix bench --hosts`` (``hosts.py``): ``results.json``, ``report.md`` (a table of
+"""The report of ``helix bench --hosts`` (``sweep.py``): ``results.json``, ``report.md`` (a table of
 the sweep's points) and ``fig_sidecars.png`` (throughput and bound against sidecars)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ _ROLES = ("decode", "dataserver", "ranks", "coordinator")
 
 
 def _cpu_table(points: list[dict]) -> list[str]:
-    """Where each kind of host's CPU went over the measured steps (``hostcpu.py``): what its quota
+    """Where each kind of host's CPU went over the measured steps (``cpu.py``): what its quota
     allowed, what it used and in which role, and how long the quota held it back."""
     from helix_bench.hosts.cpu import summarize
 
@@ -82,7 +82,7 @@ def _factors(points: list[dict]) -> list[str]:
     ]
 
 
-def _write(result: dict, out: Path) -> None:
+def write_report(result: dict, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(result, indent=2))
     c = result["config"]

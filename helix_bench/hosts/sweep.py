@@ -11,8 +11,8 @@ counts the CPU each system may use and the link: ``max(decode CPU-s / CPUs, toke
 streamed bits / link rate of the busiest link)``, one single-decoder's work per CPU of quota (the
 quota is a hard cap, so no contention term as on the unquoted machine).
 
-This module holds the sweep's configuration and its loop; ``hostpoint.py`` runs one point (one
-system at one sidecar count), ``hostreport.py`` writes the report.
+This module holds the sweep's loop; ``config.py`` its configuration, ``point.py`` runs one point
+(one system at one sidecar count), ``report.py`` writes the report.
 """
 
 from __future__ import annotations
@@ -20,68 +20,15 @@ from __future__ import annotations
 import math
 import os
 import tempfile
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
-__all__ = ["HostBenchConfig", "run_hosts_bench"]
+from helix_bench.hosts.config import SYSTEMS, HostBenchConfig
+
+__all__ = ["run_hosts_bench"]
 
 MISS_TOLERANCE_S = 0.010  # as the loader's ddl_tolerance_s
 _ENV_DROP = ("HELIX_", "MASTER_", "RANK", "WORLD_SIZE", "LOCAL_RANK")
-
-
-@dataclass(frozen=True)
-class HostBenchConfig:
-    hosts: int = 2
-    ranks_per_host: int = 2
-    host_cpus: float = 0.5
-    sidecars: tuple[int, ...] = (0, 1, 2)
-    sidecar_cpus: float = 0.5
-    link_mbps: float | None = None
-    repeats: int = 1  # interleaved rounds (native, helix 0, 1, ... sidecars; again): medians per point
-    systems: tuple[str, ...] = ("native", "helix")
-    workload: str = "kinetics-mixed"
-    model: str = "videomae"
-    batch_size: int = 2
-    warmup: int = 8
-    steps: int = 32
-    prefetch: int = 4
-    clips: int = 24
-    scale: float = 0.5
-    seed: int = 0
-    estimate_noise: float = 0.0  # > 0: the costs the loaders plan with are off by a seeded log-normal factor
-    data_dir: str = str(Path.home() / ".cache" / "helix" / "bench-data")
-
-    def __post_init__(self):
-        if self.hosts < 1 or self.ranks_per_host < 1 or self.repeats < 1:
-            raise ValueError("--hosts, --ranks-per-host and --repeats must be >= 1")
-        if not self.sidecars or min(self.sidecars) < 0:
-            raise ValueError(f"--sidecars must be a list of counts >= 0, got {list(self.sidecars)}")
-        for flag, v in (("--host-cpus", self.host_cpus), ("--sidecar-cpus", self.sidecar_cpus)):
-            if not 0.05 <= v <= 1e3:
-                raise ValueError(f"{flag} must be a CPU quota >= 0.05 cores, got {v}")
-        cores = os.cpu_count() or 1
-        need = self.hosts * self.host_cpus + max(self.sidecars) * self.sidecar_cpus
-        if need > cores + 1e-9:
-            raise ValueError(
-                f"--hosts {self.hosts} x --host-cpus {self.host_cpus} + {max(self.sidecars)} sidecars x "
-                f"--sidecar-cpus {self.sidecar_cpus} = {need:g} CPUs, more than this machine's {cores}: "
-                "the quotas would not hold"
-            )
-        if not 0.0 <= self.estimate_noise < 10.0:
-            raise ValueError(f"--estimate-noise {self.estimate_noise!r}: a log-normal sigma in [0, 10)")
-        bad = [s for s in self.systems if s not in SYSTEMS]
-        if bad:
-            raise ValueError(f"--systems {bad}: the hosts mode runs {', '.join(SYSTEMS)}")
-
-    @property
-    def ranks(self) -> int:
-        return self.hosts * self.ranks_per_host
-
-
-#: native; helix; helix-grpc: helix with remote batches sent by gRPC's Deliver, not the bulk path;
-#: helix-tier2: helix with Tier-2 rounds over all the ranks (rows that change host go through each
-#: host's member: one packed all_to_all)
-SYSTEMS = ("native", "helix", "helix-grpc", "helix-tier2")
 
 
 def _env(extra: dict) -> dict:
@@ -97,8 +44,8 @@ def run_hosts_bench(cfg: HostBenchConfig, out_dir, console=None) -> dict:
     from helix_bench.benchconfig import BenchConfig
     from helix_bench.emulate import measure_decode, window_scale
     from helix_bench.harness import _dataset, expected_indices, measured_gpu_s, steps_per_epoch
-    from helix_bench.hosts.point import _run_point
-    from helix_bench.hosts.report import _write
+    from helix_bench.hosts.point import run_point
+    from helix_bench.hosts.report import write_report
     from helix_bench.metrics import Bound
     from helix_bench.ranks import RankPlan
     from helix_bench.samples import round_to_windows
@@ -203,7 +150,7 @@ def run_hosts_bench(cfg: HostBenchConfig, out_dir, console=None) -> dict:
                         noise_seed=cfg.seed,
                     ).helix_spec(),
                 )
-            got = _run_point(cfg, hosts, system, k, point_plan, Path(tmp), env)
+            got = run_point(cfg, hosts, system, k, point_plan, Path(tmp), env)
             rank0 = [r for r in got["records"] if r["rank"] == 0]
             wall = sum(r["step_s"] for r in rank0)
             samples = sum(r["samples"] for r in got["records"])
@@ -269,7 +216,7 @@ def run_hosts_bench(cfg: HostBenchConfig, out_dir, console=None) -> dict:
         "runs": points,
         "points": _medians(points),
     }
-    _write(result, Path(out_dir))
+    write_report(result, Path(out_dir))
     return result
 
 

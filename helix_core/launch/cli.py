@@ -138,7 +138,8 @@ def _cmd_bench(a, console) -> int:
     if not a.out:
         raise ValueError("helix bench needs --out DIR (where the report goes)")
     if a.hosts:
-        from helix_bench.hosts.sweep import HostBenchConfig, run_hosts_bench
+        from helix_bench.hosts.config import HostBenchConfig
+        from helix_bench.hosts.sweep import run_hosts_bench
 
         cfg = HostBenchConfig(
             hosts=a.hosts,

@@ -24,9 +24,9 @@ from helix_core.config import ClusterConfig
 from helix_core.data.usercode import server_environ
 from helix_core.errors import ClusterError
 from helix_core.memory import shm
-from helix_core.security.auth import load_token, new_token
+from helix_core.security.auth import new_token
 from helix_core.security.tls import ENV
-from helix_core.security.tokenfiles import remove_token, token_path
+from helix_core.security.tokenfiles import load_token, remove_token, token_path
 
 __all__ = ["LocalCluster", "ServerHandle", "host_layout", "wait_ready"]
 

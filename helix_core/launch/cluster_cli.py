@@ -14,8 +14,9 @@ def _cmd_status(a, console) -> int:
     from rich.table import Table
 
     from helix_core.config import ClusterConfig
-    from helix_core.security.auth import call_metadata, load_token
+    from helix_core.security.auth import call_metadata
     from helix_core.security.tls import Tls
+    from helix_core.security.tokenfiles import load_token
     from helix_core.wire.proto import helix_pb2 as pb
     from helix_core.wire.proto import helix_pb2_grpc as pbg
     from helix_core.wire.rpc import check_hello, connect
@@ -90,7 +91,7 @@ def _cmd_sidecars(a, console) -> int:
     import threading
 
     from helix_core.launch.sidecars import ray_sidecars
-    from helix_core.security.auth import load_token
+    from helix_core.security.tokenfiles import load_token
 
     try:
         resources = json.loads(a.resources) if a.resources else {}

@@ -19,8 +19,8 @@ import time
 
 from helix_core.config import ClusterConfig
 from helix_core.errors import ClusterError
-from helix_core.security.auth import load_token
 from helix_core.security.tls import Tls
+from helix_core.security.tokenfiles import load_token
 
 __all__ = ["main"]
 

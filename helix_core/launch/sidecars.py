@@ -185,7 +185,8 @@ def ray_sidecars(
         import ray
     except ImportError:
         raise ClusterError("sidecars on Ray need Ray: pip install 'ray>=2.40'") from None
-    from helix_core.security.auth import is_loopback, load_token
+    from helix_core.security.auth import is_loopback
+    from helix_core.security.tokenfiles import load_token
 
     config, token = (
         config or ClusterConfig(),

@@ -22,10 +22,11 @@ from helix_core.loader.coordinator_calls import CoordinatorCalls
 from helix_core.loader.fallback import KnownServers
 from helix_core.loader.replies import ReplyBatches
 from helix_core.memory.reader import SlabReader
-from helix_core.security.auth import call_metadata, load_token, pickle_allowed
+from helix_core.security.auth import call_metadata, pickle_allowed
 from helix_core.security.hostid import host_id
+from helix_core.security.listeners import check_listener
 from helix_core.security.tls import Tls
-from helix_core.security.tokenfiles import check_listener
+from helix_core.security.tokenfiles import load_token
 from helix_core.tier2.errors import RoundStopped, RoundUnknown
 from helix_core.wire.locallink.link import LocalLink, link_name
 from helix_core.wire.messages import TASK_ID_BITS

@@ -1,5 +1,6 @@
 """The client side of shared-memory delivery: ``SlabReader`` maps segments by name (cached) and
-releases slabs by handle (``shm`` is the owner's side and the file format)."""
+releases slabs by handle. The file format, and the functions through which both sides read and
+write a slab's header, are ``shm``'s; the owner's side is ``slabpool``."""
 
 from __future__ import annotations
 
@@ -13,18 +14,19 @@ import time
 
 from helix_core.memory.lease import holder_stamp
 from helix_core.memory.shm import (
-    _GEN_AT,
-    _LEASE,
-    _LEASE_AT,
-    _READERS_AT,
-    _STATE_AT,
-    _U64,
     FREE,
     HEADER_BYTES,
     MAGIC,
     SHM_DIR,
-    _close_map,
-    _path,
+    close_map,
+    read_generation,
+    read_lease,
+    read_readers,
+    read_state,
+    segment_path,
+    write_lease,
+    write_readers,
+    write_state,
 )
 
 __all__ = ["SlabReader"]
@@ -34,18 +36,18 @@ def _open_own(segment: str) -> int:
     """A read-write descriptor of ``segment``'s file: never through a symbolic link, and only a file
     of this user's (``/dev/shm`` is every user's: a name freed by its DataServer may be taken)."""
     try:
-        fd = os.open(_path(segment), os.O_RDWR | os.O_NOFOLLOW)
+        fd = os.open(segment_path(segment), os.O_RDWR | os.O_NOFOLLOW)
     except FileNotFoundError:
         raise FileNotFoundError(
             errno.ENOENT,
             f"shared-memory segment {segment} does not exist (its DataServer closed or was swept)",
-            _path(segment),
+            segment_path(segment),
         ) from None
     except OSError as e:
         if e.errno != errno.ELOOP:
             raise
         raise PermissionError(
-            errno.EPERM, f"shared-memory segment {segment} is a symbolic link: not followed", _path(segment)
+            errno.EPERM, f"shared-memory segment {segment} is a symbolic link: not followed", segment_path(segment)
         ) from None
     st = os.fstat(fd)
     if st.st_uid != os.getuid():
@@ -53,7 +55,7 @@ def _open_own(segment: str) -> int:
         raise PermissionError(
             errno.EPERM,
             f"shared-memory segment {segment} belongs to uid {st.st_uid}, not this user ({os.getuid()}): not read",
-            _path(segment),
+            segment_path(segment),
         )
     return fd
 
@@ -82,13 +84,13 @@ class SlabReader:
                 os.close(fd)
             if len(mm) < HEADER_BYTES or mm[:8] != MAGIC:
                 mm.close()
-                raise ValueError(f"{_path(segment)} is not a Helix slab (bad header)")
+                raise ValueError(f"{segment_path(segment)} is not a Helix slab (bad header)")
             self._maps[segment] = mm
             return mm
 
     def _prune_unlinked(self) -> None:
         for name in [n for n in self._maps if not os.path.exists(os.path.join(SHM_DIR, n))]:
-            if _close_map(self._maps[name]):
+            if close_map(self._maps[name]):
                 del self._maps[name]
 
     def release(self, handle: dict) -> bool:
@@ -99,18 +101,18 @@ class SlabReader:
             mm = self.attach(handle["segment"])
         except FileNotFoundError:
             return False
-        if _U64.unpack_from(mm, _GEN_AT)[0] != handle["generation"]:
+        if read_generation(mm) != handle["generation"]:
             return False
-        if _U64.unpack_from(mm, _READERS_AT)[0]:  # set before any of its readers got the handle
+        if read_readers(mm):  # set before any of its readers got the handle
             with self._locked(handle["segment"]):
-                if _U64.unpack_from(mm, _GEN_AT)[0] != handle["generation"]:
+                if read_generation(mm) != handle["generation"]:
                     return False
-                left = _U64.unpack_from(mm, _READERS_AT)[0]
+                left = read_readers(mm)
                 if left > 1:
-                    _U64.pack_into(mm, _READERS_AT, left - 1)
+                    write_readers(mm, left - 1)
                     return False
-                _U64.pack_into(mm, _READERS_AT, 0)
-        _U64.pack_into(mm, _STATE_AT, FREE)
+                write_readers(mm, 0)
+        write_state(mm, FREE)
         return True
 
     def share(self, handle: dict, readers: int) -> bool:
@@ -123,11 +125,11 @@ class SlabReader:
         copy its rows at once and check its generation after (``crosshost.read_rows``)."""
         mm = self.attach(handle["segment"])
         with self._locked(handle["segment"]):
-            if _U64.unpack_from(mm, _GEN_AT)[0] != handle["generation"] or _U64.unpack_from(mm, _STATE_AT)[0] == FREE:
+            if read_generation(mm) != handle["generation"] or read_state(mm) == FREE:
                 return False
             if readers > 1:
-                _LEASE.pack_into(mm, _LEASE_AT, 0, 0, time.monotonic())  # the producer's clock (one host)
-            _U64.pack_into(mm, _READERS_AT, readers if readers > 1 else 0)
+                write_lease(mm, 0, 0, time.monotonic())  # the producer's clock (one host)
+            write_readers(mm, readers if readers > 1 else 0)
         return True
 
     def held(self, handle: dict) -> bool:
@@ -136,7 +138,7 @@ class SlabReader:
             mm = self.attach(handle["segment"])
         except FileNotFoundError:
             return False
-        return _U64.unpack_from(mm, _GEN_AT)[0] == handle["generation"] and _U64.unpack_from(mm, _STATE_AT)[0] != FREE
+        return read_generation(mm) == handle["generation"] and read_state(mm) != FREE
 
     @staticmethod
     @contextlib.contextmanager
@@ -153,14 +155,9 @@ class SlabReader:
         process becomes the slab's holder (its producer takes it back if this process dies) —
         unless the slab is shared (``share``); a DataServer reading a rank's slab passes False."""
         mm = self.attach(handle["segment"])
-        if (
-            lease
-            and "generation" in handle
-            and _U64.unpack_from(mm, _GEN_AT)[0] == handle["generation"]
-            and not _U64.unpack_from(mm, _READERS_AT)[0]
-        ):
+        if lease and "generation" in handle and read_generation(mm) == handle["generation"] and not read_readers(mm):
             pid, start = holder_stamp()  # the lease: its producer takes it back if this process dies
-            _LEASE.pack_into(mm, _LEASE_AT, pid, start, _LEASE.unpack_from(mm, _LEASE_AT)[2])
+            write_lease(mm, pid, start, read_lease(mm)[2])
         end = HEADER_BYTES + handle["nbytes"]
         if end > len(mm):
             raise ValueError(
@@ -172,5 +169,5 @@ class SlabReader:
         """Unmap what nobody uses; mappings still exported by live tensors stay (GC unmaps them)."""
         with self._lock:
             for name in list(self._maps):
-                if _close_map(self._maps[name]):
+                if close_map(self._maps[name]):
                     del self._maps[name]

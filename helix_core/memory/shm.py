@@ -19,8 +19,9 @@ up to HEADER_BYTES. A client that maps a slab writes itself in as
 holder; a producer takes back a BUSY slab whose holder died, or that nobody mapped within
 ``orphan_s`` (``SlabPool.reclaim``), and unlinks free slabs unused for ``idle_s``.
 
-This module holds the format, one ``Slab`` and what is done to segments by name (release, list,
-sweep, unlink a dead producer's); the pool that owns them is ``slabpool.py``.
+This module holds the format (the header's fields, read and written only through the functions
+here), one ``Slab`` and what is done to segments by name (create, release, list, sweep, unlink a
+dead producer's); the pool that owns them is ``slabpool.py``, the client's side ``reader.py``.
 """
 
 from __future__ import annotations
@@ -41,14 +42,25 @@ __all__ = [
     "FREE",
     "HEADER_BYTES",
     "MAGIC",
+    "NO_ROOM",
     "SHM_DIR",
     "ShmCapacityError",
     "Slab",
+    "close_map",
+    "create_segment",
     "list_segments",
     "owned",
+    "read_generation",
+    "read_lease",
+    "read_readers",
+    "read_state",
     "release_segment",
+    "segment_path",
     "sweep",
     "unlink_if_free",
+    "write_lease",
+    "write_readers",
+    "write_state",
 ]
 
 log = logging.getLogger("helix.shm")
@@ -72,7 +84,41 @@ class ShmCapacityError(RuntimeError):
     """/dev/shm cannot hold a new segment."""
 
 
-def _path(name: str) -> str:
+# The header's fields, in a mapped segment or its header's bytes (``buf``).
+def read_generation(buf) -> int:
+    return _U64.unpack_from(buf, _GEN_AT)[0]
+
+
+def read_state(buf) -> int:
+    """FREE or BUSY."""
+    return _U64.unpack_from(buf, _STATE_AT)[0]
+
+
+def write_state(buf, state: int) -> None:
+    _U64.pack_into(buf, _STATE_AT, state)
+
+
+def read_readers(buf) -> int:
+    """The ranks that still have to release a shared slab (Tier 2); 0: its one holder."""
+    return _U64.unpack_from(buf, _READERS_AT)[0]
+
+
+def write_readers(buf, readers: int) -> None:
+    _U64.pack_into(buf, _READERS_AT, readers)
+
+
+def read_lease(buf) -> tuple[int, int, float]:
+    """``(pid, start time, handed out at)``: the holder (``lease.holder_stamp``; pid 0: none yet)
+    and when the producer handed the slab out (seconds, CLOCK_MONOTONIC)."""
+    return _LEASE.unpack_from(buf, _LEASE_AT)
+
+
+def write_lease(buf, pid: int, start: int, handed: float) -> None:
+    _LEASE.pack_into(buf, _LEASE_AT, pid, start, handed)
+
+
+def segment_path(name: str) -> str:
+    """The file of segment ``name``; ``ValueError`` for a name that is not one file of /dev/shm."""
     if not name or "/" in name or name in (".", ".."):
         raise ValueError(f"not a /dev/shm segment name: {name!r}")
     return os.path.join(SHM_DIR, name)
@@ -97,7 +143,7 @@ def _space() -> tuple[int, int]:
 NO_ROOM = "/dev/shm has no room for"  # how a peer's full /dev/shm reads in an RPC's details (final, not transient)
 
 
-def _close_map(mm: mmap.mmap) -> bool:
+def close_map(mm: mmap.mmap) -> bool:
     """Unmap unless numpy/torch objects still export it (they keep it alive; GC unmaps later)."""
     try:
         mm.close()
@@ -124,7 +170,7 @@ class Slab:
     @property
     def free(self) -> bool:
         """Whether the header says FREE (a client released it, or nobody acquired it yet)."""
-        return _U64.unpack_from(self._mm, _STATE_AT)[0] == FREE
+        return read_state(self._mm) == FREE
 
     def handle(self, nbytes: int) -> dict:
         """What a client needs to map this slab: `nbytes` is the used payload length in bytes."""
@@ -134,36 +180,38 @@ class Slab:
 
     def release(self) -> None:
         """Producer side: give the slab back without a client (e.g. the delivery failed)."""
-        _U64.pack_into(self._mm, _STATE_AT, FREE)
+        write_state(self._mm, FREE)
 
     def orphaned(self, orphan_s: float, now: float) -> bool:
         """BUSY, and its holder died — or nobody mapped it within ``orphan_s`` of the hand-out."""
         if self.free:
             return False
-        pid, start, handed = _LEASE.unpack_from(self._mm, _LEASE_AT)
+        pid, start, handed = read_lease(self._mm)
         return not holder_alive(pid, start) if pid else now - handed > orphan_s
 
-    def _mark_busy(self) -> None:
+    def mark_busy(self) -> None:
+        """Producer side: hand the slab out anew (the next generation, no holder yet)."""
         # generation first: a client releasing a stale handle compares against it
         self.generation += 1
         self.last_used = time.monotonic()
         _U64.pack_into(self._mm, _GEN_AT, self.generation)
-        _LEASE.pack_into(self._mm, _LEASE_AT, 0, 0, self.last_used)
-        _U64.pack_into(self._mm, _READERS_AT, 0)
-        _U64.pack_into(self._mm, _STATE_AT, BUSY)
+        write_lease(self._mm, 0, 0, self.last_used)
+        write_readers(self._mm, 0)
+        write_state(self._mm, BUSY)
 
-    def _close(self) -> None:
+    def unmap(self) -> None:
+        """Producer side: unmap the segment (the pool unlinks its file)."""
         try:
             self.payload.release()
         except BufferError:
             return  # still exported (a live torch.frombuffer view): GC unmaps it later
-        _close_map(self._mm)
+        close_map(self._mm)
 
     def __repr__(self) -> str:
         return f"Slab({self.name!r}, capacity={self.capacity}, generation={self.generation}, free={self.free})"
 
 
-def _create_segment(name: str, capacity: int, reserve: float = 0.0) -> Slab:
+def create_segment(name: str, capacity: int, reserve: float = 0.0) -> Slab:
     """Create, reserve and map a new segment of `capacity` payload bytes; ShmCapacityError if
     /dev/shm cannot hold it while keeping `reserve` (a fraction of its size) free (no file is left
     behind then)."""
@@ -181,7 +229,7 @@ def _create_segment(name: str, capacity: int, reserve: float = 0.0) -> Slab:
             f"/dev/shm cannot hold segment {name}: it needs {size} bytes and "
             f"{free} bytes are free{why} (raise the tmpfs size or lower the prefetch depth)"
         )
-    path = _path(name)
+    path = segment_path(name)
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         # Reserve the tmpfs pages now: a sparse file would SIGBUS on first write when full.
@@ -208,7 +256,7 @@ def release_segment(handle: dict) -> bool:
     without mapping it: the header is read and the state written through the file); returns
     whether it did. A stale handle or a vanished segment is ignored."""
     try:
-        fd = os.open(_path(handle["segment"]), os.O_RDWR | os.O_NOFOLLOW)
+        fd = os.open(segment_path(handle["segment"]), os.O_RDWR | os.O_NOFOLLOW)
     except (FileNotFoundError, PermissionError):
         return False
     except OSError as e:
@@ -217,7 +265,7 @@ def release_segment(handle: dict) -> bool:
         raise
     try:
         head = os.pread(fd, HEADER_BYTES, 0)
-        if len(head) < HEADER_BYTES or head[:8] != MAGIC or _U64.unpack_from(head, _GEN_AT)[0] != handle["generation"]:
+        if len(head) < HEADER_BYTES or head[:8] != MAGIC or read_generation(head) != handle["generation"]:
             return False
         os.pwrite(fd, _U64.pack(FREE), _STATE_AT)
         return True
@@ -281,8 +329,8 @@ def unlink_if_free(name: str, orphan_s: float | None = None) -> bool:
         head = os.pread(fd, HEADER_BYTES, 0)
     finally:
         os.close(fd)
-    if len(head) == HEADER_BYTES and head[:8] == MAGIC and _U64.unpack_from(head, _STATE_AT)[0] != FREE:
-        pid, start, handed = _LEASE.unpack_from(head, _LEASE_AT)
+    if len(head) == HEADER_BYTES and head[:8] == MAGIC and read_state(head) != FREE:
+        pid, start, handed = read_lease(head)
         if holder_alive(pid, start) if pid else (orphan_s is None or time.monotonic() - handed <= orphan_s):
             return False  # held, or not mapped yet: it must stay readable
     try:

@@ -9,7 +9,7 @@ import threading
 import time
 import weakref
 
-from helix_core.memory.shm import HEADER_BYTES, SHM_DIR, Slab, _create_segment, _path
+from helix_core.memory.shm import HEADER_BYTES, SHM_DIR, Slab, create_segment, segment_path
 
 __all__ = ["SlabPool"]
 
@@ -42,7 +42,7 @@ class SlabPool:
     def __init__(self, prefix: str, max_segments: int = 64, orphan_s: float = 900.0, idle_s: float = 60.0):
         if max_segments < 1:
             raise ValueError(f"SlabPool(max_segments={max_segments}): need at least 1")
-        _path(prefix + "x")  # the prefix must make valid file names
+        segment_path(prefix + "x")  # the prefix must make valid file names
         self.prefix = prefix
         self.max_segments = max_segments
         self.orphan_s, self.idle_s = orphan_s, idle_s
@@ -76,7 +76,7 @@ class SlabPool:
                 # past max_segments only while every kept slab is held, and never into the last quarter of
                 # /dev/shm (NCCL and other processes need it too)
                 slab = self._create(nbytes, reserve=OVERFLOW_RESERVE if len(self._slabs) >= self.max_segments else 0.0)
-            slab._mark_busy()
+            slab.mark_busy()
             if len(self._slabs) > self.max_segments:  # the overflow of kept batches, once they are free
                 self._drop([s for s in self._slabs if s.free][: len(self._slabs) - self.max_segments])
             return slab
@@ -106,13 +106,13 @@ class SlabPool:
             self._slabs.remove(slab)
             _unlink_all([slab.name], os.getpid())
             self._names.remove(slab.name)
-            slab._close()
+            slab.unmap()
 
     def _create(self, nbytes: int, reserve: float = 0.0) -> Slab:
         capacity = max(_MIB, -(-nbytes // _MIB) * _MIB)
         self._counter += 1
         name = f"{self.prefix}{os.getpid()}-{self._counter}-{secrets.token_hex(4)}"
-        slab = _create_segment(name, capacity, reserve)
+        slab = create_segment(name, capacity, reserve)
         self._slabs.append(slab)
         self._names.append(name)
         self._created += 1
@@ -138,7 +138,7 @@ class SlabPool:
             slabs, self._slabs = self._slabs, []
             self._finalizer()
             for slab in slabs:
-                slab._close()
+                slab.unmap()
 
     def __enter__(self) -> SlabPool:
         return self

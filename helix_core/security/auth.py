@@ -1,10 +1,13 @@
 """Token authentication: a server interceptor checks every RPC; clients attach the token.
 
 Every cluster has a token: a Coordinator started on loopback without one makes one and leaves
-it in the user's private Helix folder for the same user's processes (``tokenfiles``). Services
-bind 127.0.0.1 unless told otherwise; any other address needs a token given to it and TLS (or
-``--insecure``). Pickled payloads travel only with a token and where it can't be read off the wire:
-loopback, or TLS.
+it in the user's private Helix folder for the same user's processes (``tokenfiles``, which also
+says where a process finds its token). Services bind 127.0.0.1 unless told otherwise; any other
+address needs a token given to it and TLS (or ``--insecure``). Pickled payloads travel only with a
+token and where it can't be read off the wire: loopback, or TLS.
+
+This module is the bottom of ``security/``: ``listeners`` (who may receive the token on a loopback
+port) and ``tokenfiles`` build on it, and it imports neither.
 """
 
 from __future__ import annotations
@@ -12,9 +15,7 @@ from __future__ import annotations
 import hmac
 import ipaddress
 import logging
-import os
 import secrets
-import stat
 
 import grpc
 
@@ -26,7 +27,6 @@ __all__ = [
     "call_metadata",
     "check_bind",
     "is_loopback",
-    "load_token",
     "new_token",
     "pickle_allowed",
 ]
@@ -36,31 +36,6 @@ TOKEN_METADATA = "helix-token"
 
 def new_token() -> str:
     return secrets.token_urlsafe(32)
-
-
-def load_token(token: str | None = None, token_file: str | None = None, coordinator: str | None = None) -> str | None:
-    """The token from the argument, else the file, else ``HELIX_TOKEN``, else the one this user's
-    Coordinator at ``coordinator`` left in the private Helix folder (``tokenfiles``), else None."""
-    if token:
-        return token
-    if token_file:
-        try:
-            with open(token_file) as f:
-                mode = os.fstat(f.fileno()).st_mode
-                if mode & 0o077:  # as the private Helix folder's files: a token others may read is no secret
-                    raise ValueError(
-                        f"token file {token_file} is open to other users (mode {stat.filemode(mode)}): "
-                        f"chmod 600 {token_file}"
-                    )
-                value = f.read().strip()
-        except OSError as e:
-            raise ValueError(f"cannot read token file {token_file}: {e.strerror or e}") from None
-        if not value:
-            raise ValueError(f"token file {token_file} is empty")
-        return value
-    from helix_core.security.tokenfiles import find_token
-
-    return os.environ.get("HELIX_TOKEN") or find_token(coordinator)
 
 
 def is_loopback(host: str) -> bool:

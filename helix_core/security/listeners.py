@@ -33,6 +33,8 @@ import threading
 
 import grpc
 
+from helix_core.security.auth import TOKEN_METADATA, is_loopback
+
 __all__ = ["ForeignListener", "TokenGuard", "check_listener", "check_socket", "guard", "port_owners"]
 
 log = logging.getLogger("helix.auth")
@@ -202,8 +204,6 @@ def _split(address: str) -> tuple[str, int]:
 def _loopback_targets(host: str) -> list[tuple[int, str]]:
     """Where a connection to ``host`` lands on this machine, if it stays on it: ``[(family, ip)]``
     (empty beyond loopback: TLS checks the peer there)."""
-    from helix_core.security.auth import is_loopback
-
     if host in ("", "0.0.0.0"):
         return [(socket.AF_INET, "127.0.0.1")]
     if host == "::":
@@ -361,8 +361,6 @@ class TokenGuard:
 
     def refusal(self, metadata) -> _Refused | None:
         """None if a call with ``metadata`` may go; else the failed call to return or raise."""
-        from helix_core.security.auth import TOKEN_METADATA
-
         if not any(k == TOKEN_METADATA for k, _ in metadata or ()):
             return None
         try:

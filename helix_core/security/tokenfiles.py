@@ -1,4 +1,5 @@
-"""The user's private Helix folder, where a Coordinator leaves its token for the same user.
+"""Where a process finds its token: given, in a file, in ``HELIX_TOKEN``, or in the user's private
+Helix folder, where a Coordinator leaves its token for the same user (``load_token``).
 
 A Coordinator started without a token makes one (as Jupyter does) and writes it, mode 0600, to
 ``<folder>/coordinator-<host>-<port>.token``; the same user's DataServers, loaders and ``helix``
@@ -15,6 +16,9 @@ rather than trusting or leaking a token through it.
 A token is sent only to a loopback port this user (or root) listens on (``listeners.py``, asked
 before every call): a port another user took over after this user's Coordinator stopped never
 receives it. Beyond loopback, TLS checks the peer.
+
+The chain inside ``security/`` runs one way: ``auth`` (the token, its metadata, the rules of where
+it may go) <- ``listeners`` (who holds a loopback port) <- this module.
 """
 
 from __future__ import annotations
@@ -24,11 +28,13 @@ import re
 import stat
 from pathlib import Path
 
+from helix_core.security.auth import is_loopback
+from helix_core.security.hostid import host_id
 from helix_core.security.listeners import check_listener
 
 RUN_USER = "/run/user"  # systemd-logind makes /run/user/<uid> (XDG_RUNTIME_DIR) for a login session
 
-__all__ = ["check_listener", "find_token", "remove_token", "runtime_dir", "token_path", "write_token"]
+__all__ = ["find_token", "load_token", "remove_token", "runtime_dir", "token_path", "write_token"]
 
 
 def _candidates() -> list[Path]:
@@ -83,15 +89,11 @@ def _split(address: str) -> tuple[str, int]:
 
 def _is_local(host: str) -> bool:
     """Loopback, or a wildcard bind (which loopback clients reach)."""
-    from helix_core.security.auth import is_loopback
-
     return host in ("0.0.0.0", "::", "") or is_loopback(host)
 
 
 def _host_key(host: str) -> str:
     if _is_local(host):
-        from helix_core.security.hostid import host_id
-
         return "loopback@" + re.sub(r"[^A-Za-z0-9._-]", "_", host_id())
     return re.sub(r"[^A-Za-z0-9._:-]", "_", host)
 
@@ -155,3 +157,26 @@ def remove_token(address: str, token: str) -> None:
             path.unlink()
     except (OSError, ValueError):
         pass
+
+
+def load_token(token: str | None = None, token_file: str | None = None, coordinator: str | None = None) -> str | None:
+    """The token from the argument, else the file, else ``HELIX_TOKEN``, else the one this user's
+    Coordinator at ``coordinator`` left in the private Helix folder (``find_token``), else None."""
+    if token:
+        return token
+    if token_file:
+        try:
+            with open(token_file) as f:
+                mode = os.fstat(f.fileno()).st_mode
+                if mode & 0o077:  # as the private Helix folder's files: a token others may read is no secret
+                    raise ValueError(
+                        f"token file {token_file} is open to other users (mode {stat.filemode(mode)}): "
+                        f"chmod 600 {token_file}"
+                    )
+                value = f.read().strip()
+        except OSError as e:
+            raise ValueError(f"cannot read token file {token_file}: {e.strerror or e}") from None
+        if not value:
+            raise ValueError(f"token file {token_file} is empty")
+        return value
+    return os.environ.get("HELIX_TOKEN") or find_token(coordinator)

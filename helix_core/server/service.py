@@ -29,7 +29,7 @@ from helix_core.server.pool import WorkerPool
 from helix_core.server.steal import handles
 from helix_core.tier2.crosshost import ExchangeMember, HostExchange, load_row_code
 from helix_core.tier2.leader import RoundTable, bad_timeout
-from helix_core.wire.bulk.common import NO_ROOM
+from helix_core.wire.bulk.protocol import NO_ROOM
 from helix_core.wire.bulk.recv import BulkListener
 from helix_core.wire.chunks import ChunkWriter
 from helix_core.wire.delivery import DeliveryFailed, Inbound, Outbound, Refused, metas_to_pb, moved_bytes
@@ -312,7 +312,7 @@ def serve_dataserver(
     ``advertise``: the name peers dial it by (default ``host``, or the FQDN when ``host`` is a wildcard)."""
     from helix_core.security.auth import is_loopback, pickle_allowed
     from helix_core.security.hostid import host_id as this_host
-    from helix_core.security.tokenfiles import check_listener as check_coordinator
+    from helix_core.security.listeners import check_listener as check_coordinator
     from helix_core.security.tokenfiles import token_path
     from helix_core.wire.rpc import check_hello, create_server
 

@@ -22,7 +22,7 @@ from helix_core.errors import PICKLING
 from helix_core.memory import shm
 from helix_core.memory.slabpool import SlabPool
 from helix_core.security.auth import call_metadata
-from helix_core.wire.bulk.common import MAX_HEADER, NO_ROOM, OK, REFUSED, BulkError
+from helix_core.wire.bulk.protocol import MAX_HEADER, NO_ROOM, OK, REFUSED, BulkError
 from helix_core.wire.bulk.send import BulkSender
 from helix_core.wire.chunks import iter_chunks
 from helix_core.wire.frames import deliver_callable

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from helix_bench.hosts.sweep import HostBenchConfig
+from helix_bench.hosts.config import HostBenchConfig
 from helix_core.testing.emulated_hosts import EmulatedHosts
 
 
@@ -28,7 +28,7 @@ def test_bad_host_bench_input_is_named_by_its_flag():
 
 def test_a_tier2_point_reports_what_its_rounds_moved_and_what_crossed_hosts(tmp_path):
     """The host sweep's helix-tier2 row: its ranks' round counters, summed, in a table of their own."""
-    from helix_bench.hosts.report import _write
+    from helix_bench.hosts.report import write_report
 
     cfg = {
         "hosts": 2,
@@ -63,7 +63,7 @@ def test_a_tier2_point_reports_what_its_rounds_moved_and_what_crossed_hosts(tmp_
         "crossed_collective": 9,
         "crossed_bytes": 5e6,
     }
-    _write(
+    write_report(
         {
             "config": cfg,
             "steps": 32,

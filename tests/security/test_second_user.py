@@ -22,10 +22,10 @@ import helix_core as hx
 from helix_core.launch.embedded import Embedded, embedded_cluster
 from helix_core.launch.rendezvous import JobRendezvous, derive, job_secret
 from helix_core.loader.cluster_client import ClusterClient
-from helix_core.security.auth import load_token
 from helix_core.security.hostid import host_id
 from helix_core.security.listeners import ForeignListener, check_socket
 from helix_core.security.tls import Tls
+from helix_core.security.tokenfiles import load_token
 from helix_core.testing.datasets import IndexDataset
 from helix_core.wire.proto import helix_pb2 as pb
 

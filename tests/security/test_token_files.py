@@ -94,7 +94,7 @@ def _stop(*procs):
 _STRANGER = """
 import json, os, sys
 import grpc
-from helix_core.security.auth import load_token
+from helix_core.security.tokenfiles import load_token
 from helix_core.wire.proto import helix_pb2 as pb
 a = json.loads(sys.argv[1])
 os.setgroups([]); os.setgid(65534); os.setuid(65534)

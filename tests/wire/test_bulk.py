@@ -1,4 +1,4 @@
-"""The bulk delivery path (wire/bulk/common.py): a remote server's batch goes straight into the
+"""The bulk delivery path (wire/bulk/protocol.py): a remote server's batch goes straight into the
 delivering server's slab over a token-checked TCP connection (TLS with the cluster's
 certificates), and the cluster uses it for every remote delivery, falling back to gRPC's
 ``Deliver`` where it is off; a stalled receiver fails a transfer in seconds."""
@@ -16,7 +16,7 @@ from helix_core.memory import shm
 from helix_core.memory.slabpool import SlabPool
 from helix_core.security.tls import Tls
 from helix_core.testing.datasets import IndexDataset
-from helix_core.wire.bulk.common import NO_ROOM, OK, REFUSED, BulkError
+from helix_core.wire.bulk.protocol import NO_ROOM, OK, REFUSED, BulkError
 from helix_core.wire.bulk.recv import BulkListener
 from helix_core.wire.bulk.send import BulkSender
 from helix_core.wire.proto import helix_pb2 as pb

@@ -1,4 +1,4 @@
-"""Sealed records (wire/bulk/common.py): after the bulk path's TLS handshake, the payload travels in
+"""Sealed records (wire/bulk/protocol.py): after the bulk path's TLS handshake, the payload travels in
 AES-GCM records of up to 1 MiB. What a user relies on: bytes arrive exactly, in any read size;
 nothing readable crosses the wire; a record altered, dropped or replayed breaks the connection
 (the transfer fails and is resubmitted) instead of landing in a batch. Real sockets (socketpairs)."""
@@ -9,7 +9,7 @@ import threading
 
 import pytest
 
-from helix_core.wire.bulk.common import _RECORD, Sealed
+from helix_core.wire.bulk.protocol import _RECORD, Sealed
 
 KEYS = (os.urandom(16), os.urandom(16))
 

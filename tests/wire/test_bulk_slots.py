@@ -19,7 +19,7 @@ from helix_core.memory.reader import SlabReader
 from helix_core.memory.slabpool import SlabPool
 from helix_core.security.tls import Tls
 from helix_core.server.service import DataServerServicer
-from helix_core.wire.bulk.common import _U32, BAD, MAX_HEADER, BulkError
+from helix_core.wire.bulk.protocol import BAD, MAX_HEADER, U32, BulkError
 from helix_core.wire.bulk.send import BulkSender
 from helix_core.wire.delivery import Outbound
 from helix_core.wire.frames import add_servicer
@@ -62,7 +62,7 @@ class Trickle:
     def __init__(self, sender: BulkSender, port: int, every_s: float = 0.3, total: int = 1 << 20, header=None):
         self.sock = sender._connect("127.0.0.1", port)
         head = (header or _header(total)).SerializeToString()
-        self.sock.sendall(_U32.pack(len(head)) + head)
+        self.sock.sendall(U32.pack(len(head)) + head)
         self.stop, self.every_s = threading.Event(), every_s
         self.ended: float | None = None  # when the receiver cut it off (monotonic)
         self.thread = threading.Thread(target=self._run, daemon=True)
@@ -223,7 +223,7 @@ def test_a_header_over_the_bound_or_stalled_and_a_stalled_payload_are_cut_off_wi
     try:
         sock = sender._connect("127.0.0.1", port)  # with the token, then a header over the bound
         t0 = time.monotonic()
-        sock.sendall(_U32.pack(MAX_HEADER + 1))
+        sock.sendall(U32.pack(MAX_HEADER + 1))
         sock.settimeout(5.0)
         answer = bytearray(5)
         n = sock.recv_into(answer)
@@ -234,7 +234,7 @@ def test_a_header_over_the_bound_or_stalled_and_a_stalled_payload_are_cut_off_wi
         sock.close()
 
         sock = sender._connect("127.0.0.1", port)  # a header announced, then trickled a byte at a time
-        sock.sendall(_U32.pack(1000) + b"\0" * 10)
+        sock.sendall(U32.pack(1000) + b"\0" * 10)
         assert _ended_within(sock, 6.0) < 3.0
         sock.close()
 

@@ -1,4 +1,4 @@
-"""The receiving side of the bulk path (``bulk.py``: the wire form): a DataServer's
+"""The receiving side of the bulk path (``protocol.py``: the wire form): a DataServer's
 ``BulkListener``, which reads each transfer's payload straight into the slab it names.
 
 Who may hold a connection: a peer that has not yet presented the token holds one of
@@ -7,7 +7,7 @@ slowly it sends — the accept thread cuts it off then, so nobody without the to
 those few places for more than that. A peer that presented the token takes one of
 ``max_connections`` slots; when all are taken, the longest-idle connection (between two transfers,
 after its first) is closed for it, and only when every slot carries a transfer is the newcomer told
-``BUSY``. A full listener is thus always "not connected" to the sender (``bulk.py``), never a lost
+``BUSY``. A full listener is thus always "not connected" to the sender (``send.py``), never a lost
 delivery, and a sender's kept connections never keep another sender out.
 """
 
@@ -19,27 +19,28 @@ import socket
 import threading
 import time
 
-from helix_core.wire.bulk.common import (
-    _ANSWER,
-    _IDLE_S,
-    _MAX_TOKEN,
-    _U16,
-    _U32,
+from helix_core.wire.bulk.protocol import (
+    ANSWER,
     BAD,
     BUSY,
     MAGIC,
     MAX_HEADER,
     OK,
     REFUSED,
-    _contexts,
-    _recv,
-    _recv_exact,
-    _send_all,
+    U16,
+    U32,
+    recv_bytes,
+    recv_exact,
     seal_receiver,
+    send_all,
+    tls_contexts,
 )
 from helix_core.wire.proto import helix_pb2 as pb
 
 __all__ = ["BulkListener"]
+
+_MAX_TOKEN = 1024  # bytes: a connection that announces a longer token is closed unread
+_IDLE_S = 30.0  # seconds: a connection idle this long is closed (and idle ones are evicted sooner when full)
 
 log = logging.getLogger("helix.bulk")
 
@@ -99,7 +100,7 @@ class BulkListener:
         self.max_connections, self.max_pending = max_connections, max_pending
         self._progress = config.keepalive_s + config.keepalive_timeout_s
         self.handshake_s = self._progress if handshake_s is None else handshake_s
-        self._ctx = _contexts(tls)[0] if tls is not None else None
+        self._ctx = tls_contexts(tls)[0] if tls is not None else None
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._sock = socket.socket(family, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -207,15 +208,15 @@ class BulkListener:
         refused, turned away or cut off."""
         until = c.pending_until
         head = bytearray(6)
-        _recv_exact(conn, memoryview(head), until)
-        (n,) = _U16.unpack(head[4:])
+        recv_exact(conn, memoryview(head), until)
+        (n,) = U16.unpack(head[4:])
         if head[:4] != MAGIC or n > _MAX_TOKEN:
             return None
         token = bytearray(n)
-        _recv_exact(conn, memoryview(token), until)
+        recv_exact(conn, memoryview(token), until)
         if not hmac.compare_digest(bytes(token), self.token):
             reason = b"wrong or missing token"
-            conn.sendall(bytes((REFUSED,)) + _U16.pack(len(reason)) + reason)
+            conn.sendall(bytes((REFUSED,)) + U16.pack(len(reason)) + reason)
             return None
         if not self._admit(c):
             conn.sendall(bytes((BUSY,)))
@@ -235,7 +236,7 @@ class BulkListener:
                 c.idle_since = time.monotonic()
         conn.settimeout(self._progress if first else _IDLE_S)
         try:
-            (hlen,) = _U32.unpack(_recv(conn, 4))
+            (hlen,) = U32.unpack(recv_bytes(conn, 4))
         except (ConnectionError, TimeoutError, OSError):
             return None
         with self._lock:
@@ -263,15 +264,15 @@ class BulkListener:
                 until = now + self.config.execute_timeout_s
                 if hlen > MAX_HEADER:  # a sender of this version never does: a peer to stop reading
                     reason = f"a transfer header of {hlen} bytes (at most {MAX_HEADER})".encode()
-                    _send_all(stream, _ANSWER.pack(BAD, len(reason)) + reason, until)
+                    send_all(stream, ANSWER.pack(BAD, len(reason)) + reason, until)
                     return
                 buf = bytearray(hlen)
-                _recv_exact(stream, memoryview(buf), min(until, now + self._progress))  # small: it comes at once
+                recv_exact(stream, memoryview(buf), min(until, now + self._progress))  # small: it comes at once
                 header = pb.StreamHeader.FromString(buf)
                 status, body, abort = self._transfer(stream, header, until)
                 stream.settimeout(self._progress)
                 try:
-                    _send_all(stream, _ANSWER.pack(status, len(body)) + body, until)
+                    send_all(stream, ANSWER.pack(status, len(body)) + body, until)
                 except BaseException:
                     abort()  # the sender never learns of the slab: it resubmits, nobody would release it
                     raise
@@ -294,7 +295,7 @@ class BulkListener:
             self._drain(conn, header.total_bytes, until)
             return status, reason.encode(), lambda: None
         try:
-            _recv_exact(conn, view[: header.total_bytes], until)
+            recv_exact(conn, view[: header.total_bytes], until)
             body = done()
         except BaseException:
             abort()
@@ -308,7 +309,7 @@ class BulkListener:
         buf = memoryview(bytearray(min(n, 1 << 20) or 1))
         while n > 0:
             k = min(n, len(buf))
-            _recv_exact(conn, buf[:k], until)
+            recv_exact(conn, buf[:k], until)
             n -= k
 
     def close(self) -> None:

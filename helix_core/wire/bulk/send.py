@@ -1,4 +1,4 @@
-"""The sending side of the bulk path (``bulk.py``: the wire form): a remote DataServer's
+"""The sending side of the bulk path (``protocol.py``: the wire form): a remote DataServer's
 ``BulkSender``, which keeps a few connections per receiver and sends a batch over one."""
 
 from __future__ import annotations
@@ -10,27 +10,28 @@ import time
 
 from helix_core.security.auth import is_loopback
 from helix_core.security.listeners import check_socket
-from helix_core.wire.bulk.common import (
-    _ANSWER,
-    _KEEP_PER_PEER,
-    _SENDER_IDLE_S,
-    _U16,
-    _U32,
+from helix_core.wire.bulk.protocol import (
+    ANSWER,
     BAD,
     BUSY,
     MAGIC,
     MAX_HEADER,
     OK,
     REFUSED,
+    U16,
+    U32,
     BulkError,
-    _contexts,
-    _recv,
-    _send_all,
+    recv_bytes,
     seal_sender,
+    send_all,
+    tls_contexts,
 )
 from helix_core.wire.proto import helix_pb2 as pb
 
 __all__ = ["BulkSender"]
+
+_SENDER_IDLE_S = 15.0  # seconds: sooner than receivers close idle ones, so a sender rarely sends on one just closed
+_KEEP_PER_PEER = 4  # connections a sender keeps per receiver between batches (more are closed after use)
 
 
 class BulkSender:
@@ -38,7 +39,7 @@ class BulkSender:
 
     def __init__(self, token: str, config, tls=None):
         self.token, self.config, self.tls = token.encode(), config, tls
-        self._ctx = _contexts(tls)[1] if tls is not None else None
+        self._ctx = tls_contexts(tls)[1] if tls is not None else None
         self._idle: dict[tuple[str, int], list[tuple[socket.socket, float]]] = {}
         self._lock = threading.Lock()
         self._closed = False
@@ -64,21 +65,21 @@ class BulkSender:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if self._ctx is not None:
                 sock = self._ctx.wrap_socket(sock, server_hostname=self.tls.server_name or host)
-            sock.sendall(MAGIC + _U16.pack(len(self.token)) + self.token)
+            sock.sendall(MAGIC + U16.pack(len(self.token)) + self.token)
             try:
-                status = _recv(sock, 1)[0]
+                status = recv_bytes(sock, 1)[0]
             except ConnectionError:  # closed before it answered: it is closing, or its slots are full
                 status = BUSY
             if status == BUSY:
                 sock.close()
                 raise BulkError(f"the bulk port {host}:{port} takes no more connections", connected=False)
             if status != OK:
-                (n,) = _U16.unpack(_recv(sock, 2))
+                (n,) = U16.unpack(recv_bytes(sock, 2))
                 raise BulkError(
-                    f"bulk port {host}:{port} refused us: {_recv(sock, n).decode(errors='replace')}", REFUSED
+                    f"bulk port {host}:{port} refused us: {recv_bytes(sock, n).decode(errors='replace')}", REFUSED
                 )
             if self._ctx is not None:
-                sock = seal_sender(sock)  # the payload in large AES-GCM records (bulk.py)
+                sock = seal_sender(sock)  # the payload in large AES-GCM records (protocol.py)
         except TimeoutError as e:  # (before OSError, its base) silent: a stopped receiver
             sock.close()
             raise BulkError(
@@ -133,10 +134,10 @@ class BulkSender:
                 sock = self._connect(host, port)
             until = time.monotonic() + self.config.execute_timeout_s  # progress: the socket's timeout per piece
             try:
-                _send_all(sock, _U32.pack(len(head)) + head, until)
-                _send_all(sock, payload[: header.total_bytes], until)
-                status, n = _ANSWER.unpack(_recv(sock, _ANSWER.size))
-                body = _recv(sock, n)
+                send_all(sock, U32.pack(len(head)) + head, until)
+                send_all(sock, payload[: header.total_bytes], until)
+                status, n = ANSWER.unpack(recv_bytes(sock, ANSWER.size))
+                body = recv_bytes(sock, n)
             except (ConnectionError, TimeoutError, OSError, ssl.SSLError) as e:
                 sock.close()
                 # a kept connection the receiver closed (idle) breaks at once: once more on a new one; a

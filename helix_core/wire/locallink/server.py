@@ -1,4 +1,4 @@
-"""The local link's server ends (``locallink.py``: the wire and the client's ends): a local
+"""The local link's server ends (``link.py``: the clients' ends; ``protocol.py``: the wire): a local
 DataServer's ``LocalListener``, which serves the servicer's ``Execute`` to the rank processes of
 its host, each request with a context that answers what a gRPC context would; and the
 Coordinator's ``serve_call_link``, which serves ``Route`` on its event loop."""
@@ -9,26 +9,30 @@ import hmac
 import logging
 import os
 import socket
-import struct
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
-from helix_core.wire.locallink.link import (
-    _ERROR,
-    _FRAME,
+from helix_core.wire.locallink.protocol import (
+    ACCEPTED,
     ERROR,
+    FRAME,
     MAGIC,
+    MAX_FRAME,
     PING,
     PONG,
+    REFUSED,
     REPLY,
     REQUEST,
-    _peer_uid,
-    _recv_exact,
-    _recv_frame,
-    _shut,
+    TOKEN_LENGTH,
+    error_body,
+    frame,
+    peer_uid,
+    recv_exact,
+    recv_frame,
+    shut,
 )
 from helix_core.wire.proto import helix_pb2 as pb
 
@@ -91,7 +95,7 @@ class _Conn:
             if self.closed:
                 return False
             try:
-                self.sock.sendall(_FRAME.pack(len(body), kind) + body)
+                self.sock.sendall(frame(kind, body))
                 return True
             except OSError:
                 return False
@@ -102,7 +106,7 @@ class _Conn:
                 return
             self.closed = True
             running, self._running = list(self._running), set()
-        _shut(self.sock)
+        shut(self.sock)
         for context in running:  # the requests still running are cancelled, as a gRPC call's would be
             for fn in context.callbacks:
                 try:
@@ -149,7 +153,7 @@ class LocalListener:
             except OSError:
                 return  # closed
             try:
-                uid = _peer_uid(sock)
+                uid = peer_uid(sock)
             except OSError:
                 uid = None
             if uid != os.getuid():  # another user's process: nothing read, no thread
@@ -165,22 +169,22 @@ class LocalListener:
         conn = _Conn(sock)
         try:
             until = time.monotonic() + self.handshake_s  # the whole handshake, however slowly it comes
-            if _recv_exact(sock, 4, until) != MAGIC:
+            if recv_exact(sock, len(MAGIC), until) != MAGIC:
                 return
-            (n,) = struct.unpack("<H", _recv_exact(sock, 2, until))
-            if not hmac.compare_digest(_recv_exact(sock, n, until), self.token):
+            (n,) = TOKEN_LENGTH.unpack(recv_exact(sock, TOKEN_LENGTH.size, until))
+            if not hmac.compare_digest(recv_exact(sock, n, until), self.token):
                 sock.settimeout(self.handshake_s)
-                sock.sendall(b"\1")
+                sock.sendall(REFUSED)
                 return
             sock.settimeout(self.handshake_s)
-            sock.sendall(b"\0")
+            sock.sendall(ACCEPTED)
             sock.settimeout(None)
             with self._lock:
                 if self._closed:
                     return
                 self._conns.add(conn)
             while True:
-                kind, body = _recv_frame(sock)
+                kind, body = recv_frame(sock)
                 if kind == PING:
                     conn.send(PONG, b"")
                 elif kind == REQUEST:
@@ -199,11 +203,11 @@ class LocalListener:
         try:
             reply = self.execute(request, context)
         except _Abort as e:
-            conn.send(ERROR, _ERROR.pack(request.task_id, e.code.value[0]) + str(e.details).encode())
+            conn.send(ERROR, error_body(request.task_id, e.code, str(e.details)))
             return
         except Exception as e:  # noqa: BLE001 - as gRPC would: the call fails, the server goes on
             log.exception("local link: Execute of task %d failed", request.task_id)
-            conn.send(ERROR, _ERROR.pack(request.task_id, grpc.StatusCode.UNKNOWN.value[0]) + repr(e).encode())
+            conn.send(ERROR, error_body(request.task_id, grpc.StatusCode.UNKNOWN, repr(e)))
             return
         finally:
             conn.done(context)
@@ -214,7 +218,7 @@ class LocalListener:
         with self._lock:
             self._closed = True
             conns, self._conns = list(self._conns), set()
-        _shut(self._sock)
+        shut(self._sock)
         for c in conns:
             c.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -228,7 +232,7 @@ class _AioContext:
 
 
 async def serve_call_link(name: str, token: str, handle, request_cls, handshake_s: float = 5.0):
-    """The Coordinator's end of a link (``locallink.CallLink``), on its event loop:
+    """The Coordinator's end of a link (``link.CallLink``), on its event loop:
     ``await handle(request, context)`` for each request, answered in order. Returns the
     ``asyncio.Server`` (``close()`` it). As ``LocalListener``: only this user's processes, and
     the token within ``handshake_s`` seconds."""
@@ -237,31 +241,31 @@ async def serve_call_link(name: str, token: str, handle, request_cls, handshake_
     expected = token.encode()
 
     async def handshake(reader, writer) -> bool:
-        if await reader.readexactly(4) != MAGIC:
+        if await reader.readexactly(len(MAGIC)) != MAGIC:
             return False
-        (n,) = struct.unpack("<H", await reader.readexactly(2))
+        (n,) = TOKEN_LENGTH.unpack(await reader.readexactly(TOKEN_LENGTH.size))
         if not hmac.compare_digest(await reader.readexactly(n), expected):
-            writer.write(b"\1")
+            writer.write(REFUSED)
             return False
         return True
 
     async def serve(reader, writer):
         try:
-            if _peer_uid(writer.get_extra_info("socket")) != os.getuid():
+            if peer_uid(writer.get_extra_info("socket")) != os.getuid():
                 return  # another user's process: nothing read
             if not await asyncio.wait_for(handshake(reader, writer), handshake_s):  # TimeoutError past it
                 return
-            writer.write(b"\0")
+            writer.write(ACCEPTED)
             while True:
-                n, kind = _FRAME.unpack(await reader.readexactly(_FRAME.size))
-                if kind != REQUEST or n > (64 << 20):
+                n, kind = FRAME.unpack(await reader.readexactly(FRAME.size))
+                if kind != REQUEST or n > MAX_FRAME:
                     return
                 request = request_cls.FromString(await reader.readexactly(n))
                 try:
                     body, kind = (await handle(request, _AioContext())).SerializeToString(), REPLY
                 except _Abort as e:
-                    body, kind = _ERROR.pack(0, e.code.value[0]) + str(e.details).encode(), ERROR
-                writer.write(_FRAME.pack(len(body), kind) + body)
+                    body, kind = error_body(0, e.code, str(e.details)), ERROR
+                writer.write(frame(kind, body))
         except asyncio.CancelledError:  # the Coordinator stops: Python 3.11's StreamReaderProtocol would log a
             pass  # cancelled handler as an error (a traceback at the training script's exit)
         except Exception as e:  # noqa: BLE001 - a peer gone or bad input ends its connection, never the server

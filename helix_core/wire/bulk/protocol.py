@@ -1,14 +1,14 @@
 """The bulk delivery path: a remote DataServer's batch straight into the delivering server's slab.
 
-gRPC Python costs the receiving host ~1.2–1.5 ms of CPU per MB (HTTP/2 framing, one Python bytes
-object per 4 MiB chunk, then a copy into the slab) — on a GPU host whose CPU is the scarce thing,
-that is what sidecars were meant to relieve. Here a plain TCP connection (TLS with the cluster's
+gRPC Python costs the receiving host CPU for every MB (HTTP/2 framing, one Python bytes object per
+4 MiB chunk, then a copy into the slab) — on a GPU host whose CPU is the scarce thing, that is what
+sidecars were meant to relieve. Here a plain TCP connection (TLS with the cluster's
 certificates when it has them) carries the same ``StreamHeader`` and then the payload, which the
 receiver reads with ``recv_into`` directly into one of its slabs: no per-chunk object, no copy.
 
-Wire form (little-endian). A connection opens with ``b"HXB2"`` (``HXB1`` carried the payload on TLS
-itself), the token's length (u16) and the token; the receiver answers one status byte (0: accepted; 4, busy:
-every connection slot carries a transfer) and, if refused, a reason. Then any number of transfers, one at a time: ``u32`` header length, the
+Wire form (little-endian). A connection opens with ``MAGIC``, the token's length (u16) and the token; the
+receiver answers one status byte (``OK``; ``BUSY``: every connection slot carries a transfer) and, if
+refused, a reason. Then any number of transfers, one at a time: ``u32`` header length, the
 ``StreamHeader`` (protobuf), the ``total_bytes`` of payload; the answer is a status byte and ``u32``
 length, then a ``DeliverReply`` (status 0) or the reason (UTF-8). Nothing is unpickled here: a
 header whose batch structure is pickled is refused where the server takes no pickles, exactly as
@@ -21,7 +21,7 @@ a larger one goes by gRPC) must arrive within that deadline too, and its payload
 ``execute_timeout_s``, however slowly the bytes trickle. The gRPC ``Deliver`` stays as the path
 for a peer that offers no bulk port.
 
-Slots (``bulkrecv.py``): a connection that has not yet presented the token (TLS handshake, magic,
+Slots (``recv.py``): a connection that has not yet presented the token (TLS handshake, magic,
 token) holds one of a few pending places, for at most the handshake deadline; only then does it
 take one of the listener's connection slots, evicting the longest-idle connection when all are
 taken. A listener that cannot take a connection says so (``BUSY``) or closes it before accepting
@@ -35,12 +35,12 @@ session (``unwrap``) and the rest of the connection travels as ``Sealed`` record
 ``u32`` length (the record's associated data), ciphertext and tag, with a per-direction counter as
 nonce, so a record altered, dropped, replayed or reordered fails its tag and the connection. It
 is TLS's record layer with records 64 times larger: Python's ``ssl`` reads one 16 KiB record per
-call, and that cost the receiving GPU host 0.93 CPU-s per GiB against 0.5 here (``cryptography``'s
-``decrypt_into`` straight into the slab).
+call, which costs the receiving GPU host more CPU per GiB than ``cryptography``'s ``decrypt_into``
+straight into the slab.
 
-This module holds the wire form (constants, ``BulkError``, TLS contexts, reads and writes with
-deadlines); ``bulkrecv.py`` is the receiving side (``BulkListener``), ``bulksend.py`` the sending
-side (``BulkSender``).
+This module holds the wire form both sides speak (constants, ``BulkError``, TLS contexts, reads and
+writes with deadlines, sealed records); ``recv.py`` is the receiving side (``BulkListener``),
+``send.py`` the sending side (``BulkSender``).
 """
 
 from __future__ import annotations
@@ -55,19 +55,35 @@ import time
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-__all__ = ["BAD", "BUSY", "MAX_HEADER", "NO_ROOM", "OK", "REFUSED", "BulkError"]
+__all__ = [
+    "ANSWER",
+    "BAD",
+    "BUSY",
+    "MAGIC",
+    "MAX_HEADER",
+    "NO_ROOM",
+    "OK",
+    "REFUSED",
+    "U16",
+    "U32",
+    "BulkError",
+    "Sealed",
+    "recv_bytes",
+    "recv_exact",
+    "seal_receiver",
+    "seal_sender",
+    "send_all",
+    "tls_contexts",
+]
 
 MAGIC = b"HXB2"  # 2: sealed records after the TLS handshake; a receiver of 1 refuses it (the sender uses gRPC)
 OK, NO_ROOM, REFUSED, BAD, BUSY = 0, 1, 2, 3, 4  # BUSY: every connection slot taken (the sender uses gRPC)
-_U16, _U32, _ANSWER = struct.Struct("<H"), struct.Struct("<I"), struct.Struct("<BI")
+U16, U32 = struct.Struct("<H"), struct.Struct("<I")
+ANSWER = struct.Struct("<BI")  # a transfer's answer: status, then the length of what follows
 MAX_HEADER = 4 << 20  # a StreamHeader's bytes (inline tensors are < 4 KiB each): larger ones go by gRPC
-_MAX_TOKEN = 1024
 _CHUNK = 4 << 20  # sends go in pieces of this, each with the progress deadline
 _RECORD = 1 << 20  # a Sealed record's most plaintext bytes
 _TAG = 16
-_IDLE_S = 30.0  # a receiver closes a connection idle this long (and evicts idle ones sooner when full)
-_SENDER_IDLE_S = 15.0  # senders drop theirs sooner, so they rarely send on one the receiver just closed
-_KEEP_PER_PEER = 4  # connections a sender keeps per receiver between batches (more are closed after use)
 
 
 class BulkError(Exception):
@@ -80,7 +96,7 @@ class BulkError(Exception):
         self.status, self.connected = status, connected
 
 
-def _contexts(tls) -> tuple[ssl.SSLContext, ssl.SSLContext]:
+def tls_contexts(tls) -> tuple[ssl.SSLContext, ssl.SSLContext]:
     """(server, client) contexts from a ``Tls``: mutual, checked against the cluster's CA."""
     server = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     client = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
@@ -98,7 +114,7 @@ def _contexts(tls) -> tuple[ssl.SSLContext, ssl.SSLContext]:
     return server, client
 
 
-def _recv_exact(sock, view: memoryview, until: float | None = None) -> None:
+def recv_exact(sock, view: memoryview, until: float | None = None) -> None:
     """Fill ``view``; each ``recv`` has the socket's timeout (progress), and the whole read ends
     by ``until`` (``time.monotonic``): the last ``recv`` waits no longer than what is left, so a
     peer that trickles bytes cannot hold it past the deadline. (The socket's timeout may be left
@@ -118,7 +134,7 @@ def _recv_exact(sock, view: memoryview, until: float | None = None) -> None:
         got += n
 
 
-def _send_all(sock, data, until: float) -> None:
+def send_all(sock, data, until: float) -> None:
     """``sendall`` in pieces: a socket timeout bounds a whole ``sendall``, so a large batch on a
     slow link would fail although it progresses; here each piece has it, and all end by ``until``."""
     view = memoryview(data)
@@ -128,9 +144,10 @@ def _send_all(sock, data, until: float) -> None:
         sock.sendall(view[start : start + _CHUNK])
 
 
-def _recv(sock, n: int, until: float | None = None) -> bytes:
+def recv_bytes(sock, n: int, until: float | None = None) -> bytes:
+    """``n`` bytes, as ``recv_exact`` reads them."""
     buf = bytearray(n)
-    _recv_exact(sock, memoryview(buf), until)
+    recv_exact(sock, memoryview(buf), until)
     return bytes(buf)
 
 
@@ -157,7 +174,7 @@ class Sealed:
         for start in range(0, len(view), _RECORD):
             piece = view[start : start + _RECORD]
             n = len(piece)
-            _U32.pack_into(self._out, 0, n)
+            U32.pack_into(self._out, 0, n)
             self._tx.encrypt_into(self._nonce(self._sent), piece, self._out[:4], self._out[4 : 4 + n + _TAG])
             self._sent += 1
             self._raw.sendall(self._out[: 4 + n + _TAG])
@@ -166,11 +183,11 @@ class Sealed:
         """Plaintext into ``view`` (a record at a time); the record's reads end by ``until``."""
         if not self._left:
             head = bytearray(4)
-            _recv_exact(self._raw, memoryview(head), until)
-            (n,) = _U32.unpack(head)
+            recv_exact(self._raw, memoryview(head), until)
+            (n,) = U32.unpack(head)
             if not 0 < n <= _RECORD:
                 raise ConnectionError(f"a bulk record of {n} bytes (at most {_RECORD})")
-            _recv_exact(self._raw, self._in[: n + _TAG], until)
+            recv_exact(self._raw, self._in[: n + _TAG], until)
             direct = len(view) >= n  # the payload's records land in the slab at once
             if not direct and self._plain is None:
                 self._plain = memoryview(bytearray(_RECORD))
@@ -213,5 +230,5 @@ def seal_sender(sock) -> Sealed:
 def seal_receiver(conn, until: float) -> Sealed:
     """The receiver's side of ``seal_sender``."""
     keys = bytearray(32)
-    _recv_exact(conn, memoryview(keys), until)
+    recv_exact(conn, memoryview(keys), until)
     return Sealed(conn.unwrap(), keys[16:], keys[:16])
