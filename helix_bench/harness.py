@@ -22,7 +22,7 @@ from helix_bench.benchconfig import BenchConfig
 from helix_bench.emulate import measure_decode, regime_window_scale
 from helix_bench.ranks import RankPlan
 from helix_bench.results import RAY_MODES, system_result
-from helix_bench.systemrun import _run_system
+from helix_bench.systemrun import run_system
 from helix_core.planning.gpu import GPU_COSTS, GpuCost
 
 __all__ = ["run_bench", "run_one"]
@@ -38,7 +38,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _dataset(cfg: BenchConfig, progress):
+def bench_dataset(cfg: BenchConfig, progress):
     from helix_core.data.media.synth import make_dataset
     from helix_core.data.profiles import profile_dataset
     from helix_core.data.video import VideoClipDataset
@@ -97,7 +97,7 @@ def run_one(cfg: BenchConfig, console=None, live=None) -> dict:
 
     say = console.print if console is not None else (lambda *a, **k: None)
     live = live or (lambda *a: None)
-    ds = _dataset(cfg, progress=console is not None)
+    ds = bench_dataset(cfg, progress=console is not None)
     spe = steps_per_epoch(len(ds), cfg)
     warmup, steps = round_to_windows(cfg.warmup, cfg.steps, spe, cfg.window)
     cfg = replace(cfg, warmup=warmup, steps=steps)
@@ -170,7 +170,7 @@ def run_one(cfg: BenchConfig, console=None, live=None) -> dict:
                 estimate_noise=cfg.estimate_noise,
                 noise_seed=cfg.seed,
             ).helix_spec()
-            ran[system] = _run_system(system, cfg, replace(plan, system=system, port=_free_port(), dataset=spec), live)
+            ran[system] = run_system(system, cfg, replace(plan, system=system, port=_free_port(), dataset=spec), live)
             probes.append(probe())
         bound = Bound(
             decode_s=sum(decode[i] for i in flat),

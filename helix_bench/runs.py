@@ -83,7 +83,7 @@ def validate_run(run: Mapping, where: str = "run") -> None:
             raise ValueError(f"{where}: systems[{name!r}] is missing keys {missing}")
 
 
-def _prepare(runs) -> list[dict]:
+def prepare(runs) -> list[dict]:
     runs = [runs] if isinstance(runs, Mapping) else list(runs)
     if not runs:
         raise ValueError("results: no runs")
@@ -96,7 +96,7 @@ def _prepare(runs) -> list[dict]:
 def write_results(out_dir, results: Mapping | Sequence[Mapping]) -> Path:
     """Validate and write ``out_dir/results.json`` (indented; NaN written as null): the run's
     object for one run, ``{"runs": [...]}`` for a list of several. Returns the path."""
-    data = _prepare(results)
+    data = prepare(results)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     path = out / "results.json"

@@ -29,7 +29,7 @@ def _roles(procs, cluster, pool) -> dict[str, list[int]]:
 _CHILD_ROLES = {"ranks": "loader-workers", "dataservers": "workers"}
 
 
-def _run_system(system: str, cfg: BenchConfig, plan: RankPlan, live) -> tuple[list, dict]:
+def run_system(system: str, cfg: BenchConfig, plan: RankPlan, live) -> tuple[list, dict]:
     """Start the system's shared parts, run the rank processes; return (results, measurement):
     CPU snapshots by role and wall times (``time.time()``) at the start and end of the measured steps."""
     import psutil

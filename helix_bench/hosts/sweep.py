@@ -43,7 +43,7 @@ def run_hosts_bench(cfg: HostBenchConfig, out_dir, console=None) -> dict:
 
     from helix_bench.benchconfig import BenchConfig
     from helix_bench.emulate import measure_decode, window_scale
-    from helix_bench.harness import _dataset, expected_indices, measured_gpu_s, steps_per_epoch
+    from helix_bench.harness import bench_dataset, expected_indices, measured_gpu_s, steps_per_epoch
     from helix_bench.hosts.point import run_point
     from helix_bench.hosts.report import write_report
     from helix_bench.metrics import Bound
@@ -74,7 +74,7 @@ def run_hosts_bench(cfg: HostBenchConfig, out_dir, console=None) -> dict:
         seed=cfg.seed,
         data_dir=cfg.data_dir,
     )
-    ds = _dataset(bc, progress=console is not None)
+    ds = bench_dataset(bc, progress=console is not None)
     spe = steps_per_epoch(len(ds), bc)
     warmup, steps = round_to_windows(bc.warmup, bc.steps, spe, bc.window)
     bc = replace(bc, warmup=warmup, steps=steps)

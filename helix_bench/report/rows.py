@@ -30,18 +30,18 @@ _BASELINE = "native"
 
 
 # ---------------------------------------------------------------- the table
-def _num(v) -> float:
+def num(v) -> float:
     return math.nan if v is None else float(v)
 
 
-def _fmt(v, spec: str, scale: float = 1.0, suffix: str = "") -> str:
-    v = _num(v)
+def fmt(v, spec: str, scale: float = 1.0, suffix: str = "") -> str:
+    v = num(v)
     return "n/a" if math.isnan(v) else f"{v * scale:{spec}}{suffix}"
 
 
 def _fmt_s(v) -> str:
     """Seconds: four decimals below 1 s (0.1 ms resolution), three up to 100 s, one above."""
-    v = _num(v)
+    v = num(v)
     return "n/a" if math.isnan(v) else f"{v:.4f}" if v < 1 else f"{v:.3f}" if v < 100 else f"{v:.1f}"
 
 
@@ -60,26 +60,26 @@ def table_rows(run: Mapping) -> list[list[str]]:
         if "skipped" in m:
             rows.append([name, f"skipped: {m['skipped']}"] + [""] * (len(HEADERS) - 2))
             continue
-        ratio = _num(m["throughput_sps"]) / _num(base) if base else math.nan
-        vs_ray = _num(m["throughput_sps"]) / _num(ray) if ray else math.nan
+        ratio = num(m["throughput_sps"]) / num(base) if base else math.nan
+        vs_ray = num(m["throughput_sps"]) / num(ray) if ray else math.nan
         rows.append(
             [
                 name,
-                _fmt(m["throughput_sps"], ".2f"),
-                _fmt(ratio, ".2f", suffix="x"),
-                _fmt(vs_ray, ".2f", suffix="x"),
-                _fmt(m["bound_fraction"], ".1f", 100),
+                fmt(m["throughput_sps"], ".2f"),
+                fmt(ratio, ".2f", suffix="x"),
+                fmt(vs_ray, ".2f", suffix="x"),
+                fmt(m["bound_fraction"], ".1f", 100),
                 _fmt_s(m["input_wait_p50_s"]),
                 _fmt_s(m["input_wait_p95_s"]),
                 _fmt_s(m["batch_ready_p95_s"]),
-                _fmt(m["ddl_miss_rate"], ".1f", 100),
+                fmt(m["ddl_miss_rate"], ".1f", 100),
                 _fmt_s(m["step_time_p95_s"]),
                 _fmt_s(m["sync_wait_mean_s"]),
-                _fmt(m.get("imbalance_ratio"), ".3f"),
-                _fmt(m.get("decode_efficiency"), ".1f", 100),
-                _fmt(m["cross_ds_bytes"], ".1f", 1e-6),
-                _fmt(m["scheduler_overhead_us_p99"], ".1f"),
-                _fmt(m["cpu_util"], ".1f", 100),
+                fmt(m.get("imbalance_ratio"), ".3f"),
+                fmt(m.get("decode_efficiency"), ".1f", 100),
+                fmt(m["cross_ds_bytes"], ".1f", 1e-6),
+                fmt(m["scheduler_overhead_us_p99"], ".1f"),
+                fmt(m["cpu_util"], ".1f", 100),
             ]
         )
     return rows
@@ -104,17 +104,17 @@ def cpu_rows(run: Mapping) -> tuple[list[str], list[list[str]]]:
     for name, m in ran.items():
         by = m["cpu_s_by_role"]
         err = (
-            f"{_fmt(m.get('cost_error_start'), '.0f', 100)} → {_fmt(m.get('cost_error_end'), '.0f', 100)}"
+            f"{fmt(m.get('cost_error_start'), '.0f', 100)} → {fmt(m.get('cost_error_end'), '.0f', 100)}"
             if m.get("cost_error_start") is not None
             else "n/a"
         )
         rows.append(
             [
                 name,
-                *[_fmt(by.get(r, 0.0), ".1f") for r in roles],
-                _fmt(sum(by.values()), ".1f"),
-                _fmt(m.get("decode_efficiency"), ".1f", 100),
-                _fmt(m.get("decode_slots_busy"), ".1f", 100),
+                *[fmt(by.get(r, 0.0), ".1f") for r in roles],
+                fmt(sum(by.values()), ".1f"),
+                fmt(m.get("decode_efficiency"), ".1f", 100),
+                fmt(m.get("decode_slots_busy"), ".1f", 100),
                 err,
                 str(m["stolen"]) if m.get("stolen") is not None else "n/a",
             ]
@@ -154,16 +154,16 @@ def tier2_rows(run: Mapping) -> tuple[list[str], list[list[str]]]:
                 name,
                 str(t["rounds"]),
                 f"{t['moved']} / {t['kept']} / {t['alone']} / {t['error']}",
-                _fmt(t["projected_gain_s"], ".2f"),
-                _fmt(t["realised_gain_s"], ".2f"),
-                _fmt(t["transfer_s"], ".3f"),
+                fmt(t["projected_gain_s"], ".2f"),
+                fmt(t["realised_gain_s"], ".2f"),
+                fmt(t["transfer_s"], ".3f"),
                 str(t["moved_samples"]),
-                _fmt(t["moved_bytes"], ".0f", 1e-6),
+                fmt(t["moved_bytes"], ".0f", 1e-6),
                 _fmt_s(t["wait_s_p50"]),
                 ", ".join(f"{k} {v}" for k, v in sorted((t.get("closed_by") or {}).items())) or "n/a",
                 _fmt_s(t.get("input_wait_s_p50")),
-                f"{_fmt(t.get('kept_projected_gain_s'), '.2f')} / {_fmt(t.get('kept_floor_gain_s'), '.2f')}",
-                f"{_fmt(m.get('imbalance_ratio'), '.3f')} → {_fmt(m.get('imbalance_within_step_floor'), '.3f')}",
+                f"{fmt(t.get('kept_projected_gain_s'), '.2f')} / {fmt(t.get('kept_floor_gain_s'), '.2f')}",
+                f"{fmt(m.get('imbalance_ratio'), '.3f')} → {fmt(m.get('imbalance_within_step_floor'), '.3f')}",
             ]
         )
     return headers, rows

@@ -11,8 +11,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from helix_bench.report.figures import CAPTIONS, FIGURES, draw_figures
-from helix_bench.report.rows import HEADERS, _fmt, _num, cpu_rows, table_rows, tier2_rows
-from helix_bench.runs import RUN_KEYS, _prepare, write_results
+from helix_bench.report.rows import HEADERS, cpu_rows, fmt, num, table_rows, tier2_rows
+from helix_bench.runs import RUN_KEYS, prepare, write_results
 
 __all__ = ["FIGURES", "print_table", "run_label", "write_report"]
 
@@ -41,7 +41,7 @@ def run_label(run: Mapping, runs: Sequence[Mapping] = ()) -> str:
 
 
 def _bound_line(bound: Mapping) -> str:
-    decode, gpu, slots = _num(bound.get("decode_s")), _num(bound.get("gpu_s")), bound.get("cpu_slots")
+    decode, gpu, slots = num(bound.get("decode_s")), num(bound.get("gpu_s")), bound.get("cpu_slots")
     capacity = bound.get("decode_capacity") or slots
     limited = bound.get("limited_by")
     if limited is None and capacity:
@@ -56,7 +56,7 @@ def _bound_line(bound: Mapping) -> str:
     else:
         cpu = f"decode {decode:.2f} CPU-s"
     return (
-        f"Physical bound: {_fmt(bound['throughput_sps'], '.2f')} samples/s, limited by "
+        f"Physical bound: {fmt(bound['throughput_sps'], '.2f')} samples/s, limited by "
         f"{(limited or 'n/a').upper()} ({cpu}; token-balanced GPU {gpu:.2f} s)"
     )
 
@@ -68,7 +68,7 @@ def _heading(run: Mapping) -> tuple[str, list[str]]:
     )
     facts = [
         f"{run['steps']} measured steps per rank after {run['warmup']} warm-up; DDL tolerance "
-        f"{_fmt(run['ddl_tolerance_s'], '.1f', 1e3)} ms; GPU window scale {_fmt(run['window_scale'], '.3g')}",
+        f"{fmt(run['ddl_tolerance_s'], '.1f', 1e3)} ms; GPU window scale {fmt(run['window_scale'], '.3g')}",
         _bound_line(run["bound"]),
     ]
     extras = {
@@ -127,7 +127,7 @@ def print_table(console, run: Mapping) -> None:
     """Print the run's table (as in ``report.md``) to a ``rich.console.Console``."""
     from rich.table import Table
 
-    run = _prepare(run)[0]
+    run = prepare(run)[0]
     title, facts = _heading(run)
     caption = facts[1] + (f"\n{run['note']}" if run.get("note") else "")
     rows = table_rows(run)
@@ -156,7 +156,7 @@ def write_report(out_dir, runs: Sequence[Mapping] | Mapping) -> dict[str, Path]:
     Returns ``{file name: path}`` for the files written; without matplotlib the figures are left
     out and ``report.md`` says so.
     """
-    data = _prepare(runs)
+    data = prepare(runs)
     out = Path(out_dir)
     paths = {"results.json": write_results(out, data)}
     labels = [run_label(r, data) for r in data]
