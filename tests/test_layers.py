@@ -34,7 +34,12 @@ LAYERS = {
     },
     "testing": {"config", "errors", "data"},
 }  # fmt: skip
-PURE = ["helix_core/planning", "helix_core/tier2/rebalance.py", "helix_core/tier2/rounds.py"]
+PURE = [
+    "helix_core/planning",
+    "helix_core/tier2/rebalance.py",
+    "helix_core/tier2/rounds.py",
+    "helix_core/tier2/policy.py",
+]
 IMPURE = [
     "grpc",
     "helix_core.wire",

@@ -33,7 +33,7 @@ def _member(a: dict) -> dict:
     import helix_core as hx
     from helix_core.config import ClusterConfig
     from helix_core.security.auth import call_metadata
-    from helix_core.tier2.collective import ExchangeGroup, pack, pack_many, unpack
+    from helix_core.tier2.collective import GlooGroup, pack, pack_many, unpack
     from helix_core.wire.rpc import connect, create_server
 
     rank, world, config = a["rank"], a["world"], ClusterConfig()
@@ -60,7 +60,7 @@ def _member(a: dict) -> dict:
         ]
     )
     server.start()
-    group = ExchangeGroup(rank, world, a.get("store_host", "127.0.0.1"), a["store_port"], timeout_s=120)
+    group = GlooGroup(rank, world, a.get("store_host", "127.0.0.1"), a["store_port"], timeout_s=120)
     try:
         peers = group.all_gather_json(f"{bind}:{port}")
         channels = [connect(p, config) for p in peers]
@@ -79,7 +79,7 @@ def _member(a: dict) -> dict:
         for _ in range(a["repeats"]):
             group.all_gather_json(0)  # barrier
             t0 = time.perf_counter()  # packed beforehand, as the gRPC path's clips are: the move alone
-            incoming = [unpack(b) if b.numel() else [] for b in group.exchange_bytes(*send_bufs)]
+            incoming = [unpack(b) if b.numel() else [] for b in group.all_to_all_bytes(*send_bufs)]
             t_a2a = time.perf_counter() - t0
             assert sum(map(len, incoming)) == sum(1 for _, d in _dests(world, a["clips"]) if d == rank)
             group.all_gather_json(0)

@@ -205,7 +205,7 @@ class Requests:
         if any(r.error_kind for r in replies):
             return None
         try:
-            batch = self.tier2.exchange(task, replies, stop)
+            batch = self.tier2.join_round(task, replies, stop)
         except RoundLost as lost:  # its slabs went with a server: decode the samples the round gave it again
             part = Part(next(self.task_ids), lost.indices, None)
             task.parts.append(part)

@@ -25,7 +25,7 @@ import torch
 from helix_core.errors import ClusterError
 from helix_core.memory.tensors import flatten, layout, read_tensors, unflatten, write_tensors
 
-__all__ = ["ExchangeGroup", "open_store", "pack", "pack_many", "unpack"]
+__all__ = ["GlooGroup", "open_store", "pack", "pack_many", "unpack"]
 
 _LEN = struct.Struct("<Q")
 _ALIGN = 64
@@ -133,7 +133,7 @@ def open_store(host: str, world: int, timeout_s: float = 30.0, port: int = 0):
         raise ClusterError(f"redistribution rendezvous on {host}: {e}") from None
 
 
-class ExchangeGroup:
+class GlooGroup:
     """This process's member of a redistribution group: ``rank`` of ``world`` on the store at
     ``host:port`` (rank 0 hosts it unless ``store`` — from :func:`open_store` — is given). A gloo
     group of its own (not torch.distributed's default one, so a process may hold several), its
@@ -155,7 +155,7 @@ class ExchangeGroup:
         import torch.distributed as dist
 
         if backend != "gloo":
-            raise ValueError(f"ExchangeGroup backend {backend!r}: only gloo is built (NCCL needs a GPU per server)")
+            raise ValueError(f"GlooGroup backend {backend!r}: only gloo is built (NCCL needs a GPU per server)")
         self.rank, self.world, self.timeout_s = rank, world, timeout_s
         try:
             if store is None and rank == 0:
@@ -174,19 +174,19 @@ class ExchangeGroup:
     def _failed(self, e: Exception) -> ClusterError:
         return ClusterError(f"redistribution round failed on rank {self.rank} of {self.world}: {e}")
 
-    def exchange(self, outgoing: list[list]) -> list[list]:
+    def all_to_all(self, outgoing: list[list]) -> list[list]:
         """Send ``outgoing[dst]`` (samples) to every rank ``dst``; returns ``incoming[src]``."""
         if len(outgoing) != self.world:
-            raise ValueError(f"exchange: one list per rank ({self.world}), got {len(outgoing)}")
-        got = self.exchange_bytes(*pack_many(outgoing))
+            raise ValueError(f"all_to_all: one list per rank ({self.world}), got {len(outgoing)}")
+        got = self.all_to_all_bytes(*pack_many(outgoing))
         return [unpack(b) if b.numel() else [] for b in got]
 
-    def exchange_bytes(self, send: torch.Tensor, split: list[int]) -> list[torch.Tensor]:
-        """The bytes of :meth:`exchange`: ``send[...]`` cut by ``split`` (one part per rank) goes
+    def all_to_all_bytes(self, send: torch.Tensor, split: list[int]) -> list[torch.Tensor]:
+        """The bytes of :meth:`all_to_all`: ``send[...]`` cut by ``split`` (one part per rank) goes
         to each rank; one ``all_to_all`` of sizes, one of bytes. Returns each rank's part."""
         if len(split) != self.world or sum(split) != send.numel():
             raise ValueError(
-                f"exchange_bytes: {len(split)} parts of {sum(split)} bytes for {self.world} ranks "
+                f"all_to_all_bytes: {len(split)} parts of {sum(split)} bytes for {self.world} ranks "
                 f"and a {send.numel()}-byte buffer"
             )
         try:

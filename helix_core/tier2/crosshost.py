@@ -1,9 +1,10 @@
 """Tier 2 across hosts (paper Section 3.5): a round's rows that move to a rank on another host.
 
 Within a host a round hands slabs over (``tier2/leader.py``); a slab cannot cross hosts, so its
-rows must. The round's leader has one member per host of the group — itself for its own host,
-and the delivery server of that host's lowest rank elsewhere — move them (``Exchange``), then
-answers every rank with takes of the rows' new slabs, on the rank's own host:
+rows must. The round's leader has one member per host of the group (``HostMember``) — itself for
+its own host, and the delivery server of that host's lowest rank elsewhere — move them (the
+``Exchange`` RPC, driven by the leader's ``CrossHostMover``), then answers every rank with takes
+of the rows' new slabs, on the rank's own host:
 
 - ``grpc`` (the default on a TLS cluster, and the fallback): each member with rows to send
   streams them, one slab's rows at a time, into the receiving member (``Deliver``, or the bulk
@@ -41,10 +42,10 @@ from helix_core.wire.proto import helix_pb2_grpc as pbg
 from helix_core.wire.rpc import connect
 
 # torch and what is built on it (``tensors``, ``merge``, ``collective``) are imported where rows are
-# read, packed or written: every DataServer holds an ``ExchangeMember``, and one that never moves
+# read, packed or written: every DataServer holds a ``HostMember``, and one that never moves
 # rows across hosts never loads torch (a server's start is ~2 s of CPU shorter without it).
 
-__all__ = ["ExchangeMember", "HostExchange", "load_row_code", "meta_dicts", "read_rows", "TRANSPORTS"]
+__all__ = ["CrossHostMover", "HostMember", "TRANSPORTS", "load_row_code", "meta_dicts", "read_rows"]
 
 log = logging.getLogger("helix.crosshost")
 TRANSPORTS = ("collective", "grpc")
@@ -105,13 +106,13 @@ def _header(batch, pickle_allowed: bool) -> tuple[pb.StreamHeader, list, list[di
 MAX_GROUPS = 8  # gloo groups a member keeps (one per leader it serves); the least recently used goes
 
 
-class _Group:
+class _GroupSlot:
     """A member's gloo group for one leader's store: one collective at a time (``lock``)."""
 
     def __init__(self):
         self.lock = threading.Lock()
         self.generation: int | None = None
-        self.group = None  # ExchangeGroup
+        self.group = None  # GlooGroup
 
     def close(self) -> None:
         group, self.group, self.generation = self.group, None, None
@@ -119,8 +120,8 @@ class _Group:
             group.close()
 
 
-class ExchangeMember:
-    """A DataServer's part in cross-host exchanges (its ``Exchange`` RPC): ``reader`` maps its
+class HostMember:
+    """A DataServer's part in moving rows between hosts (its ``Exchange`` RPC): ``reader`` maps its
     host's slabs, ``inbound`` takes rows into its own, ``outbound`` streams to other members.
     ``secure``: the server has TLS, so it takes part in no collective (gloo has no TLS)."""
 
@@ -130,7 +131,7 @@ class ExchangeMember:
         self._lock = threading.Lock()  # guards _groups
         # a group per leader (its store's address): two leaders that are each other's members never
         # share a group, nor wait on each other's lock
-        self._groups: OrderedDict[str, _Group] = OrderedDict()
+        self._groups: OrderedDict[str, _GroupSlot] = OrderedDict()
 
     def serve(self, req: pb.ExchangeRequest, store=None) -> pb.ExchangeReply:
         """One member's round; ``store``: the leader's own (in process). ClusterError if it failed."""
@@ -171,13 +172,13 @@ class ExchangeMember:
             for s in req.sends
         ]
 
-    def _slot(self, where: str) -> _Group:
+    def _slot(self, where: str) -> _GroupSlot:
         """The group of the leader whose store is at ``where``, made if new (past ``MAX_GROUPS``, the
         least recently used idle one is closed)."""
         with self._lock:
             slot = self._groups.get(where)
             if slot is None:
-                slot = self._groups[where] = _Group()
+                slot = self._groups[where] = _GroupSlot()
                 for old in list(self._groups)[:-1]:
                     if len(self._groups) <= MAX_GROUPS:
                         break
@@ -223,15 +224,15 @@ class ExchangeMember:
             except (grpc.RpcError, DeliveryFailed):
                 pass  # that member is gone: its slabs went with it
 
-    def _join(self, req, store, slot: _Group):
+    def _join(self, req, store, slot: _GroupSlot):
         """(Under ``slot.lock``.) The leader's group at ``req.generation``, joined if new."""
-        from helix_core.tier2.collective import ExchangeGroup
+        from helix_core.tier2.collective import GlooGroup
 
         if slot.group is not None and slot.generation == req.generation:
             return slot.group
         slot.close()
         host, port = req.store.rsplit(":", 1)
-        slot.group = ExchangeGroup(
+        slot.group = GlooGroup(
             req.member,
             len(req.members),
             host.strip("[]"),
@@ -244,13 +245,13 @@ class ExchangeMember:
         slot.generation = req.generation
         return slot.group
 
-    def _by_collective(self, req, rows, store, slot: _Group) -> pb.ExchangeReply:
+    def _by_collective(self, req, rows, store, slot: _GroupSlot) -> pb.ExchangeReply:
         try:
             group = self._join(req, store, slot)
             outgoing = [[] for _ in req.members]
             for s, batch in rows:
                 outgoing[s.to].append({"key": int(s.key), "rows": batch})
-            incoming = group.exchange(outgoing)
+            incoming = group.all_to_all(outgoing)
         except (ClusterError, TypeError) as e:  # a dead peer, a timeout, a structure JSON cannot carry
             slot.close()
             raise ClusterError(f"Tier-2 round {req.round}: all_to_all: {e}") from None
@@ -297,12 +298,12 @@ def batch_bytes(batch) -> int:
     return sum(t.numel() * t.element_size() for t in flatten(batch, allow_pickle=True)[2])
 
 
-class HostExchange:
+class CrossHostMover:
     """The leader's side: runs a round's cross-host moves through each host's member (``member``
     is the leader's own), falling back from the collective to gRPC; ``counts`` by transport. With
     ``tls`` it never opens a store nor asks for a collective: rows go by gRPC over TLS."""
 
-    def __init__(self, member: ExchangeMember, token: str | None, config, tls):
+    def __init__(self, member: HostMember, token: str | None, config, tls):
         self.member, self.token, self.config, self.tls = member, token, config, tls
         self._channels: dict[str, grpc.Channel] = {}
         self._store, self._store_for, self._generation = None, None, 0
@@ -448,3 +449,8 @@ class HostExchange:
         self._close_store()
         for ch in self._channels.values():
             ch.close()
+
+
+# the old names, until ``server/service.py`` imports the new ones
+ExchangeMember = HostMember
+HostExchange = CrossHostMover

@@ -1,17 +1,19 @@
 """Tier-2 rounds at a group's leader DataServer (paper Section 3.4 "Balance correction",
-Algorithm 1 lines 10-14): the runtime around the pure ``planning.rounds`` / ``planning.rebalance``.
+Algorithm 1 lines 10-14): the runtime around the pure ``tier2.rounds`` (which batches meet) and
+``tier2.policy`` (which rank takes each row).
 
 Each rank of a ``client_ranks`` group, once a batch of a global step has landed, sends its slab
 handles and its samples' features here (``Rebalance``) and is held until that step's round closes
 (samples move only within a step, so each step has a round of its own): complete (all the group's
 ranks sent it), full, or when its earliest batch's limit (``timeout_s``, from the rank's deadline)
-has passed. The
-round runs the group's policy (``sort_fn``, which travels like a dataset: an import path, or
-cloudpickle where the server takes pickles) over the features, checks the assignment, and answers
-each rank with the rows it takes, slab by slab. Between ranks of one host the slabs are handed
-over (no bytes move between servers), and a slab read by several ranks carries their count
-(``SlabReader.share``), so the last one frees it. Rows bound for another host go through that
-host's member (``crosshost``: one packed ``all_to_all``, or gRPC forwarding as the fallback).
+has passed. The round runs the group's policy (``sort_fn``, which travels like a dataset: an
+import path, or cloudpickle where the server takes pickles) over the features, checks the
+assignment, and answers each rank with the rows it takes, slab by slab. Between ranks of one host
+the slabs are handed over (no bytes move between servers), and a slab read by several ranks
+carries their count (``SlabReader.share``), so the last one frees it. Rows bound for another host
+go through that host's member (``tier2.crosshost``: one packed ``all_to_all``, or gRPC streams as
+the fallback). A moved round is recorded at the Coordinator (``commit``) before any rank sees it;
+a round that cannot go ahead keeps every batch where it is.
 
 Who owns a batch is decided here, under one lock: a rank that will not take its call's reply (its
 loader stopped, or the call failed on the way) asks ``LeaveRound``. A batch still in its open
@@ -22,9 +24,6 @@ closes now and runs with what it holds.
 
 Nothing here waits on a clock it could block on instead: a held call waits on the round's
 condition until its own round closes, or until the open round's timeout is due.
-
-The round itself runs in ``tier2_policy.py`` (the assignment) and ``tier2_outcome.py`` (the
-takes, the cross-host exchange, the replies); this module holds the calls until it does.
 """
 
 from __future__ import annotations
@@ -37,18 +36,21 @@ import threading
 import time
 from collections import Counter, OrderedDict
 
+from helix_core.errors import ClusterError
 from helix_core.memory.reader import SlabReader
-from helix_core.tier2.outcome import EXCHANGE_TIMEOUT_S, RoundOutcome
-from helix_core.tier2.policy import RoundPolicy
+from helix_core.tier2.policy import Policies, decide
 from helix_core.tier2.rounds import Round, RoundBuffer, RoundItem
 from helix_core.wire.proto import helix_pb2 as pb
 
-__all__ = ["RoundTable", "bad_timeout"]
+__all__ = ["EXCHANGE_TIMEOUT_S", "MAX_TIMEOUT_S", "RoundTable", "bad_timeout"]
 
 log = logging.getLogger("helix.tier2")
 
 KEPT_CALLS = 1024  # answered calls a LeaveRound may still ask about (and calls left before they came)
 MAX_TIMEOUT_S = 86400.0  # the longest wait a call may ask for (a day): a wait past it is a client's error
+# a round's cross-host Exchange (its collective, each gRPC stream) gives up after this (seconds); a
+# rank's call waits for it twice beyond its round's own limit
+EXCHANGE_TIMEOUT_S = 10.0
 
 
 def bad_timeout(value: float, name: str) -> str | None:
@@ -57,6 +59,15 @@ def bad_timeout(value: float, name: str) -> str | None:
     if not (math.isfinite(value) and 0.0 <= value <= MAX_TIMEOUT_S):
         return f"{name} must be a finite number of seconds in [0, {MAX_TIMEOUT_S:g}], got {value!r}"
     return None
+
+
+def _slab(call, b: int) -> dict:
+    s = call.request.batches[b].slab
+    return {"segment": s.segment, "generation": s.generation}
+
+
+def _slab_pb(call, b: int) -> pb.SlabHandle:
+    return call.request.batches[b].slab
 
 
 @dataclasses.dataclass(eq=False)
@@ -84,32 +95,41 @@ class _Call:
         return int(self.request.indices[k]) if k < len(self.request.indices) else -1
 
 
-class RoundTable(RoundOutcome, RoundPolicy):
+class RoundTable:
     """The rounds this DataServer leads, one open round per group and step. Thread-safe: each held
-    call runs on its own gRPC thread; the one whose batch closes a round (or finds it due) runs it."""
+    call runs on its own gRPC thread; the one whose batch closes a round (or finds it due) runs it.
+
+    ``allow_pickle``: whether a group's policy may come as cloudpickle; ``mover``: the
+    ``CrossHostMover`` that moves rows between hosts (None: this server moves none); ``address``
+    and ``host``: this server's (the leader is its host's member); ``commit``: records a moved
+    round at the Coordinator before any rank sees it (None: no Coordinator); ``max_held``: calls
+    it holds at once."""
 
     def __init__(
         self,
         allow_pickle: bool,
         clock=time.monotonic,
-        exchange=None,
+        mover=None,
         address: str = "",
         host: str = "",
         commit=None,
         max_held: int = 32,
+        *,
+        exchange=None,  # the old name of ``mover``, until ``serve_dataserver`` passes ``mover=``
     ):
-        self.allow_pickle, self.clock = allow_pickle, clock
+        self.clock = clock
+        self.policies = Policies(allow_pickle)  # the groups' policies, loaded once per content
         # calls held at once (each takes a gRPC handler thread): one past it keeps its batch at once
         # ("busy"), so held rounds never take the threads the server's other RPCs need
         self.max_held, self._held = max_held, 0
         # commit(group, run, step, {rank: indices}, {rank: [(segment, generation)]}, age_s) -> bool: a
         # moved round recorded at the Coordinator before a rank sees it (None: no Coordinator)
         self.commit = commit
-        self.exchange, self.address, self.host = exchange, address, host  # HostExchange: rows across hosts
+        self.mover = mover if mover is not None else exchange
+        self.address, self.host = address, host
         self.reader = SlabReader()
         self._cond = threading.Condition()
         self._buffers: dict[str, RoundBuffer] = {}
-        self._policies: OrderedDict[str, tuple] = OrderedDict()  # by the hash of the policy's bytes
         self._calls: OrderedDict[tuple, _Call] = OrderedDict()  # (group, run, step, rank, client): its call
         self._left: OrderedDict[tuple, None] = OrderedDict()  # calls that left before they came
         self.counts: Counter = Counter()  # rounds by outcome
@@ -283,7 +303,239 @@ class RoundTable(RoundOutcome, RoundPolicy):
         )
         return call.reply
 
+    # ---- a closed round, carried out (outside the lock) ----------------------------------------
+    def _run(self, rnd: Round) -> None:
+        """The policy's assignment of ``rnd`` turned into each rank's takes, slab by slab: slabs
+        handed over within a host, rows that change host moved by each host's member, the round
+        committed at the Coordinator, then every call's reply; a round that cannot go ahead keeps
+        every batch where it is."""
+        with self._cond:  # a call that ended while its round closed is left out of it
+            gone = [it for it in rnd.items if it.key[0].ended]
+            if gone:
+                for c in {it.key[0] for it in gone}:
+                    self._keep(c, "cancelled")
+                rnd = Round(tuple(it for it in rnd.items if not it.key[0].ended), rnd.closed_by)
+        calls = list(dict.fromkeys(it.key[0] for it in rnd.items))
+        if not calls:
+            return
+        outcome, assignment, gain, cost, waited = decide(rnd, [c.request for c in calls], self.policies)
+        if assignment is None:
+            self.counts[outcome.split(":")[0]] += 1
+            for c in calls:
+                self._keep(
+                    c,
+                    outcome,
+                    round_samples=len(rnd.items),
+                    closed_by=rnd.closed_by,
+                    gain_s=gain,
+                    transfer_s=cost,
+                    input_wait_s=waited,
+                )  # what the gate saw
+            return
+        by_call = {(c.request.step, c.request.rank): c for c in calls}
+        rows: dict[tuple, list] = {}  # (source call, its slab, taker): rows, in order
+        for it, dst in zip(rnd.items, assignment):
+            src, k = it.key
+            b, row = src.source(k)
+            rows.setdefault((src, b, by_call[(it.step, dst)]), []).append((row, it))
+        readers: dict[tuple, set] = {}  # (source call, slab): its takers on the source's host
+        for src, b, to in rows:
+            readers.setdefault((src, b), set())
+            if to.request.host == src.request.host:
+                readers[(src, b)].add(to)
+        if any(not self.reader.held(_slab(src, b)) for src, b in readers if src.request.host == self.host):
+            return self._keep_all(calls, rnd, "error: a slab of the round was released before it closed")
+        try:
+            members, at = self._members(calls)
+            crossed, transport = self._cross(calls, rows, members, at)
+        except (ClusterError, ValueError) as e:  # a member gone or failed: the round keeps every batch
+            return self._keep_all(calls, rnd, f"error: the cross-host exchange failed (kept): {e}")
+        replies = {
+            c: self._reply(c, rows, readers, crossed, transport, outcome, rnd, gain, cost, waited) for c in calls
+        }
+        shares: dict[int, list] = {}  # before any reply: a reader's release counts down from here
+        for (src, b), who in readers.items():
+            if len(who) > 1:
+                shares.setdefault(at.get(src.request.host, -1), []).append((_slab_pb(src, b), len(who)))
+        name = f"{calls[0].request.group}@{calls[0].request.step}"
+        try:
+            if -1 in shares:
+                raise ValueError("a shared slab's host has no member")
+            self._share(name, members, shares)
+            # the last step that can fail: before any rank can see it, the Coordinator records what
+            # each rank now trains on; a rank whose leader dies before it answers learns it there
+            committed = self._commit(calls[0].request, replies, min(c.arrived for c in calls))
+            if committed is not True:
+                raise ClusterError(f"the Coordinator did not commit it ({committed})")
+        except (ClusterError, ValueError) as e:
+            self._share(name, members, {i: [(s, 1) for s, _ in got] for i, got in shares.items() if i >= 0}, undo=True)
+            if crossed:
+                held: dict[int, list] = {}
+                for to, new in crossed.items():
+                    held.setdefault(at[to.request.host], []).extend(h.slab for h in new.values())
+                self.mover.drop(members, held)
+            return self._keep_all(calls, rnd, f"error: the round could not go ahead (kept): {e}")
+        self.counts[outcome] += 1
+        for c, reply in replies.items():
+            c.reply = reply
+
+    def _share(self, name: str, members: list[str], shares: dict[int, list], undo: bool = False) -> None:
+        """Each shared slab's reader count, on its host's member (``shares``: member -> [(slab,
+        readers)]); ``undo`` (counts of 1) never raises: a round that failed gives each slab back
+        to its owner alone."""
+        try:
+            for s, n in shares.get(0, []):
+                if not self.reader.share({"segment": s.segment, "generation": s.generation}, n) and not undo:
+                    raise ValueError(f"slab {s.segment} was released before the round closed")
+            remote = {i: got for i, got in shares.items() if i > 0}
+            if remote:
+                self.mover.share(name, members, remote)
+        except (ClusterError, OSError) as e:
+            if not undo:
+                raise ClusterError(str(e)) from None
+
+    def _commit(self, req: pb.RebalanceRequest, replies: dict, opened: float):
+        """True once the Coordinator holds the round's answer (the round opened at ``opened``), else
+        why not. A commit whose outcome is unknown (no reply) is withdrawn — unless a rank already
+        learned it: then it stands."""
+        if self.commit is None:  # no Coordinator (a table on its own)
+            return True
+        moved = {c.request.rank: [i for t in r.takes for i in t.indices] for c, r in replies.items()}
+        if any(i < 0 for v in moved.values() for i in v):
+            return "a rank did not name its samples"  # no record could tell a rank what to decode again
+        # what a rank releases had it read its answer: each take's slab (a shared one counts it), and
+        # its own slabs whose rows all left its host
+        release = {
+            c.request.rank: list(
+                dict.fromkeys((h.segment, h.generation) for h in [*(t.batch.slab for t in r.takes), *r.release])
+            )
+            for c, r in replies.items()
+        }
+        try:
+            return (
+                self.commit(req.group, req.run, req.step, moved, release, self.clock() - opened)
+                or "a rank was told to keep its batch"
+            )
+        except Exception as e:  # noqa: BLE001 - unknown whether it landed: withdraw it
+            why = f"{type(e).__name__}: {e}"
+        paused, pause = 0.0, 0.05
+        while True:  # a commit that stood while every rank was told it kept would be the one disagreement
+            try:
+                return (
+                    "withdrawn: " + why
+                    if self.commit(req.group, req.run, req.step, {}, {}, self.clock() - opened)
+                    else True
+                )
+            except Exception as e:  # noqa: BLE001 - the Coordinator is out of reach: try again, a while
+                if paused + pause > EXCHANGE_TIMEOUT_S:
+                    return f"{why}; not withdrawn: {type(e).__name__}: {e}"
+            time.sleep(pause)  # a back-off between tries (counted, so a table's own clock may stand still)
+            paused, pause = paused + pause, min(2 * pause, 1.0)
+
+    def _reply(
+        self,
+        c,
+        rows: dict,
+        readers: dict,
+        crossed: dict,
+        transport: str,
+        outcome: str,
+        rnd: Round,
+        gain: float,
+        cost: float,
+        waited: float,
+    ) -> pb.RebalanceReply:
+        """Call ``c``'s answer: the rows it takes, its own first, then by source rank, slab and row."""
+        reply = pb.RebalanceReply(
+            outcome=outcome,
+            gain_s=gain,
+            transfer_s=cost,
+            round_samples=len(rnd.items),
+            closed_by=rnd.closed_by,
+            transport=transport if crossed.get(c) else "",
+            input_wait_s=waited,
+        )
+        units = []  # (order, the take)
+        for (src, b, to), got in rows.items():
+            if to is not c:
+                if (
+                    src is c
+                    and to.request.host != c.request.host
+                    and not readers[(src, b)]
+                    and _slab_pb(src, b) not in reply.release
+                ):
+                    reply.release.append(_slab_pb(src, b))  # every row of it left this host
+                continue
+            take_rows = [r for r, _ in got]
+            order = (src is not c, src.request.rank, b, take_rows[0])
+            if src is not c:
+                reply.moved_in += len(got)
+                reply.moved_bytes += sum(int(it.features.get("bytes", 0) or 0) for _, it in got)
+            indices = [src.index(b, r) for r in take_rows]
+            costs = [float(it.features.get("cost", 0.0) or 0.0) for _, it in got]
+            if to.request.host != src.request.host:  # its rows' new slab on this host
+                reply.crossed_bytes += sum(int(it.features.get("bytes", 0) or 0) for _, it in got)
+                take = pb.RowTake(
+                    batch=crossed[c][(src, b)], rows=range(len(got)), batch_rows=len(got), indices=indices, costs=costs
+                )
+            else:
+                take = pb.RowTake(
+                    batch=src.request.batches[b],
+                    rows=take_rows,
+                    shared=len(readers[(src, b)]) > 1,
+                    batch_rows=src.request.batch_rows[b],
+                    indices=indices,
+                    costs=costs,
+                )
+            units.append((order, take))
+        reply.moved_out = sum(len(got) for (src, _, to), got in rows.items() if src is c and to is not c)
+        reply.takes.extend(t for _, t in sorted(units, key=lambda u: u[0]))
+        return reply
+
+    def _keep_all(self, calls: list, rnd: Round, outcome: str) -> None:
+        self.counts["error"] += 1
+        for c in calls:
+            self._keep(c, outcome, round_samples=len(rnd.items), closed_by=rnd.closed_by)
+
+    def _members(self, calls: list) -> tuple[list[str], dict[str, int]]:
+        """One DataServer per host of the round, the leader first (``at``: host -> its index)."""
+        members, at = [self.address], {self.host: 0}  # the leader is its host's member
+        for c in sorted(calls, key=lambda c: c.request.rank):
+            if c.request.host not in at and c.request.delivery:
+                at[c.request.host] = len(members)
+                members.append(c.request.delivery)
+        return members, at
+
+    def _cross(self, calls: list, rows: dict, members: list[str], at: dict) -> tuple[dict, str]:
+        """The rows that change host, moved by each host's member: ``({taker: {(source, slab): new
+        slab}}, transport)``; ``({}, "")`` when none does."""
+        crossing = [(key, got) for key, got in rows.items() if key[2].request.host != key[0].request.host]
+        if not crossing:
+            return {}, ""
+        if self.mover is None:
+            raise ValueError("this DataServer cannot move rows between hosts")
+        missing = sorted({c.request.rank for c in calls if c.request.host not in at})
+        if missing:
+            raise ValueError(f"rank(s) {missing} named no delivery server")
+        sends: dict[int, list] = {}
+        for n, ((src, b, to), got) in enumerate(crossing):
+            sends.setdefault(at[src.request.host], []).append(
+                pb.ExchangeSend(
+                    batch=src.request.batches[b],
+                    rows=[r for r, _ in got],
+                    batch_rows=src.request.batch_rows[b],
+                    to=at[to.request.host],
+                    key=n,
+                )
+            )
+        name = f"{calls[0].request.group}@{calls[0].request.step}"
+        new, transport = self.mover.run(name, members, sends, calls[0].request.exchange, EXCHANGE_TIMEOUT_S)
+        crossed: dict = {}
+        for n, ((src, b, to), _) in enumerate(crossing):
+            crossed.setdefault(to, {})[(src, b)] = new[n]
+        return crossed, transport
+
     def close(self) -> None:
-        if self.exchange is not None:
-            self.exchange.close()
+        if self.mover is not None:
+            self.mover.close()
         self.reader.close()

@@ -26,11 +26,11 @@ from helix_core.errors import ClusterError
 from helix_core.memory.merge import merge_batches
 from helix_core.tier2.crosshost import read_rows
 from helix_core.tier2.errors import RoundLost, RoundStopped, RoundUnknown
-from helix_core.tier2.outcome import EXCHANGE_TIMEOUT_S
+from helix_core.tier2.leader import EXCHANGE_TIMEOUT_S
 from helix_core.tier2.rebalance import Rebalance
 from helix_core.wire.proto import helix_pb2 as pb
 
-__all__ = ["STEP_STRIDE", "RoundLost", "Tier2", "policy_spec", "rebalance_group", "run_name"]
+__all__ = ["STEP_STRIDE", "RoundLost", "Tier2", "consecutive_runs", "policy_spec", "rebalance_group", "run_name"]
 
 log = logging.getLogger("helix.tier2")
 
@@ -116,8 +116,9 @@ class Tier2:
         waits = list(self.stats.input_wait)[-WAIT_STEPS:]
         return float(sum(waits) / len(waits)) if waits else 0.0
 
-    def exchange(self, task, replies, stop):
-        """The batch of ``task`` after its round, from its parts' ``replies`` (all succeeded)."""
+    def join_round(self, task, replies, stop):
+        """The batch of ``task`` after its round, from its parts' ``replies`` (all succeeded); None:
+        read the replies as they are (the round kept this rank's samples, or none could run)."""
         batches, rows, features, indices = [], [], [], []
         for reply in replies:
             indices += list(reply.decoded)
@@ -169,7 +170,7 @@ class Tier2:
             exchange=self.transport,
             delivery=self.client.servers.delivery[1] if self.client.servers.delivery else "",
         )
-        # the round's wait, then its exchange (the collective, then maybe gRPC), then the reply
+        # the round's wait, then its Exchange across hosts (the collective, then maybe gRPC), then the reply
         self.stats.rebalance["asked"] += 1  # batches sent to a round
         t0 = time.perf_counter()
         try:
@@ -264,7 +265,7 @@ class Tier2:
         parts, rows = [], []
         try:
             for t in takes:
-                for run in _runs(list(t.rows)):
+                for run in consecutive_runs(list(t.rows)):
                     parts.append(
                         read_rows(
                             self.client.reader,
@@ -292,7 +293,7 @@ class Tier2:
                     self.client.reader.release({"segment": t.batch.slab.segment, "generation": t.batch.slab.generation})
 
 
-def _runs(rows: list[int]) -> list[list[int]]:
+def consecutive_runs(rows: list[int]) -> list[list[int]]:
     """``rows`` cut where one does not follow the one before (``[4, 5, 1, 2]`` -> ``[[4, 5], [1, 2]]``)."""
     out: list[list[int]] = []
     for r in rows:

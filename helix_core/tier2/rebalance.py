@@ -10,7 +10,7 @@ global step, and every rank keeps its batch size: so each step's samples, and ea
 multiset, stay what Tier 1 planned.
 
 :func:`check_assignment` names what is wrong with an assignment (the round then keeps the current
-one), :func:`plan_exchange` turns a valid one into keeps and sends, and :func:`balance_cost` is
+one), :func:`plan_moves` turns a valid one into keeps and sends, and :func:`balance_cost` is
 the default policy: equal-count LPT of the measured GPU cost within each step, kept only if the
 projected time saved on each step's slowest rank exceeds the predicted transfer time by a margin
 (the cost gate — the peers that rebalance after loading gate on a fixed imbalance threshold).
@@ -25,15 +25,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = [
-    "Exchange",
     "GateArgs",
+    "MovePlan",
     "Rebalance",
     "balance_cost",
     "check_assignment",
     "default_features",
     "gate",
     "lpt_within_steps",
-    "plan_exchange",
+    "plan_moves",
     "projected_gain_s",
     "step_loads",
     "transfer_s",
@@ -49,7 +49,7 @@ class Rebalance:
 
     ``feature_fn(sample) -> dict`` (small, JSON-able) runs where the sample was decoded (default:
     ``{"tokens", "bytes"}`` of the decoded sample); ``sort_fn(features, args) -> list[int]``
-    (default :func:`balance_cost`); ``client_ranks``: groups of ranks that exchange among
+    (default :func:`balance_cost`); ``client_ranks``: groups of ranks that trade samples among
     themselves (default: all ranks, one group; a rank in no group keeps its samples);
     ``buffer_size``: samples per round and group; ``args``: passed to ``sort_fn`` as it is (for the
     default, a :class:`GateArgs` or a dict of its fields); ``round_timeout_s``: a round closes when
@@ -178,7 +178,7 @@ def check_assignment(features: Features, assignment) -> str | None:
 
 
 @dataclass(frozen=True)
-class Exchange:
+class MovePlan:
     """What a valid assignment means for each sample: ``keeps`` (positions that stay) and
     ``sends`` (``(position, from_rank, to_rank)``), in position order."""
 
@@ -198,7 +198,7 @@ class Exchange:
         return len(self.sends)
 
 
-def plan_exchange(features: Features, assignment: Sequence[int]) -> Exchange:
+def plan_moves(features: Features, assignment: Sequence[int]) -> MovePlan:
     """Keeps and sends of a valid ``assignment`` (``ValueError`` with :func:`check_assignment`'s reason)."""
     why = check_assignment(features, assignment)
     if why is not None:
@@ -206,7 +206,7 @@ def plan_exchange(features: Features, assignment: Sequence[int]) -> Exchange:
     keeps, sends = [], []
     for p, (f, r) in enumerate(zip(features, assignment)):
         (keeps.append(p) if f["rank"] == r else sends.append((p, f["rank"], r)))
-    return Exchange(tuple(keeps), tuple(sends))
+    return MovePlan(tuple(keeps), tuple(sends))
 
 
 def step_loads(features: Features, assignment: Sequence[int], key: str = "cost") -> dict[int, dict[int, float]]:
@@ -244,7 +244,7 @@ def lpt_within_steps(features: Features, key: str = "cost") -> list[int]:
 @dataclass(frozen=True)
 class GateArgs:
     """The default policy's arguments. ``seconds_per_unit``: seconds of GPU step per cost unit (the
-    loader learns it from measured windows); ``bandwidth_bps``: bytes/s of the exchange between
+    loader learns it from measured windows); ``bandwidth_bps``: bytes/s of moving rows between
     servers of different hosts; ``latency_s``: a round's fixed cost; ``margin``: the gain must
     exceed the transfer by this fraction; ``key``: the feature that is the sample's GPU cost;
     ``input_wait_s``: seconds per step that every rank of the round waits for its input (the least
@@ -286,7 +286,7 @@ def projected_gain_s(features: Features, assignment: Sequence[int], args: GateAr
 
 
 def transfer_s(features: Features, assignment: Sequence[int], args: GateArgs) -> float:
-    """Predicted cost of the exchange: the busiest rank's bytes in or out at ``bandwidth_bps``
+    """Predicted cost of the moves: the busiest rank's bytes in or out at ``bandwidth_bps``
     (moves between ranks of one host hand over slabs: no bytes), plus ``latency_s`` if anything
     moves; where input binds (``input_wait_s`` > ``input_bound_s``), plus the changed ranks' copies
     of their new batches at ``copy_bps``, which take the decoders' CPU."""

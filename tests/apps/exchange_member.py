@@ -9,7 +9,7 @@ import time
 import torch
 
 from helix_core.errors import ClusterError
-from helix_core.tier2.collective import ExchangeGroup
+from helix_core.tier2.collective import GlooGroup
 
 
 def sample(rank: int, k: int) -> dict:
@@ -23,7 +23,7 @@ def sample(rank: int, k: int) -> dict:
 
 
 def main(a: dict) -> dict:
-    group = ExchangeGroup(a["rank"], a["world"], "127.0.0.1", a["port"], timeout_s=a.get("timeout_s", 30))
+    group = GlooGroup(a["rank"], a["world"], "127.0.0.1", a["port"], timeout_s=a.get("timeout_s", 30))
     try:
         gathered = group.all_gather_json({"rank": a["rank"], "pid": os.getpid()})
         if a.get("die") == a["rank"]:
@@ -33,7 +33,7 @@ def main(a: dict) -> dict:
             outgoing[k % a["world"]].append(sample(a["rank"], k))
         t0 = time.monotonic()
         try:
-            incoming = group.exchange(outgoing)
+            incoming = group.all_to_all(outgoing)
         except ClusterError as e:
             return {"error": str(e), "after_s": time.monotonic() - t0}
         got = []

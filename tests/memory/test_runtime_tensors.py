@@ -347,10 +347,10 @@ def test_rows_that_follow_each_other_are_read_in_place_and_copied_once_by_the_me
     from torch.utils.data import default_collate
 
     from helix_core.memory.merge import take_rows
-    from helix_core.tier2.rank import _runs
+    from helix_core.tier2.rank import consecutive_runs
 
     batch = default_collate([{"x": torch.full((3,), i), "caption": f"c{i}"} for i in range(4)])
-    assert _runs([2, 3, 0, 1, 3]) == [[2, 3], [0, 1], [3]] and _runs([]) == []
+    assert consecutive_runs([2, 3, 0, 1, 3]) == [[2, 3], [0, 1], [3]] and consecutive_runs([]) == []
     view = take_rows(batch, [1, 2], 4, view=True)
     assert view["x"].data_ptr() == batch["x"][1].data_ptr() and view["caption"] == ["c1", "c2"]  # no copy
     assert take_rows(batch, [2, 0], 4, view=True)["x"].data_ptr() != batch["x"][2].data_ptr()  # a copy

@@ -16,7 +16,7 @@ from helix_core.tier2.rebalance import (
     default_features,
     gate,
     lpt_within_steps,
-    plan_exchange,
+    plan_moves,
     projected_gain_s,
     step_loads,
     transfer_s,
@@ -73,14 +73,14 @@ def test_an_invalid_assignment_is_named():
     assert check_assignment(f, [0, 0, 1, 1.0, 0, 0, 1, 1]) == "sample 3: rank 1.0 is not an int"
     assert check_assignment(f, [0, 0, 0, 1, 0, 0, 1, 1]) == "step 0: rank 0 would get 3 samples, not its batch's 2"
     with pytest.raises(ValueError, match="invalid assignment: step 0"):
-        plan_exchange(f, [0, 0, 0, 1, 0, 0, 1, 1])
+        plan_moves(f, [0, 0, 0, 1, 0, 0, 1, 1])
 
 
-def test_an_exchange_lists_keeps_and_sends_and_each_rank_receives_what_it_sends_for():
+def test_a_move_plan_lists_keeps_and_sends_and_each_rank_receives_what_it_sends_for():
     f = _round([[[9, 8], [1, 1]]])  # step 0: rank 0 holds both heavy samples
-    ex = plan_exchange(f, [0, 1, 0, 1])
-    assert ex.keeps == (0, 3) and ex.sends == ((1, 0, 1), (2, 1, 0)) and ex.moved == 2
-    assert ex.sent_by(0) == [(1, 1)] and ex.received_by(0) == [(2, 1)]
+    plan = plan_moves(f, [0, 1, 0, 1])
+    assert plan.keeps == (0, 3) and plan.sends == ((1, 0, 1), (2, 1, 0)) and plan.moved == 2
+    assert plan.sent_by(0) == [(1, 1)] and plan.received_by(0) == [(2, 1)]
     assert step_loads(f, [0, 1, 0, 1]) == {0: {0: 10.0, 1: 9.0}}
 
 
@@ -104,12 +104,12 @@ def test_any_shuffle_within_steps_keeps_batch_sizes_and_moves_each_sample_once(f
         rnd.shuffle(slots)
         for p, r in zip(positions, slots):
             assignment[p] = r
-    ex = plan_exchange(features, assignment)
-    assert sorted(ex.keeps + tuple(p for p, _, _ in ex.sends)) == list(range(len(features)))  # once each
+    plan = plan_moves(features, assignment)
+    assert sorted(plan.keeps + tuple(p for p, _, _ in plan.sends)) == list(range(len(features)))  # once each
     held = {}
-    for p in ex.keeps:
+    for p in plan.keeps:
         held.setdefault((features[p]["step"], features[p]["rank"]), []).append(p)
-    for p, src, dst in ex.sends:
+    for p, src, dst in plan.sends:
         assert src == features[p]["rank"] != dst
         held.setdefault((features[p]["step"], dst), []).append(p)
     sizes = {}
@@ -136,7 +136,7 @@ def test_the_gate_keeps_a_balanced_round_and_moves_only_when_the_gain_pays_for_t
     skewed = _round([[[900, 800], [10, 10]]], nbytes=50_000_000)  # rank 0's step is ~85x rank 1's
     fast = GateArgs(seconds_per_unit=1e-3, bandwidth_bps=10e9)
     moved = balance_cost(skewed, fast)  # 1.7 s -> 0.91 s for 10 ms of transfer
-    assert step_loads(skewed, moved) == {0: {0: 910.0, 1: 810.0}} and plan_exchange(skewed, moved).moved == 2
+    assert step_loads(skewed, moved) == {0: {0: 910.0, 1: 810.0}} and plan_moves(skewed, moved).moved == 2
     slow = GateArgs(seconds_per_unit=1e-3, bandwidth_bps=1e6)  # 50 s per clip: not worth it
     assert balance_cost(skewed, slow) == [0, 0, 1, 1]
     same = GateArgs(seconds_per_unit=1e-3, bandwidth_bps=1e6, same_host={0: "h", 1: "h"})

@@ -141,9 +141,9 @@ def test_a_rank_whose_round_leader_dies_learns_its_rounds_fate_from_the_coordina
     from concurrent.futures import Future
 
     from helix_core.loader.cluster_client import ClusterClient
-    from helix_core.tier2.errors import RoundUnknown
     from helix_core.loader.waits import Stop
     from helix_core.security.auth import call_metadata
+    from helix_core.tier2.errors import RoundUnknown
     from helix_core.wire.proto import helix_pb2 as pb
     from helix_core.wire.proto import helix_pb2_grpc as pbg
     from helix_core.wire.rpc import connect

@@ -173,12 +173,12 @@ def test_the_collective_is_refused_on_a_tls_cluster_naming_the_parameter():
 
 def test_a_tls_server_never_joins_nor_hosts_a_collective_whatever_a_rank_asks():
     from helix_core.errors import ClusterError
-    from helix_core.tier2.crosshost import ExchangeMember, HostExchange
+    from helix_core.tier2.crosshost import CrossHostMover, HostMember
 
-    member = ExchangeMember(None, None, None, False, "127.0.0.1", secure=True)
+    member = HostMember(None, None, None, False, "127.0.0.1", secure=True)
     with pytest.raises(ClusterError, match="joins no gloo collective"):
         member.serve(pb.ExchangeRequest(round="r", members=["x", "y"], transport="collective", store="127.0.0.1:1"))
-    tls, plain = HostExchange(member, "t", CFG, tls=object()), HostExchange(member, "t", CFG, tls=None)
+    tls, plain = CrossHostMover(member, "t", CFG, tls=object()), CrossHostMover(member, "t", CFG, tls=None)
     try:
         assert [tls.transport(t) for t in ("", "grpc", "collective")] == ["grpc"] * 3
         assert [plain.transport(t) for t in ("", "grpc", "collective")] == ["grpc", "grpc", "collective"]  # asked for
@@ -363,18 +363,22 @@ def test_held_calls_are_bounded_so_a_leaders_other_rpcs_always_find_a_thread():
 
 
 def test_a_leader_runs_the_policy_a_request_carries_whatever_id_it_names():
+    from helix_core.testing.datasets import shift_ranks
     from helix_core.tier2.leader import RoundTable
 
     table = RoundTable(True)
     mine = pb.RebalanceRequest(
         policy_id="p",
-        policy=json.dumps({"sort_fn": "helix_core.testing.datasets:shift_ranks", "args": {"shift": 1, "world": 2}}).encode(),
+        policy=json.dumps(
+            {"sort_fn": "helix_core.testing.datasets:shift_ranks", "args": {"shift": 1, "world": 2}}
+        ).encode(),
         policy_format="json",
     )
     theirs = pb.RebalanceRequest(policy_id="p", policy=b'{"sort_fn": null, "args": null}', policy_format="json")
-    assert table._policy(mine)[0] is hx.testing.shift_ranks
-    assert table._policy(theirs)[0] is None  # the same id, other bytes: its own policy, not the cached one
-    assert table._policy(mine)[0] is hx.testing.shift_ranks
+    assert table.policies.get(mine.policy, mine.policy_format)[0] is shift_ranks
+    # the same id, other bytes: its own policy, not the cached one
+    assert table.policies.get(theirs.policy, theirs.policy_format)[0] is None
+    assert table.policies.get(mine.policy, mine.policy_format)[0] is shift_ranks
 
 
 def test_a_round_older_than_refusals_are_kept_can_never_commit():
