@@ -206,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
                 insecure=args.insecure,
             )
         else:
-            from helix_core.server.service import serve_dataserver
+            from helix_core.server.serve import serve_dataserver
 
             kind = "remote" if args.remote else "local"
             serve_dataserver(

@@ -67,21 +67,22 @@ class Beats:
         return True
 
 
-def heartbeats(servicer, coord, token, config: ClusterConfig, stop: threading.Event, register) -> None:
-    """The heartbeat thread of a DataServer (``servicer``): until ``stop`` or ``Beats.close``."""
-    beats, last = servicer.beats, None
+def heartbeats(server, coord, token, config: ClusterConfig, stop: threading.Event, register) -> None:
+    """The heartbeat thread of a ``DataServer`` (``server``): until ``stop`` or ``Beats.close``.
+    ``register``: registers it again, where the Coordinator no longer knows it."""
+    beats, last = server.beats, None
     while beats.sleep() and not stop.is_set():
-        servicer.slabs.reclaim()  # delivery slabs of clients that died come back; unused ones go
-        st = servicer.pool.stats()
+        server.reclaim()  # delivery slabs of clients that died come back; unused ones go
+        st = server.stats()
         req = pb.HeartbeatRequest(
-            server_id=servicer.server_id,
+            server_id=server.server_id,
             queue_depth=st["queue_depth"],
             inflight=st["inflight"],
             workers_alive=st["workers_alive"],
             latency_per_cost=st["latency_per_cost"],
             completed=st["completed"],
             queued_cpu_s=st["queued_cpu_s"],
-            **servicer.outbound.counters(),
+            **server.outbound.counters(),
         )
         changed, last = req != last, pb.HeartbeatRequest()
         last.CopyFrom(req)

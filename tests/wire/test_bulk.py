@@ -183,6 +183,7 @@ def test_a_bulk_port_that_cannot_be_reached_sends_batches_by_grpc_and_is_left_al
     """A firewall that passes only the gRPC port: the first batch finds the bulk port closed and
     goes by gRPC's Deliver; the next ones go by gRPC at once (no connection tried per batch)."""
     from helix_core.memory.reader import SlabReader
+    from helix_core.server.dataserver import DataServer
     from helix_core.server.service import DataServerServicer
     from helix_core.wire.delivery import Outbound
     from helix_core.wire.frames import add_servicer
@@ -194,8 +195,8 @@ def test_a_bulk_port_that_cannot_be_reached_sends_batches_by_grpc_and_is_left_al
     rx_slabs, tx_slabs = (SlabPool(f"helix-test-bulkfw-{k}-{id(caplog):x}") for k in "rt")
     reader = SlabReader()
     server, port = create_server("127.0.0.1", 0, TOKEN, CFG, threads=4)
-    servicer = DataServerServicer(None, rx_slabs, CFG, TOKEN, f"127.0.0.1:{port}", "local")
-    servicer.bulk_port = closed_port  # what its Hello offers
+    dataserver = DataServer(None, rx_slabs, CFG, TOKEN, f"127.0.0.1:{port}", "local")
+    servicer = DataServerServicer(dataserver, bulk_port=closed_port)  # what its Hello offers
     add_servicer(servicer, server)
     server.start()
     out = Outbound(TOKEN, CFG, None, reader)

@@ -18,6 +18,7 @@ from helix_core.memory import shm
 from helix_core.memory.reader import SlabReader
 from helix_core.memory.slabpool import SlabPool
 from helix_core.security.tls import Tls
+from helix_core.server.dataserver import DataServer
 from helix_core.server.service import DataServerServicer
 from helix_core.wire.bulk.protocol import BAD, MAX_HEADER, U32, BulkError
 from helix_core.wire.bulk.send import BulkSender
@@ -120,20 +121,18 @@ def _delivery_server(tls, handshake_s: float):
     cfg = ClusterConfig.for_tests()
     slabs = SlabPool(f"helix-test-bslot-r{os.getpid()}-")
     server, port = create_server("127.0.0.1", 0, TOKEN, cfg, threads=4, tls=tls)
-    servicer = DataServerServicer(None, slabs, cfg, TOKEN, f"127.0.0.1:{port}", "local", tls)
+    dataserver = DataServer(None, slabs, cfg, TOKEN, f"127.0.0.1:{port}", "local", tls)
     bulk = BulkListener(
-        "127.0.0.1", TOKEN, cfg, tls, servicer.take_bulk, handshake_s=handshake_s
+        "127.0.0.1", TOKEN, cfg, tls, dataserver.take_bulk, handshake_s=handshake_s
     )  # 64 slots, 16 pending
-    servicer.bulk_port = bulk.port
+    servicer = DataServerServicer(dataserver, bulk_port=bulk.port)
     add_servicer(servicer, server)
     server.start()
 
     def close():
         bulk.close()
         server.stop(0).wait(5)
-        servicer.outbound.close()
-        servicer.rounds.close()
-        servicer.reader.close()
+        dataserver.close()
         slabs.close()
 
     return f"127.0.0.1:{port}", bulk, close
