@@ -1,6 +1,10 @@
-"""The Coordinator's state: membership, liveness, hosts and routing (pure Python, an injected
-clock, no gRPC). ``coordinator.py`` is the thin servicer in front of it; the routing methods and
-their load feed are ``routing.py``'s ``Routing``.
+"""The Coordinator's state and logic (pure Python, an injected clock, no gRPC): membership,
+liveness, hosts and routing. ``service.py`` is the thin servicer in front of it.
+
+Routing places a request among its rank's candidates (its host's live local servers, then the live
+remote ones), keeps a ledger of the load each routed task puts on its server until it completes (or
+its client's lease runs out), and records the decisions' telemetry. One lock guards it all: a
+decision reads the same servers that heartbeats, completions and sweeps update.
 """
 
 from __future__ import annotations
@@ -10,12 +14,12 @@ import logging
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 from helix_core.config import ClusterConfig
-from helix_core.coordinator.routing import Routing
 from helix_core.planning.columns import ServerColumns
-from helix_core.planning.placement import Candidates, make_scheduler
+from helix_core.planning.placement import Candidates, PlacementRequest, make_scheduler
+from helix_core.telemetry import percentile
 from helix_core.wire.messages import TASK_ID_BITS
 
 __all__ = ["NoDeliveryServer", "Registry", "ServerState"]
@@ -54,9 +58,9 @@ class ServerState:
 
 
 @dataclass
-class Registry(Routing):
-    """Servers, clients, heartbeat state and routing. Thread-safe; ``clock`` is injectable.
-    ``scheduler`` is the policy of requests that name none; each request may name its own."""
+class Registry:
+    """Servers, clients, heartbeat state and routing. Thread-safe (one lock); ``clock`` is
+    injectable. ``scheduler`` is the policy of requests that name none; each request may name its own."""
 
     config: ClusterConfig
     scheduler: str = "deadline"  # the loader's default too
@@ -128,6 +132,7 @@ class Registry(Routing):
             }
         return cid, base
 
+    # ---- liveness ------------------------------------------------------------------------------
     def heartbeat(self, server_id: str, healthy: bool = True, next_beat_s: float = 0.0, **stats) -> bool:
         """A server's heartbeat; ``healthy`` False (it has no live worker: it cannot keep them)
         takes it out of placement like a dead one until a healthy heartbeat comes. ``next_beat_s``:
@@ -196,6 +201,7 @@ class Registry(Routing):
             log.warning("server %s missed heartbeats: marked dead", sid)
         return dead
 
+    # ---- placement candidates ------------------------------------------------------------------
     def _ordering(self) -> tuple[dict[str, list[ServerState]], list[ServerState]]:
         """(each host's local servers by slot, all servers: locals host by host, then remotes),
         recomputed on registration. A host's slot holds the server that registered it last."""
@@ -277,3 +283,114 @@ class Registry(Routing):
         """Each host's local servers (ids, by slot), hosts in the order they first registered one."""
         with self._lock:
             return {h: [s.server_id for s in locals_] for h, locals_ in self._ordering()[0].items()}
+
+    # ---- routing: placement and the load ledger ------------------------------------------------
+    def scheduler_for(self, scheduler: str | None):
+        """The policy a request names (``ValueError`` listing the valid ones), else the default."""
+        if not scheduler:
+            return self.default
+        chosen = self._schedulers.get(scheduler)
+        if chosen is None:
+            chosen = self._schedulers[scheduler] = make_scheduler(scheduler)
+        return chosen
+
+    def route(
+        self,
+        rank: int,
+        task_id: int,
+        cost: dict,
+        exclude: set[str],
+        scheduler: str | None = None,
+        t_arrival: float | None = None,
+        *,
+        host: str,
+        local_rank: int | None = None,
+        client_id: str = "",
+    ):
+        """Place one request of a rank on ``host`` (its ``local_rank`` picks its delivery server):
+        the candidates are that host's local servers and the remote ones. ``cost``:
+        ``PlacementRequest`` fields (cpu_s, io_bytes, out_bytes, tokens, deadline_s). Returns
+        ``(chosen, delivery, decision, us)``; ``us`` counts from
+        ``t_arrival`` (a ``time.perf_counter`` value: the request's arrival, so waiting for the
+        lock counts) or else from the start of the decision."""
+        policy = self.scheduler_for(scheduler)
+        request = PlacementRequest(rank, task_id, **cost)
+        with self._lock:
+            t0 = time.perf_counter() if t_arrival is None else t_arrival
+            delivery = self.delivery_server(rank, exclude, host, local_rank)
+            decision = policy.choose(request, self._candidates(delivery, exclude))
+            chosen = self.servers[decision.server_id]
+            prev = self._owner.get(task_id)
+            if prev is not None:  # a resubmission: the first routing is void
+                self._release(prev)
+            chosen.outstanding += 1
+            chosen.pending_cpu_s += request.cpu_s
+            chosen.load_cpu_s += request.cpu_s
+            now = self.clock()  # the work wakes an idle server's beats: from now on it is due within the timeout
+            for st in (chosen, delivery) if chosen.kind == "remote" else (chosen,):
+                st.due = min(st.due, now + self.config.heartbeat_timeout_s)
+            self._sync(chosen)
+            self._owner[task_id] = (chosen.server_id, request.cpu_s, chosen.last_seen, client_id)
+            c = self.clients.get(client_id)
+            if c is not None:
+                c["last_seen"] = now
+            self.routed += 1
+            us = (time.perf_counter() - t0) * 1e6
+        self.decision_us.append(us)
+        self.decisions.append((task_id, rank, delivery.server_id, decision, us, policy.name, request.deadline_s))
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("route %s", _decision_entry(self.decisions[-1]))
+        return chosen, delivery, decision, us
+
+    def _release(self, owner: tuple) -> None:
+        """A routed task is done (or void): it no longer loads its server (caller holds the lock)."""
+        server_id, cpu_s, beat, _ = owner
+        st = self.servers.get(server_id)
+        if st is None:
+            return
+        st.outstanding = max(0, st.outstanding - 1)
+        if st.last_seen == beat:  # routed since the last heartbeat: still counted as pending
+            st.pending_cpu_s = max(0.0, st.pending_cpu_s - cpu_s)
+            st.load_cpu_s = st.queued_cpu_s + st.pending_cpu_s
+        self._sync(st)
+
+    def complete(self, task_ids) -> None:
+        """Tasks whose replies landed (or that were given up): they no longer load their servers."""
+        with self._lock:
+            for task_id in task_ids:
+                owner = self._owner.pop(task_id, None)
+                if owner is not None:
+                    self._release(owner)
+
+    # ---- telemetry -----------------------------------------------------------------------------
+    def telemetry(self, last: int = 100) -> dict:
+        us = list(self.decision_us)
+        return {
+            "cluster_id": self.cluster_id,
+            "routed": self.routed,
+            "scheduler": self.scheduler,
+            "scheduler_overhead_us_p50": percentile(us, 50),
+            "scheduler_overhead_us_p99": percentile(us, 99),
+            "servers": [asdict(s) for s in self.ordered()],
+            "clients": dict(self.clients),
+            "hosts": self.hosts(),
+            "decisions": [_decision_entry(d) for d in list(self.decisions)[-last:]] if last else [],
+        }
+
+
+def _decision_entry(record: tuple) -> dict:
+    task_id, rank, delivery, decision, us, scheduler, deadline_s = record
+    entry = {
+        "task_id": task_id,
+        "rank": rank,
+        "server": decision.server_id,
+        "delivery": delivery,
+        "scheduler": scheduler,
+        "deadline_s": deadline_s,
+        "reason": decision.reason,
+        "scores": decision.scores_by_server(),
+        "us": round(us, 1),
+    }
+    if len(decision.finish_s):
+        entry["finish_s"] = decision.finish_by_server()
+    return entry

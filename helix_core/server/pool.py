@@ -1,20 +1,20 @@
 """A DataServer's supervised pool of worker processes (``worker.py`` is the child's program,
-``workerproc.py`` the supervisor's handle of one, ``deaths.py`` the pool's watchdog and what a
-worker's death does to its task).
+``workerproc.py`` the supervisor's handle of one, ``watchdog.py`` the pool's watchdog and its
+verdict on a dead worker's task).
 
 Queued tasks run earliest-deadline-first: a task's key is its arrival time plus its deadline
 (seconds from now, as the client sent it), or its arrival time when it has none — so without
 deadlines the order is first-in-first-out. The pool's supervisor thread owns every worker pipe: it
 hands tasks to idle workers, collects results, and watches process sentinels, blocking on all of
-them at once (one epoll set, kept across wake-ups). A worker that dies has its task retried
-(bounded per sample: a sample that keeps killing workers becomes a ``SampleError``) and is
-respawned. A worker with nothing queued takes the unstarted tail of a running splittable batch
-(``steal``): the batch comes back in pieces.
+them at once (one epoll set, kept across wake-ups). A worker that dies is respawned and its task
+retried (bounded per sample: a sample that keeps killing workers becomes a ``SampleError``): the
+pool's ``Watchdog`` kills workers hung on a sample and decides whether a dead worker's task runs
+again or fails; the pool respawns, queues and resolves. A worker with nothing queued takes the
+unstarted tail of a running splittable batch (``steal``): the batch comes back in pieces.
 """
 
 from __future__ import annotations
 
-import collections
 import itertools
 import logging
 import os
@@ -26,9 +26,9 @@ from concurrent.futures import Future
 
 from helix_core.config import ClusterConfig
 from helix_core.memory import shm
-from helix_core.server.deaths import WorkerDeaths
 from helix_core.server.edf import EdfQueue
 from helix_core.server.steal import Pieces, handles
+from helix_core.server.watchdog import Watchdog
 from helix_core.server.workerproc import WorkerProcess
 from helix_core.wire.messages import ErrorKind
 
@@ -41,7 +41,7 @@ def _key(task: dict) -> tuple[str, int]:
     return task.get("client_id", ""), task["task_id"]
 
 
-class WorkerPool(WorkerDeaths):
+class WorkerPool:
     """``n`` supervised worker processes. ``submit(task) -> Future`` of the worker's result dict.
 
     A task may carry ``deadline_s`` (seconds from now: earliest deadline runs first) and
@@ -74,7 +74,7 @@ class WorkerPool(WorkerDeaths):
         self._serials = itertools.count()
         self._split: dict[int, Pieces] = {}  # submission serial -> the pieces of a batch split by stealing
         self.steals = 0
-        self._kills: collections.Counter = collections.Counter()
+        self._watchdog = Watchdog(config)
         self._wake_r, self._wake_w = os.pipe()  # a byte: work was queued (or close)
         for fd in (self._wake_r, self._wake_w):
             os.set_blocking(fd, False)
@@ -188,7 +188,7 @@ class WorkerPool(WorkerDeaths):
         if self._graveyard:
             orphan_s = self.config.execute_timeout_s + self.config.rpc_timeout_s  # as the slab pools'
             self._graveyard = [n for n in self._graveyard if not shm.unlink_if_free(n, orphan_s)]
-        timeout = self._watchdog()
+        timeout = self._watchdog.kill_hung(self._workers, self.latency_per_cost)
         if self._graveyard:  # dead workers' slabs are re-checked
             timeout = 1.0 if timeout is None else min(timeout, 1.0)
         # every event wakes it (a task, a result, a death, close), and the next sample's watchdog
@@ -330,6 +330,43 @@ class WorkerPool(WorkerDeaths):
             for handle in handles(r):
                 shm.release_segment(handle)
         self._deliver(self._take_future(task), combined)
+
+    def _replace(self, w: WorkerProcess) -> None:
+        """A new process in the place of dead worker ``w``, watched instead of it."""
+        for fd in (w.conn.fileno(), w.proc.sentinel):
+            self._sel.unregister(fd)
+        w.conn.close()
+        self._workers[self._workers.index(w)] = self._watch(self._spawn(w.wid, w.incarnation + 1))
+
+    def _on_death(self, w: WorkerProcess) -> None:
+        """Worker ``w`` died: respawn it, and run its task again or fail it (``Watchdog.retry_or_fail``)."""
+        if self._stop.is_set():
+            return
+        code, held = w.bury()
+        self._graveyard += held
+        self._replace(w)
+        self.respawns += 1
+        task, current = w.task, w.progress.get()
+        log.warning(
+            "worker %d died (exit %s) during task %s at sample %s; respawned",
+            w.wid,
+            code,
+            task and task["task_id"],
+            current and current[0],
+        )
+        if task is None:
+            return
+        with self._lock:
+            if not self._current(task):  # cancelled (or resubmitted) meanwhile
+                self._piece_done(task, {"error_kind": ErrorKind.NOT_COMPLETED, "error": "cancelled"})
+                return
+            failed = self._watchdog.retry_or_fail(task, current, w.timed_out, code)
+            if failed is None:
+                self._pending.push(task)  # its key is kept: it goes back near the front
+            elif task["_serial"] in self._split:
+                self._piece_done(task, failed)
+            else:
+                self._take_future(task).set_result(failed)
 
     def close(self) -> None:
         if self._stop.is_set():

@@ -230,7 +230,7 @@ def test_the_watchdog_looks_again_at_a_worker_whose_sample_has_not_begun():
     (the supervisor slept for ever and the rank waited out the batch deadline)."""
     from types import SimpleNamespace
 
-    from helix_core.server.deaths import WorkerDeaths
+    from helix_core.server.watchdog import Watchdog
 
     class Progress:
         started = None
@@ -246,13 +246,39 @@ def test_the_watchdog_looks_again_at_a_worker_whose_sample_has_not_begun():
         wid=0,
         kill=lambda: killed.append(True),
     )
-    pool = WorkerDeaths()
-    pool._workers, pool.config, pool.latency_per_cost = [w], WATCHDOG, 1.0
-    assert pool._watchdog() == WATCHDOG.sample_timeout_s and not killed  # not begun: look again within a limit
+    watchdog = Watchdog(WATCHDOG)
+    assert (
+        watchdog.kill_hung([w], 1.0) == WATCHDOG.sample_timeout_s and not killed
+    )  # not begun: look again within a limit
     w.progress.started = (7, "index://7", time.monotonic() - 0.5)
-    assert 0 < pool._watchdog() <= WATCHDOG.sample_timeout_s - 0.5 and not killed
+    assert 0 < watchdog.kill_hung([w], 1.0) <= WATCHDOG.sample_timeout_s - 0.5 and not killed
     w.progress.started = (7, "index://7", time.monotonic() - WATCHDOG.sample_timeout_s - 0.1)
-    pool._watchdog()
+    watchdog.kill_hung([w], 1.0)
     assert killed and "timed out" in w.timed_out[2]  # past its limit: killed, the sample named
     w.task = None
-    assert pool._watchdog() is None  # nothing to watch: the supervisor sleeps until an event
+    assert watchdog.kill_hung([w], 1.0) is None  # nothing to watch: the supervisor sleeps until an event
+
+
+def test_the_watchdog_retries_a_dead_workers_task_until_its_sample_has_killed_too_many():
+    """Unit test of the watchdog's verdict on a dead worker's task (pure: plain dicts). A sample may
+    kill ``max_task_retries`` workers and run again; one more death fails the task (or, with
+    ``on_error="skip"``, marks the sample bad and runs the rest); a sample the watchdog killed fails
+    at once; deaths before any sample fail the task after as many retries."""
+    from helix_core.server.watchdog import Watchdog
+    from helix_core.wire.messages import ErrorKind
+
+    retries = WATCHDOG.max_task_retries
+    watchdog = Watchdog(WATCHDOG)
+    task = {"indices": [3, 4], "bad": {}}
+    assert all(watchdog.retry_or_fail(task, (3, "index://3"), None, -9) is None for _ in range(retries))
+    failed = watchdog.retry_or_fail(task, (3, "index://3"), None, -9)
+    assert failed["error_kind"] == ErrorKind.SAMPLE and failed["failure"]["index"] == 3 and not task["bad"]
+
+    skipping = {"indices": [5], "bad": {}, "on_error": "skip"}
+    hung = (5, "index://5", "timed out: still decoding")
+    assert watchdog.retry_or_fail(skipping, None, hung, -9) is None and skipping["bad"] == {5: hung[2]}
+    assert Watchdog(WATCHDOG).retry_or_fail({"indices": [6], "bad": {}}, None, (6, "p", "hung"), -9)["error"] == "hung"
+
+    early = {"indices": [7], "bad": {}}
+    assert all(watchdog.retry_or_fail(early, None, None, 1) is None for _ in range(retries))
+    assert watchdog.retry_or_fail(early, None, None, 1)["error_kind"] == ErrorKind.INTERNAL
