@@ -1,26 +1,27 @@
 """The client's wires: the Coordinator (routes) and DataServers (execute, shared-memory handles).
 
-``ClusterClient`` opens the channels and makes the DataServer calls (Execute, Cancel, a Tier-2
-round's Rebalance / AskRound / LeaveRound); its Coordinator calls are in ``transport_coordinator.py``, and
-turning replies into batches in ``replies.py``.
+``ClusterClient`` is what the loader talks to. It makes the DataServer calls itself (Execute,
+Cancel, a Tier-2 round's Rebalance / AskRound / LeaveRound) and holds two parts, each with its own
+state: ``coordinator``, a ``CoordinatorCalls`` (``coordinator_calls.py``: the Coordinator's channel,
+registering, routing and its fallback while the Coordinator is away, the lease, completions), and
+``reader``, the ``SlabReader`` that maps the batches' slabs, which the functions of ``replies.py``
+turn replies into batches with.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import secrets
 import threading
 import time
-import uuid
 
 import grpc
 
 from helix_core.config import ClusterConfig
 from helix_core.errors import ClusterError
+from helix_core.loader import replies
 from helix_core.loader.coordinator_calls import CoordinatorCalls
 from helix_core.loader.fallback import KnownServers
-from helix_core.loader.replies import ReplyBatches
 from helix_core.memory.reader import SlabReader
 from helix_core.security.auth import call_metadata, pickle_allowed
 from helix_core.security.hostid import host_id
@@ -29,7 +30,7 @@ from helix_core.security.tls import Tls
 from helix_core.security.tokenfiles import load_token
 from helix_core.tier2.errors import RoundStopped, RoundUnknown
 from helix_core.wire.locallink.link import LocalLink, link_name
-from helix_core.wire.messages import TASK_ID_BITS
+from helix_core.wire.messages import Route
 from helix_core.wire.proto import helix_pb2 as pb
 from helix_core.wire.proto import helix_pb2_grpc as pbg
 from helix_core.wire.rpc import check_hello, connect
@@ -65,7 +66,7 @@ class _Unavailable(grpc.RpcError):
         return f"DataServer {self._address} failed the protocol check"
 
 
-class ClusterClient(CoordinatorCalls, ReplyBatches):
+class ClusterClient:
     """One rank's connection to a Helix cluster. Thread-safe."""
 
     def __init__(
@@ -93,37 +94,74 @@ class ClusterClient(CoordinatorCalls, ReplyBatches):
         self.host = host_id()
         self.local_rank = int(os.environ.get("LOCAL_RANK", rank)) if local_rank is None else int(local_rank)
         self.metadata = call_metadata(token)
-        self._channel = connect(address, config, self.tls)
-        self.coordinator = pbg.CoordinatorStub(self._channel)
-        hello = check_hello(
-            self.coordinator, "client", token, config.rpc_timeout_s, f"the Coordinator at {address}", self.tls
+        self._lock = threading.Lock()
+        self._fired: set = set()  # fire-and-forget calls still in flight (``close`` lets them land)
+        self._landed_cond = threading.Condition(self._lock)
+        self.coordinator = CoordinatorCalls(
+            address, token, config, self.tls, rank, world_size, self.host, self.local_rank, fire=self._fire
         )
+        self.cluster_id = self.coordinator.cluster_id
         # pickles only with a token, and only where it can't be read off the wire (loopback or TLS)
-        self.cluster_id = hello.cluster_id
-        self.pickle_allowed = hello.pickle_allowed and pickle_allowed(
+        self.pickle_allowed = self.coordinator.pickle_allowed and pickle_allowed(
             address.rsplit(":", 1)[0], token, self.tls, config.allow_pickle
         )
-        # its own id and task-id base, so both survive a Coordinator restart (servers key tasks by
-        # client id and task id; the random base keeps ids apart in the Coordinator's books too)
-        self.client_id = f"c{rank}-{uuid.uuid4().hex[:12]}"
-        self.task_id_base = (secrets.randbits(23) + 1) << TASK_ID_BITS
-        self._register()
-        self.servers = KnownServers()  # learnt from routes; routes by itself while the Coordinator is away
-        self._outage: float | None = None  # monotonic time the Coordinator became unreachable (None: it answers)
-        self._watching, self._state = False, None
-        self._last_rpc = time.monotonic()
-        self._closing = threading.Event()
-        threading.Thread(target=self._keep_lease, name="helix-lease", daemon=True).start()
         self._stubs: dict[str, pbg.DataServerStub] = {}
-        self._channels: list[grpc.Channel] = [self._channel]
+        self._channels: list[grpc.Channel] = []  # to the DataServers
         self._configured: set[tuple[str, str]] = set()
-        self._lock = threading.Lock()
-        self._fired: set = set()  # fire-and-forget calls still in flight
-        self._landed_cond = threading.Condition(self._lock)
-        self._completed: list[int] = []  # task ids whose replies landed, for the next Route to carry
-        self.reader = SlabReader()
         self._links: dict[str, LocalLink | None] = {}  # Execute to the DataServers of this host (None: gRPC)
-        self._route_link = False  # Route to a Coordinator of this host (None: gRPC; False: not looked for yet)
+        self.reader = SlabReader()
+
+    # -- the Coordinator's side (``self.coordinator``), as the loader calls it
+
+    @property
+    def client_id(self) -> str:
+        """This client's id (the Coordinator's, where an older one made it)."""
+        return self.coordinator.client_id
+
+    @property
+    def task_id_base(self) -> int:
+        return self.coordinator.task_id_base
+
+    @property
+    def servers(self) -> KnownServers:
+        """The servers learnt from routes (``KnownServers``)."""
+        return self.coordinator.servers
+
+    def route(self, part, deadline_s: float | None = None, scheduler: str = "", stop=None) -> Route:
+        """Where to run one ``Part`` (``CoordinatorCalls.route``)."""
+        return self.coordinator.route(part, deadline_s, scheduler, stop)
+
+    def completed(self, task_id: int) -> None:
+        """A request's reply landed (or it failed or was given up): the next Route tells the Coordinator."""
+        self.coordinator.completed(task_id)
+
+    def flush_completions(self) -> None:
+        """Tell the Coordinator now of the completions no Route has carried yet (fire and forget)."""
+        self.coordinator.flush_completions()
+
+    def telemetry(self, last_decisions: int = 0) -> dict:
+        return self.coordinator.telemetry(last_decisions)
+
+    def round_leader(self, rank: int, stop=None) -> str:
+        """Tier 2: the address of the DataServer leading the rounds of the group whose lowest rank is ``rank``."""
+        return self.coordinator.round_leader(rank, stop)
+
+    # -- replies into batches (``replies.py``)
+
+    def materialize(self, reply: pb.ExecuteReply, copy: bool, pad: bool = True, grow: list | None = None):
+        """The batch of a successful reply (``replies.materialize``), read through this client's slab reader."""
+        return replies.materialize(reply, self.reader, self.pickle_allowed, copy, pad, grow)
+
+    def release(self, reply: pb.ExecuteReply) -> None:
+        """Give a reply's slabs back unread (its request was cancelled)."""
+        replies.release(reply, self.reader)
+
+    @staticmethod
+    def error_of(reply: pb.ExecuteReply) -> Exception | None:
+        """The error a failed reply stands for; None for a successful one."""
+        return replies.error_of(reply)
+
+    # -- fire and forget: the Coordinator's reports, the DataServers' cancels
 
     def _fire(self, method, request) -> None:
         """Fire and forget (``close`` lets these land before it closes the channels)."""
@@ -139,6 +177,8 @@ class ClusterClient(CoordinatorCalls, ReplyBatches):
         with self._lock:
             self._fired.discard(fut)
             self._landed_cond.notify_all()
+
+    # -- the DataServers
 
     def stub(self, address: str) -> pbg.DataServerStub:
         with self._lock:
@@ -207,12 +247,6 @@ class ClusterClient(CoordinatorCalls, ReplyBatches):
         except grpc.RpcError:
             return
         self._fire(stub.Cancel, pb.CancelRequest(task_ids=task_ids, client_id=self.client_id))
-
-    def round_leader(self, rank: int, stop=None) -> str:
-        """Tier 2: the address of the DataServer leading the rounds of the group whose lowest rank is ``rank``."""
-        return self._call(
-            self.coordinator.RoundLeader, pb.RoundLeaderRequest(client_id=self.client_id, rank=rank), stop=stop
-        ).address
 
     def rebalance(
         self,
@@ -285,17 +319,8 @@ class ClusterClient(CoordinatorCalls, ReplyBatches):
         ``RoundUnknown``, with what the committed round gave the rank, or none if the Coordinator
         cannot say — where the leader never had the call (not ``sure``) one try, then it keeps."""
         ask = pb.RoundFateRequest(group=request.group, run=request.run, step=request.step, rank=request.rank)
-
-        def fate_now(req, **kw):  # each try states the round's age afresh
-            req.age_s = time.monotonic() - sent
-            return self.coordinator.RoundFate(req, **kw)
-
         try:
-            fate = (
-                self._call(fate_now, ask, stop=stop)
-                if sure
-                else fate_now(ask, timeout=self.config.rpc_timeout_s, metadata=self.metadata)
-            )
+            fate = self.coordinator.round_fate(ask, sent, stop, retry=sure)
         except (ClusterError, grpc.RpcError) as e:
             if sure:
                 raise RoundUnknown(
@@ -337,16 +362,14 @@ class ClusterClient(CoordinatorCalls, ReplyBatches):
         stop.wait(fut, max(0.0, end - time.monotonic()))
 
     def close(self) -> None:
-        self._closing.set()
-        self.flush_completions()
+        self.coordinator.stop()  # no more lease renewals; the completions not reported yet go out
         with self._lock:  # reports and cancels in flight land first (a dead peer: not long)
             self._landed_cond.wait_for(lambda: not self._fired, min(2.0, self.config.rpc_timeout_s))
+        self.coordinator.close()
         for ch in self._channels:
             ch.close()
         with self._lock:
             links, self._links = [k for k in self._links.values() if k is not None], {}
         for link in links:
             link.close()
-        if self._route_link:
-            self._route_link.close()
         self.reader.close()

@@ -1,30 +1,80 @@
-"""The Coordinator side of ``ClusterClient``: registering, routing (by itself among the servers it
-knows while the Coordinator is away), renewing the lease, reporting completions, telemetry.
+"""A client's line to its Coordinator: the channel, registering, routing (by itself among the
+servers it knows while the Coordinator is away), renewing the lease, reporting completions,
+telemetry, and Tier 2's questions (who leads a group's rounds, what became of a round).
 
-A base class of ``ClusterClient`` (``loader/cluster_client.py``), whose ``__init__`` opens the channel
-and sets the state these methods use.
+``ClusterClient`` (``loader/cluster_client.py``) holds one as ``coordinator``; the
+DataServers' side (Execute, Tier-2 rounds) stays there.
 """
 
 from __future__ import annotations
 
 import json
-import logging
+import secrets
+import threading
 import time
+import uuid
+from collections.abc import Callable
+from typing import Any
 
 import grpc
 
+from helix_core.config import ClusterConfig
 from helix_core.errors import ClusterError
+from helix_core.loader.fallback import KnownServers
+from helix_core.security.auth import call_metadata
+from helix_core.security.tls import Tls
 from helix_core.wire.locallink.link import CallLink, link_name
-from helix_core.wire.messages import Route, route_request
+from helix_core.wire.messages import TASK_ID_BITS, Route, route_request
 from helix_core.wire.proto import helix_pb2 as pb
+from helix_core.wire.proto import helix_pb2_grpc as pbg
+from helix_core.wire.rpc import check_hello, connect
 
 __all__ = ["CoordinatorCalls"]
 
-log = logging.getLogger("helix.client")
-
 
 class CoordinatorCalls:
-    """A ``ClusterClient``'s calls to its Coordinator (reports go out through its ``_fire``)."""
+    """One rank's calls to its Coordinator. Thread-safe.
+
+    Connecting checks the protocol (``Hello``) and registers; a thread then renews the lease while
+    the rank routes nothing. ``fire(method, request)`` sends the reports that need no answer (its
+    owner lets them land before it closes)."""
+
+    def __init__(
+        self,
+        address: str,
+        token: str | None,
+        config: ClusterConfig,
+        tls: Tls | None,
+        rank: int,
+        world_size: int,
+        host: str,
+        local_rank: int,
+        fire: Callable[[Any, Any], None],
+    ):
+        self.address, self.token, self.config = address, token, config
+        self.rank, self.world_size, self.host, self.local_rank = rank, world_size, host, local_rank
+        self.metadata = call_metadata(token)
+        self._fire = fire
+        self.channel = connect(address, config, tls)
+        self.stub = pbg.CoordinatorStub(self.channel)
+        hello = check_hello(self.stub, "client", token, config.rpc_timeout_s, f"the Coordinator at {address}", tls)
+        # the cluster's id (it names its shared memory and local links), and whether the Coordinator
+        # lets pickles travel (the client also asks that the wire can't be read: loopback or TLS)
+        self.cluster_id, self.pickle_allowed = hello.cluster_id, hello.pickle_allowed
+        # its own id and task-id base, so both survive a Coordinator restart (servers key tasks by
+        # client id and task id; the random base keeps ids apart in the Coordinator's books too)
+        self.client_id = f"c{rank}-{uuid.uuid4().hex[:12]}"
+        self.task_id_base = (secrets.randbits(23) + 1) << TASK_ID_BITS
+        self._register()
+        self._lock = threading.Lock()
+        self.servers = KnownServers()  # learnt from routes; routes by itself while the Coordinator is away
+        self._completed: list[int] = []  # task ids whose replies landed, for the next Route to carry
+        self._outage: float | None = None  # monotonic time the Coordinator became unreachable (None: it answers)
+        self._watching, self._state = False, None  # the channel's connectivity, followed from the first outage
+        self._route_link = False  # Route to a Coordinator of this host (None: gRPC; False: not looked for yet)
+        self._last_rpc = time.monotonic()
+        self._closing = threading.Event()
+        threading.Thread(target=self._keep_lease, name="helix-lease", daemon=True).start()
 
     def _call(self, method, request, timeout: float | None = None, stop=None):
         """A Coordinator RPC, retried while it is unavailable, up to ``coordinator_timeout_s``;
@@ -59,7 +109,7 @@ class CoordinatorCalls:
 
     def _register(self) -> None:
         reply = self._call(
-            self.coordinator.RegisterClient,
+            self.stub.RegisterClient,
             pb.RegisterClientRequest(
                 rank=self.rank,
                 world_size=self.world_size,
@@ -83,7 +133,7 @@ class CoordinatorCalls:
         address, or back from a stall), the client registers again and placement resumes."""
         # (a Coordinator "back" on a loopback port another user took gets no token: the channel's
         # guard fails the call as UNAVAILABLE, and the outage goes on)
-        if self._outage is not None and self._channel_state() != grpc.ChannelConnectivity.READY:
+        if self._outage is not None and self._state != grpc.ChannelConnectivity.READY:
             return self._fallback(part)
         with self._lock:
             done, self._completed = self._completed, []
@@ -93,7 +143,7 @@ class CoordinatorCalls:
         self._last_rpc = time.monotonic()
         try:
             if self.servers.delivery is None:  # never answered yet: wait for it (coordinator_timeout_s), then fail
-                reply = self._call(self.coordinator.Route, request, stop=stop)
+                reply = self._call(self.stub.Route, request, stop=stop)
             else:
                 reply = self._route_call(request)
         except grpc.RpcError as e:
@@ -157,7 +207,24 @@ class CoordinatorCalls:
                     )
         if link is not None:
             return link.call(request, pb.RouteReply, self.config.rpc_timeout_s)
-        return self.coordinator.Route(request, timeout=self.config.rpc_timeout_s, metadata=self.metadata)
+        return self.stub.Route(request, timeout=self.config.rpc_timeout_s, metadata=self.metadata)
+
+    def _watch_channel(self) -> None:
+        """Follow the channel's connectivity from the first outage on (gRPC keeps reconnecting,
+        ``max_reconnect_backoff_ms`` apart), so an outage costs no RPC per request."""
+        if self._watching:
+            return
+        self._watching, self._state = True, None
+
+        def seen(state):
+            self._state = state
+
+        self.channel.subscribe(seen, try_to_connect=True)
+
+    def _fallback(self, part) -> Route:
+        """A Route without the Coordinator (``KnownServers.route``)."""
+        with self._lock:
+            return self.servers.route(part, self.address, self.host)
 
     def _keep_lease(self) -> None:
         """Renew this client's lease with the Coordinator while it routes nothing (validation, a
@@ -168,27 +235,7 @@ class CoordinatorCalls:
                 with self._lock:
                     done, self._completed = self._completed, []
                 self._last_rpc = time.monotonic()
-                self._fire(self.coordinator.ReportCompletion, pb.Completions(client_id=self.client_id, task_ids=done))
-
-    def _channel_state(self):
-        return self._state
-
-    def _watch_channel(self) -> None:
-        """Follow the Coordinator channel's connectivity from the first outage on (gRPC keeps
-        reconnecting, ``max_reconnect_backoff_ms`` apart), so an outage costs no RPC per request."""
-        if self._watching:
-            return
-        self._watching, self._state = True, None
-
-        def seen(state):
-            self._state = state
-
-        self._channel.subscribe(seen, try_to_connect=True)
-
-    def _fallback(self, part) -> Route:
-        """A Route without the Coordinator (``KnownServers.route``)."""
-        with self._lock:
-            return self.servers.route(part, self.address, self.host)
+                self._fire(self.stub.ReportCompletion, pb.Completions(client_id=self.client_id, task_ids=done))
 
     def completed(self, task_id: int) -> None:
         """A request's reply landed (or it failed or was given up): the next Route tells the Coordinator."""
@@ -201,8 +248,38 @@ class CoordinatorCalls:
         with self._lock:
             done, self._completed = self._completed, []
         if done:
-            self._fire(self.coordinator.ReportCompletion, pb.Completions(client_id=self.client_id, task_ids=done))
+            self._fire(self.stub.ReportCompletion, pb.Completions(client_id=self.client_id, task_ids=done))
 
     def telemetry(self, last_decisions: int = 0) -> dict:
-        reply = self._call(self.coordinator.Telemetry, pb.TelemetryRequest(last_decisions=last_decisions))
+        reply = self._call(self.stub.Telemetry, pb.TelemetryRequest(last_decisions=last_decisions))
         return json.loads(reply.json)
+
+    def round_leader(self, rank: int, stop=None) -> str:
+        """Tier 2: the address of the DataServer leading the rounds of the group whose lowest rank is ``rank``."""
+        return self._call(
+            self.stub.RoundLeader, pb.RoundLeaderRequest(client_id=self.client_id, rank=rank), stop=stop
+        ).address
+
+    def round_fate(self, ask: pb.RoundFateRequest, sent: float, stop, retry: bool) -> pb.RoundFateReply:
+        """Tier 2: what became of a round whose leader cannot answer, the round's age (since
+        ``sent``, monotonic) stated afresh at each try. ``retry``: as any call (``ClusterError``
+        once it gives up); else one try (``grpc.RpcError`` when it fails)."""
+
+        def fate_now(req, **kw):
+            req.age_s = time.monotonic() - sent
+            return self.stub.RoundFate(req, **kw)
+
+        if retry:
+            return self._call(fate_now, ask, stop=stop)
+        return fate_now(ask, timeout=self.config.rpc_timeout_s, metadata=self.metadata)
+
+    def stop(self) -> None:
+        """The client is closing: no more lease renewals; the completions no Route carried are reported."""
+        self._closing.set()
+        self.flush_completions()
+
+    def close(self) -> None:
+        """Close the channel and the local link (after ``stop``, once the reports landed)."""
+        self.channel.close()
+        if self._route_link:
+            self._route_link.close()

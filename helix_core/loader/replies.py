@@ -1,6 +1,8 @@
-"""Turns a DataServer's replies into batches (a base class of ``ClusterClient``): a handle names a
-slab on this host, which is mapped once and read zero-copy; the slab goes back to its server when
+"""Turns a DataServer's replies into batches: a handle names a slab on this host, which ``reader``
+(the client's ``SlabReader``) maps once and reads zero-copy; the slab goes back to its server when
 the batch is garbage-collected, or right after a copy into pinned / device memory.
+
+Plain functions: ``ClusterClient.materialize`` / ``release`` / ``error_of`` pass them its reader.
 """
 
 from __future__ import annotations
@@ -11,82 +13,90 @@ import torch
 
 from helix_core.errors import ClusterError, SampleError
 from helix_core.memory.merge import merge_batches
+from helix_core.memory.reader import SlabReader
 from helix_core.memory.tensors import copy_tensors, read_tensors, unflatten
 from helix_core.tier2.crosshost import meta_dicts
 from helix_core.wire.messages import ErrorKind
 from helix_core.wire.proto import helix_pb2 as pb
 
-__all__ = ["ReplyBatches"]
+__all__ = ["error_of", "materialize", "release"]
 
 
-class ReplyBatches:
-    """A ``ClusterClient``'s replies to batches (its ``reader`` maps the slabs)."""
+def materialize(
+    reply: pb.ExecuteReply,
+    reader: SlabReader,
+    pickle_allowed: bool,
+    copy: bool,
+    pad: bool = True,
+    grow: list | None = None,
+):
+    """The batch of a successful reply: zero-copy tensors on the slab (released when the last
+    one is garbage-collected), or owned copies (slab released at once) when ``copy``. A batch
+    that came in pieces (split among a server's workers) is merged, as collating it whole
+    (``pad=False``: pieces whose tensors differ in shape raise, as ``default_collate`` would).
+    ``grow`` (a list): gets the function that grows the batch's first slab's tensors in place
+    (``merge_batches(grow=)``), for a merge with the batch's later parts (fan-out). A pickled
+    batch structure raises ``ClusterError`` unless ``pickle_allowed``."""
+    if reply.pieces:
+        first: list = []
+        try:
+            parts = [
+                _materialize(b, reader, pickle_allowed, copy=False, grow=first if k == 0 and not copy else None)
+                for k, b in enumerate(reply.pieces)
+            ]
+        except BaseException:
+            release(reply, reader)  # the pieces not read yet would be stranded
+            raise
+        if grow is not None:
+            grow.extend(first)
+        return merge_batches(parts, rows=list(reply.piece_rows), pad=pad, grow=first[0] if first else None)
+    return _materialize(reply.batch, reader, pickle_allowed, copy, grow)
 
-    def materialize(self, reply: pb.ExecuteReply, copy: bool, pad: bool = True, grow: list | None = None):
-        """The batch of a successful reply: zero-copy tensors on the slab (released when the last
-        one is garbage-collected), or owned copies (slab released at once) when ``copy``. A batch
-        that came in pieces (split among a server's workers) is merged, as collating it whole
-        (``pad=False``: pieces whose tensors differ in shape raise, as ``default_collate`` would).
-        ``grow`` (a list): gets the function that grows the batch's first slab's tensors in place
-        (``merge_batches(grow=)``), for a merge with the batch's later parts (fan-out)."""
-        if reply.pieces:
-            first: list = []
-            try:
-                parts = [
-                    self._materialize(b, copy=False, grow=first if k == 0 and not copy else None)
-                    for k, b in enumerate(reply.pieces)
-                ]
-            except BaseException:
-                self.release(reply)  # the pieces not read yet would be stranded
-                raise
-            if grow is not None:
-                grow.extend(first)
-            return merge_batches(parts, rows=list(reply.piece_rows), pad=pad, grow=first[0] if first else None)
-        return self._materialize(reply.batch, copy, grow)
 
-    def _materialize(self, b: pb.BatchHandle, copy: bool, grow: list | None = None):
-        """``grow`` (a list): gets the function that grows this batch's tensors in place into the
-        room its slab leaves after them (``merge_batches(grow=)``): a split batch's first piece."""
-        handle = {"segment": b.slab.segment, "generation": b.slab.generation, "nbytes": b.slab.nbytes}
-        if b.tree_pickle and not self.pickle_allowed:
-            self.reader.release(handle)
-            raise ClusterError(
-                "a DataServer sent a pickled batch structure to a client that accepts none (a cluster "
-                "reached without TLS beyond loopback, or ClusterConfig(allow_pickle=False))"
-            )
-        metas = meta_dicts(b.tensors)
-        buf = self.reader.view(handle) if b.slab.segment else memoryview(b"")
-        if copy:
-            tensors = copy_tensors(buf, metas)
-            del buf
-            self.reader.release(handle)
-        else:
-            release = lambda h=handle, r=self.reader: r.release(h)
-            tensors = read_tensors(buf, metas, on_release=release)
-            del buf
-            if grow is not None:
-                grow.append(_grower(tensors, metas))
-        return unflatten(b.tree_json, b.tree_pickle, tensors)
+def _materialize(b: pb.BatchHandle, reader: SlabReader, pickle_allowed: bool, copy: bool, grow: list | None = None):
+    """``grow`` (a list): gets the function that grows this batch's tensors in place into the
+    room its slab leaves after them (``merge_batches(grow=)``): a split batch's first piece."""
+    handle = {"segment": b.slab.segment, "generation": b.slab.generation, "nbytes": b.slab.nbytes}
+    if b.tree_pickle and not pickle_allowed:
+        reader.release(handle)
+        raise ClusterError(
+            "a DataServer sent a pickled batch structure to a client that accepts none (a cluster "
+            "reached without TLS beyond loopback, or ClusterConfig(allow_pickle=False))"
+        )
+    metas = meta_dicts(b.tensors)
+    buf = reader.view(handle) if b.slab.segment else memoryview(b"")
+    if copy:
+        tensors = copy_tensors(buf, metas)
+        del buf
+        reader.release(handle)
+    else:
+        tensors = read_tensors(buf, metas, on_release=lambda h=handle: reader.release(h))
+        del buf
+        if grow is not None:
+            grow.append(_grower(tensors, metas))
+    return unflatten(b.tree_json, b.tree_pickle, tensors)
 
-    def release(self, reply: pb.ExecuteReply) -> None:
-        """Give a reply's slabs back unread (its request was cancelled)."""
-        for b in (reply.batch, *reply.pieces):
-            if b.slab.segment:
-                self.reader.release({"segment": b.slab.segment, "generation": b.slab.generation})
 
-    @staticmethod
-    def error_of(reply: pb.ExecuteReply) -> Exception | None:
-        kind = ErrorKind(reply.error_kind)
-        if kind is ErrorKind.NONE:
-            return None
-        if kind is ErrorKind.SAMPLE:
-            f = reply.failure
-            return SampleError(f.index, f.path, f.cause)
-        if kind is ErrorKind.SPEC:
-            return ClusterError(f"DataServer could not load the dataset: {reply.error}")
-        if kind is ErrorKind.NO_ROOM:
-            return ClusterError(f"batch of task {reply.task_id}: {reply.error}")
-        return RuntimeError(f"DataServer task {reply.task_id} failed ({kind.name}): {reply.error}")
+def release(reply: pb.ExecuteReply, reader: SlabReader) -> None:
+    """Give a reply's slabs back unread (its request was cancelled)."""
+    for b in (reply.batch, *reply.pieces):
+        if b.slab.segment:
+            reader.release({"segment": b.slab.segment, "generation": b.slab.generation})
+
+
+def error_of(reply: pb.ExecuteReply) -> Exception | None:
+    """The error a failed reply stands for; None for a successful one."""
+    kind = ErrorKind(reply.error_kind)
+    if kind is ErrorKind.NONE:
+        return None
+    if kind is ErrorKind.SAMPLE:
+        f = reply.failure
+        return SampleError(f.index, f.path, f.cause)
+    if kind is ErrorKind.SPEC:
+        return ClusterError(f"DataServer could not load the dataset: {reply.error}")
+    if kind is ErrorKind.NO_ROOM:
+        return ClusterError(f"batch of task {reply.task_id}: {reply.error}")
+    return RuntimeError(f"DataServer task {reply.task_id} failed ({kind.name}): {reply.error}")
 
 
 def _grower(tensors: list, metas: list[dict]):
