@@ -6,7 +6,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("helix_core", "helix_bench", "helix_lightning")
-PATH = re.compile(r"(?<![\w/.-])((?:helix_core|helix_bench|helix_lightning|tests|recipes|docs|deploy|configs)/[\w/.-]*\w)")
+PATH = re.compile(
+    r"(?<![\w/.-])((?:helix_core|helix_bench|helix_lightning|tests|recipes|docs|deploy|configs)/[\w/.-]*\w)"
+)
 
 
 def _modules() -> list[str]:

@@ -28,9 +28,9 @@ from helix_core.memory.slabpool import SlabPool
 from helix_core.server.heartbeats import Beats
 from helix_core.server.pool import WorkerPool
 from helix_core.server.steal import handles
-from helix_core.tier2.crosshost import ExchangeMember, HostExchange
+from helix_core.tier2.crosshost import CrossHostMover, HostMember
 from helix_core.tier2.leader import RoundTable, bad_timeout
-from helix_core.wire.bulk.common import NO_ROOM
+from helix_core.wire.bulk.protocol import NO_ROOM
 from helix_core.wire.chunks import ChunkWriter
 from helix_core.wire.delivery import DeliveryFailed, Inbound, Outbound, Refused, moved_bytes
 from helix_core.wire.messages import ErrorKind
@@ -102,7 +102,7 @@ class DataServer:
         self.inbound = Inbound(slabs, self.pickle_allowed, self.no_pickle_why(), lambda: self.server_id)
         self.beats = Beats(config)  # work that arrives wakes an idle server's heartbeats
         # Tier 2: its part in moving rows between hosts, and the rounds it leads
-        self.member = ExchangeMember(
+        self.member = HostMember(
             self.reader,
             self.inbound,
             self.outbound,
@@ -113,7 +113,7 @@ class DataServer:
         # held Rebalance calls take at most half the handler threads: control RPCs always find one
         self.rounds = RoundTable(
             self.pickle_allowed,
-            exchange=HostExchange(self.member, token, config, tls),
+            mover=CrossHostMover(self.member, token, config, tls),
             address=address,
             host=host_id,
             commit=commit,

@@ -16,7 +16,7 @@ from helix_core.memory import shm
 from helix_core.memory.slabpool import SlabPool
 from helix_core.security.auth import call_metadata, is_loopback, pickle_allowed
 from helix_core.security.hostid import host_id as this_host
-from helix_core.security.tokenfiles import check_listener as check_coordinator
+from helix_core.security.listeners import check_listener as check_coordinator
 from helix_core.security.tokenfiles import token_path
 from helix_core.server.cpuslots import HostSlots
 from helix_core.server.dataserver import DataServer

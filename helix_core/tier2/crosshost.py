@@ -449,8 +449,3 @@ class CrossHostMover:
         self._close_store()
         for ch in self._channels.values():
             ch.close()
-
-
-# the old names, until ``server/service.py`` imports the new ones
-ExchangeMember = HostMember
-HostExchange = CrossHostMover

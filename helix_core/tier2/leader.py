@@ -114,8 +114,6 @@ class RoundTable:
         host: str = "",
         commit=None,
         max_held: int = 32,
-        *,
-        exchange=None,  # the old name of ``mover``, until ``serve_dataserver`` passes ``mover=``
     ):
         self.clock = clock
         self.policies = Policies(allow_pickle)  # the groups' policies, loaded once per content
@@ -125,7 +123,7 @@ class RoundTable:
         # commit(group, run, step, {rank: indices}, {rank: [(segment, generation)]}, age_s) -> bool: a
         # moved round recorded at the Coordinator before a rank sees it (None: no Coordinator)
         self.commit = commit
-        self.mover = mover if mover is not None else exchange
+        self.mover = mover
         self.address, self.host = address, host
         self.reader = SlabReader()
         self._cond = threading.Condition()

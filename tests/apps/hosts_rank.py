@@ -15,7 +15,7 @@ import helix_core as hx
 import helix_core.testing.datasets
 from helix_core.config import ClusterConfig
 from helix_core.security.hostid import host_id
-from helix_core.testing.datasets import IndexDataset
+from helix_core.testing.datasets import IndexDataset, shift_ranks
 
 
 def main(a: dict) -> dict:
@@ -31,7 +31,7 @@ def main(a: dict) -> dict:
     out = {"host": host_id(), "runs": {}}
     rebalance = a.get("rebalance")
     if rebalance:  # Tier 2: a policy by import path (the test's own shift of ranks)
-        rebalance = dict(rebalance, sort_fn=hx.testing.shift_ranks)
+        rebalance = dict(rebalance, sort_fn=shift_ranks)
         shifted = DistributedSampler(
             ds, num_replicas=a["world"], shuffle=False, rank=(a["rank"] - rebalance["args"]["shift"]) % a["world"]
         )

@@ -4,28 +4,20 @@ user starts them on each machine; ranks are processes on their own host."""
 
 import json
 import os
-import re
 import signal
-import subprocess
 import sys
 import time
 from collections import Counter
 from pathlib import Path
 
 import pytest
-from torch.utils.data import DistributedSampler
+from hostcluster import EVERY, TOKEN, Cluster, busy_slabs, listeners, rank_results, sampler, wait_first_batches
 
-from helix_core.config import ClusterConfig
-from helix_core.security.tls import write_certificates
-from helix_core.testing.datasets import IndexDataset
 from helix_core.testing.emulated_hosts import EmulatedHosts, leftovers
 
 pytestmark = pytest.mark.skipif(EmulatedHosts.unavailable() is not None, reason=str(EmulatedHosts.unavailable()))
 
 APPS = Path(__file__).resolve().parents[1] / "apps"
-CFG = json.dumps(ClusterConfig.for_tests().to_dict())
-TOKEN = "emulated-hosts-token"
-EVERY = {"00000000", "0" * 32}  # 0.0.0.0 and :: in /proc/net/tcp{,6}: a socket on every interface
 
 
 @pytest.fixture(scope="module")
@@ -34,174 +26,13 @@ def hosts():
         yield h
 
 
-class Cluster:
-    """A Coordinator on host a, one local DataServer (local rank 0) on each of a and b, and a
-    remote sidecar on c: each started with the ``helix`` command on its own host, with a token and
-    TLS (``helix certs``-style certificates for the hosts' addresses; ``tls=False``: --insecure);
-    ``config``: the services' ``ClusterConfig`` as JSON."""
-
-    def __init__(self, hosts: EmulatedHosts, tmp: Path, tls: bool = True, more_locals: tuple = (), config: str = CFG):
-        self.hosts, self.tmp, self.config = hosts, tmp, config
-        self.token_file = tmp / "token"
-        self.token_file.write_text(TOKEN + "\n")
-        self.token_file.chmod(0o600)  # a token file others may read is refused
-        self.procs, self.info = {}, {}
-        self.env = dict(os.environ)
-        if tls:
-            certs = write_certificates(str(tmp / "certs"), [hosts.address(n) for n in hosts.names])
-            self.env.update(HELIX_TLS_CERT=certs["cert"], HELIX_TLS_KEY=certs["key"], HELIX_TLS_CA=certs["ca"])
-        self.flags = [] if tls else ["--insecure"]
-        a = hosts.address("a")
-        self.coordinator = self._start("coordinator", "a", ["coordinator", "--host", a, "--port", "7070"])["address"]
-        for name in ("a", "b"):
-            self._start(
-                f"local-{name}",
-                name,
-                [
-                    "dataserver",
-                    "--coordinator",
-                    self.coordinator,
-                    "--local-rank",
-                    "0",
-                    "--workers",
-                    "1",
-                    "--host",
-                    hosts.address(name),
-                ],
-            )
-        for name, local_rank in more_locals:  # more local servers: (host, local rank)
-            self._start(
-                f"local-{name}{local_rank}",
-                name,
-                [
-                    "dataserver",
-                    "--coordinator",
-                    self.coordinator,
-                    "--local-rank",
-                    str(local_rank),
-                    "--workers",
-                    "1",
-                    "--host",
-                    hosts.address(name),
-                ],
-            )
-        self._start(
-            "sidecar",
-            "c",
-            [
-                "dataserver",
-                "--coordinator",
-                self.coordinator,
-                "--remote",
-                "--workers",
-                "1",
-                "--host",
-                hosts.address("c"),
-            ],
-        )
-
-    def _start(self, role: str, host: str, args: list[str]) -> dict:
-        proc = self.hosts.popen(
-            host,
-            [
-                sys.executable,
-                "-m",
-                "helix_core.launch.cli",
-                *args,
-                "--token-file",
-                str(self.token_file),
-                "--config-json",
-                self.config,
-                *self.flags,
-            ],
-            stdout=subprocess.PIPE,
-            text=True,
-            env=self.env,
-        )
-        line = proc.stdout.readline()
-        assert line.startswith("HELIX_READY "), f"{role} on host {host}: {line!r}"
-        self.procs[role] = proc
-        self.info[role] = json.loads(line.split(" ", 1)[1])
-        return self.info[role]
-
-    def status(self, host: str = "c") -> dict:
-        done = self.hosts.run(
-            host,
-            [
-                sys.executable,
-                "-m",
-                "helix_core.launch.cli",
-                "status",
-                "--coordinator",
-                self.coordinator,
-                "--token-file",
-                str(self.token_file),
-                "--json",
-            ],
-            env=self.env,
-        )
-        assert done.returncode == 0, done.stderr
-        return json.loads(done.stdout)
-
-    def ranks(self, placement: list[tuple[str, int]], schedulers, n: int = 48, batch: int = 2, **extra) -> list:
-        """Start one rank per ``(host, local_rank)``; return their processes and output files."""
-        started = []
-        for rank, (host, local_rank) in enumerate(placement):
-            out = self.tmp / f"rank{rank}-{time.monotonic_ns()}.json"
-            args = dict(
-                n=n,
-                batch=batch,
-                rank=rank,
-                world=len(placement),
-                local_rank=local_rank,
-                coordinator=self.coordinator,
-                token=TOKEN,
-                schedulers=list(schedulers),
-                out=str(out),
-                **extra,
-            )
-            argv = [sys.executable, str(APPS / "hosts_rank.py"), json.dumps(args)]
-            started.append((self.hosts.popen(host, argv, env=self.env), out))
-        return started
-
-    def close(self) -> None:
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        for proc in self.procs.values():
-            proc.wait(timeout=20)
-            proc.stdout.close()
-
-
-def _results(started, timeout=240) -> list[dict]:
-    out = []
-    for proc, path in started:
-        assert proc.wait(timeout=timeout) == 0
-        out.append(json.loads(path.read_text()))
-    return out
-
-
-def _wait_first_batches(started) -> None:
-    """Until every rank started with ``mark_first`` has its first batch (then it is mid-epoch)."""
-    deadline = time.monotonic() + 120
-    while not all(Path(str(out) + ".first").exists() for _, out in started):
-        assert time.monotonic() < deadline, "the ranks never received a batch"
-        assert all(proc.poll() is None for proc, _ in started), "a rank ended before its first batch"
-        time.sleep(0.05)
-
-
-def _sampler(n, rank, world, batch):
-    order = list(DistributedSampler(IndexDataset(n), num_replicas=world, rank=rank, shuffle=False))
-    return [order[i : i + batch] for i in range(0, len(order), batch)]
-
-
 def test_two_hosts_and_a_sidecar_through_the_cli(hosts, tmp_path):
     cluster = Cluster(hosts, tmp_path)
     try:
         placement = [("a", 0), ("a", 1), ("b", 0), ("b", 1)]  # both hosts' local servers have local rank 0
         # 20 ms a sample keeps a local server busy while its ranks ask ahead, so least-request (which
         # keeps ties local) spills to the sidecar from both hosts; instant samples left it to chance
-        results = _results(cluster.ranks(placement, ["least-request", "deadline"], delay_s=0.02))
+        results = rank_results(cluster.ranks(placement, ["least-request", "deadline"], delay_s=0.02))
         status = cluster.status()
     finally:
         cluster.close()
@@ -211,7 +42,7 @@ def test_two_hosts_and_a_sidecar_through_the_cli(hosts, tmp_path):
         for scheduler, run in res["runs"].items():
             assert "error" not in run, run.get("trace")
             assert run["equal"], (rank, scheduler)  # the sampler's batches, tensors included
-            assert run["indices"] == _sampler(48, rank, 4, 2)
+            assert run["indices"] == sampler(48, rank, 4, 2)
     # the sidecar served ranks of both hosts (a remote server always streams: cross-DS bytes)
     for pair in ((0, 1), (2, 3)):
         assert sum(results[r]["runs"]["least-request"]["cross_ds_bytes"] for r in pair) > 0, pair
@@ -231,15 +62,15 @@ def test_a_hosts_last_local_server_killed_its_ranks_get_an_error_naming_it_other
     try:
         # samples decode slowly (12 per rank, 0.25 s each): b loses its server once each rank has its first batch
         started = cluster.ranks([("a", 0), ("b", 0)], ["least-request"], n=24, delay_s=0.25, mark_first=True)
-        _wait_first_batches(started)
+        wait_first_batches(started)
         cluster.procs["local-b"].send_signal(signal.SIGKILL)
-        results = _results(started)
+        results = rank_results(started)
         status = cluster.status("a")
     finally:
         cluster.close()
     a, b = results[0]["runs"]["least-request"], results[1]["runs"]["least-request"]
     assert "error" not in a, a.get("trace")
-    assert a["equal"] and a["indices"] == _sampler(24, 0, 2, 2)
+    assert a["equal"] and a["indices"] == sampler(24, 0, 2, 2)
     assert "ClusterError" in b.get("error", "") and repr(results[1]["host"]) in b["error"], b
     local_b = [s for s in status["servers"] if s["host"] == results[1]["host"]]
     assert local_b and not any(s["alive"] for s in local_b)
@@ -251,7 +82,7 @@ def test_tier2_moves_rows_between_hosts_bit_identical_and_leaves_no_slab(hosts, 
     step's rows all cross hosts — through one gloo all_to_all of the hosts' DataServers, or by
     one gRPC stream per slab — into slabs on the taker's host. gloo has no TLS: the collective runs
     on an --insecure cluster only (on a TLS one it is refused: test_tier2_security.py)."""
-    before = {name: set(_busy_slabs(hosts, name)) for name in hosts.names}  # a SIGKILLed server's, from an earlier test
+    before = {name: set(busy_slabs(hosts, name)) for name in hosts.names}  # a SIGKILLed server's, from an earlier test
     cluster = Cluster(hosts, tmp_path, tls=exchange != "collective")
     rebalance = {"args": {"shift": 2, "world": 4}, "round_timeout_s": 5.0, "exchange": exchange}
     try:
@@ -261,9 +92,9 @@ def test_tier2_moves_rows_between_hosts_bit_identical_and_leaves_no_slab(hosts, 
         started = cluster.ranks(placement, ["least-request"], n=32, rebalance=rebalance)
         listening = set()
         while any(proc.poll() is None for proc, _ in started):  # the collective's store among them
-            listening.update((name, *x) for name in ("a", "b") for x in _listeners(hosts, name))
+            listening.update((name, *x) for name in ("a", "b") for x in listeners(hosts, name))
             time.sleep(0.2)
-        results = _results(started)
+        results = rank_results(started)
     finally:
         cluster.close()
     assert not [x for x in listening if x[1] in EVERY], sorted(listening)  # each on its host's address
@@ -271,13 +102,13 @@ def test_tier2_moves_rows_between_hosts_bit_identical_and_leaves_no_slab(hosts, 
         run = res["runs"]["least-request"]
         assert "error" not in run, run.get("trace")
         assert not run["rebalance_errors"], run["rebalance_errors"]
-        assert run["indices"] == _sampler(32, (rank - 2) % 4, 4, 2)  # the batches of the rank 2 away ...
+        assert run["indices"] == sampler(32, (rank - 2) % 4, 4, 2)  # the batches of the rank 2 away ...
         assert run["equal"], rank  # ... tensors and all, bit-identical
         t2 = run["rebalance"]
         assert t2["moved"] == 4 and t2["moved_in"] == t2["moved_out"] == 8, t2
         assert t2[f"crossed_{exchange}"] == 4 and t2["crossed_bytes"] > 0, t2
     for name in hosts.names:  # every slab released on every host (its rows read or dropped)
-        assert not set(_busy_slabs(hosts, name)) - before[name], name
+        assert not set(busy_slabs(hosts, name)) - before[name], name
 
 
 def test_a_hosts_member_killed_mid_epoch_its_rounds_keep_and_every_sample_comes_once(hosts, tmp_path):
@@ -289,15 +120,15 @@ def test_a_hosts_member_killed_mid_epoch_its_rounds_keep_and_every_sample_comes_
     try:
         placement = [("a", 0), ("a", 1), ("b", 0), ("b", 1)]
         started = cluster.ranks(placement, ["least-request"], n=64, delay_s=0.1, mark_first=True, rebalance=rebalance)
-        _wait_first_batches(started)
+        wait_first_batches(started)
         cluster.procs["local-b"].send_signal(signal.SIGKILL)
-        results = _results(started)
+        results = rank_results(started)
     finally:
         cluster.close()
     runs = [res["runs"]["least-request"] for res in results]
     for run in runs:
         assert "error" not in run, run.get("trace")
-    own = [_sampler(64, r, 4, 2) for r in range(4)]
+    own = [sampler(64, r, 4, 2) for r in range(4)]
     seen = Counter()
     for step in range(len(own[0])):
         planned = sorted(i for r in range(4) for i in own[r][step])
@@ -308,24 +139,6 @@ def test_a_hosts_member_killed_mid_epoch_its_rounds_keep_and_every_sample_comes_
         seen.update(i for b in got for i in b)
     assert seen == Counter(range(64))
     assert sum(run["rebalance"].get("moved", 0) for run in runs) > 0  # rounds crossed hosts
-
-
-def _listeners(hosts, name: str) -> list[tuple[str, int]]:
-    """``(address hex, port)`` of every TCP socket listening in host ``name``'s network namespace."""
-    done = hosts.run(name, ["cat", "/proc/net/tcp", "/proc/net/tcp6"])
-    out = []
-    for line in done.stdout.splitlines():
-        parts = line.split()
-        if len(parts) > 3 and parts[3] == "0A":  # LISTEN
-            addr, port = parts[1].split(":")
-            out.append((addr, int(port, 16)))
-    return out
-
-
-def _busy_slabs(hosts, name: str) -> list[str]:
-    """Helix slab segments left on host ``name`` (its servers stopped: their pools unlinked them all)."""
-    done = hosts.run(name, ["sh", "-c", "ls /dev/shm"])
-    return [f for f in done.stdout.split() if re.match(r"helix-\w+-[lr]\d*p\d+-d-", f)]
 
 
 _PICKLED = """

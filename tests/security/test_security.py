@@ -174,7 +174,10 @@ def test_a_json_spec_names_only_a_dataset_class_and_a_python_collate_function(co
 
     from helix_core.data.specs import load_spec
 
-    spec = {"dataset": {"target": "helix_core.testing.datasets:IndexDataset", "kwargs": {"n": 2}}, "collate_fn": collate}
+    spec = {
+        "dataset": {"target": "helix_core.testing.datasets:IndexDataset", "kwargs": {"n": 2}},
+        "collate_fn": collate,
+    }
     with pytest.raises(TypeError, match="collate_fn"):
         load_spec(json.dumps(spec).encode(), "json", allow_pickle=False)
     spec["collate_fn"], spec["dataset"]["target"] = "helix_core.testing.datasets:pair_collate", "subprocess:Popen"

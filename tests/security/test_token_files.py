@@ -247,7 +247,16 @@ def test_a_port_another_user_took_never_gets_this_users_token(tmp_path):
                 config=CFG,
             )
         done = subprocess.run(
-            [sys.executable, "-m", "helix_core.launch.cli", "dataserver", "--coordinator", address, "--local-rank", "0"],
+            [
+                sys.executable,
+                "-m",
+                "helix_core.launch.cli",
+                "dataserver",
+                "--coordinator",
+                address,
+                "--local-rank",
+                "0",
+            ],
             capture_output=True,
             text=True,
             env=_env(),

@@ -24,6 +24,7 @@ from dataplane import CFG
 import helix_core as hx
 import helix_core.testing.datasets
 from helix_core.config import ClusterConfig
+from helix_core.testing.datasets import IndexDataset
 from helix_core.testing.emulated_hosts import EmulatedHosts
 from helix_core.wire.proto import helix_pb2 as pb
 
@@ -102,7 +103,7 @@ def test_a_tls_round_between_two_hosts_crosses_the_bridge_only_as_tls(hosts, tmp
     step's rows all cross hosts — by default (no ``exchange``) over gRPC and TLS. A raw-socket
     capture on the bridge reads every TCP payload between the hosts as TLS records, and no row's
     bytes in clear; no socket of either host listens on every interface."""
-    from test_hosts import EVERY, Cluster, _listeners, _results, _sampler
+    from hostcluster import EVERY, Cluster, listeners, rank_results, sampler
 
     capture = tmp_path / "bridge.cap"
     sniffer = subprocess.Popen(
@@ -126,9 +127,9 @@ def test_a_tls_round_between_two_hosts_crosses_the_bridge_only_as_tls(hosts, tmp
             listening = set()
             while any(proc.poll() is None for proc, _ in started):  # sampled while rounds run
                 for name in ("a", "b", "c"):
-                    listening.update((name, *x) for x in _listeners(hosts, name))
+                    listening.update((name, *x) for x in listeners(hosts, name))
                 time.sleep(0.2)
-            results = _results(started)
+            results = rank_results(started)
         finally:
             cluster.close()
     finally:
@@ -138,12 +139,12 @@ def test_a_tls_round_between_two_hosts_crosses_the_bridge_only_as_tls(hosts, tmp
     for rank, res in enumerate(results):
         run = res["runs"]["least-request"]
         assert "error" not in run, run.get("trace")
-        assert run["equal"] and run["indices"] == _sampler(32, (rank - 2) % 4, 4, 2)
+        assert run["equal"] and run["indices"] == sampler(32, (rank - 2) % 4, 4, 2)
         assert run["rebalance"].get("crossed_grpc") == 4 and not run["rebalance"].get("crossed_collective"), run[
             "rebalance"
         ]  # rows crossed, by gRPC: the default on a TLS cluster
     assert listening and not [x for x in listening if x[1] in EVERY], sorted(listening)
-    rows = [hx.testing.IndexDataset(32, shape=SHAPE)[i]["x"].numpy().tobytes() for i in range(32)]  # as decoded
+    rows = [IndexDataset(32, shape=SHAPE)[i]["x"].numpy().tobytes() for i in range(32)]  # as decoded
     flows = _captured(capture)
     between = {k: v for k, v in flows.items() if k[0].startswith(hosts.subnet) and k[2].startswith(hosts.subnet)}
     assert between, "the capture saw nothing between the hosts"
@@ -164,8 +165,8 @@ def test_the_collective_is_refused_on_a_tls_cluster_naming_the_parameter():
     with hx.LocalCluster(local_servers=1, workers_per_server=1, token=True, tls=Tls.for_job(), config=CFG) as c:
         kw = dict(batch_size=2, rank=0, world_size=2, coordinator=c.address, token=c.token, tls=c.tls, config=CFG)
         with pytest.raises(ValueError, match=r"Rebalance\.exchange='collective' on a TLS cluster"):
-            hx.DistributedDataLoader(hx.testing.IndexDataset(8), rebalance={"exchange": "collective"}, **kw)
-        hx.DistributedDataLoader(hx.testing.IndexDataset(8), rebalance={"exchange": "grpc"}, **kw).close()
+            hx.DistributedDataLoader(IndexDataset(8), rebalance={"exchange": "collective"}, **kw)
+        hx.DistributedDataLoader(IndexDataset(8), rebalance={"exchange": "grpc"}, **kw).close()
     assert hx.Rebalance().transport(tls=True) == "grpc" and hx.Rebalance().transport(tls=False) == "grpc"
     assert hx.Rebalance(exchange="collective").transport(tls=False) == "collective"  # only where asked for
     assert hx.Rebalance(exchange="grpc").transport(tls=False) == "grpc"
@@ -229,7 +230,7 @@ def test_a_rank_killed_after_its_rounds_exchange_leaves_no_slab_held(hosts, tmp_
     moved round answers it — its own slab read by host a's member for the exchange, the rows it
     takes written into new slabs. No slab names the member as holder (a server's read takes no
     lease), and once the lease timeout has passed every slab of host a is free again."""
-    from test_hosts import Cluster
+    from hostcluster import Cluster
 
     config = ClusterConfig.for_tests(execute_timeout_s=6.0, sample_timeout_s=5.0)  # slab lease: 6 + 3 s
     cluster = Cluster(hosts, tmp_path, config=json.dumps(config.to_dict()))
