@@ -93,7 +93,7 @@ class ClusterConfig:
 
     @classmethod
     def for_tests(cls, **overrides) -> ClusterConfig:
-        base = dict(
+        base: dict[str, object] = dict(
             heartbeat_interval_s=0.1,
             heartbeat_timeout_s=0.5,
             rpc_timeout_s=3.0,
@@ -105,7 +105,7 @@ class ClusterConfig:
             sample_timeout_s=60.0,
         )
         base.update(overrides)
-        return cls(**base)
+        return cls(**base)  # type: ignore[arg-type]  # each field checked in __post_init__
 
     def to_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self)}
