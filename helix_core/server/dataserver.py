@@ -33,7 +33,7 @@ from helix_core.tier2.leader import RoundTable, bad_timeout
 from helix_core.wire.bulk.protocol import NO_ROOM
 from helix_core.wire.chunks import ChunkWriter
 from helix_core.wire.delivery import DeliveryFailed, Inbound, Outbound, Refused, moved_bytes
-from helix_core.wire.messages import ErrorKind
+from helix_core.wire.messages import ErrorKind, slab_handle
 from helix_core.wire.proto import helix_pb2 as pb
 
 __all__ = ["DataServer", "Executed", "Rejected"]
@@ -198,9 +198,7 @@ class DataServer:
         finally:
             shm.release_segment(result["handle"])  # streamed (or failed): our slab is free again
         if not call.is_active():  # the client gave up: nobody will release it
-            shm.release_segment(
-                {"segment": delivered.batch.slab.segment, "generation": delivered.batch.slab.generation}
-            )
+            shm.release_segment(slab_handle(delivered.batch.slab))
         return Executed(
             result, remote=delivered.batch, delivered_by=delivered.server_id, cross_ds_bytes=moved_bytes(result)
         )

@@ -16,7 +16,7 @@ from helix_core.errors import text_of
 from helix_core.memory import shm
 from helix_core.server.dataserver import DataServer, Executed, Rejected
 from helix_core.wire.delivery import metas_to_pb
-from helix_core.wire.messages import ErrorKind
+from helix_core.wire.messages import ErrorKind, slab_handle, slab_handle_pb
 from helix_core.wire.proto import helix_pb2 as pb
 from helix_core.wire.proto import helix_pb2_grpc as pbg
 
@@ -33,7 +33,7 @@ _STATUS = {
 
 def _batch_pb(result: dict) -> pb.BatchHandle:
     return pb.BatchHandle(
-        slab=pb.SlabHandle(**result["handle"]),
+        slab=slab_handle_pb(result["handle"]),
         tree_json=result["tree_json"],
         tree_pickle=result["tree_pickle"],
         tensors=metas_to_pb(result["metas"]),
@@ -93,7 +93,7 @@ def release_unsent(reply: pb.ExecuteReply) -> None:
     """Free the slabs a reply names that will never reach its client."""
     for b in (reply.batch, *reply.pieces):
         if b.slab.segment:  # (an unset batch names none)
-            shm.release_segment({"segment": b.slab.segment, "generation": b.slab.generation})
+            shm.release_segment(slab_handle(b.slab))
 
 
 class DataServerServicer(pbg.DataServerServicer):

@@ -16,6 +16,8 @@ import ctypes
 import fcntl
 import os
 
+from helix_core.memory.shm import SlabHandle
+
 __all__ = ["Claim", "Pieces", "handles"]
 
 
@@ -142,7 +144,7 @@ class Pieces:
         }, []
 
 
-def handles(result: dict) -> list[dict]:
+def handles(result: dict) -> list[SlabHandle]:
     """The slab handles a worker (or a combined) result holds."""
     if "handle" in result:
         return [result["handle"]]

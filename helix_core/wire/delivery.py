@@ -26,6 +26,7 @@ from helix_core.wire.bulk.protocol import MAX_HEADER, NO_ROOM, OK, REFUSED, Bulk
 from helix_core.wire.bulk.send import BulkSender
 from helix_core.wire.chunks import iter_chunks
 from helix_core.wire.frames import deliver_callable
+from helix_core.wire.messages import slab_handle_pb
 from helix_core.wire.proto import helix_pb2 as pb
 from helix_core.wire.proto import helix_pb2_grpc as pbg
 from helix_core.wire.rpc import connect
@@ -52,7 +53,7 @@ def metas_to_pb(metas: list[dict]) -> list[pb.TensorMeta]:
 
 def moved_bytes(result: dict) -> int:
     """What a delivery moves between servers: the payload plus the small tensors sent inline."""
-    return result["handle"]["nbytes"] + sum(len(m.get("inline_data") or b"") for m in result["metas"])
+    return result["handle"].nbytes + sum(len(m.get("inline_data") or b"") for m in result["metas"])
 
 
 class DeliveryFailed(Exception):
@@ -119,7 +120,7 @@ class Outbound:
             tree_json=result["tree_json"],
             tree_pickle=result["tree_pickle"],
             tensors=metas_to_pb(result["metas"]),
-            total_bytes=result["handle"]["nbytes"],
+            total_bytes=result["handle"].nbytes,
         )
         payload = self.reader.view(result["handle"])
         try:
@@ -212,7 +213,7 @@ class Inbound:
         return pb.DeliverReply(
             server_id=self.server_id(),
             batch=pb.BatchHandle(
-                slab=pb.SlabHandle(**slab.handle(header.total_bytes)),
+                slab=slab_handle_pb(slab.handle(header.total_bytes)),
                 tree_json=header.tree_json,
                 tree_pickle=header.tree_pickle,
                 tensors=header.tensors,

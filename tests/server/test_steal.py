@@ -10,6 +10,7 @@ from dataplane import CFG, assert_same_batches, busy_segments, busy_with_prefix,
 import helix_core as hx
 from helix_core.data.specs import make_spec
 from helix_core.memory import shm
+from helix_core.memory.shm import SlabHandle
 from helix_core.server.pool import WorkerPool
 from helix_core.server.steal import Claim, Pieces, handles
 from helix_core.testing.datasets import IndexDataset
@@ -97,17 +98,17 @@ def segments_of(cluster):
 def test_pieces_complete_in_order_and_an_error_frees_the_other_pieces():
     p = Pieces()
     p.add(2)
-    assert not p.finish(2, {"handle": {"segment": "b"}, "rows": 2, "decoded": [7, 8], "decode_cpu_s": [0.1, 0.2]})
-    assert p.finish(0, {"handle": {"segment": "a"}, "rows": 2, "decoded": [5, 6], "decode_cpu_s": [0.3, 0.4]})
+    assert not p.finish(2, {"handle": SlabHandle("b", 1), "rows": 2, "decoded": [7, 8], "decode_cpu_s": [0.1, 0.2]})
+    assert p.finish(0, {"handle": SlabHandle("a", 1), "rows": 2, "decoded": [5, 6], "decode_cpu_s": [0.3, 0.4]})
     result, unused = p.combine()
     assert result["rows"] == [2, 2] and result["decoded"] == [5, 6, 7, 8] and unused == []
-    assert [h["segment"] for h in handles(result)] == ["a", "b"]
+    assert [h.segment for h in handles(result)] == ["a", "b"]
     q = Pieces()
     q.add(1)
     q.finish(1, {"error_kind": 1, "error": "bad sample 9"})
-    q.finish(0, {"handle": {"segment": "a"}, "rows": 1})
+    q.finish(0, {"handle": SlabHandle("a", 1), "rows": 1})
     result, unused = q.combine()
-    assert result["error"] == "bad sample 9" and [h["segment"] for h in handles(unused[0])] == ["a"]
+    assert result["error"] == "bad sample 9" and [h.segment for h in handles(unused[0])] == ["a"]
 
 
 def test_host_layout_gives_every_server_two_workers_or_more():
