@@ -51,9 +51,10 @@ def metas_to_pb(metas: list[dict]) -> list[pb.TensorMeta]:
     ]
 
 
-def moved_bytes(result: dict) -> int:
-    """What a delivery moves between servers: the payload plus the small tensors sent inline."""
-    return result["handle"].nbytes + sum(len(m.get("inline_data") or b"") for m in result["metas"])
+def moved_bytes(result) -> int:
+    """What a delivery of ``result`` (a worker's batch, as ``Outbound.send`` takes it) moves between
+    servers: the payload plus the small tensors sent inline, in bytes."""
+    return result.handle.nbytes + sum(len(m.get("inline_data") or b"") for m in result.metas)
 
 
 class DeliveryFailed(Exception):
@@ -113,16 +114,17 @@ class Outbound:
         """The channel to the server at ``address`` (made once)."""
         return self._peer(address)[2]
 
-    def send(self, task_id: int, result: dict, address: str) -> pb.DeliverReply:
-        """Deliver a worker's batch (``result``: its handle, tree and metas) to ``address``."""
+    def send(self, task_id: int, result, address: str) -> pb.DeliverReply:
+        """Deliver a worker's batch to ``address``. ``result`` (the server's ``TaskResult``) names
+        it: its ``handle`` (``SlabHandle``), ``tree_json`` / ``tree_pickle`` and tensors' ``metas``."""
         header = pb.StreamHeader(
             task_id=task_id,
-            tree_json=result["tree_json"],
-            tree_pickle=result["tree_pickle"],
-            tensors=metas_to_pb(result["metas"]),
-            total_bytes=result["handle"].nbytes,
+            tree_json=result.tree_json,
+            tree_pickle=result.tree_pickle,
+            tensors=metas_to_pb(result.metas),
+            total_bytes=result.handle.nbytes,
         )
-        payload = self.reader.view(result["handle"])
+        payload = self.reader.view(result.handle)
         try:
             return self.push(header, payload, address)
         finally:

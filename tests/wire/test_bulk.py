@@ -221,16 +221,17 @@ def test_a_bulk_port_that_cannot_be_reached_sends_batches_by_grpc_and_is_left_al
         tx_slabs.close()
 
 
-def decoded_batch(tx_slabs) -> tuple[dict, int, object]:
+def decoded_batch(tx_slabs) -> tuple[object, int, object]:
     """A DataServer's result for one decoded batch (a 512 KiB tensor) in a slab of ``tx_slabs``:
     ``(result, payload bytes, the slab)``, as a worker leaves it for delivery."""
     import torch
 
     from helix_core.memory.tensors import flatten, layout, write_tensors
+    from helix_core.server.worker import TaskResult
 
     tree_json, tree_pickle, tensors = flatten({"video": torch.arange(1 << 16, dtype=torch.int64)})
     metas, total = layout(tensors)
     slab = tx_slabs.acquire(total)
     metas = write_tensors(slab.payload, tensors, metas)
-    result = {"handle": slab.handle(total), "tree_json": tree_json, "tree_pickle": tree_pickle, "metas": metas}
+    result = TaskResult(slab.handle(total), tree_json, tree_pickle, metas)
     return result, total, slab
