@@ -87,6 +87,7 @@ def route_figures(threads: int, counts, seconds: float, decision_us, route_us=()
 def _execute(client, address: str, spec, task_id: int, batch: int, deliver_to: str, timeout_s: float):
     """Wall seconds and worker seconds of one ``Execute``; releases the batch's slab."""
     from helix_core.memory import shm
+    from helix_core.wire.messages import slab_handle
     from helix_core.wire.proto import helix_pb2 as pb
 
     req = pb.ExecuteRequest(
@@ -102,7 +103,7 @@ def _execute(client, address: str, spec, task_id: int, batch: int, deliver_to: s
     reply = client.execute(address, spec, req).result(timeout=timeout_s)
     wall = time.perf_counter() - t
     if reply.batch.slab.segment:
-        shm.release_segment({"segment": reply.batch.slab.segment, "generation": reply.batch.slab.generation})
+        shm.release_segment(slab_handle(reply.batch.slab))
     if reply.error_kind:
         raise RuntimeError(f"Execute on {address} failed: {reply.error_kind} {reply.error}")
     if deliver_to and reply.cross_ds_bytes <= 0:

@@ -25,6 +25,7 @@ _METHOD = "/helix.bench.Redistribute/Push"
 
 
 def _member(a: dict) -> dict:
+    import dataclasses
     import threading
 
     import grpc
@@ -32,6 +33,7 @@ def _member(a: dict) -> dict:
 
     import helix_core as hx
     from helix_core.config import ClusterConfig
+    from helix_core.memory.shm import SlabHandle
     from helix_core.security.auth import call_metadata
     from helix_core.tier2.collective import GlooGroup, pack, pack_many, unpack
     from helix_core.wire.rpc import connect, create_server
@@ -70,9 +72,8 @@ def _member(a: dict) -> dict:
         packed = [pack([s]) for s in mine]
         send_bufs = pack_many(outgoing)  # one buffer, a part per destination
         moved = sum(p.numel() for p, d in zip(packed, dest) if d != rank)
-        handles = [
-            {"segment": f"helix-bench-{rank}-{k}", "generation": k, "nbytes": int(p.numel())}
-            for k, p in enumerate(packed)
+        handles = [  # the JSON form of a handle (its fields by name)
+            dataclasses.asdict(SlabHandle(f"helix-bench-{rank}-{k}", k, int(p.numel()))) for k, p in enumerate(packed)
         ]
         rows = []
         chunk = config.stream_chunk_bytes

@@ -44,12 +44,12 @@ def _one_size(prefix: str, size_mb: int, repeats: int) -> dict:
 
         reader = SlabReader()
         handle = slab.handle(total)
-        read_tensors(reader.attach(handle["segment"]), metas)  # caches the mapping
+        read_tensors(reader.attach(handle.segment), metas)  # caches the mapping
         reads, releases = [], []
         for _ in range(max(20, repeats * 20)):  # microsecond timings: more samples
             released = []
             t = time.perf_counter()
-            mm = reader.attach(handle["segment"])
+            mm = reader.attach(handle.segment)
             out = read_tensors(
                 memoryview(mm)[shm.HEADER_BYTES : shm.HEADER_BYTES + total],
                 metas,

@@ -19,6 +19,7 @@ import grpc
 from helix_core.config import PROTOCOL_VERSION, ClusterConfig
 from helix_core.coordinator.registry import NoDeliveryServer, Registry, ServerState
 from helix_core.tier2.fates import RoundFates
+from helix_core.wire.messages import slab_handle, slab_handle_pb
 from helix_core.wire.proto import helix_pb2 as pb
 from helix_core.wire.proto import helix_pb2_grpc as pbg
 
@@ -134,7 +135,7 @@ class CoordinatorServicer(pbg.CoordinatorServicer):
 
     async def CommitRound(self, request, context):
         moved = {r.rank: list(r.indices) for r in request.ranks}
-        release = {r.rank: [(h.segment, h.generation) for h in r.release] for r in request.ranks}
+        release = {r.rank: [slab_handle(h) for h in r.release] for r in request.ranks}
         key = (request.group, request.run, request.step)
         return pb.CommitRoundReply(committed=self.fates.commit(key, moved, release, request.age_s or math.inf))
 
@@ -142,9 +143,7 @@ class CoordinatorServicer(pbg.CoordinatorServicer):
         got = self.fates.fate((request.group, request.run, request.step), request.rank, request.age_s or math.inf)
         if got is None:
             return pb.RoundFateReply(moved=False)
-        return pb.RoundFateReply(
-            moved=True, indices=got[0], release=[pb.SlabHandle(segment=s, generation=g) for s, g in got[1]]
-        )
+        return pb.RoundFateReply(moved=True, indices=got[0], release=[slab_handle_pb(h) for h in got[1]])
 
     async def Telemetry(self, request, context):
         return pb.TelemetryReply(json=json.dumps(self.registry.telemetry(request.last_decisions)))

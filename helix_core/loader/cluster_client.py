@@ -30,7 +30,7 @@ from helix_core.security.tls import Tls
 from helix_core.security.tokenfiles import load_token
 from helix_core.tier2.errors import RoundStopped, RoundUnknown
 from helix_core.wire.locallink.link import LocalLink, link_name
-from helix_core.wire.messages import Route
+from helix_core.wire.messages import Route, slab_handle
 from helix_core.wire.proto import helix_pb2 as pb
 from helix_core.wire.proto import helix_pb2_grpc as pbg
 from helix_core.wire.rpc import check_hello, connect
@@ -332,11 +332,11 @@ class ClusterClient:
             raise RoundUnknown(
                 f"its Tier-2 round's leader at {address} cannot answer; the round moved samples",
                 list(fate.indices),
-                [{"segment": h.segment, "generation": h.generation} for h in fate.release],
+                [slab_handle(h) for h in fate.release],
             )
         for b in request.batches:  # no rank reads them now: the rank's own again
             try:
-                self.reader.share({"segment": b.slab.segment, "generation": b.slab.generation}, 1)
+                self.reader.share(slab_handle(b.slab), 1)
             except OSError:
                 pass  # gone with its server: the batch is resubmitted as any lost one
 

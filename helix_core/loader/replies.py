@@ -16,7 +16,7 @@ from helix_core.memory.merge import merge_batches
 from helix_core.memory.reader import SlabReader
 from helix_core.memory.tensors import copy_tensors, read_tensors, unflatten
 from helix_core.tier2.crosshost import meta_dicts
-from helix_core.wire.messages import ErrorKind
+from helix_core.wire.messages import ErrorKind, slab_handle
 from helix_core.wire.proto import helix_pb2 as pb
 
 __all__ = ["error_of", "materialize", "release"]
@@ -56,7 +56,7 @@ def materialize(
 def _materialize(b: pb.BatchHandle, reader: SlabReader, pickle_allowed: bool, copy: bool, grow: list | None = None):
     """``grow`` (a list): gets the function that grows this batch's tensors in place into the
     room its slab leaves after them (``merge_batches(grow=)``): a split batch's first piece."""
-    handle = {"segment": b.slab.segment, "generation": b.slab.generation, "nbytes": b.slab.nbytes}
+    handle = slab_handle(b.slab)
     if b.tree_pickle and not pickle_allowed:
         reader.release(handle)
         raise ClusterError(
@@ -81,7 +81,7 @@ def release(reply: pb.ExecuteReply, reader: SlabReader) -> None:
     """Give a reply's slabs back unread (its request was cancelled)."""
     for b in (reply.batch, *reply.pieces):
         if b.slab.segment:
-            reader.release({"segment": b.slab.segment, "generation": b.slab.generation})
+            reader.release(slab_handle(b.slab))
 
 
 def error_of(reply: pb.ExecuteReply) -> Exception | None:

@@ -18,6 +18,7 @@ from helix_core.memory.shm import (
     HEADER_BYTES,
     MAGIC,
     SHM_DIR,
+    SlabHandle,
     close_map,
     read_generation,
     read_lease,
@@ -93,19 +94,19 @@ class SlabReader:
             if close_map(self._maps[name]):
                 del self._maps[name]
 
-    def release(self, handle: dict) -> bool:
-        """Mark the slab FREE if it is still at `handle["generation"]`; returns whether it did.
+    def release(self, handle: SlabHandle) -> bool:
+        """Mark the slab FREE if it is still at `handle.generation`; returns whether it did.
         A stale handle (the slab was handed out again) or a vanished segment is ignored. A slab
         shared by several readers (``share``) counts down instead: the last one frees it."""
         try:
-            mm = self.attach(handle["segment"])
+            mm = self.attach(handle.segment)
         except FileNotFoundError:
             return False
-        if read_generation(mm) != handle["generation"]:
+        if read_generation(mm) != handle.generation:
             return False
         if read_readers(mm):  # set before any of its readers got the handle
-            with self._locked(handle["segment"]):
-                if read_generation(mm) != handle["generation"]:
+            with self._locked(handle.segment):
+                if read_generation(mm) != handle.generation:
                     return False
                 left = read_readers(mm)
                 if left > 1:
@@ -115,7 +116,7 @@ class SlabReader:
         write_state(mm, FREE)
         return True
 
-    def share(self, handle: dict, readers: int) -> bool:
+    def share(self, handle: SlabHandle, readers: int) -> bool:
         """Tier 2: ``readers`` ranks will each release this slab once (it is FREE after the last);
         False if the handle is stale (the round keeps the batch then).
 
@@ -123,22 +124,22 @@ class SlabReader:
         one free it under a live one): it is the time of the share, so its producer takes it back
         once every reader released it or, if one died first, ``orphan_s`` after the share. Readers
         copy its rows at once and check its generation after (``crosshost.read_rows``)."""
-        mm = self.attach(handle["segment"])
-        with self._locked(handle["segment"]):
-            if read_generation(mm) != handle["generation"] or read_state(mm) == FREE:
+        mm = self.attach(handle.segment)
+        with self._locked(handle.segment):
+            if read_generation(mm) != handle.generation or read_state(mm) == FREE:
                 return False
             if readers > 1:
                 write_lease(mm, 0, 0, time.monotonic())  # the producer's clock (one host)
             write_readers(mm, readers if readers > 1 else 0)
         return True
 
-    def held(self, handle: dict) -> bool:
+    def held(self, handle: SlabHandle) -> bool:
         """Whether the slab is still handed out at ``handle``'s generation (nobody released it)."""
         try:
-            mm = self.attach(handle["segment"])
+            mm = self.attach(handle.segment)
         except FileNotFoundError:
             return False
-        return read_generation(mm) == handle["generation"] and read_state(mm) != FREE
+        return read_generation(mm) == handle.generation and read_state(mm) != FREE
 
     @staticmethod
     @contextlib.contextmanager
@@ -150,18 +151,18 @@ class SlabReader:
         finally:
             os.close(fd)
 
-    def view(self, handle: dict, lease: bool = True) -> memoryview:
+    def view(self, handle: SlabHandle, lease: bool = True) -> memoryview:
         """The used payload bytes, [HEADER_BYTES, HEADER_BYTES + nbytes) of the file. ``lease``: this
         process becomes the slab's holder (its producer takes it back if this process dies) —
         unless the slab is shared (``share``); a DataServer reading a rank's slab passes False."""
-        mm = self.attach(handle["segment"])
-        if lease and "generation" in handle and read_generation(mm) == handle["generation"] and not read_readers(mm):
+        mm = self.attach(handle.segment)
+        if lease and read_generation(mm) == handle.generation and not read_readers(mm):
             pid, start = holder_stamp()  # the lease: its producer takes it back if this process dies
             write_lease(mm, pid, start, read_lease(mm)[2])
-        end = HEADER_BYTES + handle["nbytes"]
+        end = HEADER_BYTES + handle.nbytes
         if end > len(mm):
             raise ValueError(
-                f"handle asks for {handle['nbytes']} bytes; segment {handle['segment']} holds {len(mm) - HEADER_BYTES}"
+                f"handle asks for {handle.nbytes} bytes; segment {handle.segment} holds {len(mm) - HEADER_BYTES}"
             )
         return memoryview(mm)[HEADER_BYTES:end]
 

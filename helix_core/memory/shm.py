@@ -20,7 +20,8 @@ holder; a producer takes back a BUSY slab whose holder died, or that nobody mapp
 ``orphan_s`` (``SlabPool.reclaim``), and unlinks free slabs unused for ``idle_s``.
 
 This module holds the format (the header's fields, read and written only through the functions
-here), one ``Slab`` and what is done to segments by name (create, release, list, sweep, unlink a
+here), one ``Slab``, the ``SlabHandle`` that names one hand-out of it (the one in-process form of a
+handle; ``wire/messages.py`` converts it to and from protobuf) and what is done to segments by name (create, release, list, sweep, unlink a
 dead producer's); the pool that owns them is ``slabpool.py``, the client's side ``reader.py``.
 """
 
@@ -33,6 +34,7 @@ import os
 import stat
 import struct
 import time
+from dataclasses import dataclass
 
 from helix_core.memory.lease import holder_alive
 
@@ -46,6 +48,7 @@ __all__ = [
     "SHM_DIR",
     "ShmCapacityError",
     "Slab",
+    "SlabHandle",
     "close_map",
     "create_segment",
     "list_segments",
@@ -143,6 +146,21 @@ def _space() -> tuple[int, int]:
 NO_ROOM = "/dev/shm has no room for"  # how a peer's full /dev/shm reads in an RPC's details (final, not transient)
 
 
+@dataclass(frozen=True)
+class SlabHandle:
+    """What a client needs to map one hand-out of a slab: its segment's name, the generation it was
+    handed out at (a release at another generation is stale and ignored) and ``nbytes``, the used
+    payload length in bytes (0 where only the slab is named, as a release names it)."""
+
+    segment: str
+    generation: int
+    nbytes: int = 0
+
+    def unsized(self) -> SlabHandle:
+        """The slab alone, as a release names it (``nbytes`` 0)."""
+        return SlabHandle(self.segment, self.generation)
+
+
 def close_map(mm: mmap.mmap) -> bool:
     """Unmap unless numpy/torch objects still export it (they keep it alive; GC unmaps later)."""
     try:
@@ -172,11 +190,11 @@ class Slab:
         """Whether the header says FREE (a client released it, or nobody acquired it yet)."""
         return read_state(self._mm) == FREE
 
-    def handle(self, nbytes: int) -> dict:
+    def handle(self, nbytes: int) -> SlabHandle:
         """What a client needs to map this slab: `nbytes` is the used payload length in bytes."""
         if not 0 <= nbytes <= self.capacity:
             raise ValueError(f"slab {self.name} holds {self.capacity} payload bytes, not {nbytes}")
-        return {"segment": self.name, "generation": self.generation, "nbytes": nbytes}
+        return SlabHandle(self.name, self.generation, nbytes)
 
     def release(self) -> None:
         """Producer side: give the slab back without a client (e.g. the delivery failed)."""
@@ -251,12 +269,12 @@ def create_segment(name: str, capacity: int, reserve: float = 0.0) -> Slab:
     return Slab(name, mm, capacity)
 
 
-def release_segment(handle: dict) -> bool:
-    """Mark the slab FREE if it is still at ``handle["generation"]`` (``SlabReader.release``
+def release_segment(handle: SlabHandle) -> bool:
+    """Mark the slab FREE if it is still at ``handle.generation`` (``SlabReader.release``
     without mapping it: the header is read and the state written through the file); returns
     whether it did. A stale handle or a vanished segment is ignored."""
     try:
-        fd = os.open(segment_path(handle["segment"]), os.O_RDWR | os.O_NOFOLLOW)
+        fd = os.open(segment_path(handle.segment), os.O_RDWR | os.O_NOFOLLOW)
     except (FileNotFoundError, PermissionError):
         return False
     except OSError as e:
@@ -265,7 +283,7 @@ def release_segment(handle: dict) -> bool:
         raise
     try:
         head = os.pread(fd, HEADER_BYTES, 0)
-        if len(head) < HEADER_BYTES or head[:8] != MAGIC or read_generation(head) != handle["generation"]:
+        if len(head) < HEADER_BYTES or head[:8] != MAGIC or read_generation(head) != handle.generation:
             return False
         os.pwrite(fd, _U64.pack(FREE), _STATE_AT)
         return True

@@ -27,13 +27,13 @@ from helix_core.memory.reader import SlabReader
 from helix_core.memory.slabpool import SlabPool
 from helix_core.server.heartbeats import Beats
 from helix_core.server.pool import WorkerPool
-from helix_core.server.steal import handles
+from helix_core.server.worker import TaskResult
 from helix_core.tier2.crosshost import CrossHostMover, HostMember
 from helix_core.tier2.leader import RoundTable, bad_timeout
 from helix_core.wire.bulk.protocol import NO_ROOM
 from helix_core.wire.chunks import ChunkWriter
 from helix_core.wire.delivery import DeliveryFailed, Inbound, Outbound, Refused, moved_bytes
-from helix_core.wire.messages import ErrorKind
+from helix_core.wire.messages import ErrorKind, slab_handle
 from helix_core.wire.proto import helix_pb2 as pb
 
 __all__ = ["DataServer", "Executed", "Rejected"]
@@ -55,17 +55,17 @@ class Rejected(Exception):
 
 @dataclasses.dataclass(frozen=True)
 class Executed:
-    """What one ``Execute`` came to. ``result``: the worker's result as ``WorkerPool`` returns it
-    (error fields, timings, features; ``pieces`` and ``rows`` where stealing split it), ``{}`` when
-    it never came. ``error_kind`` / ``error``: set where this server's own part failed (the wait,
-    the delivery on), overriding the result's. The batch is ``local`` (a result dict naming this
+    """What one ``Execute`` came to. ``result``: the task's result as ``WorkerPool`` returns it
+    (error fields, timings, features; ``pieces`` where stealing split it), an empty ``TaskResult``
+    when it never came. ``error_kind`` / ``error``: set where this server's own part failed (the
+    wait, the delivery on), overriding the result's. The batch is ``local`` (a result naming this
     server's slab) or ``remote`` (the ``BatchHandle`` a delivering server replied with), or neither.
     ``cross_ds_bytes``: bytes sent on to the delivering server."""
 
-    result: dict
+    result: TaskResult
     error_kind: int | None = None
     error: str = ""
-    local: dict | None = None
+    local: TaskResult | None = None
     remote: pb.BatchHandle | None = None
     delivered_by: str = ""
     cross_ds_bytes: int = 0
@@ -177,30 +177,28 @@ class DataServer:
         except Exception as e:  # cancelled by the client or timed out
             self.pool.cancel([task_id], client_id)
             if fut.done() and not fut.cancelled():  # it landed just as we gave up: nobody will read it
-                for handle in handles(fut.result()):
+                for handle in fut.result().handles():
                     shm.release_segment(handle)
-            return Executed({}, ErrorKind.NOT_COMPLETED, repr(e))
-        if "pieces" in result:  # split by stealing (never for a remote delivery)
+            return Executed(TaskResult(), ErrorKind.NOT_COMPLETED, repr(e))
+        if result.pieces:  # split by stealing (never for a remote delivery)
             if not call.is_active():  # the client gave up: nobody will release them
-                for handle in handles(result):
+                for handle in result.handles():
                     shm.release_segment(handle)
             return Executed(result, delivered_by=self.server_id)
-        if "handle" not in result:
+        if result.handle is None:
             return Executed(result)
         if not remote:
             if not call.is_active():  # the client gave up: nobody will release it
-                shm.release_segment(result["handle"])
+                shm.release_segment(result.handle)
             return Executed(result, local=result, delivered_by=self.server_id)
         try:
             delivered = self.outbound.send(task_id, result, deliver_to)
         except DeliveryFailed as e:  # it is up but has no room (final), or it is gone (run it elsewhere)
             return Executed(result, ErrorKind.NO_ROOM if e.no_room else ErrorKind.DELIVERY_LOST, str(e))
         finally:
-            shm.release_segment(result["handle"])  # streamed (or failed): our slab is free again
+            shm.release_segment(result.handle)  # streamed (or failed): our slab is free again
         if not call.is_active():  # the client gave up: nobody will release it
-            shm.release_segment(
-                {"segment": delivered.batch.slab.segment, "generation": delivered.batch.slab.generation}
-            )
+            shm.release_segment(slab_handle(delivered.batch.slab))
         return Executed(
             result, remote=delivered.batch, delivered_by=delivered.server_id, cross_ds_bytes=moved_bytes(result)
         )

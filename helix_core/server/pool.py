@@ -27,8 +27,9 @@ from concurrent.futures import Future
 from helix_core.config import ClusterConfig
 from helix_core.memory import shm
 from helix_core.server.edf import EdfQueue
-from helix_core.server.steal import Pieces, handles
+from helix_core.server.steal import Pieces
 from helix_core.server.watchdog import Watchdog
+from helix_core.server.worker import TaskResult
 from helix_core.server.workerproc import WorkerProcess
 from helix_core.wire.messages import ErrorKind
 
@@ -42,7 +43,7 @@ def _key(task: dict) -> tuple[str, int]:
 
 
 class WorkerPool:
-    """``n`` supervised worker processes. ``submit(task) -> Future`` of the worker's result dict.
+    """``n`` supervised worker processes. ``submit(task) -> Future`` of the task's ``TaskResult``.
 
     A task may carry ``deadline_s`` (seconds from now: earliest deadline runs first) and
     ``predicted_cpu_s`` (the client's CPU-cost prediction: the pool learns its latency per unit
@@ -146,7 +147,7 @@ class WorkerPool:
             for task in self._pending.remove(
                 ids, client_id
             ):  # queued pieces of a split batch never run: count them out
-                self._piece_done(task, {"error_kind": ErrorKind.NOT_COMPLETED, "error": "cancelled"})
+                self._piece_done(task, TaskResult(error_kind=ErrorKind.NOT_COMPLETED, error="cancelled"))
 
     def stats(self) -> dict:
         with self._lock:
@@ -284,17 +285,18 @@ class WorkerPool:
             if msg[0] == "done":
                 self._finish(w, msg[1], msg[2])
 
-    def _finish(self, w: WorkerProcess, task_id: int, result: dict) -> None:
+    def _finish(self, w: WorkerProcess, task_id: int, result: TaskResult) -> None:
         with self._lock:
             task = w.task
             w.task = None
             self.completed += 1
             predicted = task.get("predicted_cpu_s", 0.0) if task is not None else 0.0
-            if predicted > 0 and "handle" in result:  # wall time at the worker, waiting for a decode slot included
+            # wall time at the worker, waiting for a decode slot included
+            if predicted > 0 and result.handle is not None:
                 a, ratio = self.LPC_ALPHA, (self.clock() - w.started) / predicted
                 self.latency_per_cost = (1 - a) * self.latency_per_cost + a * min(max(ratio, 0.05), 50.0)
             if task is not None:
-                result["queue_s"] = task.get("_queue_s", 0.0)
+                result.queue_s = task.get("_queue_s", 0.0)
             if task is not None and task.get("_serial") in self._split:
                 self._piece_done(task, result)
                 return
@@ -310,14 +312,14 @@ class WorkerPool:
         return self._futures.pop(_key(task))[1] if self._current(task) else None
 
     @staticmethod
-    def _deliver(fut: Future | None, result: dict) -> None:
+    def _deliver(fut: Future | None, result: TaskResult) -> None:
         if fut is None or fut.cancelled():
-            for handle in handles(result):  # nobody will read it: free the slabs now
+            for handle in result.handles():  # nobody will read it: free the slabs now
                 shm.release_segment(handle)
             return
         fut.set_result(result)
 
-    def _piece_done(self, task: dict, result: dict) -> None:
+    def _piece_done(self, task: dict, result: TaskResult) -> None:
         """A piece of a split batch is in (under the lock): the last one completes the batch."""
         pieces = self._split.get(task.get("_serial"))
         if pieces is None:
@@ -327,7 +329,7 @@ class WorkerPool:
         del self._split[task["_serial"]]
         combined, unused = pieces.combine()  # the batch waited as long as its first piece
         for r in unused:
-            for handle in handles(r):
+            for handle in r.handles():
                 shm.release_segment(handle)
         self._deliver(self._take_future(task), combined)
 
@@ -358,7 +360,7 @@ class WorkerPool:
             return
         with self._lock:
             if not self._current(task):  # cancelled (or resubmitted) meanwhile
-                self._piece_done(task, {"error_kind": ErrorKind.NOT_COMPLETED, "error": "cancelled"})
+                self._piece_done(task, TaskResult(error_kind=ErrorKind.NOT_COMPLETED, error="cancelled"))
                 return
             failed = self._watchdog.retry_or_fail(task, current, w.timed_out, code)
             if failed is None:

@@ -28,6 +28,7 @@ from helix_core.wire.bulk.recv import BulkListener
 from helix_core.wire.frames import add_servicer
 from helix_core.wire.locallink.link import link_name
 from helix_core.wire.locallink.server import LocalListener
+from helix_core.wire.messages import slab_handle_pb
 from helix_core.wire.proto import helix_pb2 as pb
 from helix_core.wire.proto import helix_pb2_grpc as pbg
 from helix_core.wire.rpc import check_hello, connect, create_server
@@ -43,9 +44,7 @@ def _round_committer(coord: pbg.CoordinatorStub, token: str | None, config: Clus
     def commit_round(group: str, run: str, step: int, moved: dict, release: dict, age_s: float) -> bool:
         # (a port another user took once the Coordinator stopped gets no token: rpc.connect's guard)
         ranks = [
-            pb.RankSamples(
-                rank=r, indices=v, release=[pb.SlabHandle(segment=s, generation=g) for s, g in release.get(r, ())]
-            )
+            pb.RankSamples(rank=r, indices=v, release=[slab_handle_pb(h) for h in release.get(r, ())])
             for r, v in moved.items()
         ]
         return coord.CommitRound(

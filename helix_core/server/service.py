@@ -15,8 +15,9 @@ from helix_core.config import PROTOCOL_VERSION
 from helix_core.errors import text_of
 from helix_core.memory import shm
 from helix_core.server.dataserver import DataServer, Executed, Rejected
+from helix_core.server.worker import SampleFailure, TaskResult
 from helix_core.wire.delivery import metas_to_pb
-from helix_core.wire.messages import ErrorKind
+from helix_core.wire.messages import slab_handle, slab_handle_pb
 from helix_core.wire.proto import helix_pb2 as pb
 from helix_core.wire.proto import helix_pb2_grpc as pbg
 
@@ -31,17 +32,17 @@ _STATUS = {
 }
 
 
-def _batch_pb(result: dict) -> pb.BatchHandle:
+def _batch_pb(result: TaskResult) -> pb.BatchHandle:
     return pb.BatchHandle(
-        slab=pb.SlabHandle(**result["handle"]),
-        tree_json=result["tree_json"],
-        tree_pickle=result["tree_pickle"],
-        tensors=metas_to_pb(result["metas"]),
+        slab=slab_handle_pb(result.handle),
+        tree_json=result.tree_json,
+        tree_pickle=result.tree_pickle,
+        tensors=metas_to_pb(result.metas),
     )
 
 
-def _failure_pb(f: dict | None) -> pb.SampleFailure | None:
-    return None if not f else pb.SampleFailure(index=f["index"], path=text_of(f["path"]), cause=text_of(f["cause"]))
+def _failure_pb(f: SampleFailure | None) -> pb.SampleFailure | None:
+    return None if f is None else pb.SampleFailure(index=f.index, path=text_of(f.path), cause=text_of(f.cause))
 
 
 def _task(request: pb.ExecuteRequest) -> dict:
@@ -67,21 +68,21 @@ def _execute_reply(task_id: int, done: Executed) -> pb.ExecuteReply:
     result = done.result
     reply = pb.ExecuteReply(
         task_id=task_id,
-        error_kind=result.get("error_kind", ErrorKind.NONE) if done.error_kind is None else done.error_kind,
-        error=text_of(result.get("error", "")) if done.error_kind is None else done.error,
-        failure=_failure_pb(result.get("failure")),
-        skipped=[_failure_pb(f) for f in result.get("skipped", [])],
-        exec_s=result.get("exec_s", 0.0),
-        decoded=result.get("decoded", ()),
-        decode_cpu_s=result.get("decode_cpu_s", ()),
-        queue_s=result.get("queue_s", 0.0),
-        features_json=json.dumps(result["features"]) if "features" in result else "",
+        error_kind=result.error_kind if done.error_kind is None else done.error_kind,
+        error=text_of(result.error) if done.error_kind is None else done.error,
+        failure=_failure_pb(result.failure),
+        skipped=[_failure_pb(f) for f in result.skipped],
+        exec_s=result.exec_s,
+        decoded=result.decoded,
+        decode_cpu_s=result.decode_cpu_s,
+        queue_s=result.queue_s,
+        features_json=json.dumps(result.features) if result.features is not None else "",
         delivered_by=done.delivered_by,
         cross_ds_bytes=done.cross_ds_bytes,
     )
-    if "pieces" in result:
-        reply.pieces.extend(_batch_pb(p) for p in result["pieces"])
-        reply.piece_rows.extend(result["rows"])
+    if result.pieces:
+        reply.pieces.extend(_batch_pb(p) for p in result.pieces)
+        reply.piece_rows.extend(p.rows for p in result.pieces)
     if done.local is not None:
         reply.batch.CopyFrom(_batch_pb(done.local))
     elif done.remote is not None:
@@ -93,7 +94,7 @@ def release_unsent(reply: pb.ExecuteReply) -> None:
     """Free the slabs a reply names that will never reach its client."""
     for b in (reply.batch, *reply.pieces):
         if b.slab.segment:  # (an unset batch names none)
-            shm.release_segment({"segment": b.slab.segment, "generation": b.slab.generation})
+            shm.release_segment(slab_handle(b.slab))
 
 
 class DataServerServicer(pbg.DataServerServicer):

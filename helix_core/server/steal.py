@@ -16,7 +16,9 @@ import ctypes
 import fcntl
 import os
 
-__all__ = ["Claim", "Pieces", "handles"]
+from helix_core.server.worker import TaskResult
+
+__all__ = ["Claim", "Pieces"]
 
 
 class Claim:
@@ -107,43 +109,31 @@ class Pieces:
 
     def __init__(self):
         self.waiting: set[int] = {0}
-        self.done: dict[int, dict] = {}
+        self.done: dict[int, TaskResult] = {}
 
     def add(self, offset: int) -> None:
         self.waiting.add(offset)
 
-    def finish(self, offset: int, result: dict) -> bool:
+    def finish(self, offset: int, result: TaskResult) -> bool:
         """Record a piece's result; True when it was the last one out."""
         self.waiting.discard(offset)
         self.done[offset] = result
         return not self.waiting
 
-    def combine(self) -> tuple[dict, list[dict]]:
+    def combine(self) -> tuple[TaskResult, list[TaskResult]]:
         """``(result, unused)``: the batch's result — its pieces in order, or the first piece's
         error — and the piece results whose slabs nobody will read (on an error)."""
         ordered = [self.done[k] for k in sorted(self.done)]
-        failed = [r for r in ordered if "handle" not in r]
-        decoded = [i for r in ordered for i in r.get("decoded", ())]
-        cpu = [c for r in ordered for c in r.get("decode_cpu_s", ())]
+        failed = [r for r in ordered if r.handle is None]
         if failed:
-            error = dict(failed[0])
-            error.setdefault("skipped", [])
-            return error, [r for r in ordered if "handle" in r]
-        features = [f for r in ordered for f in r.get("features", ())]
-        return {
-            "pieces": ordered,
-            "rows": [int(r["rows"]) for r in ordered],
-            "skipped": [],
-            **({"features": features} if any("features" in r for r in ordered) else {}),
-            "decoded": decoded,
-            "decode_cpu_s": cpu,
-            "exec_s": max(r.get("exec_s", 0.0) for r in ordered),
-            "queue_s": ordered[0].get("queue_s", 0.0),
-        }, []
-
-
-def handles(result: dict) -> list[dict]:
-    """The slab handles a worker (or a combined) result holds."""
-    if "handle" in result:
-        return [result["handle"]]
-    return [p["handle"] for p in result.get("pieces", ()) if "handle" in p]
+            return failed[0], [r for r in ordered if r.handle is not None]
+        with_features = any(r.features is not None for r in ordered)
+        return TaskResult(
+            pieces=ordered,
+            rows=sum(r.rows for r in ordered),
+            features=[f for r in ordered for f in r.features or ()] if with_features else None,
+            decoded=[i for r in ordered for i in r.decoded],
+            decode_cpu_s=[c for r in ordered for c in r.decode_cpu_s],
+            exec_s=max(r.exec_s for r in ordered),
+            queue_s=ordered[0].queue_s,
+        ), []

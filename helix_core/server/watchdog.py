@@ -15,7 +15,7 @@ import logging
 import time
 
 from helix_core.config import ClusterConfig
-from helix_core.server.worker import _failure
+from helix_core.server.worker import SampleFailure, TaskResult
 from helix_core.server.workerproc import WorkerProcess
 from helix_core.wire.messages import ErrorKind
 
@@ -78,7 +78,7 @@ class Watchdog:
 
     def retry_or_fail(
         self, task: dict, sample: tuple | None, timed_out: tuple | None, exit_code: int | None
-    ) -> dict | None:
+    ) -> TaskResult | None:
         """A worker died during ``task`` at ``sample`` (its (index, path), None before its first
         sample), killed by the watchdog if ``timed_out`` (index, path, cause). None: run the task
         again (with ``on_error="skip"``, a sample that keeps killing workers is marked bad in
@@ -90,12 +90,11 @@ class Watchdog:
         if sample is None:  # it died before its first sample (loading the spec, waiting for a slot)
             task["_early_deaths"] = task.get("_early_deaths", 0) + 1
             if task["_early_deaths"] > c.max_task_retries:
-                return {
-                    "error_kind": ErrorKind.INTERNAL,
-                    "skipped": [],
-                    "error": f"worker processes died {task['_early_deaths']} times (last exit code {exit_code}) "
+                return TaskResult(
+                    error_kind=ErrorKind.INTERNAL,
+                    error=f"worker processes died {task['_early_deaths']} times (last exit code {exit_code}) "
                     "before preparing any sample of this task",
-                }
+                )
             return None
         self._kills[sample[0]] += 1
         if self._kills[sample[0]] <= c.max_task_retries:
@@ -111,9 +110,6 @@ class Watchdog:
         if task.get("on_error") == "skip":
             task["bad"][sample[0]] = cause
             return None
-        return {
-            "error_kind": ErrorKind.SAMPLE,
-            "error": cause,
-            "failure": _failure(sample[0], sample[1], cause),
-            "skipped": [],
-        }
+        return TaskResult(
+            error_kind=ErrorKind.SAMPLE, error=cause, failure=SampleFailure.of(sample[0], sample[1], cause)
+        )

@@ -3,9 +3,9 @@
 It loads the dataset and collate function once per spec, then runs whole batch tasks: fetch +
 decode + transform each sample (holding one of the host's decode slots from the first sample to the
 last, ``DecodeSlot``), collate, and write the batch into a reused shared-memory slab of its own;
-the result goes back on its pipe. The sample it is working on is written into a small shared record
-(``Progress``) rather than sent: the supervisor reads it only if the worker dies, to name the
-sample that killed it. It exits when its parent's pipe closes.
+the result (a ``TaskResult``) goes back on its pipe. The sample it is working on is written into a
+small shared record (``Progress``) rather than sent: the supervisor reads it only if the worker
+dies, to name the sample that killed it. It exits when its parent's pipe closes.
 """
 
 from __future__ import annotations
@@ -16,15 +16,68 @@ import select
 import signal
 import struct
 import time
+from dataclasses import dataclass, field
 
 from helix_core.data.contract import Epochs
 from helix_core.data.specs import load_spec, sample_path
-from helix_core.errors import SampleError
+from helix_core.errors import SampleError, text_of
 from helix_core.memory import shm
+from helix_core.memory.shm import SlabHandle
 from helix_core.memory.slabpool import SlabPool
 from helix_core.wire.messages import ErrorKind
 
-__all__ = ["DecodeSlot", "Progress", "worker_main"]
+__all__ = ["DecodeSlot", "Progress", "SampleFailure", "TaskResult", "worker_main"]
+
+
+@dataclass(frozen=True)
+class SampleFailure:
+    """A sample that failed: its ``index``, its ``path`` and why (``cause``)."""
+
+    index: int
+    path: str
+    cause: str
+
+    @classmethod
+    def of(cls, index: int, path, cause) -> SampleFailure:
+        return cls(int(index), text_of(path), text_of(cause))
+
+
+@dataclass
+class TaskResult:
+    """What one task came to: its batch in a slab, or why there is none. A worker sends it back on
+    its pipe; ``WorkerPool`` adds the wait in its queue (``queue_s``) and, for a batch split by
+    stealing, combines the pieces' results into one (``Pieces.combine``: ``pieces`` in order, the
+    batch's own ``handle`` None). The DataServer turns it into an ``ExecuteReply``.
+
+    The batch: ``handle`` (None: no batch), its tree (``tree_json``, or ``tree_pickle``) and its
+    tensors' ``metas`` (``memory.tensors.layout``); ``rows``: samples in it. Why not:
+    ``error_kind`` (``ErrorKind.NONE``: it did not fail), ``error`` and the sample that failed
+    (``failure``). Either way: the samples replaced (``skipped``, on_error="skip"), those decoded
+    and the CPU seconds each took (``decoded``, ``decode_cpu_s``), the seconds the task ran at its
+    worker (``exec_s``) and waited in the pool's queue (``queue_s``), and Tier 2's sample features
+    (``features``; None: not asked)."""
+
+    handle: SlabHandle | None = None
+    tree_json: str = ""
+    tree_pickle: bytes = b""
+    metas: list[dict] = field(default_factory=list)
+    rows: int = 0
+    pieces: list[TaskResult] = field(default_factory=list)
+    error_kind: ErrorKind = ErrorKind.NONE
+    error: str = ""
+    failure: SampleFailure | None = None
+    skipped: list[SampleFailure] = field(default_factory=list)
+    decoded: list[int] = field(default_factory=list)
+    decode_cpu_s: list[float] = field(default_factory=list)
+    exec_s: float = 0.0
+    queue_s: float = 0.0
+    features: list[dict] | None = None
+
+    def handles(self) -> list[SlabHandle]:
+        """The slab handles it holds: its batch's, or its pieces'."""
+        if self.handle is not None:
+            return [self.handle]
+        return [p.handle for p in self.pieces if p.handle is not None]
 
 
 class Progress:
@@ -185,17 +238,10 @@ def worker_main(
             slots.close()
 
 
-def _failure(index: int, path: str, cause: str) -> dict:
-    from helix_core.errors import text_of
-
-    return {"index": int(index), "path": text_of(path), "cause": text_of(cause)}
-
-
-def _run_task(task: dict, specs: dict, pool, progress, allow_pickle: bool, may_start, decoding=None) -> dict:
+def _run_task(task: dict, specs: dict, pool, progress, allow_pickle: bool, may_start, decoding=None) -> TaskResult:
     """Prepare the task's samples in order — each one only if ``may_start(k)`` (the rest may have
-    been stolen) — collate them into a slab: the result dict the pool receives (``rows``: samples
-    in the batch). ``decoding``: its ``DecodeSlot``, held while samples are prepared."""
-    from helix_core.errors import SampleError
+    been stolen) — collate them into a slab: the result the pool receives. ``decoding``: its
+    ``DecodeSlot``, held while samples are prepared."""
     from helix_core.memory.tensors import flatten, layout, write_tensors
     from helix_core.server.direct import direct_batch, supports_direct
 
@@ -203,7 +249,7 @@ def _run_task(task: dict, specs: dict, pool, progress, allow_pickle: bool, may_s
     spec = specs.get(task["spec_id"])
     if spec is None or isinstance(spec, Exception):
         detail = str(spec) if isinstance(spec, ValueError) else repr(spec)  # ours name the argument
-        return {"error_kind": ErrorKind.SPEC, "error": f"cannot load dataset spec {task['spec_id']}: {detail}"}
+        return TaskResult(error_kind=ErrorKind.SPEC, error=f"cannot load dataset spec {task['spec_id']}: {detail}")
     dataset, collate, feature_fn = spec
     want_features = bool(task.get("features"))
     if isinstance(dataset, Epochs):
@@ -228,18 +274,17 @@ def _run_task(task: dict, specs: dict, pool, progress, allow_pickle: bool, may_s
         )
         if got is not None:
             slab, total, tree_json, tree_pickle, metas, cpu, features = got
-            return {
-                "handle": slab.handle(total),
-                "tree_json": tree_json,
-                "tree_pickle": tree_pickle,
-                "metas": metas,
-                "skipped": [],
-                "exec_s": time.perf_counter() - t0,
-                "rows": len(cpu),
-                "decoded": [int(i) for i in task["indices"][: len(cpu)]],
-                "decode_cpu_s": cpu,
-                **({"features": features} if features is not None else {}),
-            }
+            return TaskResult(
+                handle=slab.handle(total),
+                tree_json=tree_json,
+                tree_pickle=tree_pickle,
+                metas=metas,
+                exec_s=time.perf_counter() - t0,
+                rows=len(cpu),
+                decoded=[int(i) for i in task["indices"][: len(cpu)]],
+                decode_cpu_s=cpu,
+                features=features,
+            )
     samples, skipped, decoded, decode_cpu = [], [], [], []
     for k, index in enumerate(task["indices"]):
         if not may_start(k):
@@ -259,17 +304,12 @@ def _run_task(task: dict, specs: dict, pool, progress, allow_pickle: bool, may_s
                 decoded.append(int(index))
                 break
             except SampleError as e:
-                fail = _failure(e.index, e.path, e.cause)
+                fail = SampleFailure.of(e.index, e.path, e.cause)
             except Exception as e:  # a user dataset's own error still names the sample
-                fail = _failure(index, path, f"{type(e).__name__}: {e}")
+                fail = SampleFailure.of(index, path, f"{type(e).__name__}: {e}")
             if task.get("on_error") != "skip" or not subs:
                 why = "" if task.get("on_error") != "skip" else " (no substitute left)"
-                return {
-                    "error_kind": ErrorKind.SAMPLE,
-                    "error": fail["cause"] + why,
-                    "failure": fail,
-                    "skipped": skipped,
-                }
+                return TaskResult(error_kind=ErrorKind.SAMPLE, error=fail.cause + why, failure=fail, skipped=skipped)
             skipped.append(fail)
             index = subs.pop(0)
     if decoding is not None:
@@ -279,8 +319,8 @@ def _run_task(task: dict, specs: dict, pool, progress, allow_pickle: bool, may_s
         try:
             features = sample_features(samples, decoded, feature_fn, dataset)
         except SampleError as e:
-            fail = _failure(e.index, e.path, e.cause)
-            return {"error_kind": ErrorKind.SAMPLE, "error": fail["cause"], "failure": fail, "skipped": skipped}
+            fail = SampleFailure.of(e.index, e.path, e.cause)
+            return TaskResult(error_kind=ErrorKind.SAMPLE, error=fail.cause, failure=fail, skipped=skipped)
     slab = None
     try:
         batch = collate(samples)
@@ -292,23 +332,23 @@ def _run_task(task: dict, specs: dict, pool, progress, allow_pickle: bool, may_s
         if slab is not None:
             slab.release()  # nobody will get its handle
         kind = ErrorKind.NO_ROOM if isinstance(e, shm.ShmCapacityError) else ErrorKind.INTERNAL
-        return {
-            "error_kind": kind,
-            "error": f"collate/deliver failed for task {task['task_id']}: {type(e).__name__}: {e}",
-            "skipped": skipped,
-        }
-    return {
-        "handle": slab.handle(total),
-        "tree_json": tree_json,
-        "tree_pickle": tree_pickle,
-        "metas": metas,
-        "skipped": skipped,
-        "exec_s": time.perf_counter() - t0,
-        "rows": len(samples),
-        "decoded": decoded,
-        "decode_cpu_s": decode_cpu,
-        **({"features": features} if features is not None else {}),
-    }
+        return TaskResult(
+            error_kind=kind,
+            error=f"collate/deliver failed for task {task['task_id']}: {type(e).__name__}: {e}",
+            skipped=skipped,
+        )
+    return TaskResult(
+        handle=slab.handle(total),
+        tree_json=tree_json,
+        tree_pickle=tree_pickle,
+        metas=metas,
+        skipped=skipped,
+        exec_s=time.perf_counter() - t0,
+        rows=len(samples),
+        decoded=decoded,
+        decode_cpu_s=decode_cpu,
+        features=features,
+    )
 
 
 def sample_features(samples: list, decoded: list, feature_fn, dataset) -> list[dict]:

@@ -37,6 +37,7 @@ import grpc
 from helix_core.errors import ClusterError
 from helix_core.security.auth import call_metadata
 from helix_core.wire.delivery import DeliveryFailed, metas_to_pb
+from helix_core.wire.messages import slab_handle
 from helix_core.wire.proto import helix_pb2 as pb
 from helix_core.wire.proto import helix_pb2_grpc as pbg
 from helix_core.wire.rpc import connect
@@ -70,10 +71,6 @@ def meta_dicts(metas) -> list[dict]:
     ]
 
 
-def _handle(b: pb.BatchHandle) -> dict:
-    return {"segment": b.slab.segment, "generation": b.slab.generation, "nbytes": b.slab.nbytes}
-
-
 def read_rows(reader, b: pb.BatchHandle, rows, n: int, pickle_allowed: bool, view: bool = False, lease: bool = True):
     """Rows ``rows`` of the ``n``-row batch in ``b``'s slab, copied out (``take_rows``); ValueError
     if the slab was handed out again while they were read. The slab stays held. ``view``: rows
@@ -85,7 +82,7 @@ def read_rows(reader, b: pb.BatchHandle, rows, n: int, pickle_allowed: bool, vie
 
     if b.tree_pickle and not pickle_allowed:
         raise ClusterError("a DataServer sent a pickled batch structure to a peer that accepts none")
-    handle = _handle(b)
+    handle = slab_handle(b.slab)
     buf = reader.view(handle, lease=lease) if b.slab.segment else memoryview(b"")
     batch = unflatten(b.tree_json, b.tree_pickle, read_tensors(buf, meta_dicts(b.tensors)))
     del buf
@@ -137,13 +134,13 @@ class HostMember:
         """One member's round; ``store``: the leader's own (in process). ClusterError if it failed."""
         if req.drop:
             for h in req.drop:
-                self.reader.release({"segment": h.segment, "generation": h.generation})
+                self.reader.release(slab_handle(h))
             return pb.ExchangeReply()
         if req.share:
             stale = [
                 h.segment
                 for h, n in zip(req.share, req.readers)  # counts of 1: a failed round's undo
-                if not self.reader.share({"segment": h.segment, "generation": h.generation}, n) and n > 1
+                if not self.reader.share(slab_handle(h), n) and n > 1
             ]
             if stale:
                 raise ClusterError(f"Tier-2 round {req.round}: slab(s) {stale} were released before it closed")
@@ -262,7 +259,7 @@ class HostMember:
                     reply.got.add(key=int(item["key"]), batch=self._write(item["rows"]))
         except Exception as e:
             for g in reply.got:
-                self.reader.release(_handle(g.batch))
+                self.reader.release(slab_handle(g.batch.slab))
             raise ClusterError(f"Tier-2 round {req.round}: rows received could not be written: {e}") from None
         return reply
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from helix_core.errors import ClusterError
+from helix_core.memory.shm import SlabHandle
 
 __all__ = ["RoundLost", "RoundStopped", "RoundUnknown"]
 
@@ -23,7 +24,7 @@ class RoundUnknown(ClusterError):
     release) or cannot say either (``indices`` None). Other ranks may read its other slabs, so the
     rank neither reads nor releases them."""
 
-    def __init__(self, why: str, indices: list[int] | None = None, release: list[dict] = ()):
+    def __init__(self, why: str, indices: list[int] | None = None, release: list[SlabHandle] = ()):
         super().__init__(why)
         self.indices, self.release = indices, list(release)
 

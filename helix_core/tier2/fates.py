@@ -22,6 +22,8 @@ import time
 from array import array
 from collections import OrderedDict
 
+from helix_core.memory.shm import SlabHandle
+
 __all__ = ["RoundFates"]
 
 KEPT_S = 600.0  # a round is remembered this long (a rank asks within about a minute of sending its batch)...
@@ -35,7 +37,7 @@ class _Moved:
 
     __slots__ = ("indices", "release", "served")
 
-    def __init__(self, indices: dict[int, list[int]], release: dict[int, list[tuple[str, int]]]):
+    def __init__(self, indices: dict[int, list[int]], release: dict[int, list[SlabHandle]]):
         self.indices = {int(r): array("q", v) for r, v in indices.items()}
         self.release = {int(r): list(v) for r, v in release.items() if v}
         self.served = False
@@ -53,7 +55,7 @@ class RoundFates:
         self, key: tuple, moved: dict[int, list[int]], release: dict | None = None, age_s: float = math.inf
     ) -> bool:
         """The leader's moved round ``key`` (open ``age_s`` at the leader; ``release``: rank -> the
-        ``(segment, generation)`` of the slabs its answer has it release). False if a rank has already been told
+        ``SlabHandle``s of the slabs its answer has it release). False if a rank has already been told
         it kept (the leader must then keep every batch). An empty ``moved`` withdraws the leader's
         commit: False if a rank has already learned the committed round (it must then go ahead).
         A round open ``kept_s`` (less the slack) or longer (``age_s``; ``inf``: unknown) is never committed: a rank's refusal is

@@ -38,8 +38,10 @@ from collections import Counter, OrderedDict
 
 from helix_core.errors import ClusterError
 from helix_core.memory.reader import SlabReader
+from helix_core.memory.shm import SlabHandle
 from helix_core.tier2.policy import Policies, decide
 from helix_core.tier2.rounds import Round, RoundBuffer, RoundItem
+from helix_core.wire.messages import slab_handle
 from helix_core.wire.proto import helix_pb2 as pb
 
 __all__ = ["EXCHANGE_TIMEOUT_S", "MAX_TIMEOUT_S", "RoundTable", "bad_timeout"]
@@ -61,13 +63,12 @@ def bad_timeout(value: float, name: str) -> str | None:
     return None
 
 
-def _slab(call, b: int) -> dict:
-    s = call.request.batches[b].slab
-    return {"segment": s.segment, "generation": s.generation}
-
-
 def _slab_pb(call, b: int) -> pb.SlabHandle:
     return call.request.batches[b].slab
+
+
+def _slab(call, b: int) -> SlabHandle:
+    return slab_handle(_slab_pb(call, b))
 
 
 @dataclasses.dataclass(eq=False)
@@ -383,7 +384,7 @@ class RoundTable:
         to its owner alone."""
         try:
             for s, n in shares.get(0, []):
-                if not self.reader.share({"segment": s.segment, "generation": s.generation}, n) and not undo:
+                if not self.reader.share(slab_handle(s), n) and not undo:
                     raise ValueError(f"slab {s.segment} was released before the round closed")
             remote = {i: got for i, got in shares.items() if i > 0}
             if remote:
@@ -405,7 +406,7 @@ class RoundTable:
         # its own slabs whose rows all left its host
         release = {
             c.request.rank: list(
-                dict.fromkeys((h.segment, h.generation) for h in [*(t.batch.slab for t in r.takes), *r.release])
+                dict.fromkeys(slab_handle(h).unsized() for h in [*(t.batch.slab for t in r.takes), *r.release])
             )
             for c, r in replies.items()
         }

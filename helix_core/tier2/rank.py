@@ -28,6 +28,7 @@ from helix_core.tier2.crosshost import read_rows
 from helix_core.tier2.errors import RoundLost, RoundStopped, RoundUnknown
 from helix_core.tier2.leader import EXCHANGE_TIMEOUT_S
 from helix_core.tier2.rebalance import Rebalance
+from helix_core.wire.messages import slab_handle
 from helix_core.wire.proto import helix_pb2 as pb
 
 __all__ = ["STEP_STRIDE", "RoundLost", "Tier2", "consecutive_runs", "policy_spec", "rebalance_group", "run_name"]
@@ -190,7 +191,7 @@ class Tier2:
                 try:
                     self.client.reader.release(h)
                 except (OSError, ValueError) as err:  # gone with its server: nothing to give back
-                    log.debug("Tier-2 release of %s: %s", h["segment"], err)
+                    log.debug("Tier-2 release of %s: %s", h.segment, err)
             if stop.is_set():
                 raise RoundStopped(None) from None
             if e.indices is None:  # its batch before the round may be another rank's now: never guess
@@ -199,7 +200,7 @@ class Tier2:
         except RoundStopped as e:  # the round answered as the loader stopped: give back what it gave
             if e.reply is not None and (e.reply.moved_in or e.reply.moved_out):
                 for h in [*(t.batch.slab for t in e.reply.takes), *e.reply.release]:
-                    self.client.reader.release({"segment": h.segment, "generation": h.generation})
+                    self.client.reader.release(slab_handle(h))
                 task.taken.update(range(len(task.parts)))  # its own slabs went with the round
             raise
         if reply is None:
@@ -246,7 +247,7 @@ class Tier2:
             counts[f"crossed_{reply.transport}"] += 1  # takes whose rows crossed hosts, by how
             counts["crossed_bytes"] += reply.crossed_bytes
         for h in reply.release:  # this rank's slabs whose rows all went to other hosts
-            self.client.reader.release({"segment": h.segment, "generation": h.generation})
+            self.client.reader.release(slab_handle(h))
         try:
             return self._read(reply.takes)
         except (OSError, ValueError) as e:  # a slab of the round vanished with its server
@@ -282,15 +283,14 @@ class Tier2:
             except ValueError as e:  # rows that do not collate together: not a lost slab
                 raise ClusterError(f"the rows of a Tier-2 round do not merge: {e}") from None
             for t in takes:
-                handle = {"segment": t.batch.slab.segment, "generation": t.batch.slab.generation}
-                if t.batch.slab.segment and not self.client.reader.held(handle):
+                if t.batch.slab.segment and not self.client.reader.held(slab_handle(t.batch.slab)):
                     raise ValueError(f"slab {t.batch.slab.segment} was handed out again while its rows were read")
             return merged
         finally:
             parts.clear()  # no view of a slab outlives its hold
             for t in takes:
                 if t.batch.slab.segment:
-                    self.client.reader.release({"segment": t.batch.slab.segment, "generation": t.batch.slab.generation})
+                    self.client.reader.release(slab_handle(t.batch.slab))
 
 
 def consecutive_runs(rows: list[int]) -> list[list[int]]:

@@ -26,6 +26,7 @@ from helix_core.wire.bulk.protocol import MAX_HEADER, NO_ROOM, OK, REFUSED, Bulk
 from helix_core.wire.bulk.send import BulkSender
 from helix_core.wire.chunks import iter_chunks
 from helix_core.wire.frames import deliver_callable
+from helix_core.wire.messages import slab_handle_pb
 from helix_core.wire.proto import helix_pb2 as pb
 from helix_core.wire.proto import helix_pb2_grpc as pbg
 from helix_core.wire.rpc import connect
@@ -50,9 +51,10 @@ def metas_to_pb(metas: list[dict]) -> list[pb.TensorMeta]:
     ]
 
 
-def moved_bytes(result: dict) -> int:
-    """What a delivery moves between servers: the payload plus the small tensors sent inline."""
-    return result["handle"]["nbytes"] + sum(len(m.get("inline_data") or b"") for m in result["metas"])
+def moved_bytes(result) -> int:
+    """What a delivery of ``result`` (a worker's batch, as ``Outbound.send`` takes it) moves between
+    servers: the payload plus the small tensors sent inline, in bytes."""
+    return result.handle.nbytes + sum(len(m.get("inline_data") or b"") for m in result.metas)
 
 
 class DeliveryFailed(Exception):
@@ -112,16 +114,17 @@ class Outbound:
         """The channel to the server at ``address`` (made once)."""
         return self._peer(address)[2]
 
-    def send(self, task_id: int, result: dict, address: str) -> pb.DeliverReply:
-        """Deliver a worker's batch (``result``: its handle, tree and metas) to ``address``."""
+    def send(self, task_id: int, result, address: str) -> pb.DeliverReply:
+        """Deliver a worker's batch to ``address``. ``result`` (the server's ``TaskResult``) names
+        it: its ``handle`` (``SlabHandle``), ``tree_json`` / ``tree_pickle`` and tensors' ``metas``."""
         header = pb.StreamHeader(
             task_id=task_id,
-            tree_json=result["tree_json"],
-            tree_pickle=result["tree_pickle"],
-            tensors=metas_to_pb(result["metas"]),
-            total_bytes=result["handle"]["nbytes"],
+            tree_json=result.tree_json,
+            tree_pickle=result.tree_pickle,
+            tensors=metas_to_pb(result.metas),
+            total_bytes=result.handle.nbytes,
         )
-        payload = self.reader.view(result["handle"])
+        payload = self.reader.view(result.handle)
         try:
             return self.push(header, payload, address)
         finally:
@@ -212,7 +215,7 @@ class Inbound:
         return pb.DeliverReply(
             server_id=self.server_id(),
             batch=pb.BatchHandle(
-                slab=pb.SlabHandle(**slab.handle(header.total_bytes)),
+                slab=slab_handle_pb(slab.handle(header.total_bytes)),
                 tree_json=header.tree_json,
                 tree_pickle=header.tree_pickle,
                 tensors=header.tensors,

@@ -1,7 +1,8 @@
 """The one request type, end to end: a ``Task`` (one batch of one rank) made of ``Part``s (the
 requests it is sent as: itself, or its fan-out / microbatch parts), each placed by a ``Route`` and
-answered with an ``ExecuteReply`` whose failure is an ``ErrorKind``. The protobuf <-> dataclass
-conversions of the request path live here and nowhere else.
+answered with an ``ExecuteReply`` whose failure is an ``ErrorKind``; a batch's slab travels as a
+``SlabHandle`` (``memory/shm.py``). The protobuf <-> dataclass conversions of the request path and
+of slab handles live here and nowhere else.
 """
 
 from __future__ import annotations
@@ -10,9 +11,21 @@ import enum
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
+from helix_core.memory.shm import SlabHandle
 from helix_core.wire.proto import helix_pb2 as pb
 
-__all__ = ["TASK_ID_BITS", "ErrorKind", "Part", "Route", "Task", "cost_term", "execute_request", "route_request"]
+__all__ = [
+    "TASK_ID_BITS",
+    "ErrorKind",
+    "Part",
+    "Route",
+    "Task",
+    "cost_term",
+    "execute_request",
+    "route_request",
+    "slab_handle",
+    "slab_handle_pb",
+]
 
 TASK_ID_BITS = 40  # task ids a client may use before it would reach the next client's base
 
@@ -111,6 +124,16 @@ class Task:
         """The samples of each request the batch is sent as when no fan-out applies."""
         m = self.microbatch_size or len(self.indices)
         return [self.indices[i : i + m] for i in range(0, len(self.indices), m)]
+
+
+def slab_handle(msg: pb.SlabHandle) -> SlabHandle:
+    """A ``SlabHandle`` message as the in-process handle."""
+    return SlabHandle(msg.segment, msg.generation, msg.nbytes)
+
+
+def slab_handle_pb(handle: SlabHandle) -> pb.SlabHandle:
+    """The in-process handle as its message (``nbytes`` 0 is not sent, as proto3 leaves any default)."""
+    return pb.SlabHandle(segment=handle.segment, generation=handle.generation, nbytes=handle.nbytes)
 
 
 def cost_term(cost) -> pb.CostTerm:

@@ -181,7 +181,7 @@ def test_attach_names_a_missing_segment_and_release_of_it_is_a_no_op(prefix):
     missing = f"{prefix}gone"
     with pytest.raises(FileNotFoundError, match=missing):
         reader.attach(missing)
-    assert not reader.release({"segment": missing, "generation": 1, "nbytes": 0})
+    assert not reader.release(shm.SlabHandle(missing, 1))
     with pytest.raises(ValueError):
         reader.attach("../etc/passwd")
 

@@ -156,7 +156,7 @@ def test_read_tensors_are_zero_copy_and_release_after_the_last_view(pool):
     released = []
     out = T.read_tensors(reader.view(handle), metas, on_release=lambda: released.append(reader.release(handle)))
     assert torch.equal(out[0], video) and torch.equal(out[1], label)
-    mm = reader.attach(handle["segment"])
+    mm = reader.attach(handle.segment)
     at = shm.HEADER_BYTES + metas[0]["offset"]
     mm[at : at + 4] = (12345).to_bytes(4, "little")  # writing the mapping changes the tensor
     assert out[0][0, 0].item() == 12345

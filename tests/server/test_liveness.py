@@ -272,13 +272,13 @@ def test_the_watchdog_retries_a_dead_workers_task_until_its_sample_has_killed_to
     task = {"indices": [3, 4], "bad": {}}
     assert all(watchdog.retry_or_fail(task, (3, "index://3"), None, -9) is None for _ in range(retries))
     failed = watchdog.retry_or_fail(task, (3, "index://3"), None, -9)
-    assert failed["error_kind"] == ErrorKind.SAMPLE and failed["failure"]["index"] == 3 and not task["bad"]
+    assert failed.error_kind == ErrorKind.SAMPLE and failed.failure.index == 3 and not task["bad"]
 
     skipping = {"indices": [5], "bad": {}, "on_error": "skip"}
     hung = (5, "index://5", "timed out: still decoding")
     assert watchdog.retry_or_fail(skipping, None, hung, -9) is None and skipping["bad"] == {5: hung[2]}
-    assert Watchdog(WATCHDOG).retry_or_fail({"indices": [6], "bad": {}}, None, (6, "p", "hung"), -9)["error"] == "hung"
+    assert Watchdog(WATCHDOG).retry_or_fail({"indices": [6], "bad": {}}, None, (6, "p", "hung"), -9).error == "hung"
 
     early = {"indices": [7], "bad": {}}
     assert all(watchdog.retry_or_fail(early, None, None, 1) is None for _ in range(retries))
-    assert watchdog.retry_or_fail(early, None, None, 1)["error_kind"] == ErrorKind.INTERNAL
+    assert watchdog.retry_or_fail(early, None, None, 1).error_kind == ErrorKind.INTERNAL

@@ -131,15 +131,15 @@ def test_a_feature_fn_that_raises_is_a_sample_error_naming_the_sample_and_holds_
     with SlabPool(f"helix-test-direct-task-{tmp_path.name[-8:]}-") as pool:
         task = {"task_id": 1, "spec_id": "s", "indices": [3, 4], "epoch": 0, "features": True}
         got = _run_task(task, {"s": (ds, hx.pad_collate, picky)}, pool, None, False, lambda k: True)
-        assert got["error_kind"] == ErrorKind.SAMPLE and got["failure"]["index"] == 4
-        assert "Rebalance.feature_fn" in got["error"] and "index 4 has no features" in got["error"]
+        assert got.error_kind == ErrorKind.SAMPLE and got.failure.index == 4
+        assert "Rebalance.feature_fn" in got.error and "index 4 has no features" in got.error
         assert pool.stats()["busy"] == 0
         got = _run_task(
             {**task, "indices": [3, 5]}, {"s": (ds, hx.pad_collate, picky)}, pool, None, False, lambda k: True
         )
-        assert got["features"] == [{"frames": int(ds[i]["video"].shape[0])} for i in (3, 5)] and got["rows"] == 2
+        assert got.features == [{"frames": int(ds[i]["video"].shape[0])} for i in (3, 5)] and got.rows == 2
         assert pool.stats()["busy"] == 1  # the batch's slab, until its reader releases it
-        release_segment(got["handle"])
+        release_segment(got.handle)
         assert pool.stats()["busy"] == 0
 
 
@@ -182,6 +182,6 @@ def test_a_task_holds_its_decode_slot_only_while_its_samples_decode(kmix, tmp_pa
             slot, events[:] = Slot(), []
             task = {"task_id": 1, "spec_id": "s", "indices": [3, 5], "epoch": 0}
             got = _run_task(task, {"s": (ds, fn, None)}, pool, None, False, lambda k: True, slot)
-            assert got.get("rows") == 2, got
+            assert got.rows == 2, got
             assert events[:4] == ["enter", "decode", "decode", "leave"] and not slot.held
-            release_segment(got["handle"])
+            release_segment(got.handle)

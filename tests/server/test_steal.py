@@ -10,8 +10,10 @@ from dataplane import CFG, assert_same_batches, busy_segments, busy_with_prefix,
 import helix_core as hx
 from helix_core.data.specs import make_spec
 from helix_core.memory import shm
+from helix_core.memory.shm import SlabHandle
 from helix_core.server.pool import WorkerPool
-from helix_core.server.steal import Claim, Pieces, handles
+from helix_core.server.steal import Claim, Pieces
+from helix_core.server.worker import TaskResult
 from helix_core.testing.datasets import IndexDataset
 from helix_core.wire.messages import ErrorKind
 
@@ -97,17 +99,18 @@ def segments_of(cluster):
 def test_pieces_complete_in_order_and_an_error_frees_the_other_pieces():
     p = Pieces()
     p.add(2)
-    assert not p.finish(2, {"handle": {"segment": "b"}, "rows": 2, "decoded": [7, 8], "decode_cpu_s": [0.1, 0.2]})
-    assert p.finish(0, {"handle": {"segment": "a"}, "rows": 2, "decoded": [5, 6], "decode_cpu_s": [0.3, 0.4]})
+    assert not p.finish(2, TaskResult(SlabHandle("b", 1), rows=2, decoded=[7, 8], decode_cpu_s=[0.1, 0.2]))
+    assert p.finish(0, TaskResult(SlabHandle("a", 1), rows=2, decoded=[5, 6], decode_cpu_s=[0.3, 0.4]))
     result, unused = p.combine()
-    assert result["rows"] == [2, 2] and result["decoded"] == [5, 6, 7, 8] and unused == []
-    assert [h["segment"] for h in handles(result)] == ["a", "b"]
+    assert [r.rows for r in result.pieces] == [2, 2] and result.decoded == [5, 6, 7, 8] and unused == []
+    assert result.rows == 4 and result.features is None and result.handle is None
+    assert [h.segment for h in result.handles()] == ["a", "b"]
     q = Pieces()
     q.add(1)
-    q.finish(1, {"error_kind": 1, "error": "bad sample 9"})
-    q.finish(0, {"handle": {"segment": "a"}, "rows": 1})
+    q.finish(1, TaskResult(error_kind=ErrorKind.SAMPLE, error="bad sample 9"))
+    q.finish(0, TaskResult(SlabHandle("a", 1), rows=1))
     result, unused = q.combine()
-    assert result["error"] == "bad sample 9" and [h["segment"] for h in handles(unused[0])] == ["a"]
+    assert result.error == "bad sample 9" and [h.segment for h in unused[0].handles()] == ["a"]
 
 
 def test_host_layout_gives_every_server_two_workers_or_more():
@@ -140,11 +143,11 @@ def test_an_idle_worker_takes_the_tail_of_a_running_batch(pool):
     spec_id = _configure(pool, ds)
     task = {"task_id": 1, "spec_id": spec_id, "indices": [4, 5, 6, 7], "epoch": 0, "on_error": "raise"}
     split = pool.submit(dict(task, splittable=True)).result(30)
-    assert sum(split["rows"]) == 4 and len(split["pieces"]) >= 2 and split["decoded"] == [4, 5, 6, 7]
+    assert split.rows == 4 and len(split.pieces) >= 2 and split.decoded == [4, 5, 6, 7]
     assert pool.stats()["steals"] >= 1
     whole = pool.submit(dict(task, task_id=2, splittable=False)).result(30)
-    assert "pieces" not in whole and whole["rows"] == 4  # a collate whose merge is not exact is never split
-    for h in handles(split) + handles(whole):
+    assert not whole.pieces and whole.rows == 4  # a collate whose merge is not exact is never split
+    for h in split.handles() + whole.handles():
         shm.release_segment(h)
 
 
@@ -167,8 +170,8 @@ def test_a_resubmitted_task_never_gets_a_piece_of_the_cancelled_one():
         again = p.submit(dict(task))  # ... and sends the same task id again, while its pieces still run
         result = again.result(60)
         assert first.cancelled()
-        assert result["decoded"] == list(range(8)) and sum(result.get("rows", [8])) == 8
-        for h in handles(result):
+        assert result.decoded == list(range(8)) and result.rows == 8
+        for h in result.handles():
             shm.release_segment(h)
         wait_for(lambda: p.stats()["inflight"] == 0, 30, "the first submission's pieces to finish")
         wait_for(lambda: not busy_with_prefix("helix-teststeal-"), 10, "their slabs released")
@@ -183,8 +186,8 @@ def test_a_worker_killed_by_a_sample_of_a_stolen_piece_names_it(pool):
         {"task_id": 1, "spec_id": spec_id, "indices": [0, 1, 2, 3], "epoch": 0, "on_error": "raise", "splittable": True}
     ).result(60)
     assert pool.stats()["steals"] >= 1  # sample 3 was in the stolen tail
-    assert result["error_kind"] == ErrorKind.SAMPLE and result["failure"]["index"] == 3
-    assert "pieces" not in result and not handles(result)  # the head's slab went back with the error
+    assert result.error_kind == ErrorKind.SAMPLE and result.failure.index == 3
+    assert not result.pieces and not result.handles()  # the head's slab went back with the error
 
 
 def test_a_cancelled_split_batch_frees_every_piece(pool):

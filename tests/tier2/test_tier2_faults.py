@@ -142,6 +142,7 @@ def test_a_rank_whose_round_leader_dies_learns_its_rounds_fate_from_the_coordina
 
     from helix_core.loader.cluster_client import ClusterClient
     from helix_core.loader.waits import Stop
+    from helix_core.memory.shm import SlabHandle
     from helix_core.security.auth import call_metadata
     from helix_core.tier2.errors import RoundUnknown
     from helix_core.wire.proto import helix_pb2 as pb
@@ -199,7 +200,7 @@ def test_a_rank_whose_round_leader_dies_learns_its_rounds_fate_from_the_coordina
             c.kill_server(0)
             call.join(30)
             # decoded again: what the committed round gave rank 0; the slab of its own it read, given back
-            assert got == [("lost", [8, 9], [{"segment": "none", "generation": 1}])]
+            assert got == [("lost", [8, 9], [SlabHandle("none", 1)])]
 
             call, got = held_then_leader_killed(1, step=3)
             c.kill_server(1)  # dies with nothing committed

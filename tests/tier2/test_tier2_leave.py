@@ -8,6 +8,7 @@ import time
 
 import cloudpickle
 
+from helix_core.memory.shm import SlabHandle
 from helix_core.tier2.leader import RoundTable
 from helix_core.wire.proto import helix_pb2 as pb
 
@@ -165,8 +166,9 @@ def test_a_committed_round_is_what_every_rank_learns_and_one_a_rank_was_told_it_
 
     now = [0.0]
     fates = RoundFates(capacity=3, clock=lambda: now[0])
-    assert fates.commit(("g", "", 3), {0: [8, 9], 1: [10, 11]}, {0: [("s0", 4)]})
-    assert fates.fate(("g", "", 3), 0) == ([8, 9], [("s0", 4)]) and fates.fate(("g", "", 3), 1) == ([10, 11], [])
+    assert fates.commit(("g", "", 3), {0: [8, 9], 1: [10, 11]}, {0: [SlabHandle("s0", 4)]})
+    assert fates.fate(("g", "", 3), 0) == ([8, 9], [SlabHandle("s0", 4)])
+    assert fates.fate(("g", "", 3), 1) == ([10, 11], [])
     assert fates.fate(("g", "", 3), 2) is None  # not in that round: its batch is its own
     assert not fates.commit(("g", "", 3), {})  # a rank learned it: the leader can no longer withdraw it
     assert fates.fate(("g", "", 4), 0) is None  # asked before any commit: the rank keeps its batch...
@@ -200,7 +202,7 @@ def test_a_moved_round_is_committed_before_any_rank_sees_it_and_a_refused_commit
     ((group, run, step, moved, release, age_s, answers),) = committed
     assert answers == [None, None]
     assert (group, run, step, moved) == (GROUP, "", 9, {0: [2, 3], 1: [0, 1]})  # each rank's samples, in order
-    assert release == {0: [("s1", 1)], 1: [("s0", 1)]} and 0 <= age_s < 5  # the slab each reads
+    assert release == {0: [SlabHandle("s1", 1)], 1: [SlabHandle("s0", 1)]} and 0 <= age_s < 5  # the slab each reads
     table = RoundTable(allow_pickle=True, commit=lambda *a: False)  # a rank was already told to keep
     calls = [_call(table, _request(r, step=9, policy=_swap_when_released)) for r in range(2)]
     for t, _ in calls:

@@ -6,6 +6,7 @@ server that reads a rank's slab takes no lease, so a rank killed after its round
 and what a client sends a round's leader cannot hold a call for ever, starve its other RPCs, or
 swap the policy another client's round runs."""
 
+import dataclasses
 import json
 import math
 import os
@@ -270,14 +271,16 @@ def test_a_shared_slab_is_freed_once_its_live_readers_released_it_or_died(tmp_pa
         assert reader.share(handle, 2)
         code = (
             "import json, os, signal, sys\nfrom helix_core.memory.reader import SlabReader\n"
-            "r = SlabReader(); h = json.loads(sys.argv[1]); bytes(r.view(h)[:8])\n"
+            "from helix_core.memory.shm import SlabHandle\n"
+            "r = SlabReader(); h = SlabHandle(**json.loads(sys.argv[1])); bytes(r.view(h)[:8])\n"
             "os.kill(os.getpid(), signal.SIGKILL) if sys.argv[2] == 'die' else print(r.release(h))"
         )
-        dead = subprocess.run([sys.executable, "-c", code, json.dumps(handle), "die"], timeout=60)
+        arg = json.dumps(dataclasses.asdict(handle))  # the handle's JSON form: its fields by name
+        dead = subprocess.run([sys.executable, "-c", code, arg, "die"], timeout=60)
         assert dead.returncode == -signal.SIGKILL
         assert struct.unpack_from("<Q", slab._mm, 32)[0] == 0  # the reader wrote no lease: none stands for both
         released = subprocess.run(
-            [sys.executable, "-c", code, json.dumps(handle), "release"], timeout=60, capture_output=True, text=True
+            [sys.executable, "-c", code, arg, "release"], timeout=60, capture_output=True, text=True
         )
         assert released.stdout.strip() == "False" and not slab.free  # one of two: it counts down
         deadline = time.monotonic() + 30

@@ -19,6 +19,7 @@ from helix_core.testing.datasets import IndexDataset
 from helix_core.wire.bulk.protocol import NO_ROOM, OK, REFUSED, BulkError
 from helix_core.wire.bulk.recv import BulkListener
 from helix_core.wire.bulk.send import BulkSender
+from helix_core.wire.messages import slab_handle
 from helix_core.wire.proto import helix_pb2 as pb
 
 TOKEN = "t" * 32
@@ -205,12 +206,10 @@ def test_a_bulk_port_that_cannot_be_reached_sends_batches_by_grpc_and_is_left_al
         with caplog.at_level("WARNING", logger="helix.delivery"):
             for task_id in (1, 2, 3):
                 reply = out.send(task_id, result, f"127.0.0.1:{port}")
-                got = reader.view(
-                    {"segment": reply.batch.slab.segment, "generation": reply.batch.slab.generation, "nbytes": total}
-                )
+                got = reader.view(slab_handle(reply.batch.slab))
                 assert bytes(got[:total]) == bytes(slab.payload[:total])  # every batch arrived, by gRPC
                 got.release()
-                shm.release_segment({"segment": reply.batch.slab.segment, "generation": reply.batch.slab.generation})
+                shm.release_segment(slab_handle(reply.batch.slab))
         assert out.counters()["bulk_bytes"] == 0 and out.counters()["cross_ds_bytes"] >= 3 * total
         assert sum("bulk path to" in r.message for r in caplog.records) == 1  # tried once, then left alone
         slab.release()
@@ -222,16 +221,17 @@ def test_a_bulk_port_that_cannot_be_reached_sends_batches_by_grpc_and_is_left_al
         tx_slabs.close()
 
 
-def decoded_batch(tx_slabs) -> tuple[dict, int, object]:
+def decoded_batch(tx_slabs) -> tuple[object, int, object]:
     """A DataServer's result for one decoded batch (a 512 KiB tensor) in a slab of ``tx_slabs``:
     ``(result, payload bytes, the slab)``, as a worker leaves it for delivery."""
     import torch
 
     from helix_core.memory.tensors import flatten, layout, write_tensors
+    from helix_core.server.worker import TaskResult
 
     tree_json, tree_pickle, tensors = flatten({"video": torch.arange(1 << 16, dtype=torch.int64)})
     metas, total = layout(tensors)
     slab = tx_slabs.acquire(total)
     metas = write_tensors(slab.payload, tensors, metas)
-    result = {"handle": slab.handle(total), "tree_json": tree_json, "tree_pickle": tree_pickle, "metas": metas}
+    result = TaskResult(slab.handle(total), tree_json, tree_pickle, metas)
     return result, total, slab

@@ -24,6 +24,7 @@ from helix_core.wire.bulk.protocol import BAD, MAX_HEADER, U32, BulkError
 from helix_core.wire.bulk.send import BulkSender
 from helix_core.wire.delivery import Outbound
 from helix_core.wire.frames import add_servicer
+from helix_core.wire.messages import slab_handle
 from helix_core.wire.rpc import create_server
 
 TLS = pytest.mark.parametrize("tls", [False, True], ids=["plain", "tls"])
@@ -155,7 +156,7 @@ def test_idle_and_unauthenticated_connections_never_keep_a_batch_from_landing(tl
         for _ in range(64):  # other senders' kept connections, each idle after one batch
             s = BulkSender(TOKEN, cfg, job)
             reply = s.send("127.0.0.1", bulk.port, _header(3), memoryview(b"abc"))
-            shm.release_segment({"segment": reply.batch.slab.segment, "generation": reply.batch.slab.generation})
+            shm.release_segment(slab_handle(reply.batch.slab))
             idle.append(s)
         assert bulk.connections == 64
         squat.append(Squatter(bulk.port, 5))  # fewer than the pending places
@@ -166,7 +167,7 @@ def test_idle_and_unauthenticated_connections_never_keep_a_batch_from_landing(tl
             out = Outbound(TOKEN, cfg, job, reader)  # a remote server that has not sent here yet
             outs.append(out)
             reply = out.send(task_id, result, address)  # raises DeliveryFailed on a lost delivery
-            handle = {"segment": reply.batch.slab.segment, "generation": reply.batch.slab.generation, "nbytes": total}
+            handle = slab_handle(reply.batch.slab)
             got = reader.view(handle)
             assert bytes(got[:total]) == bytes(slab.payload[:total])
             got.release()
