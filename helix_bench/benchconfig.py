@@ -65,5 +65,5 @@ class BenchConfig:
         if self.budget < self.ranks + self.remote_servers and "helix" in "".join(self.systems):
             raise ValueError(
                 f"budget {self.budget} is too small for {self.ranks} local + {self.remote_servers} "
-                "remote DataServers (each needs at least one worker)"
+                "sidecars (each needs at least one worker)"
             )

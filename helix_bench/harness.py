@@ -248,8 +248,7 @@ def run_bench(configs: list[BenchConfig], out_dir: str | os.PathLike, console=No
     if any(c.remote_servers for c in configs) and (os.cpu_count() or 1) <= 2:
         for run in runs:
             run["note"] = (
-                "on a 2-core machine extra remote DataServers add no CPU: this sweep measures their "
-                "overhead, not added capacity"
+                "on a 2-core machine extra sidecars add no CPU: this sweep measures their overhead, not added capacity"
             )
     paths = write_report(out_dir, runs)
     if console is not None:

@@ -53,7 +53,7 @@ class ClusterConfig:
     work_stealing: bool = True  # a DataServer worker with nothing queued takes the unstarted tail of a running batch
     allow_pickle: bool = True  # cloudpickled datasets and batches between authenticated peers (False: JSON specs only)
     local_link: bool = True  # Execute and Route to servers of the rank's own host over a Unix socket (wire/locallink/link.py); False: gRPC
-    bulk_delivery: bool = True  # remote batches reach the delivering server's slab by the bulk path (wire/bulk/common.py); False: gRPC Deliver
+    bulk_delivery: bool = True  # remote batches reach the delivery server's slab by the bulk path (wire/bulk/common.py); False: gRPC Deliver
 
     def __post_init__(self):
         for f in fields(self):

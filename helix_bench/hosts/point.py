@@ -57,7 +57,7 @@ def _cpu_s(pid: int) -> float:
 
 
 def _routed(hosts, coordinator: str, env: dict) -> dict:
-    """The Coordinator's count of requests routed, and to remote servers; each server's streamed bytes."""
+    """The Coordinator's count of requests routed, and to sidecars; each server's streamed bytes."""
     done = hosts.run("h0", [sys.executable, "-c", _TELEMETRY, coordinator], env=env, timeout=60)
     try:
         return json.loads(done.stdout.strip().splitlines()[-1])

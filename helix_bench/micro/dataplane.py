@@ -1,9 +1,9 @@
 """`python -m helix_bench.micro.dataplane`: the data plane's own figures, medians over repeats.
 
 - **local**: shared-memory delivery on one host (``bench.transport.bench_local_delivery``).
-- **remote**: a remote DataServer sends a batch to a local one (loopback), by the bulk path and
+- **remote**: a sidecar sends a batch to a local one (loopback), by the bulk path and
   by gRPC's ``Deliver`` stream. Stream GB/s = bytes / (wall of ``Execute(deliver_to=local)`` -
-  wall of the same ``Execute`` delivered by the remote server itself), i.e. with the produce time
+  wall of the same ``Execute`` delivered by the sidecar itself), i.e. with the produce time
   subtracted; also per call (each call's own worker time subtracted: steadier, since producing
   dwarfs streaming), end-to-end GB/s, and the receiving server's CPU per MB.
 - **route**: Coordinator ``Route`` requests/s from N client threads and its decision time.
@@ -112,7 +112,7 @@ def _execute(client, address: str, spec, task_id: int, batch: int, deliver_to: s
 
 
 def bench_remote(sizes_mb=(64, 256), sample_mb: int = 16, repeats: int = 5, console=None, progress=None) -> list[dict]:
-    """Stream GB/s from a remote DataServer to a local one on loopback, per batch size (MiB;
+    """Stream GB/s from a sidecar to a local one on loopback, per batch size (MiB;
     samples of ``sample_mb`` MiB) and per path: ``bulk`` (wire/bulk/common.py, into the slab) and
     ``grpc`` (the ``Deliver`` stream), each in a cluster of its own. One warm-up round per size,
     then ``repeats`` rounds, each a streamed and a local call on both clusters, so that machine
@@ -202,7 +202,7 @@ def bench_remote(sizes_mb=(64, 256), sample_mb: int = 16, repeats: int = 5, cons
 
 # ---- route: Coordinator throughput -----------------------------------------------------------------------
 def _add_candidates(cluster, n: int, config) -> None:
-    """Register ``n`` placeholder remote servers (TEST-NET addresses nobody dials) so that each
+    """Register ``n`` placeholder sidecars (TEST-NET addresses nobody dials) so that each
     placement decision scores as many candidates as a large cluster would."""
     from helix_core.security.auth import call_metadata
     from helix_core.wire.proto import helix_pb2 as pb

@@ -27,7 +27,7 @@ _LABEL_KEYS = {
 
 def run_label(run: Mapping, runs: Sequence[Mapping] = ()) -> str:
     """A short name: ``run["label"]`` if given, else the workload plus every other scalar key
-    whose value differs between ``runs`` (a sweep's axis: batch size, remote servers, ...)."""
+    whose value differs between ``runs`` (a sweep's axis: batch size, sidecars, ...)."""
     if run.get("label"):
         return str(run["label"])
     parts = [str(run["workload"])]

@@ -141,7 +141,7 @@ def add_cluster_commands(sub) -> None:
     )
     s.add_argument("--json", action="store_true", help="print the Coordinator's telemetry as JSON")
     s.set_defaults(fn=_cmd_status)
-    s = sub.add_parser("sidecars", help="remote DataServers as Ray actors joining a Coordinator (until Ctrl-C)")
+    s = sub.add_parser("sidecars", help="sidecars as Ray actors joining a Coordinator (until Ctrl-C)")
     s.add_argument("--ray", required=True, help="the Ray cluster's address (e.g. HEAD:6379, or auto)")
     s.add_argument("--coordinator", required=True, help="HOST:PORT of the Helix Coordinator to join")
     s.add_argument("--count", type=int, required=True, help="sidecars to start")

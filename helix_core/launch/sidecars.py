@@ -1,4 +1,4 @@
-"""Sidecars on an existing engine: remote DataServers as Ray actors.
+"""Sidecars on an existing engine: DataServers on CPU machines as Ray actors.
 
 Each sidecar is a Ray actor that reserves ``workers`` CPUs and runs ``helix dataserver --remote``
 as its own child process (pipe-owned: when the actor dies, for whatever reason, the DataServer
@@ -22,7 +22,7 @@ __all__ = ["RaySidecars", "ray_sidecars"]
 
 
 class _Sidecar:
-    """A Ray actor that owns one remote DataServer process (started in ``__init__``)."""
+    """A Ray actor that owns one sidecar process (started in ``__init__``)."""
 
     def __init__(
         self,
@@ -170,7 +170,7 @@ def ray_sidecars(
     max_restarts: int = -1,
     **actor_options,
 ) -> RaySidecars:
-    """Start ``count`` sidecars (remote DataServers of ``workers`` workers each) as Ray actors that
+    """Start ``count`` sidecars (DataServers of ``workers`` workers each) as Ray actors that
     join the Coordinator at ``coordinator``. ``ray_address``: the Ray cluster to join (default: the
     one this process is connected to, else ``ray.init()``'s default); ``host``: the address each
     DataServer listens on (default: its node's interface toward the Coordinator, ``toward``:

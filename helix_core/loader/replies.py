@@ -15,8 +15,7 @@ from helix_core.errors import ClusterError, SampleError
 from helix_core.memory.merge import merge_batches
 from helix_core.memory.reader import SlabReader
 from helix_core.memory.tensors import copy_tensors, read_tensors, unflatten
-from helix_core.tier2.crosshost import meta_dicts
-from helix_core.wire.messages import ErrorKind, slab_handle
+from helix_core.wire.messages import ErrorKind, meta_dicts, slab_handle
 from helix_core.wire.proto import helix_pb2 as pb
 
 __all__ = ["error_of", "materialize", "release"]

@@ -41,7 +41,7 @@ class Candidates:
     ``outstanding``: requests routed to a server and not yet completed; ``workers``: its worker
     processes; ``queue_depth`` / ``latency_per_cost`` (wall seconds of execution per predicted
     CPU second): its last heartbeat; ``queued_cpu_s``: predicted CPU seconds queued or running
-    there; ``bandwidth_bps`` / ``link_latency_s``: a remote server's measured delivery link (0:
+    there; ``bandwidth_bps`` / ``link_latency_s``: a sidecar's measured delivery link (0:
     unknown). Optional columns may be empty (= unknown). ``local``: the position of the requesting
     rank's own delivery server, None if it is not a candidate."""
 
@@ -180,7 +180,7 @@ class DeadlineAware:
 
     ``T_i = queued_cpu_s_i * lpc_i / workers_i`` (work ahead of it) ``+ cpu_s * lpc_i`` (this
     batch on one worker; ``lpc``: measured wall seconds per predicted CPU second, 1 when unknown)
-    ``+ io_bytes / io_bps`` ``+ C_net`` (remote servers only: ``out_bytes / bandwidth + latency``,
+    ``+ io_bytes / io_bps`` ``+ C_net`` (sidecars only: ``out_bytes / bandwidth + latency``,
     with ``default_*`` until the link was measured). Same-host local servers deliver by shared
     memory, so their ``C_net`` is 0.
 
@@ -189,7 +189,7 @@ class DeadlineAware:
     ties), while a remote sidecar costs a stream. Selection: no deadline, or every candidate
     misses -> earliest finish ("earliest-finish"); a local server meets -> the best local one by
     score ("local-meets"), unless a remote one is ready more than ``gain_threshold`` x D sooner
-    ("remote-gain"); only remote servers meet -> the best of them ("meets-deadline"). Score =
+    ("remote-gain"); only sidecars meet -> the best of them ("meets-deadline"). Score =
     lateness ``10 * M_i / D`` + ``T_i / D`` + locality (0 own server, ``pool_penalty`` another
     local one, ``remote_penalty`` a remote one) + ``backpressure`` x outstanding per worker. Ties
     go to the lowest position. Units: seconds, bytes, bytes/s.

@@ -59,8 +59,8 @@ class Executed:
     (error fields, timings, features; ``pieces`` where stealing split it), an empty ``TaskResult``
     when it never came. ``error_kind`` / ``error``: set where this server's own part failed (the
     wait, the delivery on), overriding the result's. The batch is ``local`` (a result naming this
-    server's slab) or ``remote`` (the ``BatchHandle`` a delivering server replied with), or neither.
-    ``cross_ds_bytes``: bytes sent on to the delivering server."""
+    server's slab) or ``remote`` (the ``BatchHandle`` a delivery server replied with), or neither.
+    ``cross_ds_bytes``: bytes sent on to the delivery server."""
 
     result: TaskResult
     error_kind: int | None = None
@@ -98,7 +98,7 @@ class DataServer:
         self.server_id = ""
         # maps of the workers' slabs, kept: they are reused, so a delivery never re-faults their pages
         self.reader = SlabReader()
-        self.outbound = Outbound(token, config, tls, self.reader)  # remote: batches on to delivering servers
+        self.outbound = Outbound(token, config, tls, self.reader)  # remote: batches on to delivery servers
         self.inbound = Inbound(slabs, self.pickle_allowed, self.no_pickle_why(), lambda: self.server_id)
         self.beats = Beats(config)  # work that arrives wakes an idle server's heartbeats
         # Tier 2: its part in moving rows between hosts, and the rounds it leads

@@ -16,8 +16,7 @@ from helix_core.errors import text_of
 from helix_core.memory import shm
 from helix_core.server.dataserver import DataServer, Executed, Rejected
 from helix_core.server.worker import SampleFailure, TaskResult
-from helix_core.wire.delivery import metas_to_pb
-from helix_core.wire.messages import slab_handle, slab_handle_pb
+from helix_core.wire.messages import metas_to_pb, slab_handle, slab_handle_pb
 from helix_core.wire.proto import helix_pb2 as pb
 from helix_core.wire.proto import helix_pb2_grpc as pbg
 

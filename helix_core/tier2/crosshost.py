@@ -8,7 +8,7 @@ of the rows' new slabs, on the rank's own host:
 
 - ``grpc`` (the default on a TLS cluster, and the fallback): each member with rows to send
   streams them, one slab's rows at a time, into the receiving member (``Deliver``, or the bulk
-  path) — what a remote server does with a batch, on Helix's channels (token, TLS).
+  path) — what a sidecar does with a batch, on Helix's channels (token, TLS).
 - ``collective`` (the default without TLS): the members form a gloo group of their own (the
   rendezvous is a TCPStore the leader hosts on its own address only, made again under a new
   generation after a failure); each reads its rows to send out of its host's slabs, packs them per
@@ -36,8 +36,8 @@ import grpc
 
 from helix_core.errors import ClusterError
 from helix_core.security.auth import call_metadata
-from helix_core.wire.delivery import DeliveryFailed, metas_to_pb
-from helix_core.wire.messages import slab_handle
+from helix_core.wire.delivery import DeliveryFailed
+from helix_core.wire.messages import meta_dicts, metas_to_pb, slab_handle
 from helix_core.wire.proto import helix_pb2 as pb
 from helix_core.wire.proto import helix_pb2_grpc as pbg
 from helix_core.wire.rpc import connect
@@ -46,7 +46,7 @@ from helix_core.wire.rpc import connect
 # read, packed or written: every DataServer holds a ``HostMember``, and one that never moves
 # rows across hosts never loads torch (a server's start is ~2 s of CPU shorter without it).
 
-__all__ = ["CrossHostMover", "HostMember", "TRANSPORTS", "load_row_code", "meta_dicts", "read_rows"]
+__all__ = ["CrossHostMover", "HostMember", "TRANSPORTS", "load_row_code", "read_rows"]
 
 log = logging.getLogger("helix.crosshost")
 TRANSPORTS = ("collective", "grpc")
@@ -55,20 +55,6 @@ TRANSPORTS = ("collective", "grpc")
 def load_row_code() -> None:
     """Import torch and the row code: a DataServer reachable from other hosts does it before it serves."""
     from helix_core.memory import merge  # noqa: F401  (torch and tensors with them)
-
-
-def meta_dicts(metas) -> list[dict]:
-    return [
-        {
-            "dtype": m.dtype,
-            "shape": list(m.shape),
-            "offset": m.offset,
-            "nbytes": m.nbytes,
-            "is_inline": m.is_inline,
-            "inline_data": m.inline_data,
-        }
-        for m in metas
-    ]
 
 
 def read_rows(reader, b: pb.BatchHandle, rows, n: int, pickle_allowed: bool, view: bool = False, lease: bool = True):

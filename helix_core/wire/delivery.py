@@ -1,10 +1,10 @@
-"""Payload between DataServers: a remote server's batch into the rank's local (delivering) server.
+"""Payload between DataServers: a sidecar's batch into the rank's delivery server.
 
 ``Outbound``, on the executing server, sends a worker's batch by the bulk path when the delivering
 server offers one (``wire/bulk/common.py``: straight into its slab, a fraction of gRPC's receive CPU)
 and by gRPC's ``Deliver`` stream otherwise — or when the bulk connection cannot even be made — and
 keeps what placement prices (paper Eq. 1's C_net: the link's bandwidth and a small transfer's
-latency) and the bytes it moved. ``Inbound``, on the delivering server, takes a batch into one of
+latency) and the bytes it moved. ``Inbound``, on the delivery server, takes a batch into one of
 its slabs under the same rules on both paths: no pickled structure where the server takes no
 pickles, and a full ``/dev/shm`` refused (never SIGBUS).
 """
@@ -26,7 +26,7 @@ from helix_core.wire.bulk.protocol import MAX_HEADER, NO_ROOM, OK, REFUSED, Bulk
 from helix_core.wire.bulk.send import BulkSender
 from helix_core.wire.chunks import iter_chunks
 from helix_core.wire.frames import deliver_callable
-from helix_core.wire.messages import slab_handle_pb
+from helix_core.wire.messages import metas_to_pb, slab_handle_pb
 from helix_core.wire.proto import helix_pb2 as pb
 from helix_core.wire.proto import helix_pb2_grpc as pbg
 from helix_core.wire.rpc import connect
@@ -34,21 +34,7 @@ from helix_core.wire.rpc import connect
 log = logging.getLogger("helix.delivery")
 _BULK_RETRY_S = 60.0  # a bulk port that could not be reached is tried again after this
 
-__all__ = ["DeliveryFailed", "Inbound", "Outbound", "Refused", "metas_to_pb", "moved_bytes"]
-
-
-def metas_to_pb(metas: list[dict]) -> list[pb.TensorMeta]:
-    return [
-        pb.TensorMeta(
-            dtype=m["dtype"],
-            shape=m["shape"],
-            offset=m["offset"],
-            nbytes=m["nbytes"],
-            is_inline=m["is_inline"],
-            inline_data=m.get("inline_data") or b"",
-        )
-        for m in metas
-    ]
+__all__ = ["DeliveryFailed", "Inbound", "Outbound", "Refused", "moved_bytes"]
 
 
 def moved_bytes(result) -> int:
@@ -58,7 +44,7 @@ def moved_bytes(result) -> int:
 
 
 class DeliveryFailed(Exception):
-    """The batch did not reach the delivering server: it has no room (final) or is gone / refused."""
+    """The batch did not reach the delivery server: it has no room (final) or is gone / refused."""
 
     def __init__(self, message: str, no_room: bool = False):
         super().__init__(message)

@@ -15,6 +15,8 @@ from helix_core.memory.shm import SlabHandle
 from helix_core.wire.proto import helix_pb2 as pb
 
 __all__ = [
+    "meta_dicts",
+    "metas_to_pb",
     "TASK_ID_BITS",
     "ErrorKind",
     "Part",
@@ -38,7 +40,7 @@ class ErrorKind(enum.IntEnum):
     SPEC = pb.ERROR_SPEC  # the dataset spec could not be loaded (final)
     INTERNAL = pb.ERROR_INTERNAL  # collate / writing the batch failed (final)
     NOT_COMPLETED = pb.ERROR_NOT_COMPLETED  # the server gave the task up: run it elsewhere
-    DELIVERY_LOST = pb.ERROR_DELIVERY_LOST  # a remote server lost the delivering server: run it elsewhere
+    DELIVERY_LOST = pb.ERROR_DELIVERY_LOST  # a sidecar lost the delivery server: run it elsewhere
     NO_ROOM = pb.ERROR_NO_ROOM  # /dev/shm is full (final)
 
     @property
@@ -74,7 +76,7 @@ class Route:
 
     @property
     def deliver_to(self) -> str:
-        """``ExecuteRequest.deliver_to``: the delivering server's address for a remote part."""
+        """``ExecuteRequest.deliver_to``: the delivery server's address for a remote part."""
         return self.delivery_address if self.exec_kind == "remote" else ""
 
 
@@ -198,3 +200,33 @@ def execute_request(
         features=features,
         room=room,
     )
+
+
+def metas_to_pb(metas: list[dict]) -> list[pb.TensorMeta]:
+    """A batch's tensor layout (``memory.tensors`` metas) as ``TensorMeta`` messages."""
+    return [
+        pb.TensorMeta(
+            dtype=m["dtype"],
+            shape=m["shape"],
+            offset=m["offset"],
+            nbytes=m["nbytes"],
+            is_inline=m["is_inline"],
+            inline_data=m.get("inline_data") or b"",
+        )
+        for m in metas
+    ]
+
+
+def meta_dicts(metas) -> list[dict]:
+    """``TensorMeta`` messages back into the layout dicts ``memory.tensors`` reads."""
+    return [
+        {
+            "dtype": m.dtype,
+            "shape": list(m.shape),
+            "offset": m.offset,
+            "nbytes": m.nbytes,
+            "is_inline": m.is_inline,
+            "inline_data": m.inline_data,
+        }
+        for m in metas
+    ]

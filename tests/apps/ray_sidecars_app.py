@@ -85,7 +85,7 @@ def main() -> dict:
                     now = restarted(sidecars, first)
                     time.sleep(0.5)
                 out["after"] = now
-                # the Coordinator lists the restarted sidecar's new DataServer as a live remote server
+                # the Coordinator lists the restarted sidecar's new DataServer as a live sidecar
                 deadline, alive = time.monotonic() + 30, []
                 while now is not None and now[0]["server_id"] not in alive and time.monotonic() < deadline:
                     probe = ClusterClient(cluster.address, cluster.token, CFG, 0, 1)

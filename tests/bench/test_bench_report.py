@@ -56,7 +56,7 @@ def check_pngs(paths):
 
 
 def test_one_run(tmp_path):
-    paths = write_report(tmp_path, [run(note="on a 2-core machine extra remote servers add no CPU")])
+    paths = write_report(tmp_path, [run(note="on a 2-core machine extra sidecars add no CPU")])
     assert set(paths) == {"results.json", "report.md", *FIGURES}
     assert all(p.parent == tmp_path and p.exists() for p in paths.values())
 
@@ -75,7 +75,7 @@ def test_one_run(tmp_path):
     md = paths["report.md"].read_text()
     assert "2.00x" in md and "1.00x" in md  # helix / native, native / native
     assert "skipped: Ray is not installed" in md
-    assert "on a 2-core machine extra remote servers add no CPU" in md
+    assert "on a 2-core machine extra sidecars add no CPU" in md
     assert "| 3.0 |" in md  # cross-DS MB
     assert "limited by" in md
     for name in FIGURES:

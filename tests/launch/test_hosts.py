@@ -43,7 +43,7 @@ def test_two_hosts_and_a_sidecar_through_the_cli(hosts, tmp_path):
             assert "error" not in run, run.get("trace")
             assert run["equal"], (rank, scheduler)  # the sampler's batches, tensors included
             assert run["indices"] == sampler(48, rank, 4, 2)
-    # the sidecar served ranks of both hosts (a remote server always streams: cross-DS bytes)
+    # the sidecar served ranks of both hosts (a sidecar always streams: cross-DS bytes)
     for pair in ((0, 1), (2, 3)):
         assert sum(results[r]["runs"]["least-request"]["cross_ds_bytes"] for r in pair) > 0, pair
     # the Coordinator lists every host's servers; each rank delivered through its own host's only

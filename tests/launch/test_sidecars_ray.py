@@ -1,4 +1,4 @@
-"""Sidecars on Ray: remote DataServers as Ray actors on a real Ray cluster (a head and a worker
+"""Sidecars on Ray: DataServers as Ray actors on a real Ray cluster (a head and a worker
 node, on loopback) join a Helix cluster, serve its ranks, come back after their actor is killed
 mid-epoch (the epoch still ends exactly once), and leave no actor or process behind."""
 

@@ -1,5 +1,5 @@
 """The data plane with real processes on loopback: equality with torch DataLoader, remote
-streaming, order, resume, errors, break — on one shared cluster (2 local + 1 remote servers)."""
+streaming, order, resume, errors, break — on one shared cluster (2 local servers + 1 sidecar)."""
 
 import gc
 

@@ -36,7 +36,7 @@ def test_a_tls_cluster_serves_and_streams_over_tls(tls_cluster):
     ) as loader:
         assert loader.client.pickle_allowed  # a token over TLS: cloudpickle may travel
         assert_same_batches(list(loader), torch_batches(ds, 3, 0, 1))
-        assert loader.stats()["cross_ds_bytes"] > 0  # the remote server streamed, over TLS too
+        assert loader.stats()["cross_ds_bytes"] > 0  # the sidecar streamed, over TLS too
 
 
 def test_a_client_without_the_ca_or_a_certificate_is_refused_with_a_clear_error(tls_cluster):

@@ -1,5 +1,5 @@
-"""The bulk delivery path (wire/bulk/protocol.py): a remote server's batch goes straight into the
-delivering server's slab over a token-checked TCP connection (TLS with the cluster's
+"""The bulk delivery path (wire/bulk/protocol.py): a sidecar's batch goes straight into the
+delivery server's slab over a token-checked TCP connection (TLS with the cluster's
 certificates), and the cluster uses it for every remote delivery, falling back to gRPC's
 ``Deliver`` where it is off; a stalled receiver fails a transfer in seconds."""
 

@@ -142,7 +142,7 @@ def _delivery_server(tls, handshake_s: float):
 @TLS
 def test_idle_and_unauthenticated_connections_never_keep_a_batch_from_landing(tls):
     """64 idle kept connections of other senders fill every slot and another user holds
-    connections without the token: a remote server's batch still lands — by the bulk path while a
+    connections without the token: a sidecar's batch still lands — by the bulk path while a
     pending place is free (the longest-idle connection gives way), by gRPC when the other user
     holds every pending place — and never fails as a lost delivery. (The handshake deadline is
     long here so that the other user's connections stay for the whole test: cutting them off is
@@ -164,7 +164,7 @@ def test_idle_and_unauthenticated_connections_never_keep_a_batch_from_landing(tl
         result, total, slab = decoded_batch(tx_slabs)
 
         def deliver(task_id: int) -> dict:
-            out = Outbound(TOKEN, cfg, job, reader)  # a remote server that has not sent here yet
+            out = Outbound(TOKEN, cfg, job, reader)  # a sidecar that has not sent here yet
             outs.append(out)
             reply = out.send(task_id, result, address)  # raises DeliveryFailed on a lost delivery
             handle = slab_handle(reply.batch.slab)

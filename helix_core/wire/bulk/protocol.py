@@ -1,4 +1,4 @@
-"""The bulk delivery path: a remote DataServer's batch straight into the delivering server's slab.
+"""The bulk delivery path: a sidecar's batch straight into the delivery server's slab.
 
 gRPC Python costs the receiving host CPU for every MB (HTTP/2 framing, one Python bytes object per
 4 MiB chunk, then a copy into the slab) — on a GPU host whose CPU is the scarce thing, that is what

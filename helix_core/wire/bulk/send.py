@@ -1,4 +1,4 @@
-"""The sending side of the bulk path (``protocol.py``: the wire form): a remote DataServer's
+"""The sending side of the bulk path (``protocol.py``: the wire form): a sidecar's
 ``BulkSender``, which keeps a few connections per receiver and sends a batch over one."""
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ _KEEP_PER_PEER = 4  # connections a sender keeps per receiver between batches (m
 
 
 class BulkSender:
-    """The sending side, in a remote DataServer: a few kept connections per receiver."""
+    """The sending side, in a sidecar: a few kept connections per receiver."""
 
     def __init__(self, token: str, config, tls=None):
         self.token, self.config, self.tls = token.encode(), config, tls
