@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 from dataclasses import replace
 from pathlib import Path
 
@@ -30,12 +29,6 @@ __all__ = ["run_bench", "run_one"]
 
 #: capacity probes before the first system runs (their median calibrates the regime)
 CALIBRATION_PROBES = 3
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def bench_dataset(cfg: BenchConfig, progress):
@@ -170,7 +163,7 @@ def run_one(cfg: BenchConfig, console=None, live=None) -> dict:
                 estimate_noise=cfg.estimate_noise,
                 noise_seed=cfg.seed,
             ).helix_spec()
-            ran[system] = run_system(system, cfg, replace(plan, system=system, port=_free_port(), dataset=spec), live)
+            ran[system] = run_system(system, cfg, replace(plan, system=system, dataset=spec), live)
             probes.append(probe())
         bound = Bound(
             decode_s=sum(decode[i] for i in flat),

@@ -59,6 +59,7 @@ class RankPlan:
     window: int = 8  # helix variants with balance="tokens": the planning window
     ray: dict = field(default_factory=dict)  # ray: address, namespace, actor names, mode
     master_addr: str = "127.0.0.1"  # the gloo group's rendezvous (host 0's address on emulated hosts)
+    store_held: bool = False  # the parent holds the group's TCPStore at ``port`` (else rank 0 starts it there)
 
 
 def _dataset(spec: dict):
@@ -130,7 +131,11 @@ def rank_main(rank: int, plan: RankPlan, results, progress) -> None:
         import torch.distributed as dist
 
         torch.set_num_threads(1)
-        dist.init_process_group("gloo", rank=rank, world_size=plan.ranks)
+        if plan.store_held:  # the parent bound the store's port and holds it: no other process can take it
+            store = dist.TCPStore(plan.master_addr, plan.port, plan.ranks, is_master=False)
+            dist.init_process_group("gloo", store=store, rank=rank, world_size=plan.ranks)
+        else:
+            dist.init_process_group("gloo", rank=rank, world_size=plan.ranks)
         ds = _dataset(plan.dataset)
         if plan.system == "native":
             loader, set_epoch = _native_loader(plan, rank, ds)

@@ -33,6 +33,7 @@ def run_system(system: str, cfg: BenchConfig, plan: RankPlan, live) -> tuple[lis
     """Start the system's shared parts, run the rank processes; return (results, measurement):
     CPU snapshots by role and wall times (``time.time()``) at the start and end of the measured steps."""
     import psutil
+    from torch.distributed import TCPStore
 
     from helix_bench.cpuroles import snapshot
     from helix_core.config import ClusterConfig
@@ -42,6 +43,10 @@ def run_system(system: str, cfg: BenchConfig, plan: RankPlan, live) -> tuple[lis
     results, progress = ctx.Queue(), ctx.Queue()
     cluster = pool = None
     procs = []
+    # the ranks' gloo store, bound and held here for the whole run: a port picked free and let go
+    # could be taken by a DataServer starting meanwhile, and the ranks would wait on it for 30 min
+    store = TCPStore(plan.master_addr, 0, plan.ranks, is_master=True, wait_for_workers=False)
+    plan = replace(plan, port=store.port, store_held=True)
     try:
         if system.startswith("helix"):
             if cfg.remote_servers:  # the rd sweep: one server per rank plus the sidecars, the budget spread over all
