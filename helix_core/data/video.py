@@ -47,7 +47,8 @@ class VideoClipDataset(torch.utils.data.Dataset):
     ``"label"`` (-1 when the manifest has none), and for Qwen-VL ``"video_grid_thw"`` — the same
     bytes whichever process decodes it. ``fetch(i)`` also returns the decode measurements. See ``helix_core.data.families`` for ``size`` per family.
 
-    ``profiles``: path of a profile table (default ``profiles.jsonl`` beside the manifest, used
+    ``manifest``: a ``.jsonl``, ``.csv`` or ``.parquet`` file; ``path_key`` / ``caption_key`` /
+    ``label_key`` name its columns. ``profiles``: path of a profile table (default ``profiles.jsonl`` beside the manifest, used
     when it exists; ``False`` to ignore it). ``random_flip``: probability of a horizontal flip;
     ``transform(sample, generator)``: an extra user transform. Both draw from
     ``sample_generator(seed, epoch, index)``; ``set_epoch`` advances the epoch.
@@ -66,6 +67,9 @@ class VideoClipDataset(torch.utils.data.Dataset):
         transform=None,
         max_frame_pixels: int = MAX_FRAME_PIXELS,
         max_frames: int = MAX_FRAMES,
+        path_key: str = "path",
+        caption_key: str = "caption",
+        label_key: str = "label",
     ):
         if not 0.0 <= random_flip <= 1.0:
             raise ValueError(f"random_flip must be a probability in [0, 1], got {random_flip}")
@@ -75,7 +79,7 @@ class VideoClipDataset(torch.utils.data.Dataset):
         self.max_frame_pixels, self.max_frames = max_frame_pixels, max_frames
         self.manifest_path = Path(manifest).absolute()
         self.spec = VideoSpec(model, num_frames, size)
-        self.manifest = Manifest(manifest)
+        self.manifest = Manifest(manifest, path_key=path_key, caption_key=caption_key, label_key=label_key)
         self.seed, self.epoch = int(seed), 0
         if isinstance(transform, str):  # an import path, as a JSON spec carries it
             from helix_core.data.specs import resolve_function
@@ -283,6 +287,7 @@ class VideoClipDataset(torch.utils.data.Dataset):
             )
         kwargs = {
             "manifest": str(self.manifest_path),
+            **{f"{k}_key": v for k, v in self.manifest.keys.items() if k != v},
             "model": self.spec.model,
             "num_frames": self.spec.num_frames,
             "size": list(self.spec.size) if isinstance(self.spec.size, tuple) else self.spec.size,
