@@ -19,9 +19,7 @@ import numpy as np
 
 from helix_core.errors import ManifestError
 
-__all__ = ["FORMATS", "Manifest"]
-
-FORMATS = (".jsonl", ".csv", ".parquet")
+__all__ = ["Manifest"]
 
 
 class Manifest:
