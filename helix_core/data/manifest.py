@@ -6,7 +6,10 @@ them ``path`` / ``caption`` / ``label`` whatever the file calls them.
 
 CSV and Parquet are read columnar (pyarrow) and stay columnar: a million-row manifest is a few
 arrays, not a million dicts; ``records[i]`` and ``paths[i]`` build one row on demand and
-``hint(key)`` is one column as floats. JSON lines keep a dict per line (their values may nest)."""
+``hint(key)`` is one column as floats. JSON lines keep a dict per line (their values may nest).
+
+The manifest itself may be a URL (``s3://bucket/train.parquet``), read once through fsspec with the
+caller's ``storage_options``; its relative paths are then relative to its folder on the store."""
 
 from __future__ import annotations
 
@@ -17,6 +20,8 @@ from pathlib import Path
 
 import numpy as np
 
+from helix_core.data.storage.config import Storage
+from helix_core.data.storage.urls import is_url, join, local_path
 from helix_core.errors import ManifestError
 
 __all__ = ["Manifest"]
@@ -32,12 +37,18 @@ class Manifest:
         path_key: str = "path",
         caption_key: str = "caption",
         label_key: str = "label",
+        storage: Storage | None = None,
     ):
-        self.path = Path(path).absolute()  # clip paths are the same from any working directory
-        self.root = self.path.parent
+        self.storage = storage or Storage.of()
+        if is_url(str(path)):
+            self.path: str | Path = str(path)
+            self.root = str(path).rsplit("/", 1)[0]
+        else:  # clip paths are the same from any working directory
+            self.path = Path(local_path(path))
+            self.root = str(self.path.parent)
         self.keys = {"path": path_key, "caption": caption_key, "label": label_key}
-        suffix = self.path.suffix.lower()  # .csv and .parquet by name; anything else is JSON lines
-        if not self.path.is_file():
+        suffix = os.path.splitext(str(self.path))[1].lower()  # .csv / .parquet by name; else JSON lines
+        if isinstance(self.path, Path) and not self.path.is_file():
             raise FileNotFoundError(f"manifest {self.path}: No such file or directory")
         if suffix not in (".csv", ".parquet"):
             self.records: Sequence[dict] = self._read_jsonl()
@@ -51,9 +62,26 @@ class Manifest:
             raise ManifestError(str(self.path), 1, "manifest has no samples")
 
     # ---- JSON lines --------------------------------------------------------------------------
+    def _open(self):
+        """The manifest file for reading: local, or fetched whole from its URL (a missing object is
+        ``FileNotFoundError`` naming it, any other failure ``ManifestError``)."""
+        if isinstance(self.path, Path):
+            return open(self.path, "rb")
+        import io
+
+        from helix_core.data.storage.reader import StorageError, read_range, stat_size
+
+        try:
+            size = stat_size(self.path, self.storage.options, self.storage.remote)
+            return io.BytesIO(read_range(self.path, 0, size, self.storage.options, self.storage.remote))
+        except StorageError as e:
+            if e.cause.startswith("stat: object not found"):
+                raise FileNotFoundError(f"manifest {self.path}: {e.cause}") from None
+            raise ManifestError(str(self.path), 1, f"cannot read it: {e.cause}") from None
+
     def _read_jsonl(self) -> list[dict]:
         records = []
-        with open(self.path, "rb") as f:
+        with self._open() as f:
             for lineno, raw in enumerate(f, start=1):
                 if raw.strip():
                     records.append(self._parse(raw, lineno))
@@ -90,14 +118,15 @@ class Manifest:
         import pyarrow.compute as pc
 
         try:
-            if suffix == ".csv":
-                from pyarrow import csv
+            with self._open() as f:
+                if suffix == ".csv":
+                    from pyarrow import csv
 
-                table = csv.read_csv(self.path)
-            else:
-                import pyarrow.parquet as pq
+                    table = csv.read_csv(f)
+                else:
+                    import pyarrow.parquet as pq
 
-                table = pq.read_table(self.path)
+                    table = pq.read_table(f)
         except (pa.ArrowInvalid, OSError) as e:  # a broken row names its row (CSV) or the file's fault
             raise ManifestError(str(self.path), 1, f"cannot read it as {suffix[1:]}: {e}") from None
         first = 2 if suffix == ".csv" else 1  # CSV: the header is line 1
@@ -131,7 +160,8 @@ class Manifest:
 
     # ---- shared --------------------------------------------------------------------------------
     def resolve(self, path: str) -> str:
-        return path if os.path.isabs(path) else str(self.root / path)
+        """A row's path: a URL or an absolute path as written, else relative to the manifest's folder."""
+        return join(self.root, path)
 
     def __len__(self) -> int:
         return len(self.records)

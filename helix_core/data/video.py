@@ -20,6 +20,8 @@ from helix_core.data.manifest import Manifest
 from helix_core.data.media.decode import decode_frames, uniform_indices
 from helix_core.data.media.probe import probe
 from helix_core.data.profiles import ProfileTable
+from helix_core.data.storage.config import RemoteConfig, Storage
+from helix_core.data.storage.urls import is_url
 from helix_core.data.text import load_tokenizer
 from helix_core.errors import PICKLING, SampleError, text_of
 
@@ -47,8 +49,12 @@ class VideoClipDataset(torch.utils.data.Dataset):
     ``"label"`` (-1 when the manifest has none), and for Qwen-VL ``"video_grid_thw"`` — the same
     bytes whichever process decodes it. ``fetch(i)`` also returns the decode measurements. See ``helix_core.data.families`` for ``size`` per family.
 
-    ``manifest``: a ``.jsonl``, ``.csv`` or ``.parquet`` file; ``path_key`` / ``caption_key`` /
-    ``label_key`` name its columns. ``profiles``: path of a profile table (default ``profiles.jsonl`` beside the manifest, used
+    ``manifest``: a ``.jsonl``, ``.csv`` or ``.parquet`` file, a local path or a URL (``s3://``,
+    ``gs://``, ``https://``; its clips may be URLs too, or paths relative to its folder);
+    ``path_key`` / ``caption_key`` / ``label_key`` name its columns. ``storage_options``: fsspec's
+    options for the URLs (an ``endpoint_url``, a region; never credentials, which come from the
+    environment); ``remote``: a ``RemoteConfig`` (or its fields as a dict): per-sample timeout,
+    retries, range-read size, local cache. ``profiles``: path of a profile table (default ``profiles.jsonl`` beside the manifest, used
     when it exists; ``False`` to ignore it). ``random_flip``: probability of a horizontal flip;
     ``transform(sample, generator)``: an extra user transform. Both draw from
     ``sample_generator(seed, epoch, index)``; ``set_epoch`` advances the epoch.
@@ -70,6 +76,8 @@ class VideoClipDataset(torch.utils.data.Dataset):
         path_key: str = "path",
         caption_key: str = "caption",
         label_key: str = "label",
+        storage_options: dict | None = None,
+        remote: RemoteConfig | dict | None = None,
     ):
         if not 0.0 <= random_flip <= 1.0:
             raise ValueError(f"random_flip must be a probability in [0, 1], got {random_flip}")
@@ -77,9 +85,12 @@ class VideoClipDataset(torch.utils.data.Dataset):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {v!r}")
         self.max_frame_pixels, self.max_frames = max_frame_pixels, max_frames
-        self.manifest_path = Path(manifest).absolute()
+        self.storage = Storage.of(storage_options, remote)
+        self.manifest_path: str | Path = str(manifest) if is_url(str(manifest)) else Path(manifest).absolute()
         self.spec = VideoSpec(model, num_frames, size)
-        self.manifest = Manifest(manifest, path_key=path_key, caption_key=caption_key, label_key=label_key)
+        self.manifest = Manifest(
+            manifest, path_key=path_key, caption_key=caption_key, label_key=label_key, storage=self.storage
+        )
         self.seed, self.epoch = int(seed), 0
         if isinstance(transform, str):  # an import path, as a JSON spec carries it
             from helix_core.data.specs import resolve_function
@@ -96,9 +107,9 @@ class VideoClipDataset(torch.utils.data.Dataset):
 
     # ---- construction helpers ----------------------------------------------------------------
     def _load_table(self, profiles) -> ProfileTable | None:
-        if profiles is False:
-            return None
-        path = Path(profiles) if profiles not in (None, True) else self.manifest_path.parent / "profiles.jsonl"
+        if profiles is False or (profiles in (None, True) and isinstance(self.manifest_path, str)):
+            return None  # beside a manifest at a URL: only a table named by ``profiles``
+        path = Path(profiles) if profiles not in (None, True) else Path(self.manifest_path).parent / "profiles.jsonl"
         if not path.exists():
             if profiles not in (None, True):
                 raise FileNotFoundError(f"profile table {path} does not exist (make it with `helix profile`)")
@@ -146,6 +157,7 @@ class VideoClipDataset(torch.utils.data.Dataset):
                 index=index,
                 caption_len=len(rec.get("caption", "") or ""),
                 locality=str(rec.get("locality", "local")),
+                **self._source(index),
             )
         return self._probed[index]
 
@@ -245,6 +257,7 @@ class VideoClipDataset(torch.utils.data.Dataset):
             index=index,
             exact_count=d.frames_source == "header",
             out=out,
+            **self._source(index),
         )
         video = torch.from_numpy(r.video)
         rec = self.manifest.records[index]
@@ -258,6 +271,12 @@ class VideoClipDataset(torch.utils.data.Dataset):
             if self.transform is not None:
                 sample = self.transform(sample, gen)
         return sample, r
+
+    def _source(self, index: int) -> dict:
+        """How sample ``index``'s bytes are read, as keyword arguments of ``probe`` /
+        ``decode_frames``: here through ``storage`` (a subclass whose samples are not files can
+        hand over ``data=`` bytes instead)."""
+        return {"storage": self.storage}
 
     def sample_path(self, index: int) -> str:
         """The file of sample ``index`` (for error messages)."""
@@ -297,6 +316,10 @@ class VideoClipDataset(torch.utils.data.Dataset):
             "max_frames": self.max_frames,
             "profiles": str(self._profiles) if isinstance(self._profiles, Path) else self._profiles,
         }
+        if self.storage.options:
+            kwargs["storage_options"] = self.storage.options
+        if self.storage.remote != RemoteConfig():
+            kwargs["remote"] = self.storage.remote.to_dict()
         if self.transform is not None:
             kwargs["transform"] = function_path(self.transform)
             if kwargs["transform"] is None:

@@ -15,6 +15,8 @@ from typing import NamedTuple
 import numpy as np
 
 from helix_core.data.media.probe import open_video
+from helix_core.data.storage.config import Storage
+from helix_core.data.storage.reader import StorageError
 from helix_core.errors import SampleError
 
 __all__ = ["Decoded", "SEEK_STRIDE", "choose_strategy", "decode_frames", "uniform_indices"]
@@ -28,13 +30,17 @@ SEEK_DECODE_FRAMES = 32
 
 class Decoded(NamedTuple):
     """Result of ``decode_frames``: ``video`` uint8 [T, 3, H, W]; ``decode_s`` wall seconds and
-    ``cpu_s`` CPU seconds of this thread; ``frames_decoded``: frames the codec produced."""
+    ``cpu_s`` CPU seconds of this thread; ``frames_decoded``: frames the codec produced;
+    ``read_bytes`` / ``read_s``: bytes fetched from storage and seconds spent waiting for them
+    (a clip read by URL; 0 for a local file, whose reads the page cache serves)."""
 
     video: np.ndarray
     decode_s: float
     cpu_s: float
     strategy: str
     frames_decoded: int
+    read_bytes: int = 0
+    read_s: float = 0.0
 
 
 def uniform_indices(source_frames: int, num_frames: int) -> np.ndarray:
@@ -64,6 +70,8 @@ def decode_frames(
     exact_count: bool = True,
     strategy: str = "auto",
     out: np.ndarray | None = None,
+    storage: Storage | None = None,
+    data: bytes | None = None,
 ) -> Decoded:
     """Decode the frames at ``indices`` (ascending), resize each to ``resize_hw`` = (H, W) in
     swscale, centre-crop to ``crop_hw`` if given, and write uint8 [T, 3, h, w] into ``out``
@@ -71,7 +79,8 @@ def decode_frames(
 
     ``exact_count``: the header's frame count is exact, so asking past what the file holds means
     the file is truncated (``SampleError``); with an estimated count the missing tail repeats the
-    last decoded frame. ``index`` names the sample in errors.
+    last decoded frame. ``index`` names the sample in errors. ``storage``: how a ``path`` that is a
+    URL is read; ``data``: the clip's bytes already in memory (``path`` then only names it).
     """
     import av
 
@@ -93,7 +102,7 @@ def decode_frames(
         raise ValueError(f"strategy={strategy!r}; valid: auto, sequential, seek")
 
     t0, c0 = time.perf_counter(), time.thread_time()
-    container, stream = open_video(path, index)
+    container, stream, _, reader = open_video(path, index, storage, data=data)
     stream.codec_context.thread_count = 1
     stream.thread_type = "SLICE"
 
@@ -108,6 +117,8 @@ def decode_frames(
             filled, decoded = _seek(container, stream, idx, put)
     except av.error.FFmpegError as e:
         raise SampleError(index, path, f"decode failed: {e}") from None
+    except StorageError as e:
+        raise SampleError(index, path, e.cause) from None
     finally:
         container.close()
     if filled == 0:
@@ -120,7 +131,8 @@ def decode_frames(
                 f"truncated: frame {int(idx[filled])} requested but the stream ended after {decoded} decodable frames",
             )
         out[filled:] = out[filled - 1]
-    return Decoded(out, time.perf_counter() - t0, time.thread_time() - c0, strategy, decoded)
+    fetched, waited = (reader.fetched_bytes, reader.wait_s) if reader is not None else (0, 0.0)
+    return Decoded(out, time.perf_counter() - t0, time.thread_time() - c0, strategy, decoded, fetched, waited)
 
 
 def _sequential(container, stream, idx: np.ndarray, put) -> tuple[int, int]:

@@ -8,45 +8,84 @@ stream has neither), and the descriptor says which was used. A raw stream's rate
 
 from __future__ import annotations
 
+import io
 import os
+from typing import Any, NamedTuple
 
 from helix_core.data.descriptors import SampleDescriptor
+from helix_core.data.storage.config import Storage
+from helix_core.data.storage.reader import RangeFile, StorageError
+from helix_core.data.storage.urls import is_url, local_path
 from helix_core.errors import SampleError
 
-__all__ = ["open_video", "probe"]
+__all__ = ["Opened", "open_video", "probe"]
 
 
-def open_video(path: str, index: int):
-    """Open ``path`` with PyAV and return ``(container, video_stream)``, or raise ``SampleError``.
+class Opened(NamedTuple):
+    """An open clip: the PyAV ``container`` and its first ``stream`` of video; ``size`` in bytes;
+    ``reader``: the ``RangeFile`` it is read through when it lives at a URL (what it fetched)."""
+
+    container: Any
+    stream: Any
+    size: int
+    reader: RangeFile | None
+
+
+def open_video(path: str, index: int, storage: Storage | None = None, *, data: bytes | None = None) -> Opened:
+    """Open the clip at ``path`` (a local path or a URL read by range reads through ``storage``;
+    ``data``: the clip's bytes already in memory, ``path`` then only names it) with PyAV, or raise
+    ``SampleError`` naming ``index`` and ``path``.
 
     Checks existence and size first so the common bad inputs get a plain cause.
     """
     import av
 
-    try:
-        size = os.stat(path).st_size
-    except FileNotFoundError:
-        raise SampleError(index, path, "file not found") from None
-    except OSError as e:
-        raise SampleError(index, path, f"cannot stat file: {e.strerror or e}") from None
-    if not os.path.isfile(path):
-        raise SampleError(index, path, "not a regular file")
+    reader = None
+    if data is not None:
+        source: Any = io.BytesIO(data)
+        size = len(data)
+    elif is_url(path):
+        storage = storage or Storage.of()
+        try:
+            reader = RangeFile(path, storage.options, storage.remote)
+        except StorageError as e:
+            raise SampleError(index, path, e.cause) from None
+        source, size = reader, reader.size
+    else:
+        source = path = local_path(path) if path.startswith("file://") else path
+        try:
+            size = os.stat(path).st_size
+        except FileNotFoundError:
+            raise SampleError(index, path, "file not found") from None
+        except OSError as e:
+            raise SampleError(index, path, f"cannot stat file: {e.strerror or e}") from None
+        if not os.path.isfile(path):
+            raise SampleError(index, path, "not a regular file")
     if size == 0:
         raise SampleError(index, path, "empty file (0 bytes)")
     try:
-        container = av.open(path, mode="r", timeout=10.0)
+        container = av.open(source, mode="r", timeout=10.0)
     except av.error.FFmpegError as e:
         raise SampleError(index, path, f"not a readable video container: {e}") from None
+    except StorageError as e:
+        raise SampleError(index, path, e.cause) from None
     except OSError as e:
         raise SampleError(index, path, f"cannot open: {e}") from None
     if not container.streams.video:
         container.close()
         raise SampleError(index, path, "no video stream in container")
-    return container, container.streams.video[0]
+    return Opened(container, container.streams.video[0], size, reader)
 
 
 def probe(
-    path: str | os.PathLike, index: int = 0, caption_len: int = 0, locality: str = "local", count_packets: bool = True
+    path: str | os.PathLike,
+    index: int = 0,
+    caption_len: int = 0,
+    locality: str = "local",
+    count_packets: bool = True,
+    *,
+    storage: Storage | None = None,
+    data: bytes | None = None,
 ) -> SampleDescriptor:
     """Read ``path``'s container metadata into a ``SampleDescriptor`` (no frame is decoded).
 
@@ -54,7 +93,7 @@ def probe(
     count nor a duration. Raises ``SampleError`` naming ``index`` and ``path`` on bad input.
     """
     path = os.fspath(path)
-    container, stream = open_video(path, index)
+    container, stream, size, _ = open_video(path, index, storage, data=data)
     try:
         ctx = stream.codec_context
         width, height = int(ctx.width or 0), int(ctx.height or 0)
@@ -83,7 +122,7 @@ def probe(
         return SampleDescriptor(
             index=int(index),
             path=path,
-            bytes=os.path.getsize(path),
+            bytes=size,
             duration_s=duration_s,
             fps=fps,
             frames=frames,
@@ -95,6 +134,8 @@ def probe(
             frames_source=frames_source,
             duration_source=duration_source,
         )
+    except StorageError as e:
+        raise SampleError(index, path, e.cause) from None
     finally:
         container.close()
 

@@ -1,0 +1,79 @@
+"""A local cache of fetched blocks, shared by the processes of a host and bounded in bytes.
+
+A block is a file ``<cache_dir>/<object>/<block>`` (the object keyed by URL and size, so a
+replaced object of another size is not served stale), written to a temporary name and renamed,
+so a reader never sees half a block. When this process has written an eighth of the bound since
+it last looked, it sums the folder and removes the least recently used blocks beyond the bound."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+
+from helix_core.data.storage.config import RemoteConfig
+
+__all__ = ["BlockCache"]
+
+_written_since_scan: dict[str, int] = {}
+
+
+class BlockCache:
+    def __init__(self, root: str, bound: int, url: str, size: int):
+        self.root, self.bound = root, bound
+        key = hashlib.sha256(f"{url}\0{size}".encode()).hexdigest()[:32]
+        self.folder = os.path.join(root, key)
+
+    @classmethod
+    def of(cls, remote: RemoteConfig, url: str, size: int) -> BlockCache | None:
+        if not remote.cache_bytes or not remote.cache_dir:
+            return None
+        return cls(remote.cache_dir, remote.cache_bytes, url, size)
+
+    def get(self, block: int) -> bytes | None:
+        path = os.path.join(self.folder, str(block))
+        try:
+            with open(path, "rb") as f:
+                data = f.read()
+            os.utime(path)  # recently used
+            return data
+        except OSError:
+            return None
+
+    def put(self, block: int, data: bytes) -> None:
+        try:
+            os.makedirs(self.folder, mode=0o700, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=self.folder, prefix=".tmp-")
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            os.replace(tmp, os.path.join(self.folder, str(block)))
+        except OSError:
+            return  # a full or read-only disk only costs the cache
+        n = _written_since_scan.get(self.root, 0) + len(data)
+        if n * 8 >= self.bound:
+            n = 0
+            self.trim()
+        _written_since_scan[self.root] = n
+
+    def trim(self) -> None:
+        """Remove least recently used blocks until the folder holds at most ``bound`` bytes."""
+        files = []
+        for dirpath, _dirs, names in os.walk(self.root):
+            for name in names:
+                if name.startswith(".tmp-"):
+                    continue
+                p = os.path.join(dirpath, name)
+                try:
+                    st = os.stat(p)
+                except OSError:
+                    continue
+                files.append((st.st_mtime, st.st_size, p))
+        total = sum(s for _, s, _ in files)
+        for _, s, p in sorted(files):
+            if total <= self.bound:
+                break
+            try:
+                os.unlink(p)
+                total -= s
+            except OSError:
+                pass
