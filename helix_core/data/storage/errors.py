@@ -25,6 +25,9 @@ def _status(e: BaseException) -> int | None:
 
 def is_transient(e: BaseException) -> bool:
     """True for an error a later try may not meet (server busy, network flake, timeout)."""
+    cause = e.__cause__
+    if isinstance(e, FileNotFoundError) and cause is not None and cause is not e:
+        return is_transient(cause)  # fsspec's HTTP info says "not found" for a 503 it met
     if isinstance(e, (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)):
         return False
     if isinstance(e, (TimeoutError, ConnectionError)):
@@ -56,6 +59,8 @@ def is_transient(e: BaseException) -> bool:
 def describe(e: BaseException) -> str:
     """A short cause for an error message (no credentials: fsspec's errors carry none)."""
     if isinstance(e, FileNotFoundError):
+        if e.__cause__ is not None and _status(e.__cause__) not in (None, 404):
+            return describe(e.__cause__)
         return "object not found (404 or no such key)"
     if isinstance(e, PermissionError):
         return f"access refused (403: check the credentials in the environment): {e}"
