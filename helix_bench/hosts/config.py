@@ -33,6 +33,13 @@ class HostBenchConfig:
     seed: int = 0
     estimate_noise: float = 0.0  # > 0: the costs the loaders plan with are off by a seeded log-normal factor
     data_dir: str = str(Path.home() / ".cache" / "helix" / "bench-data")
+    # None: the GPU window matches the decode capacity of the hosts plus the most sidecars;
+    # "gpu-bound" / "cpu-bound": the main bench's regimes (the window that factor of it)
+    regime: str | None = None
+    # "s3" / "http": the workload is read from a server on an emulated storage host behind a
+    # ``storage_mbps`` link (native: each rank's workers read it; helix: the DataServers)
+    storage: str | None = None
+    storage_mbps: float | None = 200.0
 
     def __post_init__(self):
         if self.hosts < 1 or self.ranks_per_host < 1 or self.repeats < 1:
@@ -52,6 +59,14 @@ class HostBenchConfig:
             )
         if not 0.0 <= self.estimate_noise < 10.0:
             raise ValueError(f"--estimate-noise {self.estimate_noise!r}: a log-normal sigma in [0, 10)")
+        from helix_bench.emulate import REGIMES
+
+        if self.regime is not None and self.regime not in REGIMES:
+            raise ValueError(f"--regime {self.regime!r}: with --hosts one of {', '.join(REGIMES)}")
+        if self.storage not in (None, "s3", "http"):
+            raise ValueError(f"--storage {self.storage!r}: s3 or http")
+        if self.storage_mbps is not None and not self.storage_mbps > 0:
+            raise ValueError(f"--storage-mbps must be > 0, got {self.storage_mbps}")
         bad = [s for s in self.systems if s not in SYSTEMS]
         if bad:
             raise ValueError(f"--systems {bad}: the hosts mode runs {', '.join(SYSTEMS)}")

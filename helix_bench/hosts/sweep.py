@@ -42,7 +42,7 @@ def run_hosts_bench(cfg: HostBenchConfig, out_dir, console=None) -> dict:
     import numpy as np
 
     from helix_bench.benchconfig import BenchConfig
-    from helix_bench.emulate import measure_decode, window_scale
+    from helix_bench.emulate import REGIMES, measure_decode, window_scale
     from helix_bench.harness import bench_dataset, expected_indices, measured_gpu_s, steps_per_epoch
     from helix_bench.hosts.point import run_point
     from helix_bench.hosts.report import write_report
@@ -88,8 +88,9 @@ def run_hosts_bench(cfg: HostBenchConfig, out_dir, console=None) -> dict:
     tokens = {i: ds.estimate_cost(i).tokens for i in decode}
     cost = GPU_COSTS[cfg.model]
     cpus_max = cfg.hosts * cfg.host_cpus + max(cfg.sidecars) * cfg.sidecar_cpus
+    factor = REGIMES[cfg.regime] if cfg.regime else 1.0
     scale = window_scale(
-        1.0, [decode[i] for i in flat], [tokens[i] for i in flat], cfg.batch_size, cfg.ranks, cpus_max, cost
+        factor, [decode[i] for i in flat], [tokens[i] for i in flat], cfg.batch_size, cfg.ranks, cpus_max, cost
     )
     decode_s, gpu_s = sum(decode[i] for i in flat), measured_gpu_s(expected, tokens, cost, scale)
     plan = RankPlan(
@@ -109,10 +110,18 @@ def run_hosts_bench(cfg: HostBenchConfig, out_dir, console=None) -> dict:
     )
     names = [f"h{h}" for h in range(cfg.hosts)] + [f"s{s}" for s in range(max(cfg.sidecars))]
     cpus = {n: (cfg.host_cpus if n.startswith("h") else cfg.sidecar_cpus) for n in names}
+    links = {n: cfg.link_mbps for n in names} if cfg.link_mbps else {}
+    storage_s = 0.0
+    if cfg.storage:  # a storage host without a CPU quota (its server must not be what limits), behind its link
+        names.append("store")
+        if cfg.storage_mbps:
+            links["store"] = cfg.storage_mbps
+            sizes = {i: ds.descriptor(i).bytes for i in set(flat)}
+            storage_s = sum(sizes[i] for i in flat) * 8 / (cfg.storage_mbps * 1e6)
     points = []
     with (
         tempfile.TemporaryDirectory(prefix="helix-hosts-") as tmp,
-        EmulatedHosts(names, cpus=cpus, link_mbps=cfg.link_mbps) as hosts,
+        EmulatedHosts(names, cpus=cpus, link_mbps=links or None) as hosts,
     ):
         certs = write_certificates(os.path.join(tmp, "certs"), [hosts.address(n) for n in names])
         env = _env(
@@ -124,6 +133,11 @@ def run_hosts_bench(cfg: HostBenchConfig, out_dir, console=None) -> dict:
             }
         )  # the services and ranks get it by their environment
         plan = replace(plan, master_addr=hosts.address("h0"))
+        if cfg.storage:
+            spec, storage_env = _start_storage(hosts, cfg, ds)
+            plan = replace(plan, dataset=spec)
+            env.update(storage_env)
+            say(f"  storage: {spec['kwargs']['manifest']} on host store ({cfg.storage_mbps:g} Mbit/s)")
         runs = [("native", 0)] if "native" in cfg.systems else []
         runs += [(s, k) for k in cfg.sidecars for s in SYSTEMS[1:] if s in cfg.systems]  # A/B pairs per count
         decode_rounds = [decode_s]
@@ -168,7 +182,7 @@ def run_hosts_bench(cfg: HostBenchConfig, out_dir, console=None) -> dict:
             crossed = got["cross_ds_bytes"] + int(got.get("tier2", {}).get("crossed_bytes", 0))
             busiest = max(crossed / cfg.hosts, got["cross_ds_bytes"] / k if k else 0.0)
             link_s = busiest * 8 / (cfg.link_mbps * 1e6) if cfg.link_mbps else 0.0
-            bound_sps = len(flat) / max(bound.time_s, link_s)
+            bound_sps = len(flat) / max(bound.time_s, link_s, storage_s)
             points.append(
                 {
                     "system": system,
@@ -180,7 +194,7 @@ def run_hosts_bench(cfg: HostBenchConfig, out_dir, console=None) -> dict:
                     "cpu_bound_sps": cpus_used * len(flat) / decode_s,  # one yardstick decoder per CPU
                     "bound_sps": bound_sps,
                     "bound_fraction": samples / wall / bound_sps,
-                    "limited_by": bound.limited_by,
+                    "limited_by": "storage" if storage_s > max(bound.time_s, link_s) else bound.limited_by,
                     "cross_ds_bytes": got["cross_ds_bytes"],
                     "link_utilisation": (crossed * 8 / wall / (cfg.link_mbps * 1e6) if cfg.link_mbps else None),
                     "input_wait_mean_s": float(np.mean([r["input_wait_s"] for r in got["records"]])),
@@ -218,6 +232,52 @@ def run_hosts_bench(cfg: HostBenchConfig, out_dir, console=None) -> dict:
     }
     write_report(result, Path(out_dir))
     return result
+
+
+def _start_storage(hosts, cfg: HostBenchConfig, ds) -> tuple[dict, dict]:
+    """Serve the workload's folder from host ``store`` (``helix_core.testing.objectstore``); return
+    the dataset's spec reading it by URL and the environment the readers need (moto's credentials)."""
+    import subprocess
+    import sys
+
+    from helix_core.testing.objectstore import S3_TEST_ENV
+
+    root = Path(ds.manifest_path).parent
+    addr = hosts.address("store")
+    env = dict(S3_TEST_ENV) if cfg.storage == "s3" else {}
+    proc = hosts.popen(
+        "store",
+        [
+            sys.executable,
+            "-m",
+            "helix_core.testing.objectstore",
+            cfg.storage,
+            "--root",
+            str(root),
+            "--host",
+            addr,
+            "--port",
+            "9000",
+            "--bucket",
+            "bench",
+        ],
+        env={**os.environ, **env},
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    line = proc.stdout.readline().split()
+    if not line or line[0] != "ready":
+        raise RuntimeError(f"helix bench --hosts --storage {cfg.storage}: the storage server did not start")
+    endpoint = line[1]
+    if cfg.storage == "s3":
+        url, options = "s3://bench/manifest.jsonl", {"endpoint_url": endpoint}
+    else:
+        url, options = f"{endpoint}/manifest.jsonl", None
+    # the spec is written here, not built (this process cannot reach the storage host's address)
+    kwargs = {**ds.helix_spec()["kwargs"], "manifest": url, "profiles": False}
+    if options:
+        kwargs["storage_options"] = options
+    return {"target": ds.helix_spec()["target"], "kwargs": kwargs}, env
 
 
 def _medians(runs: list[dict]) -> list[dict]:

@@ -161,6 +161,9 @@ def _cmd_bench(a, console) -> int:
             seed=a.seed,
             estimate_noise=a.estimate_noise,
             data_dir=a.data or str(cache_dir() / "bench-data"),
+            regime=a.regime,
+            storage=a.storage,
+            storage_mbps=a.storage_mbps,
         )
         run_hosts_bench(cfg, a.out, console=console)
         return 0
@@ -194,7 +197,7 @@ def _cmd_bench(a, console) -> int:
             data_dir=a.data or str(cache_dir() / "bench-data"),
         )
         for w in _split(a.workload)
-        for r in _split(a.regime)
+        for r in _split(a.regime or "gpu-bound")
         for b in _split(a.batch_size, int)
         for rd in _split(a.remote_servers, int)
     ]
@@ -246,6 +249,21 @@ def _cmd_microbench(a, console) -> int:
     from helix_bench.micro.media import run_microbench
 
     run_microbench(a.out, clips=a.clips, rows=a.rows, console=console)
+    return 0
+
+
+def _cmd_storagebench(a, console) -> int:
+    _need_bench()
+    from helix_bench.micro.storage import run_storage_bench
+
+    run_storage_bench(
+        a.out,
+        seconds=a.seconds,
+        long_seconds=a.long_seconds,
+        blocks_kib=tuple(_split(a.blocks_kib, int)),
+        model=a.model,
+        console=console,
+    )
     return 0
 
 
@@ -301,7 +319,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--window", type=int, default=8, help="Tier-1 planning window (global steps) of balanced systems")
     s.add_argument("--warmup", type=int, default=20)
     s.add_argument("--steps", type=int, default=100)
-    s.add_argument("--regime", default="gpu-bound", help="gpu-bound, cpu-bound, or both comma-separated")
+    s.add_argument(
+        "--regime",
+        default=None,
+        help="gpu-bound (default), cpu-bound, or both comma-separated; with --hosts: one regime (default: the "
+        "GPU window matches the CPU of the hosts and the most sidecars)",
+    )
     s.add_argument("--window-scale", type=float, default=None, help="seconds per GPU cost unit (overrides --regime)")
     s.add_argument(
         "--compute",
@@ -358,6 +381,15 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--sidecars", default="0,1,2", help="comma-separated sidecar counts (the sweep)")
     s.add_argument("--sidecar-cpus", type=float, default=0.5, help="each sidecar host's CPU quota (cores)")
     s.add_argument("--link-mbps", type=float, default=None, help="each emulated host's link rate (tc tbf)")
+    s.add_argument(
+        "--storage",
+        choices=("s3", "http"),
+        default=None,
+        help="with --hosts: the workload is read from an S3 (moto) or HTTP server on an emulated storage host",
+    )
+    s.add_argument(
+        "--storage-mbps", type=float, default=200.0, help="with --storage: the storage host's link rate (tc tbf)"
+    )
     s.add_argument("--repeats", type=int, default=1, help="with --hosts: interleaved rounds of the sweep (medians)")
     s.set_defaults(fn=_cmd_bench)
     s = sub.add_parser(
@@ -399,6 +431,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--clips", type=int, default=6, help="clips per kinetics profile")
     s.add_argument("--rows", type=int, default=1_000_000, help="rows of the synthetic profile table")
     s.set_defaults(fn=_cmd_microbench)
+    s = sub.add_parser("storagebench", help="bytes a sampled decode fetches from S3 by range reads, per clip profile")
+    s.add_argument("--out", default=str(cache_dir() / "storagebench"), help="folder for the clips and the results")
+    s.add_argument("--seconds", type=float, default=10.0, help="length of the usual clips")
+    s.add_argument("--long-seconds", type=float, default=60.0, help="length of the long clips")
+    s.add_argument("--blocks-kib", default="64,256,1024", help="range-read sizes to compare, KiB")
+    s.add_argument("--model", default="videomae", help="the model family whose sampling is decoded")
+    s.set_defaults(fn=_cmd_storagebench)
     return p
 
 

@@ -206,3 +206,39 @@ class RangeHTTPServer:
                         server.served[path] += len(data)
 
         return Handler
+
+
+def _serve(argv: list[str] | None = None) -> None:
+    """``python -m helix_core.testing.objectstore s3|http --root DIR [--host A] [--port P]
+    [--bucket B]``: serve ``DIR`` (uploaded into bucket ``B`` for s3) until SIGTERM; prints
+    ``ready <endpoint>`` once it answers (what ``helix bench --hosts --storage`` runs on its
+    storage host)."""
+    import argparse
+    import signal
+    import sys
+
+    p = argparse.ArgumentParser(prog="python -m helix_core.testing.objectstore")
+    p.add_argument("kind", choices=("s3", "http"))
+    p.add_argument("--root", required=True)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=0)
+    p.add_argument("--bucket", default="bench")
+    a = p.parse_args(argv)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    if a.kind == "s3":
+        os.environ.update(S3_TEST_ENV)
+        server: S3Server | RangeHTTPServer = S3Server(a.host, a.port)
+    else:
+        server = RangeHTTPServer(a.root, a.host, a.port)
+    with server:
+        if isinstance(server, S3Server):
+            server.put_tree(a.root, a.bucket)
+        print(f"ready {server.endpoint}", flush=True)
+        stop.wait()
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    _serve()

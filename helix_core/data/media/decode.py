@@ -147,25 +147,70 @@ def _sequential(container, stream, idx: np.ndarray, put) -> tuple[int, int]:
     return slot, n
 
 
-def _presentation_pts(container, stream) -> list[int]:
+class _Inexact(Exception):
+    """A decoded frame's timestamp is not where the index-derived list put it."""
+
+
+def _index_pts(container, stream) -> list[int] | None:
+    """Every frame's presentation timestamp from the container's index, without reading a packet's
+    payload (what lets a clip read by range reads seek without fetching all of it): when the index
+    lists every frame (MP4 does) at an even step (constant frame rate), presentation timestamps
+    are that step apart from the first GOP's earliest one. None when the index can't tell (no
+    index, keyframes only, a variable rate): then the packets are demuxed (``_demuxed_pts``)."""
+    entries = stream.index_entries
+    n = len(entries)
+    if n < 2 or n != (stream.frames or 0):
+        return None
+    dts = np.sort(np.fromiter((e.timestamp for e in entries), dtype=np.int64, count=n))
+    step = np.diff(dts)
+    if step[0] <= 0 or (step != step[0]).any():
+        return None
+    first = []
+    for packet in container.demux(stream):  # the first GOP's head: its earliest pts is the first frame's
+        if packet.pts is not None and packet.size:
+            first.append(packet.pts)
+        if len(first) >= 16:
+            break
+    if not first:
+        container.seek(0, stream=stream, backward=True, any_frame=True)
+        return None
+    start = min(first)
+    return [start + int(step[0]) * k for k in range(n)]
+
+
+def _demuxed_pts(container, stream, rewind: bool) -> list[int]:
     """Every frame's timestamp in presentation order, from the packets alone (demuxing reads no
     pixels: a small fraction of decoding). Frame n of sequential decoding is the one at the n-th
-    timestamp, on a constant frame rate or a variable one."""
+    timestamp, on a constant frame rate or a variable one. ``rewind``: packets were read already."""
+    if rewind:
+        container.seek(0, stream=stream, backward=True, any_frame=True)
     pts = sorted(p.pts for p in container.demux(stream) if p.pts is not None and p.size)
     return pts
 
 
 def _seek(container, stream, idx: np.ndarray, put) -> tuple[int, int]:
     """Seek to the keyframe before each chosen frame and decode up to it. Frames are found by
-    timestamp (``_presentation_pts``), never by ``pts x average rate``, which lands on the wrong
-    frames of a variable-frame-rate clip."""
-    import bisect
-
+    timestamp, never by ``pts x average rate``, which lands on the wrong frames of a
+    variable-frame-rate clip: from the index where it lists every frame at an even step (each
+    decoded frame is checked against it; a mismatch starts over from the demuxed timestamps),
+    else from the demuxed packets."""
     if stream.time_base is None:  # no timing to seek by: fall back
         return _sequential(container, stream, idx, put)
-    pts = _presentation_pts(container, stream)
+    pts = _index_pts(container, stream)
+    if pts is not None:
+        try:
+            return _seek_with(container, stream, idx, put, pts, strict=True)
+        except _Inexact:
+            pass
+    pts = _demuxed_pts(container, stream, rewind=pts is not None)
     if not pts:
         return _sequential(container, stream, idx, put)
+    return _seek_with(container, stream, idx, put, pts, strict=False)
+
+
+def _seek_with(container, stream, idx: np.ndarray, put, pts: list[int], strict: bool) -> tuple[int, int]:
+    import bisect
+
     slot, decoded = 0, 0
     while slot < len(idx):
         target = int(idx[slot])
@@ -176,13 +221,19 @@ def _seek(container, stream, idx: np.ndarray, put) -> tuple[int, int]:
         for frame in container.decode(stream):
             decoded += 1
             if frame.pts is None:
+                if strict:
+                    raise _Inexact
                 continue
             n = bisect.bisect_left(pts, frame.pts)  # this frame's number in presentation order
+            if strict and (n >= len(pts) or pts[n] != frame.pts):
+                raise _Inexact
             while slot < len(idx) and idx[slot] <= n:
                 put(slot, frame)
                 slot += 1
             if slot >= len(idx) or (slot > before and idx[slot] - n > SEEK_STRIDE):
                 break
         if slot == before:
+            if strict:
+                raise _Inexact  # the stream ended before a frame the index promised
             break  # the stream ended before the target
     return slot, decoded

@@ -79,7 +79,7 @@ class RemoteConfig:
     timeout_s: float = 60.0
     retries: int = 3
     backoff_s: float = 0.25
-    block_bytes: int = 1 << 20
+    block_bytes: int = 256 << 10
     max_blocks: int = 32
     cache_dir: str | None = None
     cache_bytes: int = 0
