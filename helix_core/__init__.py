@@ -41,6 +41,7 @@ _EXPORTS = {
     "decode_frames": "data.media.decode",
     "pad_collate": "data.collate",
     "probe": "data.media.probe",
+    "RemoteConfig": "data.storage.config",
     "GpuCost": "planning.gpu",
     "Rebalance": "tier2.rebalance",
     "GateArgs": "tier2.rebalance",

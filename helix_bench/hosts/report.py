@@ -100,6 +100,16 @@ def write_report(result: dict, out: Path) -> None:
         f"- decode {', '.join(f'{d:.2f}' for d in result.get('decode_s_rounds', [result['decode_s']]))} CPU-s of the "
         f"measured samples (the yardstick, measured again before each round); token-balanced GPU "
         f"{result['gpu_s']:.2f} s",
+        *(
+            [
+                f"- data read from {c['storage']} on an emulated storage host behind a {c['storage_mbps']:g} Mbit/s "
+                f"link (native: each rank's DataLoader workers read it; helix: the DataServers); the bound counts "
+                f"that link: {result.get('storage_s', 0.0):.2f} s for the measured samples' bytes"
+                + (f"; the GPU window is the {c['regime']} regime's" if c.get("regime") else "")
+            ]
+            if c.get("storage")
+            else ([f"- the GPU window is the {c['regime']} regime's"] if c.get("regime") else [])
+        ),
         f"- {c['repeats']} interleaved round(s): each point is its median round; vs native is the median "
         "ratio to the same round's native; the range is every round's throughput",
         "- GPU hosts' DataServers: their processes' CPU-s over the whole point (serving their ranks and "

@@ -227,6 +227,7 @@ def run_hosts_bench(cfg: HostBenchConfig, out_dir, console=None) -> dict:
         "decode_s": decode_rounds[0],
         "decode_s_rounds": decode_rounds,
         "gpu_s": gpu_s,
+        "storage_s": storage_s,
         "runs": points,
         "points": _medians(points),
     }

@@ -435,7 +435,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--out", default=str(cache_dir() / "storagebench"), help="folder for the clips and the results")
     s.add_argument("--seconds", type=float, default=10.0, help="length of the usual clips")
     s.add_argument("--long-seconds", type=float, default=60.0, help="length of the long clips")
-    s.add_argument("--blocks-kib", default="64,256,1024", help="range-read sizes to compare, KiB")
+    s.add_argument("--blocks-kib", default="32,64,256", help="range-read sizes to compare, KiB")
     s.add_argument("--model", default="videomae", help="the model family whose sampling is decoded")
     s.set_defaults(fn=_cmd_storagebench)
     return p

@@ -70,17 +70,18 @@ class RemoteConfig:
 
     ``timeout_s``: the most one sample's reads may take together, retries included (then a
     ``SampleError``); ``retries``: further tries of a read that failed transiently (a 5xx, a timeout,
-    a reset connection), waiting ``backoff_s``, then twice that, ...; ``block_bytes``: the size of
-    one range read (what a read-ahead fetches beyond what the decoder asked); ``max_blocks``: blocks
-    of one open object kept in memory; ``cache_dir`` / ``cache_bytes``: a local cache of fetched
+    a reset connection), waiting ``backoff_s``, then twice that, ...; ``block_bytes``: the unit of a
+    range read (a read after a seek fetches the blocks it touches; reads that go on sequentially
+    fetch twice as many blocks per request each time, up to ``max_blocks // 2``); ``max_blocks``:
+    blocks of one open object kept in memory; ``cache_dir`` / ``cache_bytes``: a local cache of fetched
     blocks shared by the processes of a host, bounded in bytes (off when ``cache_bytes`` is 0).
     """
 
     timeout_s: float = 60.0
     retries: int = 3
     backoff_s: float = 0.25
-    block_bytes: int = 256 << 10
-    max_blocks: int = 32
+    block_bytes: int = 32 << 10
+    max_blocks: int = 64
     cache_dir: str | None = None
     cache_bytes: int = 0
 

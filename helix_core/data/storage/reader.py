@@ -1,5 +1,8 @@
-"""A remote object as a seekable file: PyAV reads it through range reads of ``block_bytes``, so a
-sampled decode fetches the container's header and the packets it decodes, not the whole object.
+"""A remote object as a seekable file: PyAV reads it through range reads of whole ``block_bytes``
+blocks, so a sampled decode fetches the container's header and the packets it decodes, not the
+whole object. After a few requests in a row that each start where the last ended, each request
+fetches twice as many blocks as the last, up to ``max_blocks // 2`` (a sequential decode makes few
+large requests; the reads after a seek, small ones).
 
 Every range read is retried on transient errors with a doubling backoff, all within the sample's
 ``timeout_s``; what was fetched is counted (bytes, requests, seconds waited) for the cost model and
@@ -122,6 +125,9 @@ class RangeFile(io.RawIOBase):
         self.wait_s += time.perf_counter() - t0
         self._pos = 0
         self._blocks: OrderedDict[int, bytes] = OrderedDict()
+        self._next, self._ahead = -1, 1  # the block after the last request; blocks the next one fetches
+        self._jumped = False  # a seek moved the position since the last request
+        self._run = 0  # requests in a row, each starting where the last ended
         self._cache = BlockCache.of(self.remote, url, self.size)
 
     # io.RawIOBase
@@ -139,6 +145,7 @@ class RangeFile(io.RawIOBase):
         pos = base + int(offset)
         if pos < 0:
             raise OSError(f"{self.url}: seek to {pos}")
+        self._jumped |= pos != self._pos
         self._pos = pos
         return pos
 
@@ -164,23 +171,40 @@ class RangeFile(io.RawIOBase):
         if block is not None:
             self._blocks.move_to_end(b)
             return block
-        start = b * self.remote.block_bytes
-        end = min(start + self.remote.block_bytes, self.size)
         block = self._cache.get(b) if self._cache is not None else None
-        if block is None:
-            t0 = time.perf_counter()
-            block = self._deadline.call("read", self._fs.cat_file, self.url, start=start, end=end)
-            self.wait_s += time.perf_counter() - t0
-            self.requests += 1
-            self.fetched_bytes += len(block)
-            if len(block) != end - start:
-                raise StorageError(self.url, f"truncated: bytes {start}-{end} of {self.size} gave {len(block)}")
+        if block is not None:
+            self._keep(b, block)
+            return block
+        bs = self.remote.block_bytes
+        last = -(-self.size // bs)  # blocks in the object
+        self._run = self._run + 1 if b == self._next and not self._jumped else 0
+        self._jumped = False
+        # a few reads after a seek fetch what they touch (a keyframe and its GOP); a longer run is a
+        # sequential read: 2, 4, 8, ... blocks per request
+        self._ahead = min(1 << max(self._run - 2, 0), max(1, self.remote.max_blocks // 2))
+        n = 1
+        while n < self._ahead and b + n < last and b + n not in self._blocks:
+            n += 1
+        start, end = b * bs, min((b + n) * bs, self.size)
+        t0 = time.perf_counter()
+        data = self._deadline.call("read", self._fs.cat_file, self.url, start=start, end=end)
+        self.wait_s += time.perf_counter() - t0
+        self.requests += 1
+        self.fetched_bytes += len(data)
+        if len(data) != end - start:
+            raise StorageError(self.url, f"truncated: bytes {start}-{end} of {self.size} gave {len(data)}")
+        self._next = b + n
+        for k in range(n):
+            piece = data[k * bs : (k + 1) * bs]
             if self._cache is not None:
-                self._cache.put(b, block)
+                self._cache.put(b + k, piece)
+            self._keep(b + k, piece)
+        return data[:bs]
+
+    def _keep(self, b: int, block: bytes) -> None:
         self._blocks[b] = block
-        if len(self._blocks) > self.remote.max_blocks:
+        while len(self._blocks) > self.remote.max_blocks:
             self._blocks.popitem(last=False)
-        return block
 
 
 def open_range(url: str, options: dict | None = None, remote: RemoteConfig | None = None, *, size=None) -> RangeFile:
