@@ -158,9 +158,10 @@ def test_the_index_is_built_once_then_read_and_a_changed_shard_rescanned(packed)
         f.write(bytes(10240))  # more end-of-archive padding: another size, the same samples
     third = hx.WebDatasetClips(pattern)
     assert [os.path.basename(u) for u in third.index.scanned] == ["train-000001.tar"] and len(third) == 6
-    doc = json.loads(index.read_text())
-    assert [s["name"] for s in doc["shards"]] == ["train-000000.tar", "train-000001.tar"]  # relative: movable
-    assert doc["shards"][0]["rows"]["text"][0]["json"]["caption"] == first.manifest.records[0]["caption"]
+    head, *rows = index.read_text().splitlines()  # JSON lines: the shards, then one line per sample
+    assert [s["name"] for s in json.loads(head)["shards"]] == ["train-000000.tar", "train-000001.tar"]  # movable
+    assert [s["samples"] for s in json.loads(head)["shards"]] == [4, 2] and len(rows) == 6
+    assert json.loads(json.loads(rows[0])["text"])["json"]["caption"] == first.manifest.records[0]["caption"]
 
 
 def test_webdataset_reads_the_written_shards_as_samples(packed):
@@ -171,7 +172,7 @@ def test_webdataset_reads_the_written_shards_as_samples(packed):
         (s["__key__"], sorted(k for k in s if not k.startswith("__")))
         for s in wds.WebDataset(pattern, shardshuffle=False)
     ]
-    assert got == [(ds.index.key[i], sorted(ds.index.members[i])) for i in range(len(ds))]
+    assert got == [(ds.index.key[i], sorted(ds.index.members_of(i))) for i in range(len(ds))]
     first = next(iter(wds.WebDataset(pattern, shardshuffle=False)))
     assert json.loads(first["json"])["label"] == ds[0]["label"]
 

@@ -9,9 +9,11 @@ one read of its video member's bytes (``pread``, or one range read for a URL), d
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 import time
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -35,49 +37,124 @@ VIDEO_KEY = "mp4;m4v;mov;mkv;webm;avi;ts;h264"
 class ShardSamples:
     """A shard index's samples as a dataset's manifest: ``records[i]`` (the sample's ``.json``
     fields, with ``caption`` from the ``caption_key`` field or else the ``.txt`` member, ``label``
-    from the ``label_key`` field or else the ``.cls`` member, ``path``, ``key`` and ``shard``),
-    ``paths[i]`` (``<shard>#<key>.<ext>``), ``hint(key)``, ``keys``; ``errors``: samples whose
-    caption or label is of the wrong type, and why."""
+    from the ``label_key`` field or else the ``.cls`` member, and ``path``, ``key``, ``shard``;
+    built on access), ``paths[i]`` (``<shard>#<key>.<ext>``), ``hint(key)``, ``keys``;
+    ``captions``: every sample's caption (None where it has none); ``errors``: samples whose caption
+    or label is of the wrong type, and why.
+
+    The text members of all samples are parsed at once by pyarrow (columnar, no Python loop per
+    sample), or one by one when their fields' types differ between samples."""
 
     def __init__(self, index: ShardIndex, caption_key: str = "caption", label_key: str = "label"):
+        self.index = index
         self.keys = {"path": "path", "caption": caption_key, "label": label_key}
         self.paths = [index.path(i) for i in range(len(index))]
+        self.records = _Records(self)
+        self._texts = _Texts(index)
         self.errors: dict[int, str] = {}
-        self.records = [self._record(index, i) for i in range(len(index))]
+        caption = self.field(caption_key)
+        txt = self._texts.field("txt")
+        self.captions = [c if c is not None else t for c, t in zip(caption, txt)]
+        for i, c in enumerate(self.captions):
+            if c is not None and not isinstance(c, str):
+                self.errors[i] = f"field {caption_key!r} must be a string"
+        cls = self._texts.field("cls")
+        for i, (v, c) in enumerate(zip(self.field(label_key), cls)):
+            if v is not None and not _integral(v):
+                self.errors[i] = f"field {label_key!r} must be an integer"
+            elif v is None and c is not None and not c.strip().lstrip("-").isdigit():
+                self.errors[i] = f"label {c!r} of {index.columns['key'][i]}.cls is not an integer"
 
-    def _record(self, index: ShardIndex, i: int) -> dict:
-        text = index.text[i]
-        meta = next((v for k, v in text.items() if k.rsplit(".", 1)[-1] == "json"), None)
+    def record(self, i: int) -> dict:
+        text = self.index.text_of(i)
+        meta = text.get("json")
         rec = dict(meta) if isinstance(meta, dict) else {}
         for name, key in self.keys.items():
             if key != name and key in rec:
                 rec[name] = rec.pop(key)
-        if "caption" not in rec and "txt" in text:
+        if rec.get("caption") is None and "txt" in text:
             rec["caption"] = text["txt"]
-        if "label" not in rec and "cls" in text:
-            try:
-                rec["label"] = int(text["cls"].strip())
-            except ValueError:
-                self.errors[i] = f"label {text['cls']!r} of {index.columns['key'][i]}.cls is not an integer"
-        if "caption" in rec and not isinstance(rec["caption"], str):
-            self.errors[i] = f"field {self.keys['caption']!r} must be a string"
-        if "label" in rec and (not isinstance(rec["label"], int) or isinstance(rec["label"], bool)):
-            self.errors[i] = f"field {self.keys['label']!r} must be an integer"
-        rec.update(path=self.paths[i], key=str(index.columns["key"][i]), shard=index.shards[index.columns["shard"][i]])
+        if rec.get("label") is None and "cls" in text and i not in self.errors:
+            rec["label"] = int(text["cls"].strip())
+        ix = self.index
+        rec.update(path=self.paths[i], key=str(ix.columns["key"][i]), shard=ix.shards[ix.columns["shard"][i]])
         return rec
 
     def __len__(self) -> int:
-        return len(self.records)
+        return len(self.paths)
+
+    def field(self, name: str) -> list:
+        """The ``.json`` members' field ``name``, per sample (None where absent)."""
+        return self._texts.field("json", name)
 
     def hint(self, key: str) -> np.ndarray:
         """Per-sample numeric field ``key`` of the ``.json`` members (NaN where absent)."""
+        values = self.field(key)
         return np.array(
-            [
-                float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else np.nan
-                for v in (r.get(key) for r in self.records)
-            ],
+            [float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else np.nan for v in values],
             dtype=np.float64,
         )
+
+
+class _Records(Sequence):
+    """A shard set's records, one dict built per access (as a columnar manifest's)."""
+
+    def __init__(self, samples: ShardSamples):
+        self._s = samples
+
+    def __len__(self) -> int:
+        return len(self._s)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        n = len(self)
+        j = i + n if i < 0 else i
+        if not 0 <= j < n:
+            raise IndexError(f"sample {i} out of range for {n} samples")
+        return self._s.record(j)
+
+
+class _Texts:
+    """Every sample's text members, parsed: columnar by pyarrow when their types agree across
+    samples, else one dict per sample."""
+
+    def __init__(self, index: ShardIndex):
+        import pyarrow as pa
+        import pyarrow.json as pj
+
+        self._n = len(index)
+        self._table, self._dicts = None, None
+        body = "\n".join(index.text.to_pylist()).encode()  # each a compact JSON object: one line
+        try:
+            if self._n:
+                self._table = pj.read_json(pa.BufferReader(body), read_options=pj.ReadOptions(block_size=16 << 20))
+        except pa.ArrowInvalid:  # a field that is a number in one sample and text in another
+            self._dicts = [json.loads(line) for line in body.split(b"\n")]
+
+    def field(self, ext: str, name: str | None = None) -> list:
+        """Member ``ext``'s text (``name`` None) or its JSON field ``name``, per sample (None where
+        absent)."""
+        if self._dicts is not None:
+            out = []
+            for d in self._dicts:
+                v = d.get(ext)
+                out.append(v if name is None else v.get(name) if isinstance(v, dict) else None)
+            return out
+        if self._table is None or ext not in self._table.column_names:
+            return [None] * self._n
+        import pyarrow as pa
+
+        col = self._table.column(ext).combine_chunks()
+        if name is not None:
+            if not pa.types.is_struct(col.type) or col.type.get_field_index(name) < 0:
+                return [None] * self._n
+            col = col.field(name)
+        return col.to_pylist()
+
+
+def _integral(v) -> bool:
+    return (isinstance(v, int) and not isinstance(v, bool)) or (isinstance(v, float) and v.is_integer())
 
 
 class WebDatasetClips(VideoClipDataset):
@@ -133,24 +210,23 @@ class WebDatasetClips(VideoClipDataset):
 
     def _load_table(self, profiles) -> ProfileTable:
         """The index as a profile table (uncalibrated fit: ``observe_cost`` corrects it online)."""
-        ix, n = self.index, len(self.index)
-        records = self.manifest.records
+        ix, n, samples = self.index, len(self.index), self.manifest
         errors = np.array(ix.error, dtype=object)
-        for i, cause in self.manifest.errors.items():
+        for i, cause in samples.errors.items():
             errors[i] = errors[i] or cause
         columns = {
             "index": np.arange(n, dtype=np.int64),
-            "path": np.asarray(self.manifest.paths, dtype=object),
+            "path": np.asarray(samples.paths, dtype=object),
             "bytes": ix.bytes,
             "frames": ix.frames,
             "width": ix.width,
             "height": ix.height,
-            "caption_len": np.array([len(r.get("caption", "") or "") for r in records], dtype=np.int64),
+            "caption_len": np.array([len(c) if isinstance(c, str) else 0 for c in samples.captions], dtype=np.int64),
             "duration_s": ix.duration_s,
             "fps": ix.fps,
             "cost_scale": np.ones(n),
             "codec": ix.codec,
-            "locality": np.array([str(r.get("locality", "local")) for r in records], dtype=object),
+            "locality": np.array([str(v or "local") for v in samples.field("locality")], dtype=object),
             "frames_source": ix.frames_source,
             "duration_source": ix.duration_source,
             "bucket": np.asarray(profile_bucket(ix.frames, ix.width, ix.height), dtype=object).reshape(n),

@@ -24,7 +24,7 @@ from helix_core.data.shards.names import split_member
 from helix_core.data.shards.reads import Chunked
 from helix_core.data.shards.tar import TarFormatError, members
 from helix_core.data.storage.config import Storage
-from helix_core.errors import SampleError
+from helix_core.errors import SampleError, text_of
 
 __all__ = ["COLUMNS", "TEXT_BYTES", "TEXT_EXTS", "scan_shard", "video_exts"]
 
@@ -32,7 +32,7 @@ __all__ = ["COLUMNS", "TEXT_BYTES", "TEXT_EXTS", "scan_shard", "video_exts"]
 TEXT_BYTES = 64 << 10
 #: Extensions (their last part) of the text members kept in the index.
 TEXT_EXTS = ("json", "txt", "cls")
-#: The columns of a shard's rows in the index, one value per sample.
+#: The fields of a sample's row in the index, with their values when unknown.
 COLUMNS = {
     "key": "",
     "video": "",  # the video member's extension ("" when the sample has none)
@@ -46,9 +46,9 @@ COLUMNS = {
     "codec": "",
     "frames_source": "header",
     "duration_source": "header",
-    "text": None,  # {extension: parsed JSON or text} of the small text members
-    "members": None,  # {extension: [offset, size]} of every member
     "error": None,
+    "text": "{}",  # JSON text of {extension: parsed JSON or text} of the small text members
+    "members": "{}",  # JSON text of {extension: [offset, size]} of every member
 }
 _PROBED = ("frames", "width", "height", "fps", "duration_s", "codec", "frames_source", "duration_source")
 
@@ -82,13 +82,13 @@ def scan_shard(
     video_key: str,
     *,
     on_fetch: Callable[[int], None] | None = None,
-) -> tuple[dict[str, list], str | None]:
-    """``(columns, error)``: one row per sample of ``shard`` (``size`` bytes) under ``COLUMNS``,
+) -> tuple[list[dict], str | None]:
+    """``(rows, error)``: one row per sample of ``shard`` (``size`` bytes), a dict of ``COLUMNS``,
     and why the walk stopped early (None when it read the whole tar). Storage failures (the shard
     cannot be read at all) raise ``StorageError``."""
     exts = video_exts(video_key)
     reader = Chunked(shard, size, storage, on_fetch=on_fetch)
-    rows: dict[str, list] = {k: [] for k in COLUMNS}
+    rows: list[dict] = []
     current: _Sample | None = None
     error = None
     try:
@@ -96,7 +96,7 @@ def scan_shard(
             split = split_member(m.name)
             if split is None:
                 continue
-            key, ext = split
+            key, ext = (text_of(s) for s in split)  # a name that is not UTF-8 keeps its bytes as \\xNN
             if current is None or key != current.key:
                 if current is not None:
                     _finish(current, shard, exts, rows)
@@ -139,8 +139,9 @@ def _add(sample: _Sample, m, ext: str, exts: list[str], reader: Chunked, size: i
             sample.text[ext] = text
 
 
-def _finish(sample: _Sample, shard: str, exts: list[str], rows: dict[str, list]) -> None:
-    row = dict(COLUMNS, key=sample.key, text=sample.text, members=sample.members, error=sample.error)
+def _finish(sample: _Sample, shard: str, exts: list[str], rows: list[dict]) -> None:
+    row = dict(COLUMNS, key=sample.key, text=_compact(sample.text), members=_compact(sample.members))
+    row["error"] = sample.error
     video = next((e for e in exts if e in sample.members), None)
     if video is None:
         row["error"] = row["error"] or (
@@ -157,5 +158,8 @@ def _finish(sample: _Sample, shard: str, exts: list[str], rows: dict[str, list])
                 row["error"] = f"{sample.key}.{video}: {e.cause}"
             except Exception as e:  # noqa: BLE001 - a probe's own failure is this sample's, not the scan's
                 row["error"] = f"{sample.key}.{video}: {type(e).__name__}: {e}"
-    for k in COLUMNS:
-        rows[k].append(row[k])
+    rows.append(row)
+
+
+def _compact(value) -> str:
+    return json.dumps(value, separators=(",", ":"))
