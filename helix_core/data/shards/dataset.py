@@ -13,6 +13,7 @@ import json
 import os
 import threading
 import time
+import warnings
 from collections.abc import Sequence
 
 import numpy as np
@@ -204,6 +205,8 @@ class WebDatasetClips(VideoClipDataset):
     # ---- the hooks of VideoClipDataset ---------------------------------------------------------
     def _read_manifest(self, manifest, **keys) -> ShardSamples:
         self.index = ShardIndex.open(self.shard_urls, self.storage, self.video_key, location=self._index_at)
+        for shard, error in self.index.shard_errors.items():
+            warnings.warn(f"shard {shard}: {error}", stacklevel=4)
         if not len(self.index):
             raise ValueError(f"no samples in the {len(self.shard_urls)} shards of {self.shards!r}")
         return ShardSamples(self.index, caption_key=keys["caption_key"], label_key=keys["label_key"])
