@@ -4,6 +4,7 @@ the index built once and read back, bad members named by shard and key, the spec
 import io
 import json
 import os
+import pickle
 import tarfile
 
 import numpy as np
@@ -96,11 +97,11 @@ def test_text_clips_carry_the_caption_and_its_tokens(kmix, packed):
 
 def test_txt_and_cls_members_are_the_caption_and_label(kmix, tmp_path):
     clip = (kmix / "clip_000000.mp4").read_bytes()
-    shard = _tar(tmp_path / "a.tar", [("x1.mp4", clip), ("x1.txt", b"a red ball"), ("x1.cls", b"7\n")])
+    entries = [("x1.mp4", clip), ("x1.txt", b"a red ball"), ("x1.cls", b"7\n")]
+    shard = _tar(tmp_path / "a.tar", entries + [("x2.mp4", clip), ("x2.json", b'{"label": null}')])
     ds = hx.WebDatasetTextClips(str(shard), num_frames=4)
-    assert (
-        ds.manifest.records[0]["caption"] == "a red ball" and ds[0]["label"] == 7 and ds[0]["caption"] == "a red ball"
-    )
+    assert ds.manifest.records[0]["caption"] == "a red ball" and ds[0]["caption"] == "a red ball"
+    assert ds[0]["label"] == 7 and ds[1]["label"] == -1 and ds[1]["caption"] == ""
 
 
 def test_patterns_expand_as_webdataset_expands_them(tmp_path):
@@ -315,6 +316,7 @@ def test_the_spec_rebuilds_an_equal_dataset(packed):
     assert len(again) == len(ds) and list(again.manifest.paths) == list(ds.manifest.paths)
     assert again.cost_arrays()["cpu_s"].tolist() == ds.cost_arrays()["cpu_s"].tolist()
     _same_samples(again, ds, [2])
+    _same_samples(pickle.loads(pickle.dumps(ds)), ds, [4])  # by value too (cloudpickle, spawned workers)
 
 
 def test_a_torch_dataloader_with_two_workers(packed):

@@ -73,6 +73,8 @@ class ShardSamples:
         for name, key in self.keys.items():
             if key != name and key in rec:
                 rec[name] = rec.pop(key)
+            if name != "path" and rec.get(name, 0) is None:  # a null caption or label: none
+                del rec[name]
         if rec.get("caption") is None and "txt" in text:
             rec["caption"] = text["txt"]
         if rec.get("label") is None and "cls" in text and i not in self.errors:
@@ -256,6 +258,12 @@ class WebDatasetClips(VideoClipDataset):
         sample, r = super().fetch(index, out)
         n, s = self._reads.last
         return sample, r._replace(read_bytes=r.read_bytes + n, read_s=r.read_s + s)
+
+    def __getstate__(self) -> dict:  # a thread-local cannot be pickled (torch's spawned workers, cloudpickle)
+        return {k: v for k, v in self.__dict__.items() if k != "_reads"}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state, _reads=threading.local())
 
     def helix_spec(self) -> dict:
         spec = super().helix_spec()
