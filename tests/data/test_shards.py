@@ -187,26 +187,28 @@ def test_written_shards_are_the_same_bytes_every_time(kmix, tmp_path):
 
 
 # ---- object stores --------------------------------------------------------------------------------
-def test_shards_on_s3_index_beside_them_and_read_as_the_local_ones(packed, monkeypatch):
-    folder, pattern = packed
-    for f in _index_files(folder):
-        f.unlink()
+def test_shards_on_s3_index_beside_them_and_read_as_the_clips(kmix, tmp_path, monkeypatch):
     for k, v in S3_TEST_ENV.items():
         monkeypatch.setenv(k, v)
-    local = hx.WebDatasetClips(pattern)
+    paths = hx.write_shards(kmix / "manifest.jsonl", tmp_path / "six" / "train-%06d.tar", 1)  # a sample each
+    files = hx.VideoClipDataset(kmix / "manifest.jsonl")
     with S3Server() as s3:
-        for p in sorted(folder.glob("*.tar")):
+        for p in paths:
             s3.put("data", f"shards/{p.name}", p.read_bytes())
-        url = "s3://data/shards/train-{000000..000001}.tar"
+        url = "s3://data/shards/train-{000000..000005}.tar"
         remote = hx.WebDatasetClips(url, storage_options=s3.options)
-        assert len(remote.index.scanned) == 2 and remote.index.location.startswith("s3://data/shards/")
+        assert len(remote.index.scanned) == 6 and remote.index.location.startswith("s3://data/shards/")
         keys = [o["Key"] for o in s3.client().list_objects_v2(Bucket="data")["Contents"]]
         assert any(k.endswith(".idx.json") for k in keys)  # written beside the shards
         again = hx.WebDatasetClips(url, storage_options=s3.options)
-        assert again.index.scanned == []
-        _same_samples(again, local, [0, 5])
+        assert again.index.scanned == []  # the shards' sizes from one listing of their folder
+        _same_samples(again, files, [0, 5])
         assert again.fetch(1)[1].read_bytes == again.descriptor(1).bytes  # one read of the member
-        assert again.sample_path(1) == "s3://data/shards/train-000000.tar#clip_000001.mp4"
+        assert again.sample_path(1) == "s3://data/shards/train-000001.tar#clip_000001.mp4"
+        s3.put("data", "shards/train-000003.tar", paths[3].read_bytes() + bytes(10240))  # rewritten: another size
+        third = hx.WebDatasetClips(url, storage_options=s3.options)
+        assert third.index.scanned == ["s3://data/shards/train-000003.tar"]
+        _same_samples(third, files, [3])
 
 
 def test_shards_over_http_index_in_the_cache_and_read_as_the_local_ones(packed, tmp_path):
