@@ -88,9 +88,7 @@ class VideoClipDataset(torch.utils.data.Dataset):
         self.storage = Storage.of(storage_options, remote)
         self.manifest_path: str | Path = str(manifest) if is_url(str(manifest)) else Path(manifest).absolute()
         self.spec = VideoSpec(model, num_frames, size)
-        self.manifest = Manifest(
-            manifest, path_key=path_key, caption_key=caption_key, label_key=label_key, storage=self.storage
-        )
+        self.manifest = self._read_manifest(manifest, path_key=path_key, caption_key=caption_key, label_key=label_key)
         self.seed, self.epoch = int(seed), 0
         if isinstance(transform, str):  # an import path, as a JSON spec carries it
             from helix_core.data.specs import resolve_function
@@ -140,6 +138,11 @@ class VideoClipDataset(torch.utils.data.Dataset):
             "bucket": np.asarray(profile_bucket(t.frames, t.width, t.height)),
             "ok": t.ok(),
         }
+
+    def _read_manifest(self, manifest, **keys) -> Manifest:
+        """The samples' records (``records``, ``paths``, ``hint``, ``keys``, ``len``): here a
+        manifest file (a subclass whose samples live elsewhere, such as tar shards, reads its own)."""
+        return Manifest(manifest, **keys, storage=self.storage)
 
     # ---- descriptors and costs (never decode) --------------------------------------------------
     def __len__(self) -> int:
