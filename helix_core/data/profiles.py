@@ -240,18 +240,27 @@ def profile_dataset(
     with Progress(disable=not progress) as bar:
         task = bar.add_task("probe", total=len(jobs))
         results: list = [None] * len(jobs)
-        if workers > 1:
-            from concurrent.futures import ThreadPoolExecutor, as_completed  # PyAV and network waits release the GIL
+
+        def keep(row) -> None:
+            results[row[0]["index"]] = row
+            bar.advance(task)
+
+        if workers > 1:  # PyAV and network waits release the GIL
+            from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 
             with ThreadPoolExecutor(workers, thread_name_prefix="helix-probe") as pool:
-                running = {pool.submit(_probe_row, job): job[0] for job in jobs}
-                for done in as_completed(running):
-                    results[running[done]] = done.result()
-                    bar.advance(task)
+                running: set = set()
+                for job in jobs:  # a bounded window of futures, not one per clip of a million-row manifest
+                    if len(running) >= 4 * workers:
+                        done, running = wait(running, return_when=FIRST_COMPLETED)
+                        for f in done:
+                            keep(f.result())
+                    running.add(pool.submit(_probe_row, job))
+                for f in wait(running).done:
+                    keep(f.result())
         else:
             for job in jobs:
-                results[job[0]] = _probe_row(job)
-                bar.advance(task)
+                keep(_probe_row(job))
         descs = [SampleDescriptor.from_dict(d) for d, err in results if err is None]
         cal = bar.add_task("calibrate", total=None)
         fit, scale, points = calibrate(

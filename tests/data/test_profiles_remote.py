@@ -72,10 +72,8 @@ def test_a_missing_object_gets_an_error_row_not_a_crash(store, tmp_path):
     ds = hx.VideoClipDataset(f"{url}/with-missing.jsonl", profiles=tmp_path / "p.jsonl", storage_options=s3.options)
     with pytest.raises(SampleError, match="clip_gone"):
         ds.estimate_cost(2)
-    assert (
-        ds.estimate_cost(3).io_bytes
-        == (root / json.loads((root / "manifest.jsonl").read_text().splitlines()[2])["path"]).stat().st_size
-    )
+    third = json.loads((root / "manifest.jsonl").read_text().splitlines()[2])["path"]  # row 3, after the gone one
+    assert ds.estimate_cost(3).io_bytes == (root / third).stat().st_size
 
 
 def test_calibration_decodes_clips_at_urls(store, tmp_path):
@@ -93,6 +91,19 @@ def test_a_manifest_at_a_url_needs_out_and_options_never_carry_credentials(store
     with pytest.raises(ValueError, match="credential"):
         profile_dataset(f"{url}/manifest.jsonl", tmp_path / "p.jsonl", storage_options={**s3.options, "secret": "x"})
     assert not (tmp_path / "p.jsonl").exists()
+
+
+def test_probes_in_flight_keep_the_manifests_order(store, tmp_path):
+    root, _, _ = store
+    rows = (root / "manifest.jsonl").read_text().splitlines()
+    rows = [json.dumps({**json.loads(r), "path": str(root / json.loads(r)["path"])}) for r in rows] * 4
+    (tmp_path / "m.jsonl").write_text("\n".join(rows) + "\n")
+    many = profile_dataset(tmp_path / "m.jsonl", tmp_path / "a.jsonl", calibrate_per_bucket=0, workers=2)
+    one = profile_dataset(tmp_path / "m.jsonl", tmp_path / "b.jsonl", calibrate_per_bucket=0, workers=1)
+    assert list(many.index) == list(range(24)) and list(many.path) == list(one.path)
+    assert list(many.frames) == list(one.frames)
+    with pytest.raises(ValueError, match="workers"):
+        profile_dataset(tmp_path / "m.jsonl", tmp_path / "c.jsonl", workers=0)
 
 
 def test_probes_read_headers_in_small_blocks_and_skip_the_cache(tmp_path):
