@@ -8,6 +8,7 @@ from dataplane import CFG, wait_for
 
 import helix_core as hx
 from helix_core.data.media.synth import make_dataset
+from helix_core.launch.cluster_cli import _storage
 from helix_core.testing.objectstore import RangeHTTPServer
 
 DELAY_S = 0.02  # each answer of the clips' server waits this long: a store behind a slow link
@@ -44,3 +45,5 @@ def test_the_coordinator_learns_each_servers_storage_bandwidth_from_its_reads(cl
         # every sample waited at least two delayed answers (the object's stat, then its bytes):
         # the figures must say an average clip costs about that, not what loopback alone would
         assert mean / s["storage_bandwidth_bps"] + s["storage_latency_s"] >= 1.5 * DELAY_S
+        assert _storage(s) != "-"  # `helix status` shows it
+    assert _storage({"storage_bandwidth_bps": 0.0}) == "-"
