@@ -17,7 +17,7 @@ def cache_dir() -> Path:
 
 
 #: Wire protocol version; every connection checks it first (Hello).
-PROTOCOL_VERSION = 11  # what each version added: docs/protocol.md
+PROTOCOL_VERSION = 12  # what each version added: docs/protocol.md
 
 
 @dataclass(frozen=True)

@@ -53,6 +53,8 @@ class ServerState:
     pending_cpu_s: float = 0.0  # predicted CPU seconds routed to it since that heartbeat, not yet completed
     link_bandwidth_bps: float = 0.0
     link_latency_s: float = 0.0
+    storage_bandwidth_bps: float = 0.0  # its last heartbeat: bytes/s of its samples' reads by URL (0: unmeasured)
+    storage_latency_s: float = 0.0  # ... and seconds per sample beyond the bytes
     load_cpu_s: float = 0.0  # queued + pending: predicted CPU seconds of work ahead of a new task here
     due: float = float("inf")  # silent past this (a monotonic time): dead (``Registry.sweep``)
 
@@ -309,7 +311,7 @@ class Registry:
     ):
         """Place one request of a rank on ``host`` (its ``local_rank`` picks its delivery server):
         the candidates are that host's local servers and the remote ones. ``cost``:
-        ``PlacementRequest`` fields (cpu_s, io_bytes, out_bytes, tokens, deadline_s). Returns
+        ``PlacementRequest`` fields (cpu_s, io_bytes, out_bytes, tokens, samples, deadline_s). Returns
         ``(chosen, delivery, decision, us)``; ``us`` counts from
         ``t_arrival`` (a ``time.perf_counter`` value: the request's arrival, so waiting for the
         lock counts) or else from the start of the decision."""

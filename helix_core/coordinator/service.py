@@ -74,6 +74,8 @@ class CoordinatorServicer(pbg.CoordinatorServicer):
             queued_cpu_s=request.queued_cpu_s,
             link_bandwidth_bps=request.link_bandwidth_bps,
             link_latency_s=request.link_latency_s,
+            storage_bandwidth_bps=request.storage_bandwidth_bps,
+            storage_latency_s=request.storage_latency_s,
             next_beat_s=request.next_beat_s,
         )
         return pb.HeartbeatReply(known=known)
@@ -86,6 +88,7 @@ class CoordinatorServicer(pbg.CoordinatorServicer):
             "io_bytes": c.io_bytes,
             "out_bytes": c.out_bytes,
             "tokens": c.tokens,
+            "samples": c.samples,
             "deadline_s": request.deadline_s if request.has_deadline else None,
         }
         try:

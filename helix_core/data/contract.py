@@ -11,7 +11,8 @@ and so on (``runtime_checkable``: only the methods' presence is checked), never 
 - ``Specced``: ``helix_spec() -> {"target", "kwargs"}`` rebuilds it from JSON (no pickle), or
   raises ``SpecError`` naming what JSON cannot carry;
 - ``DirectDecode``: ``video_shape(i)`` and ``fetch(i, out=)`` let a worker decode straight into the
-  batch's shared-memory slab;
+  batch's shared-memory slab; ``fetch`` returns ``(sample, measurements)``, whose ``read_bytes`` /
+  ``read_s`` (a ``Decoded``'s) tell the DataServer what the sample's storage reads cost;
 - ``SamplePaths``: ``sample_path(i)`` names the file in errors.
 
 ``VideoClipDataset`` and ``VideoTextDataset`` implement all of them.

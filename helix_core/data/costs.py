@@ -120,14 +120,17 @@ def _calibration_configs(d: SampleDescriptor):
     return [(uniform_indices(d.frames, 4), small), (uniform_indices(d.frames, min(64, d.frames)), (d.height, d.width))]
 
 
-def calibrate(descriptors: list[SampleDescriptor], per_bucket: int = 2, progress=None):
+def calibrate(descriptors: list[SampleDescriptor], per_bucket: int = 2, progress=None, storage=None):
     """Decode ``per_bucket`` clips of every profile bucket and fit ``CostFit`` by least squares.
 
     Returns ``(fit, bucket_scale, points)``: ``bucket_scale`` maps a bucket to its median measured /
     fitted ratio; ``points`` lists every measurement (for the table's header). Clips that fail to
-    decode are left out. ``progress`` is called once per decode.
+    decode (or to be fetched) are left out. ``progress`` is called once per decode. ``storage``:
+    how clips at URLs are read (a ``Storage``); such a clip is fetched once into memory and its
+    decodes read it there, so they measure the codec's CPU, not the network.
     """
     from helix_core.data.media.decode import decode_frames
+    from helix_core.data.storage.reader import StorageError
     from helix_core.errors import SampleError
 
     chosen: dict[str, list[SampleDescriptor]] = {}
@@ -135,17 +138,29 @@ def calibrate(descriptors: list[SampleDescriptor], per_bucket: int = 2, progress
         group = chosen.setdefault(profile_bucket(d.frames, d.width, d.height), [])
         if len(group) < per_bucket:
             group.append(d)
-    points = []
+    points: list[dict] = []
+    if not any(chosen.values()):
+        return CostFit(), {}, points
     for d in descriptors[:1]:  # warm-up: the first decode in a process pays one-time codec setup
         try:
-            decode_frames(d.path, [0], (16, 16), index=d.index, exact_count=False)
+            decode_frames(d.path, [0], (16, 16), index=d.index, exact_count=False, storage=storage)
         except SampleError:
             pass
     for bucket, group in sorted(chosen.items()):
         for d in group:
-            for idx, hw in _calibration_configs(d):
+            configs = _calibration_configs(d)
+            try:
+                data = _fetched(d, storage)
+            except StorageError:  # skipped, as a clip that fails to decode
+                for _ in configs:
+                    if progress is not None:
+                        progress()
+                continue
+            for idx, hw in configs:
                 try:
-                    r = decode_frames(d.path, idx, hw, index=d.index, exact_count=False, strategy="sequential")
+                    r = decode_frames(
+                        d.path, idx, hw, index=d.index, exact_count=False, strategy="sequential", data=data
+                    )
                 except SampleError:
                     continue
                 finally:
@@ -169,6 +184,19 @@ def calibrate(descriptors: list[SampleDescriptor], per_bucket: int = 2, progress
             p["cpu_s"] / max(float(fit.predict(p["decoded_px"], p["output_px"])), 1e-9)
         )
     return fit, {b: float(np.median(r)) for b, r in ratios.items()}, points
+
+
+def _fetched(d: SampleDescriptor, storage) -> bytes | None:
+    """A clip at a URL as its bytes (one read; ``StorageError`` when it cannot be fetched), None
+    for a local file (decoded from its path)."""
+    from helix_core.data.storage.config import Storage
+    from helix_core.data.storage.reader import read_range
+    from helix_core.data.storage.urls import is_url
+
+    if not is_url(d.path):
+        return None
+    storage = storage or Storage.of()
+    return read_range(d.path, 0, d.bytes, storage.options, storage.remote)
 
 
 def _least_squares(points) -> CostFit:

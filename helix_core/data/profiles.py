@@ -1,4 +1,5 @@
-"""The offline profile table (paper §4.5): ``profiles.jsonl`` beside the manifest.
+"""The offline profile table (paper §4.5): ``profiles.jsonl`` beside the manifest (a manifest at a
+URL: wherever the caller says, a local file).
 
 Line 1 is a header ``{"helix_profiles": 1, "fit": {...}, "calibration": [...]}``; every other line
 is one sample's source facts (``SampleDescriptor`` fields), its ``bucket``, its calibrated
@@ -19,11 +20,27 @@ import numpy as np
 from helix_core.data.costs import CostFit, calibrate, profile_bucket
 from helix_core.data.descriptors import SampleDescriptor
 from helix_core.data.manifest import Manifest
+from helix_core.data.storage.config import RemoteConfig, Storage
+from helix_core.data.storage.urls import is_url, protocol_of
 from helix_core.errors import SampleError, text_of
 
-__all__ = ["PROFILE_VERSION", "ProfileTable", "profile_dataset"]
+__all__ = [
+    "PROBE_BLOCK_BYTES",
+    "PROFILE_VERSION",
+    "ProfileTable",
+    "URL_PROBE_WORKERS",
+    "default_out",
+    "profile_dataset",
+]
 
 PROFILE_VERSION = 1
+#: The range-read size of a probe of a clip at a URL. A probe needs the container's header, its
+#: index (an MP4's moov, often at the end) and the first keyframe, not a decode's read-ahead: a
+#: quarter of the decode's megabyte fetches about half the bytes for one read more, while smaller
+#: blocks save few bytes more and cost many reads, each paying the store's first-byte latency.
+PROBE_BLOCK_BYTES = 256 << 10
+#: Probes in flight at once when clips live at URLs (network waits and PyAV release the GIL).
+URL_PROBE_WORKERS = 32
 _INT = ("index", "bytes", "frames", "width", "height", "caption_len")
 _FLOAT = ("duration_s", "fps", "cost_scale")
 _STR = ("path", "codec", "locality", "frames_source", "duration_source", "bucket", "error")
@@ -145,11 +162,39 @@ class ProfileTable:
 def _probe_row(args):
     from helix_core.data.media.probe import probe
 
-    i, path, caption_len, locality = args
+    i, path, caption_len, locality, storage = args
+    row = {"index": i, "path": path, "caption_len": caption_len, "locality": locality}
     try:
-        return probe(path, index=i, caption_len=caption_len, locality=locality).to_dict(), None
+        return probe(path, index=i, caption_len=caption_len, locality=locality, storage=storage).to_dict(), None
     except SampleError as e:
-        return {"index": i, "path": path, "caption_len": caption_len, "locality": locality}, e.cause
+        return row, e.cause
+    except Exception as e:  # noqa: BLE001 - one clip's surprise is its row's error, not the table's end
+        return row, f"{type(e).__name__}: {e}"
+
+
+def default_out(manifest: str | os.PathLike) -> Path:
+    """Where ``profile_dataset`` saves the table when not told: ``profiles.jsonl`` beside a local
+    manifest (where ``VideoClipDataset`` looks for it). A manifest at a URL has no local folder, and
+    its bucket may not be writable: ``ValueError`` asking for ``out``."""
+    if is_url(str(manifest)):
+        raise ValueError(
+            f"manifest {manifest} is at a URL: say where to save its profile table, a local file "
+            f"(profile_dataset(..., out='profiles.jsonl'); helix profile --out profiles.jsonl), and give the "
+            "same path to the dataset (VideoClipDataset(..., profiles='profiles.jsonl'))"
+        )
+    return Path(manifest).parent / "profiles.jsonl"
+
+
+def _probe_storage(storage: Storage) -> Storage:
+    """``storage`` for probes: range reads of at least ``PROBE_BLOCK_BYTES`` (a header is read in a
+    few requests: a store's latency is paid per request), no local block cache (decodes fill it)."""
+    remote = storage.remote
+    return Storage(
+        storage.options,
+        RemoteConfig(
+            **{**remote.to_dict(), "block_bytes": max(remote.block_bytes, PROBE_BLOCK_BYTES), "cache_bytes": 0}
+        ),
+    )
 
 
 def profile_dataset(
@@ -157,43 +202,87 @@ def profile_dataset(
     out: str | os.PathLike | None = None,
     *,
     calibrate_per_bucket: int = 2,
-    workers: int = 1,
+    workers: int | None = None,
     progress: bool = False,
+    storage_options: dict | None = None,
+    remote: RemoteConfig | dict | None = None,
 ) -> ProfileTable:
     """Probe every clip of ``manifest`` (metadata only), calibrate the CPU-cost fit on a few clips
-    per bucket, and save ``profiles.jsonl`` beside the manifest (or at ``out``).
+    per bucket, and save the table at ``out`` — by default ``profiles.jsonl`` beside a local
+    manifest; a manifest at a URL needs ``out`` (a local file; ``default_out``).
 
-    A clip that fails to probe gets a row with its ``error``; profiling never stops for one bad file.
+    The manifest and its clips may be URLs (``s3://``, ``https://``, ...), read through fsspec with
+    ``storage_options`` (endpoints, regions; never credentials) and ``remote`` (a ``RemoteConfig``):
+    a probe reads the container's header by range reads of ``PROBE_BLOCK_BYTES``, ``workers``
+    probes in flight (default ``URL_PROBE_WORKERS`` when clips are URLs, else 1); a calibration
+    decode fetches its clip once. The table is keyed by the manifest's resolved paths — the URLs
+    themselves — so ``VideoClipDataset(manifest, profiles=out, storage_options=...)`` takes it.
+
+    A clip that fails to probe (missing, unreadable, not a video) gets a row with its ``error``;
+    profiling never stops for one bad file.
     """
     from rich.progress import Progress
 
-    man = Manifest(manifest)
+    if out is None:
+        out = default_out(manifest)  # before any work: a URL manifest says where first
+    storage = Storage.of(storage_options, remote)
+    man = Manifest(manifest, storage=storage)
+    urls = any(is_url(p) for p in man.paths)
+    if workers is None:
+        workers = URL_PROBE_WORKERS if urls else 1
+    if workers < 1:
+        raise ValueError(f"profile_dataset(workers={workers!r}): must be >= 1")
+    probing = _probe_storage(_with_connections(storage, man.paths, workers)) if urls else storage
     jobs = [
-        (i, p, len(r.get("caption", "") or ""), str(r.get("locality", "local")))
+        (i, p, len(r.get("caption", "") or ""), str(r.get("locality", "local")), probing)
         for i, (p, r) in enumerate(zip(man.paths, man.records))
     ]
     with Progress(disable=not progress) as bar:
         task = bar.add_task("probe", total=len(jobs))
-        results = []
-        if workers > 1:
-            from concurrent.futures import ThreadPoolExecutor  # PyAV releases the GIL while probing
+        results: list = [None] * len(jobs)
 
-            with ThreadPoolExecutor(workers) as pool:
-                for r in pool.map(_probe_row, jobs, chunksize=64):
-                    results.append(r)
-                    bar.advance(task)
+        def keep(row) -> None:
+            results[row[0]["index"]] = row
+            bar.advance(task)
+
+        if workers > 1:  # PyAV and network waits release the GIL
+            from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+
+            with ThreadPoolExecutor(workers, thread_name_prefix="helix-probe") as pool:
+                running: set = set()
+                for job in jobs:  # a bounded window of futures, not one per clip of a million-row manifest
+                    if len(running) >= 4 * workers:
+                        done, running = wait(running, return_when=FIRST_COMPLETED)
+                        for f in done:
+                            keep(f.result())
+                    running.add(pool.submit(_probe_row, job))
+                for f in wait(running).done:
+                    keep(f.result())
         else:
             for job in jobs:
-                results.append(_probe_row(job))
-                bar.advance(task)
+                keep(_probe_row(job))
         descs = [SampleDescriptor.from_dict(d) for d, err in results if err is None]
         cal = bar.add_task("calibrate", total=None)
-        fit, scale, points = calibrate(descs, per_bucket=calibrate_per_bucket, progress=lambda: bar.advance(cal))
+        fit, scale, points = calibrate(
+            descs, per_bucket=calibrate_per_bucket, progress=lambda: bar.advance(cal), storage=storage
+        )
     cols = _columns(results)
     cols["cost_scale"] = np.array([scale.get(b, 1.0) for b in cols["bucket"]], dtype=np.float64)
     table = ProfileTable(cols, fit, points)
-    table.save(out if out is not None else Path(manifest).parent / "profiles.jsonl")
+    table.save(out)
     return table
+
+
+def _with_connections(storage: Storage, paths, workers: int) -> Storage:
+    """``storage`` with enough connections for ``workers`` probes at once where the clips are on
+    S3 (s3fs holds 10 unless told; the option means nothing to other stores, so it goes to S3 only)."""
+    if not all(protocol_of(p) in ("s3", "s3a") for p in paths):
+        return storage
+    options = dict(storage.options)
+    cfg = dict(options.get("config_kwargs") or {})
+    cfg.setdefault("max_pool_connections", max(workers, 10))
+    options["config_kwargs"] = cfg
+    return Storage(options, storage.remote)
 
 
 def _columns(results) -> dict[str, np.ndarray]:

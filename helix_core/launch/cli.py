@@ -51,13 +51,38 @@ def _cmd_synth(a, console) -> int:
 
 
 def _cmd_profile(a, console) -> int:
-    from helix_core.data.profiles import profile_dataset
+    from helix_core.data.profiles import default_out, profile_dataset
 
-    out = a.out or Path(a.manifest).parent / "profiles.jsonl"
-    table = profile_dataset(a.manifest, out, calibrate_per_bucket=a.calibrate, workers=a.workers, progress=True)
+    out = a.out or default_out(a.manifest)  # a manifest at a URL: --out is needed (ValueError says so)
+    table = profile_dataset(
+        a.manifest,
+        out,
+        calibrate_per_bucket=a.calibrate,
+        workers=a.workers,
+        progress=True,
+        storage_options=_storage_options(a.storage_option),
+    )
     _print_profile(table, console)
     console.print(f"saved {out}")
     return 0
+
+
+def _storage_options(pairs: list[str] | None) -> dict:
+    """``--storage-option KEY=VALUE`` flags as fsspec options: a value that parses as JSON is that
+    (``true``, ``8``, ``{"max_pool_connections": 64}``), else the string itself. Credentials are
+    refused where the options are checked (``check_storage_options``)."""
+    import json
+
+    options: dict = {}
+    for pair in pairs or ():
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--storage-option {pair!r}: expected KEY=VALUE (e.g. endpoint_url=http://host:9000)")
+        try:
+            options[key] = json.loads(value)
+        except ValueError:
+            options[key] = value
+    return options
 
 
 def _need_bench() -> None:
@@ -290,9 +315,18 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(fn=_cmd_synth)
     s = sub.add_parser("profile", help="probe a manifest's clips and calibrate the cost table (profiles.jsonl)")
     s.add_argument("manifest")
-    s.add_argument("--out", default=None, help="default: profiles.jsonl beside the manifest")
+    s.add_argument(
+        "--out", default=None, help="default: profiles.jsonl beside a local manifest (required for one at a URL)"
+    )
     s.add_argument("--calibrate", type=int, default=2, help="clips decoded per bucket for the CPU-cost fit")
-    s.add_argument("--workers", type=int, default=1, help="probe threads")
+    s.add_argument("--workers", type=int, default=None, help="probe threads (default: 32 for clips at URLs, else 1)")
+    s.add_argument(
+        "--storage-option",
+        action="append",
+        metavar="KEY=VALUE",
+        help="an fsspec option for a manifest or clips at URLs, e.g. endpoint_url=http://host:9000 (repeatable; "
+        "never credentials: they come from the environment)",
+    )
     s.set_defaults(fn=_cmd_profile)
     s = sub.add_parser("demo", help="the embedded default job: native DataLoader vs Helix on a small workload")
     s.add_argument("--ranks", type=int, default=2)

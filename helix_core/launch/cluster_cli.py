@@ -48,6 +48,7 @@ def _cmd_status(a, console) -> int:
         "completed",
         "cross-DS MB",
         "of it bulk MB",
+        "storage MB/s + ms/sample",
     ):
         table.add_column(col, overflow="fold")
     for s in info["servers"]:
@@ -62,6 +63,7 @@ def _cmd_status(a, console) -> int:
             str(s["completed"]),
             f"{s['cross_ds_bytes'] / 1e6:.1f}",
             f"{s.get('bulk_bytes', 0) / 1e6:.1f}",
+            _storage(s),
         )
     console.print(table)
     clients = sorted(info["clients"].values(), key=lambda c: c["rank"])
@@ -70,6 +72,12 @@ def _cmd_status(a, console) -> int:
         + ", ".join(f"rank {c['rank']} on {c['host']}" for c in clients)
     )
     return 0
+
+
+def _storage(s: dict) -> str:
+    """A server's measured storage reads (samples read by URL), or "-" before any."""
+    bps = s.get("storage_bandwidth_bps", 0.0)
+    return f"{bps / 1e6:.1f} + {s.get('storage_latency_s', 0.0) * 1e3:.0f}" if bps > 0 else "-"
 
 
 def _cmd_certs(a, console) -> int:

@@ -1,9 +1,9 @@
 """The live servers' columns that placement scores (paper Eq. 1's terms), kept current in place.
 
 ``ServerColumns`` holds static columns (ids, kinds, workers) and dynamic ones (outstanding
-requests, queued load, latency per unit of predicted cost, link terms) as numpy arrays; ``sync``
-copies one server's changed state in, working Eq. 1's terms out once per change (never per
-decision); ``candidates(local)`` views them as the ``Candidates`` a rank's decision takes. Pure:
+requests, queued load, latency per unit of predicted cost, link terms, storage terms) as numpy
+arrays; ``sync`` copies one server's changed state in, working Eq. 1's terms out once per change
+(never per decision); ``candidates(local)`` views them as the ``Candidates`` a rank's decision takes. Pure:
 server states are plain objects with the ``ServerState`` fields.
 """
 
@@ -31,6 +31,7 @@ class ServerColumns:
         self.outstanding, self.load, self.lpc, self.bw, self.lat, self.spb, self.net_lat = (
             np.zeros(n) for _ in range(7)
         )
+        self.storage_bps, self.storage_lat = np.zeros(n), np.zeros(n)  # 0: not measured
         self.depth = np.zeros(n, dtype=np.int64)
         self._candidates: dict = {}
         for s in live:
@@ -42,6 +43,7 @@ class ServerColumns:
             return
         self.outstanding[k], self.load[k], self.depth[k] = st.outstanding, st.load_cpu_s, st.queue_depth
         self.lpc[k], self.bw[k], self.lat[k] = st.latency_per_cost, st.link_bandwidth_bps, st.link_latency_s
+        self.storage_bps[k], self.storage_lat[k] = st.storage_bandwidth_bps, st.storage_latency_s
         # Eq. 1's terms in effective form, worked out here once per change rather than per decision
         self.lpc[k] = st.latency_per_cost if st.latency_per_cost > 0 else 1.0
         if st.kind == "remote":
@@ -69,5 +71,7 @@ class ServerColumns:
                 self.lpc,
                 self.spb,
                 self.net_lat,
+                self.storage_bps,
+                self.storage_lat,
             )
         return got

@@ -42,8 +42,11 @@ class Candidates:
     processes; ``queue_depth`` / ``latency_per_cost`` (wall seconds of execution per predicted
     CPU second): its last heartbeat; ``queued_cpu_s``: predicted CPU seconds queued or running
     there; ``bandwidth_bps`` / ``link_latency_s``: a sidecar's measured delivery link (0:
-    unknown). Optional columns may be empty (= unknown). ``local``: the position of the requesting
-    rank's own delivery server, None if it is not a candidate."""
+    unknown); ``storage_bps`` / ``storage_latency_s``: what reading a sample from storage costs
+    there — bytes/s and seconds per sample, measured by the server on the samples it fetched by URL
+    (0: not measured: local files, or nothing read yet). Optional columns may be empty (= unknown).
+    ``local``: the position of the requesting rank's own delivery server, None if it is not a
+    candidate."""
 
     server_ids: tuple[str, ...]
     kinds: tuple[str, ...]
@@ -61,10 +64,20 @@ class Candidates:
     effective_lpc: np.ndarray | None = None
     net_s_per_byte: np.ndarray | None = None
     net_latency_s: np.ndarray | None = None
+    storage_bps: Column = ()
+    storage_latency_s: Column = ()
 
     def __post_init__(self):
         n = len(self.server_ids)
-        optional = (self.queue_depth, self.latency_per_cost, self.queued_cpu_s, self.bandwidth_bps, self.link_latency_s)
+        optional = (
+            self.queue_depth,
+            self.latency_per_cost,
+            self.queued_cpu_s,
+            self.bandwidth_bps,
+            self.link_latency_s,
+            self.storage_bps,
+            self.storage_latency_s,
+        )
         if not (len(self.kinds) == len(self.workers) == len(self.outstanding) == n) or any(
             len(col) not in (0, n) for col in optional
         ):
@@ -84,7 +97,8 @@ class Candidates:
     def from_rows(cls, rows: list[dict], local: str | None = None) -> Candidates:
         """From one dict per server (``server_id``, ``kind``, ``workers``, ``outstanding``, optional
         ``queue_depth``, ``latency_per_cost``, ``queued_cpu_s``, ``bandwidth_bps``,
-        ``link_latency_s``); ``local`` names the rank's own server."""
+        ``link_latency_s``, ``storage_bps``, ``storage_latency_s``); ``local`` names the rank's own
+        server."""
         ids = tuple(r["server_id"] for r in rows)
 
         def col(key, default):
@@ -101,13 +115,16 @@ class Candidates:
             col("queued_cpu_s", 0.0),
             col("bandwidth_bps", 0.0),
             col("link_latency_s", 0.0),
+            storage_bps=col("storage_bps", 0.0),
+            storage_latency_s=col("storage_latency_s", 0.0),
         )
 
 
 @dataclass(frozen=True)
 class PlacementRequest:
     """One batch request: who asks, its predicted cost (CPU seconds on one core, input and output
-    bytes, tokens) and its deadline (seconds from now until the rank needs it; None: unknown)."""
+    bytes, tokens), its deadline (seconds from now until the rank needs it; None: unknown) and its
+    number of ``samples`` (each pays a storage read's fixed latency; 0: unknown, counted as 1)."""
 
     rank: int
     task_id: int
@@ -116,6 +133,7 @@ class PlacementRequest:
     tokens: int = 0
     deadline_s: float | None = None
     io_bytes: int = 0
+    samples: int = 0
 
 
 class Decision:
@@ -180,8 +198,12 @@ class DeadlineAware:
 
     ``T_i = queued_cpu_s_i * lpc_i / workers_i`` (work ahead of it) ``+ cpu_s * lpc_i`` (this
     batch on one worker; ``lpc``: measured wall seconds per predicted CPU second, 1 when unknown)
-    ``+ io_bytes / io_bps`` ``+ C_net`` (sidecars only: ``out_bytes / bandwidth + latency``,
-    with ``default_*`` until the link was measured). Same-host local servers deliver by shared
+    ``+ C_io + C_net``. ``C_io`` is what reading the batch's input costs on that server:
+    ``io_bytes / storage_bps_i + samples * storage_latency_s_i`` where the server measured its
+    storage (samples read by URL), else ``io_bytes / io_bps`` as for a local file — so a sidecar
+    beside the bucket and one behind a slow link are priced apart, and a server that has read
+    nothing remote keeps the default. ``C_net`` (sidecars only): ``out_bytes / bandwidth + latency``,
+    with ``default_*`` until the link was measured. Same-host local servers deliver by shared
     memory, so their ``C_net`` is 0.
 
     Locality is the network: every local server delivers through shared memory on the rank's
@@ -224,8 +246,23 @@ class DeadlineAware:
         spb, lat = self.network_terms(c, _remote(c) if remote is None else remote)
         t = (_col(c.queued_cpu_s, n, 0.0) / _col(c.workers, n, 1.0) + request.cpu_s) * lpc
         t += spb * request.out_bytes
-        t += lat + request.io_bytes / self.io_bps
+        t += lat + self.io_seconds(request, c)
         return t
+
+    def io_seconds(self, request: PlacementRequest, c: Candidates) -> float | np.ndarray:
+        """``C_io`` per candidate (seconds): the measured storage terms where a server has them,
+        ``io_bytes / io_bps`` elsewhere (a scalar when no candidate measured any). A request of
+        unknown input (``io_bytes`` 0) reads nothing."""
+        default = request.io_bytes / self.io_bps
+        bw = c.storage_bps
+        if not request.io_bytes or not len(bw):
+            return default
+        bw = np.asarray(bw, dtype=np.float64)
+        measured = bw > 0
+        if not measured.any():
+            return default
+        latency = _col(c.storage_latency_s, len(c), 0.0) * max(request.samples, 1)
+        return np.where(measured, request.io_bytes / np.where(measured, bw, 1.0) + latency, default)
 
     def scores(self, request: PlacementRequest, c: Candidates, finish: np.ndarray, outstanding=None) -> np.ndarray:
         """Every candidate's score (lower is better; see the class docstring)."""

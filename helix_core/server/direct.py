@@ -24,7 +24,7 @@ from helix_core.data.collate import pad_collate
 from helix_core.data.contract import DirectDecode
 from helix_core.memory.tensors import flatten, layout, write_tensors
 
-__all__ = ["direct_batch", "supports_direct"]
+__all__ = ["direct_batch", "getitem_is_fetch", "storage_reads", "supports_direct"]
 
 log = logging.getLogger("helix.workers")
 _said: list = []  # a feature_fn that fails in place is said once per worker, not once per batch
@@ -47,14 +47,30 @@ HEADROOM = 1 << 20  # slab bytes reserved for the batch's other non-inline tenso
 
 def supports_direct(dataset, collate) -> bool:
     """The collate is one whose layout we know, and the dataset decodes into given memory
-    (``video_shape``, ``fetch(index, out=)``) with a ``__getitem__`` that is ``fetch``'s: a
-    subclass that overrides ``__getitem__`` below the class defining ``fetch`` takes the generic
-    path, or its override would be skipped."""
-    if collate not in (default_collate, pad_collate) or not isinstance(dataset, DirectDecode):
+    (``video_shape``, ``fetch(index, out=)``) with a ``__getitem__`` that is ``fetch``'s."""
+    return collate in (default_collate, pad_collate) and getitem_is_fetch(dataset)
+
+
+def getitem_is_fetch(dataset) -> bool:
+    """The dataset has ``fetch`` (``DirectDecode``) and its ``__getitem__`` is ``fetch``'s sample:
+    a subclass that overrides ``__getitem__`` below the class defining ``fetch`` is read by
+    ``dataset[i]``, or its override would be skipped."""
+    if not isinstance(dataset, DirectDecode):
         return False
     mro = type(dataset).__mro__
     definer = {name: next(i for i, cls in enumerate(mro) if name in cls.__dict__) for name in ("__getitem__", "fetch")}
     return definer["__getitem__"] >= definer["fetch"]
+
+
+def storage_reads(measured) -> tuple[int, float]:
+    """``(bytes fetched from storage, seconds waited for them)`` of one sample, from the
+    measurements its ``fetch`` returned (``Decoded``); ``(0, 0.0)`` where it reports none."""
+    try:
+        return max(int(getattr(measured, "read_bytes", 0) or 0), 0), max(
+            float(getattr(measured, "read_s", 0.0) or 0.0), 0.0
+        )
+    except (TypeError, ValueError):  # a user dataset's own measurements, of another shape
+        return 0, 0.0
 
 
 def direct_batch(
@@ -69,8 +85,9 @@ def direct_batch(
     room=(),
     decoding=None,
 ):
-    """``(slab, total, tree_json, tree_pickle, metas, decode_cpu_s, features)`` with the batch
-    written in ``slab``, or None when this batch needs the generic path (nothing is held then).
+    """``(slab, total, tree_json, tree_pickle, metas, decode_cpu_s, features, reads)`` with the
+    batch written in ``slab``, or None when this batch needs the generic path (nothing is held
+    then); ``reads``: each decoded sample's ``storage_reads``.
     ``progress(index)`` is called before each sample is decoded; ``may_start(k)`` says whether
     sample ``k`` is still this worker's (when not, the batch is the samples before it).
     ``featurize(samples, indices)`` (Tier 2's features) sees the samples decoded in place, before
@@ -122,7 +139,7 @@ def _fill(dataset, collate, indices, shapes, slab, dims, allow_pickle, progress,
     video_bytes = b * t * c * h * w
     payload = torch.frombuffer(slab.payload, dtype=torch.uint8)
     video = payload[:video_bytes].view(dims)
-    samples, cpu, slots = [], [], []
+    samples, cpu, slots, reads = [], [], [], []
     for k, (index, shape) in enumerate(zip(indices, shapes)):
         if not may_start(k):  # the rest was stolen: the batch is the samples before it
             break
@@ -131,8 +148,9 @@ def _fill(dataset, collate, indices, shapes, slab, dims, allow_pickle, progress,
             decoding.enter()
         progress(index)
         c0 = time.thread_time()
-        sample, _ = dataset.fetch(index, out=slot.numpy())
+        sample, measured = dataset.fetch(index, out=slot.numpy())
         cpu.append(time.thread_time() - c0)
+        reads.append(storage_reads(measured))
         v = sample.get("video") if isinstance(sample, dict) else None
         if not isinstance(v, torch.Tensor) or tuple(v.shape) != shape or v.dtype != torch.uint8:
             return None
@@ -173,4 +191,4 @@ def _fill(dataset, collate, indices, shapes, slab, dims, allow_pickle, progress,
         return None
     metas = write_tensors(slab.payload, tensors, metas)
     del batch, tensors, video, payload
-    return total, tree_json, tree_pickle, metas, cpu, features
+    return total, tree_json, tree_pickle, metas, cpu, features, reads

@@ -1,4 +1,5 @@
-"""A DataServer's heartbeats to its Coordinator: its load for placement, and its liveness.
+"""A DataServer's heartbeats to its Coordinator: its load and what its storage reads cost, for
+placement, and its liveness.
 
 They follow the server's state: every ``heartbeat_interval_s`` while it changes; idle, ever
 further apart (``Beats``), each beat promising the next, until work arrives. No thread follows
@@ -82,6 +83,8 @@ def heartbeats(server, coord, token, config: ClusterConfig, stop: threading.Even
             latency_per_cost=st["latency_per_cost"],
             completed=st["completed"],
             queued_cpu_s=st["queued_cpu_s"],
+            storage_bandwidth_bps=st["storage_bandwidth_bps"],
+            storage_latency_s=st["storage_latency_s"],
             **server.outbound.counters(),
         )
         changed, last = req != last, pb.HeartbeatRequest()

@@ -28,6 +28,7 @@ from helix_core.config import ClusterConfig
 from helix_core.memory import shm
 from helix_core.server.edf import EdfQueue
 from helix_core.server.steal import Pieces
+from helix_core.server.storagemeter import StorageMeter
 from helix_core.server.watchdog import Watchdog
 from helix_core.server.worker import TaskResult
 from helix_core.server.workerproc import WorkerProcess
@@ -48,7 +49,9 @@ class WorkerPool:
     A task may carry ``deadline_s`` (seconds from now: earliest deadline runs first) and
     ``predicted_cpu_s`` (the client's CPU-cost prediction: the pool learns its latency per unit
     of predicted cost, ``latency_per_cost``, an EWMA of execution wall seconds / predicted CPU
-    seconds, and reports the predicted CPU seconds queued or running, ``queued_cpu_s``)."""
+    seconds, and reports the predicted CPU seconds queued or running, ``queued_cpu_s``). What its
+    workers' samples waited on storage (``TaskResult.read_bytes`` / ``read_s``) feeds ``storage``,
+    this server's storage bandwidth and latency (``StorageMeter``)."""
 
     LPC_ALPHA = 0.2  # weight of the newest measurement in latency_per_cost
 
@@ -85,6 +88,7 @@ class WorkerPool:
         self.completed, self.respawns, self.supervisor_errors = 0, 0, 0
         self._graveyard: list[str] = []  # dead workers' slabs still held by clients
         self.latency_per_cost = 1.0  # wall seconds per predicted CPU second (1 until measured)
+        self.storage = StorageMeter()  # what reading a sample from storage costs here (by URL)
         self._workers = [self._watch(self._spawn(i, 0)) for i in range(n)]
         self._thread = threading.Thread(target=self._supervise, name="helix-supervisor", daemon=True)
         self._thread.start()
@@ -156,6 +160,7 @@ class WorkerPool:
             running = sum(
                 max(0.0, w.task.get("predicted_cpu_s", 0.0) - (now - w.started) / self.latency_per_cost) for w in busy
             )
+            storage_bps, storage_latency_s = self.storage.estimate()
             return {
                 "queue_depth": len(self._pending),
                 "inflight": len(busy),
@@ -164,6 +169,8 @@ class WorkerPool:
                 "respawns": self.respawns,
                 "worker_pids": [w.proc.pid for w in self._workers],
                 "latency_per_cost": self.latency_per_cost,
+                "storage_bandwidth_bps": storage_bps,
+                "storage_latency_s": storage_latency_s,
                 "steals": self.steals,
                 "queued_cpu_s": self._pending.cpu_s + running,
             }
@@ -295,6 +302,8 @@ class WorkerPool:
             if predicted > 0 and result.handle is not None:
                 a, ratio = self.LPC_ALPHA, (self.clock() - w.started) / predicted
                 self.latency_per_cost = (1 - a) * self.latency_per_cost + a * min(max(ratio, 0.05), 50.0)
+            for read_bytes, read_s in zip(result.read_bytes, result.read_s):
+                self.storage.observe(read_bytes, read_s)
             if task is not None:
                 result.queue_s = task.get("_queue_s", 0.0)
             if task is not None and task.get("_serial") in self._split:

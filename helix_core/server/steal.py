@@ -134,6 +134,8 @@ class Pieces:
             features=[f for r in ordered for f in r.features or ()] if with_features else None,
             decoded=[i for r in ordered for i in r.decoded],
             decode_cpu_s=[c for r in ordered for c in r.decode_cpu_s],
+            read_bytes=[b for r in ordered for b in r.read_bytes],
+            read_s=[w for r in ordered for w in r.read_s],
             exec_s=max(r.exec_s for r in ordered),
             queue_s=ordered[0].queue_s,
         ), []

@@ -53,8 +53,10 @@ class TaskResult:
     tensors' ``metas`` (``memory.tensors.layout``); ``rows``: samples in it. Why not:
     ``error_kind`` (``ErrorKind.NONE``: it did not fail), ``error`` and the sample that failed
     (``failure``). Either way: the samples replaced (``skipped``, on_error="skip"), those decoded
-    and the CPU seconds each took (``decoded``, ``decode_cpu_s``), the seconds the task ran at its
-    worker (``exec_s``) and waited in the pool's queue (``queue_s``), and Tier 2's sample features
+    and the CPU seconds each took (``decoded``, ``decode_cpu_s``), the bytes each fetched from
+    storage and the seconds it waited for them (``read_bytes``, ``read_s``: 0 for a local file;
+    the pool's ``StorageMeter`` learns from them), the seconds the task ran at its worker
+    (``exec_s``) and waited in the pool's queue (``queue_s``), and Tier 2's sample features
     (``features``; None: not asked)."""
 
     handle: SlabHandle | None = None
@@ -69,6 +71,8 @@ class TaskResult:
     skipped: list[SampleFailure] = field(default_factory=list)
     decoded: list[int] = field(default_factory=list)
     decode_cpu_s: list[float] = field(default_factory=list)
+    read_bytes: list[int] = field(default_factory=list)
+    read_s: list[float] = field(default_factory=list)
     exec_s: float = 0.0
     queue_s: float = 0.0
     features: list[dict] | None = None
@@ -243,7 +247,7 @@ def _run_task(task: dict, specs: dict, pool, progress, allow_pickle: bool, may_s
     been stolen) — collate them into a slab: the result the pool receives. ``decoding``: its
     ``DecodeSlot``, held while samples are prepared."""
     from helix_core.memory.tensors import flatten, layout, write_tensors
-    from helix_core.server.direct import direct_batch, supports_direct
+    from helix_core.server.direct import direct_batch, getitem_is_fetch, storage_reads, supports_direct
 
     t0 = time.perf_counter()
     spec = specs.get(task["spec_id"])
@@ -273,7 +277,7 @@ def _run_task(task: dict, specs: dict, pool, progress, allow_pickle: bool, may_s
             decoding=decoding,
         )
         if got is not None:
-            slab, total, tree_json, tree_pickle, metas, cpu, features = got
+            slab, total, tree_json, tree_pickle, metas, cpu, features, reads = got
             return TaskResult(
                 handle=slab.handle(total),
                 tree_json=tree_json,
@@ -283,9 +287,12 @@ def _run_task(task: dict, specs: dict, pool, progress, allow_pickle: bool, may_s
                 rows=len(cpu),
                 decoded=[int(i) for i in task["indices"][: len(cpu)]],
                 decode_cpu_s=cpu,
+                read_bytes=[b for b, _ in reads],
+                read_s=[w for _, w in reads],
                 features=features,
             )
-    samples, skipped, decoded, decode_cpu = [], [], [], []
+    samples, skipped, decoded, decode_cpu, reads = [], [], [], [], []
+    measured = getitem_is_fetch(dataset)  # fetch also says what the sample's reads cost
     for k, index in enumerate(task["indices"]):
         if not may_start(k):
             break
@@ -299,7 +306,13 @@ def _run_task(task: dict, specs: dict, pool, progress, allow_pickle: bool, may_s
                 if index in bad:
                     raise SampleError(index, path, bad[index])
                 c0 = time.thread_time()
-                samples.append(dataset[index])
+                if measured:
+                    sample, got = dataset.fetch(index)
+                    samples.append(sample)
+                    reads.append(storage_reads(got))
+                else:
+                    samples.append(dataset[index])
+                    reads.append((0, 0.0))
                 decode_cpu.append(time.thread_time() - c0)
                 decoded.append(int(index))
                 break
@@ -347,6 +360,8 @@ def _run_task(task: dict, specs: dict, pool, progress, allow_pickle: bool, may_s
         rows=len(samples),
         decoded=decoded,
         decode_cpu_s=decode_cpu,
+        read_bytes=[b for b, _ in reads],
+        read_s=[w for _, w in reads],
         features=features,
     )
 

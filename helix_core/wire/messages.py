@@ -138,10 +138,13 @@ def slab_handle_pb(handle: SlabHandle) -> pb.SlabHandle:
     return pb.SlabHandle(segment=handle.segment, generation=handle.generation, nbytes=handle.nbytes)
 
 
-def cost_term(cost) -> pb.CostTerm:
+def cost_term(cost, samples: int = 0) -> pb.CostTerm:
+    """A part's summed ``CostProfile`` (None: unknown) and its number of ``samples`` as a message."""
     if cost is None:
-        return pb.CostTerm()
-    return pb.CostTerm(cpu_s=cost.cpu_s, io_bytes=cost.io_bytes, out_bytes=cost.out_bytes, tokens=cost.tokens)
+        return pb.CostTerm(samples=samples)
+    return pb.CostTerm(
+        cpu_s=cost.cpu_s, io_bytes=cost.io_bytes, out_bytes=cost.out_bytes, tokens=cost.tokens, samples=samples
+    )
 
 
 def route_request(
@@ -158,7 +161,7 @@ def route_request(
         client_id=client_id,
         rank=rank,
         task_id=part.task_id,
-        cost=cost_term(part.cost),
+        cost=cost_term(part.cost, len(part.indices)),
         deadline_s=deadline_s or 0.0,
         has_deadline=deadline_s is not None,
         exclude=sorted(part.excluded),

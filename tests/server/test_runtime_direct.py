@@ -34,12 +34,15 @@ def test_decoded_in_place_equals_collating_decoded_samples(kmix, tmp_path):
             (flipped, hx.pad_collate, [5, 0]),
         ):
             assert supports_direct(ds, collate)
-            slab, total, tree_json, _, metas, cpu, _ = direct_batch(ds, collate, idx, pool, allow_pickle=False)
+            slab, total, tree_json, _, metas, cpu, _, reads = direct_batch(ds, collate, idx, pool, allow_pickle=False)
             _same(_read(slab, total, tree_json, metas), collate([ds[i] for i in idx]))
             assert len(cpu) == len(idx) and all(c > 0 for c in cpu)
+            assert reads == [(0, 0.0)] * len(idx)  # local files: nothing fetched from storage
             slab.release()
         # slabs are reused: stale bytes of a bigger batch must not leak into the padding
-        slab, total, tree_json, _, metas, _, _ = direct_batch(mixed, hx.pad_collate, [0, 3], pool, allow_pickle=False)
+        slab, total, tree_json, _, metas, _, _, _ = direct_batch(
+            mixed, hx.pad_collate, [0, 3], pool, allow_pickle=False
+        )
         _same(_read(slab, total, tree_json, metas), hx.pad_collate([mixed[0], mixed[3]]))
         slab.release()
         # what the direct path can't do goes back to the generic path, holding nothing
@@ -91,7 +94,7 @@ def test_tier2_features_are_taken_from_the_samples_decoded_in_place(kmix, tmp_pa
     idx = [2, 0, 1]
     with SlabPool(f"helix-test-direct-feat-{tmp_path.name[-8:]}-") as pool:
         for fn in (None, frames):
-            slab, total, tree_json, _, metas, _, features = direct_batch(
+            slab, total, tree_json, _, metas, _, features, _ = direct_batch(
                 ds, hx.pad_collate, idx, pool, allow_pickle=False, featurize=featurize(fn)
             )
             samples = [ds[i] for i in idx]

@@ -173,7 +173,7 @@ class RegisterClientReply(_message.Message):
     def __init__(self, client_id: _Optional[str] = ..., cluster_id: _Optional[str] = ..., task_id_base: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("server_id", "queue_depth", "inflight", "workers_alive", "latency_per_cost", "completed", "cross_ds_bytes", "queued_cpu_s", "link_bandwidth_bps", "link_latency_s", "bulk_bytes", "next_beat_s")
+    __slots__ = ("server_id", "queue_depth", "inflight", "workers_alive", "latency_per_cost", "completed", "cross_ds_bytes", "queued_cpu_s", "link_bandwidth_bps", "link_latency_s", "bulk_bytes", "next_beat_s", "storage_bandwidth_bps", "storage_latency_s")
     SERVER_ID_FIELD_NUMBER: _ClassVar[int]
     QUEUE_DEPTH_FIELD_NUMBER: _ClassVar[int]
     INFLIGHT_FIELD_NUMBER: _ClassVar[int]
@@ -186,6 +186,8 @@ class HeartbeatRequest(_message.Message):
     LINK_LATENCY_S_FIELD_NUMBER: _ClassVar[int]
     BULK_BYTES_FIELD_NUMBER: _ClassVar[int]
     NEXT_BEAT_S_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_BANDWIDTH_BPS_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_LATENCY_S_FIELD_NUMBER: _ClassVar[int]
     server_id: str
     queue_depth: int
     inflight: int
@@ -198,7 +200,9 @@ class HeartbeatRequest(_message.Message):
     link_latency_s: float
     bulk_bytes: int
     next_beat_s: float
-    def __init__(self, server_id: _Optional[str] = ..., queue_depth: _Optional[int] = ..., inflight: _Optional[int] = ..., workers_alive: _Optional[int] = ..., latency_per_cost: _Optional[float] = ..., completed: _Optional[int] = ..., cross_ds_bytes: _Optional[int] = ..., queued_cpu_s: _Optional[float] = ..., link_bandwidth_bps: _Optional[float] = ..., link_latency_s: _Optional[float] = ..., bulk_bytes: _Optional[int] = ..., next_beat_s: _Optional[float] = ...) -> None: ...
+    storage_bandwidth_bps: float
+    storage_latency_s: float
+    def __init__(self, server_id: _Optional[str] = ..., queue_depth: _Optional[int] = ..., inflight: _Optional[int] = ..., workers_alive: _Optional[int] = ..., latency_per_cost: _Optional[float] = ..., completed: _Optional[int] = ..., cross_ds_bytes: _Optional[int] = ..., queued_cpu_s: _Optional[float] = ..., link_bandwidth_bps: _Optional[float] = ..., link_latency_s: _Optional[float] = ..., bulk_bytes: _Optional[int] = ..., next_beat_s: _Optional[float] = ..., storage_bandwidth_bps: _Optional[float] = ..., storage_latency_s: _Optional[float] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
     __slots__ = ("known",)
@@ -207,16 +211,18 @@ class HeartbeatReply(_message.Message):
     def __init__(self, known: _Optional[bool] = ...) -> None: ...
 
 class CostTerm(_message.Message):
-    __slots__ = ("cpu_s", "io_bytes", "out_bytes", "tokens")
+    __slots__ = ("cpu_s", "io_bytes", "out_bytes", "tokens", "samples")
     CPU_S_FIELD_NUMBER: _ClassVar[int]
     IO_BYTES_FIELD_NUMBER: _ClassVar[int]
     OUT_BYTES_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
     cpu_s: float
     io_bytes: int
     out_bytes: int
     tokens: int
-    def __init__(self, cpu_s: _Optional[float] = ..., io_bytes: _Optional[int] = ..., out_bytes: _Optional[int] = ..., tokens: _Optional[int] = ...) -> None: ...
+    samples: int
+    def __init__(self, cpu_s: _Optional[float] = ..., io_bytes: _Optional[int] = ..., out_bytes: _Optional[int] = ..., tokens: _Optional[int] = ..., samples: _Optional[int] = ...) -> None: ...
 
 class RouteRequest(_message.Message):
     __slots__ = ("client_id", "rank", "task_id", "cost", "deadline_s", "exclude", "scheduler", "has_deadline", "completed", "host", "local_rank")
