@@ -222,7 +222,9 @@ def step_loads(features: Features, assignment: Sequence[int], key: str = "cost")
 def lpt_within_steps(features: Features, key: str = "cost") -> list[int]:
     """Equal-count LPT of ``features[key]`` inside each step: largest sample first to the least
     loaded rank of its step that still has room. Deterministic; a tie goes to the sample's own
-    rank (nothing moves that need not), then to the lower rank."""
+    rank (nothing moves that need not), then to the lower rank. A step where LPT's slowest rank
+    would not be faster than now keeps its rows where they are (greedy LPT can lose to a lucky
+    current split: 28+71+0 | 6+25+68 is 99 | 99, LPT's 71+25+6 | 68+28+0 is 102 | 96)."""
     out = [f["rank"] for f in features]
     by_step: dict[int, list[int]] = {}
     for p, f in enumerate(features):
@@ -237,6 +239,12 @@ def lpt_within_steps(features: Features, key: str = "cost") -> list[int]:
             out[p] = best
             room[best] -= 1
             load[best] += float(features[p][key])
+        now: dict[int, float] = {}
+        for p in positions:
+            now[features[p]["rank"]] = now.get(features[p]["rank"], 0.0) + float(features[p][key])
+        if max(load.values()) >= max(now.values()):
+            for p in positions:
+                out[p] = features[p]["rank"]
     return out
 
 
