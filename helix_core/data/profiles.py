@@ -142,22 +142,26 @@ class ProfileTable:
             raise ValueError(f"{path}, line 1: not a Helix profile table header") from None
         if version != PROFILE_VERSION:
             raise ValueError(f"{path}: profile table version {version}, this Helix reads {PROFILE_VERSION}")
-        body = pa.memory_map(str(path)).read_buffer().slice(len(first))  # no copy of the rows
         schema = pa.schema(
             [(k, pa.int64()) for k in _INT] + [(k, pa.float64()) for k in _FLOAT] + [(k, pa.string()) for k in _STR]
         )
-        if body.size > 0 and bytes(body.slice(0, min(body.size, 4096))).strip():
-            try:
-                table = pj.read_json(pa.BufferReader(body), parse_options=pj.ParseOptions(explicit_schema=schema))
-            except pa.ArrowInvalid as e:
-                raise ValueError(f"{path}: malformed profile rows ({e}); re-run `helix profile`") from None
-        else:
-            table = schema.empty_table()
+        with pa.OSFile(str(path)) as body:  # read block by block: a memory map's pages would count as ours
+            body.seek(len(first))
+            if body.read(4096).strip():
+                body.seek(len(first))
+                try:
+                    table = pj.read_json(body, parse_options=pj.ParseOptions(explicit_schema=schema))
+                except pa.ArrowInvalid as e:
+                    raise ValueError(f"{path}: malformed profile rows ({e}); re-run `helix profile`") from None
+            else:
+                table = schema.empty_table()
         cols = {}
         for k in _INT + _FLOAT:
             cols[k] = table.column(k).to_numpy(zero_copy_only=False)
         for k in _STR:  # paths stay arrow (a str per row is a million objects); the rest repeat a few values
             cols[k] = _Strings(table.column(k)) if k == "path" else _shared_objects(table.column(k))
+        del table
+        pa.default_memory_pool().release_unused()  # the parse's buffers, freed but kept by the allocator
         return cls(cols, CostFit(**header["fit"]), header.get("calibration", []))
 
 
