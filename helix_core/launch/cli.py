@@ -148,6 +148,20 @@ _ALL = "native,ray,helix"
 
 def _cmd_bench(a, console) -> int:
     _need_bench()
+    if a.manifest:
+        from helix_bench.micro.manifest import run_manifest_bench
+
+        run_manifest_bench(
+            rows=a.manifest,
+            formats=tuple(_split(a.manifest_formats)),
+            model=a.model,
+            data_dir=a.data,
+            out=a.out,
+            console=console,
+        )
+        if a.out:
+            console.print(f"saved {Path(a.out) / 'manifest.json'}")
+        return 0
     if a.overhead:
         from helix_bench.micro.overhead import run_overhead
 
@@ -412,6 +426,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="instead: move CLIPS (64) decoded clips among --ranks processes: gloo all_to_all vs one gRPC "
         "call a clip vs a handle exchange (Tier 2's paths; --repeats rounds, default 5)",
     )
+    s.add_argument(
+        "--manifest",
+        type=int,
+        nargs="?",
+        const=1_000_000,
+        default=0,
+        metavar="ROWS",
+        help="instead: build a dataset on a ROWS-row (1,000,000) manifest stating its clips' geometry, per "
+        "format, each in a fresh process: seconds, peak RSS, estimate_cost, cost_arrays (clips never opened)",
+    )
+    s.add_argument("--manifest-formats", default="parquet,csv,jsonl", help="with --manifest: comma-separated")
     s.add_argument(
         "--hosts",
         type=int,
