@@ -48,7 +48,7 @@ _GEOMETRY_MEMO = 4096  # samples whose geometry a dataset keeps (those in flight
 #: Encoded bits per source pixel and frame that a clip's size in bytes is estimated at when its
 #: manifest row states its geometry but not its ``bytes`` (H.264 web video: 0.05 to 0.2).
 ESTIMATED_BITS_PER_PIXEL = 0.1
-_CHUNK_ROWS = 1 << 16  # rows costed at a time: the geometry's temporaries stay a few MB
+_CHUNK_ROWS = 1 << 14  # rows costed at a time: the geometry's temporaries stay a few MB
 
 
 def sample_generator(seed: int, epoch: int, index: int) -> torch.Generator:
