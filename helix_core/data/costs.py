@@ -51,12 +51,18 @@ class CostFit:
 
 def profile_bucket(frames, width, height):
     """Profile bucket of source clips, ``"<frames>f@<short side>p"``: frames rounded to a power
-    of two, the short side to a multiple of 16 (vectorised; returns str or an array of str)."""
+    of two, the short side to a multiple of 16 (vectorised: a str for scalars, else an object
+    array whose equal buckets share one str)."""
     f = np.maximum(np.asarray(frames, dtype=np.float64), 1)
     fb = np.exp2(np.round(np.log2(f))).astype(np.int64)
     short = (np.round(np.minimum(np.asarray(width), np.asarray(height)) / 16.0) * 16).astype(np.int64)
-    out = np.char.add(np.char.add(fb.astype(str), "f@"), np.char.add(short.astype(str), "p"))
-    return str(out) if out.ndim == 0 else out
+    if fb.ndim == 0 and short.ndim == 0:
+        return f"{fb}f@{short}p"
+    fb, short = np.broadcast_arrays(fb, short)
+    # a few distinct buckets among many rows: format each once (a million str conversions take seconds)
+    keys, inverse = np.unique((fb.ravel() << 32) | (short.ravel() & 0xFFFFFFFF), return_inverse=True)
+    names = np.array([f"{k >> 32}f@{k & 0xFFFFFFFF}p" for k in keys.tolist()] or [""], dtype=object)
+    return names[inverse.reshape(fb.shape)]
 
 
 @dataclass
@@ -94,10 +100,15 @@ class CostModel:
 
     def update(self, descriptor: SampleDescriptor, measured_seconds: float, scale: float = 1.0) -> float:
         """Fold one measured decode (CPU seconds) into the bucket's correction; returns it."""
+        bucket = profile_bucket(descriptor.frames, descriptor.width, descriptor.height)
+        return self.update_bucket(bucket, self._base(descriptor) * scale, measured_seconds)
+
+    def update_bucket(self, bucket: str, predicted_s: float, measured_seconds: float) -> float:
+        """``update`` for a sample known by its ``bucket`` and its offline prediction (seconds,
+        without the correction), e.g. from a dataset's cost arrays; returns the new correction."""
         if not (math.isfinite(measured_seconds) and measured_seconds >= 0):
             raise ValueError(f"measured_seconds must be finite and >= 0, got {measured_seconds}")
-        bucket = profile_bucket(descriptor.frames, descriptor.width, descriptor.height)
-        base = max(self._base(descriptor) * scale, 1e-9)
+        base = max(float(predicted_s), 1e-9)
         old = self.correction(bucket)
         new = (1 - self.alpha) * old + self.alpha * (measured_seconds / base)
         self.corrections[bucket] = float(min(max(new, 0.05), 20.0))

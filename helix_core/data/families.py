@@ -9,9 +9,9 @@
 - ``wan``: short side to ``size`` (default 480), both sides rounded to multiples of 16, or an
   explicit ``(H, W)``; ``num_frames`` (default 81) rounded down to 4k+1.
 
-Per-sample manifest hints ``num_frames`` / ``size`` (the synthetic workloads write them) fill in
-what the dataset leaves as ``None`` for VideoMAE and Wan, so a mixed workload keeps its S/M/L
-decode profiles. Everything here works on numpy arrays over a whole profile table.
+Per-sample output hints ``num_frames`` / ``size`` (a manifest's, as the synthetic workloads write
+them) fill in what the dataset leaves as ``None`` for VideoMAE and Wan, so a mixed workload keeps
+its S/M/L decode profiles. Everything here works on numpy arrays over a whole profile table.
 """
 
 from __future__ import annotations
@@ -84,6 +84,11 @@ class VideoSpec:
     @property
     def is_qwen(self) -> bool:
         return self.model.startswith("qwen")
+
+    @property
+    def uses_fps(self) -> bool:
+        """Whether a clip's geometry depends on its frame rate (Qwen-VL sampling at 2 fps)."""
+        return self.is_qwen and self.num_frames is None
 
     def geometry(self, frames, fps, height, width, hint_frames=None, hint_size=None) -> Geometry:
         """Vectorised geometry of clips with source ``frames`` / ``fps`` / ``height`` / ``width``."""

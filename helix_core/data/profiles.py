@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 from dataclasses import asdict, fields
 from pathlib import Path
 
@@ -71,7 +72,8 @@ class ProfileTable:
 
     def ok(self) -> np.ndarray:
         """Boolean mask of rows that probed cleanly."""
-        return np.array([e is None or e == "" for e in self.columns["error"]], dtype=bool)
+        errors = self.columns["error"]
+        return np.fromiter((not e for e in errors), dtype=bool, count=len(errors))
 
     def descriptor(self, i: int) -> SampleDescriptor:
         """Row ``i`` as a ``SampleDescriptor``; raises ``SampleError`` for a row that failed."""
@@ -140,23 +142,52 @@ class ProfileTable:
             raise ValueError(f"{path}, line 1: not a Helix profile table header") from None
         if version != PROFILE_VERSION:
             raise ValueError(f"{path}: profile table version {version}, this Helix reads {PROFILE_VERSION}")
-        body = pa.memory_map(str(path)).read_buffer().slice(len(first))  # no copy of the rows
         schema = pa.schema(
             [(k, pa.int64()) for k in _INT] + [(k, pa.float64()) for k in _FLOAT] + [(k, pa.string()) for k in _STR]
         )
-        if body.size > 0 and bytes(body.slice(0, min(body.size, 4096))).strip():
-            try:
-                table = pj.read_json(pa.BufferReader(body), parse_options=pj.ParseOptions(explicit_schema=schema))
-            except pa.ArrowInvalid as e:
-                raise ValueError(f"{path}: malformed profile rows ({e}); re-run `helix profile`") from None
-        else:
-            table = schema.empty_table()
+        with pa.OSFile(str(path)) as body:  # read block by block: a memory map's pages would count as ours
+            body.seek(len(first))
+            if body.read(4096).strip():
+                body.seek(len(first))
+                try:
+                    table = pj.read_json(body, parse_options=pj.ParseOptions(explicit_schema=schema))
+                except pa.ArrowInvalid as e:
+                    raise ValueError(f"{path}: malformed profile rows ({e}); re-run `helix profile`") from None
+            else:
+                table = schema.empty_table()
         cols = {}
         for k in _INT + _FLOAT:
             cols[k] = table.column(k).to_numpy(zero_copy_only=False)
-        for k in _STR:
-            cols[k] = np.asarray(table.column(k).to_numpy(zero_copy_only=False), dtype=object)
+        for k in _STR:  # paths stay arrow (a str per row is a million objects); the rest repeat a few values
+            cols[k] = _Strings(table.column(k)) if k == "path" else _shared_objects(table.column(k))
+        del table
+        pa.default_memory_pool().release_unused()  # the parse's buffers, freed but kept by the allocator
         return cls(cols, CostFit(**header["fit"]), header.get("calibration", []))
+
+
+def _shared_objects(column) -> np.ndarray:
+    """An arrow string column as an object array in which equal values are one str."""
+    encoded = column.combine_chunks().dictionary_encode()
+    values = np.array([*encoded.dictionary.to_pylist(), None], dtype=object)
+    return values[encoded.indices.fill_null(len(encoded.dictionary)).to_numpy()]
+
+
+class _Strings(Sequence):
+    """A column of distinct strings kept as arrow (``arrow``): a str is made per access."""
+
+    def __init__(self, arrow):
+        self.arrow = arrow
+
+    def __len__(self) -> int:
+        return len(self.arrow)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        return self.arrow[i].as_py()
+
+    def tolist(self) -> list:
+        return self.arrow.to_pylist()
 
 
 def _probe_row(args):

@@ -3,6 +3,11 @@
 Building a dataset reads the manifest (and ``profiles.jsonl`` when present) and never opens a
 clip, so one bad file in a million cannot stop it: a bad sample fails when it is fetched or costed,
 as ``SampleError`` naming its index, path and cause.
+
+A sample is costed, without decoding, from the first of: the profile table; the source geometry
+its manifest row states (``height``, ``width``, ``num_frames`` or ``duration x fps``, ``fps``,
+``bytes``: see ``helix_core.data.manifest``); a probe of its container's header. Decoding always
+probes the clip itself: a manifest's geometry feeds costs and planning, never what is decoded.
 """
 
 from __future__ import annotations
@@ -23,9 +28,16 @@ from helix_core.data.profiles import ProfileTable
 from helix_core.data.storage.config import RemoteConfig, Storage
 from helix_core.data.storage.urls import is_url
 from helix_core.data.text import load_tokenizer
-from helix_core.errors import PICKLING, SampleError, text_of
+from helix_core.errors import PICKLING, SampleError
 
-__all__ = ["MAX_FRAMES", "MAX_FRAME_PIXELS", "VideoClipDataset", "VideoTextDataset", "sample_generator"]
+__all__ = [
+    "ESTIMATED_BITS_PER_PIXEL",
+    "MAX_FRAMES",
+    "MAX_FRAME_PIXELS",
+    "VideoClipDataset",
+    "VideoTextDataset",
+    "sample_generator",
+]
 
 #: Caps checked from the container's header before a sample is decoded (a forged header must not
 #: make a worker allocate gigabytes): far above any training clip — 8K UHD is 33 Mpx, a 2-hour
@@ -33,6 +45,10 @@ __all__ = ["MAX_FRAMES", "MAX_FRAME_PIXELS", "VideoClipDataset", "VideoTextDatas
 MAX_FRAME_PIXELS = 8192 * 8192
 MAX_FRAMES = 500_000
 _GEOMETRY_MEMO = 4096  # samples whose geometry a dataset keeps (those in flight, many times over)
+#: Encoded bits per source pixel and frame that a clip's size in bytes is estimated at when its
+#: manifest row states its geometry but not its ``bytes`` (H.264 web video: 0.05 to 0.2).
+ESTIMATED_BITS_PER_PIXEL = 0.1
+_CHUNK_ROWS = 1 << 14  # rows costed at a time: the geometry's temporaries stay a few MB
 
 
 def sample_generator(seed: int, epoch: int, index: int) -> torch.Generator:
@@ -58,6 +74,13 @@ class VideoClipDataset(torch.utils.data.Dataset):
     when it exists; ``False`` to ignore it). ``random_flip``: probability of a horizontal flip;
     ``transform(sample, generator)``: an extra user transform. Both draw from
     ``sample_generator(seed, epoch, index)``; ``set_epoch`` advances the epoch.
+
+    Costs (``estimate_cost``, ``cost_arrays``) come from the profile table when there is one, else
+    from the manifest's source geometry columns (Open-Sora's ``height``, ``width``,
+    ``num_frames``, ``fps``, ``duration``, and ``bytes``), else from probing each clip's header
+    when it is first costed. Per-sample ``num_frames`` / ``size`` columns fill in the dataset's
+    ``num_frames`` / ``size`` where they are None, except that in a manifest with ``height`` and
+    ``width`` columns ``num_frames`` is the clip's length (see ``helix_core.data.manifest``).
     """
 
     def __init__(
@@ -97,11 +120,11 @@ class VideoClipDataset(torch.utils.data.Dataset):
         self.random_flip, self.transform = float(random_flip), transform
         self._profiles = profiles if profiles in (None, True, False) else Path(profiles).absolute()
         self.table = self._load_table(profiles)
-        self._hints = (np.asarray(self.manifest.hint("num_frames")), np.asarray(self.manifest.hint("size")))
+        self._hints = _output_hints(self.manifest)  # (num_frames, size): arrays, or None without the column
         self._probed: dict[int, SampleDescriptor] = {}
-        self._geo: dict = {}  # index -> its geometry (fixed per sample): planning, decoding and costing share it
+        self._geo: dict = {}  # index -> its geometry (fixed per sample): decoding and costing share it
         self.cost_model = CostModel(self.table.fit if self.table is not None else CostFit(), work_fn=self._work)
-        self._costs = self._table_costs() if self.table is not None else None
+        self._costs = self._table_costs() if self.table is not None else self._stated_costs()
 
     # ---- construction helpers ----------------------------------------------------------------
     def _load_table(self, profiles) -> ProfileTable | None:
@@ -113,7 +136,7 @@ class VideoClipDataset(torch.utils.data.Dataset):
                 raise FileNotFoundError(f"profile table {path} does not exist (make it with `helix profile`)")
             return None
         table = ProfileTable.load(path)
-        if len(table) != len(self.manifest) or list(table.path) != [text_of(p) for p in self.manifest.paths]:
+        if len(table) != len(self.manifest) or not _same_paths(table.path, self.manifest.resolved_paths()):
             raise ValueError(
                 f"profile table {path} does not match manifest {self.manifest_path} "
                 f"({len(table)} rows for {len(self.manifest)} samples or other paths): "
@@ -121,23 +144,65 @@ class VideoClipDataset(torch.utils.data.Dataset):
             )
         return table
 
-    def _table_costs(self) -> dict[str, np.ndarray]:
-        """Vectorised cost arrays over every row of the profile table."""
-        t = self.table
-        geo = self.spec.geometry(t.frames, t.fps, t.height, t.width, *self._hints)
-        decoded_px = geo.frames_decoded * t.width * t.height
+    def _source_costs(self, frames, fps, height, width, io_bytes, scale, rows: slice) -> dict[str, np.ndarray]:
+        """Vectorised cost arrays of rows ``rows`` from their source facts (arrays of those rows)."""
+        out_frames, out_size = (None if h is None else h[rows] for h in self._hints)
+        geo = self.spec.geometry(frames, fps, height, width, out_frames, out_size)
+        decoded_px = geo.frames_decoded * width * height
         output_px = geo.t * geo.resize_h * geo.resize_w
         return {
-            "cpu_s": self.table.fit.predict(decoded_px, output_px) * t.cost_scale,
+            "cpu_s": self.cost_model.fit.predict(decoded_px, output_px) * scale,
             "out_bytes": geo.t * 3 * geo.out_h * geo.out_w,
             "tokens": geo.tokens,
             "t": geo.t,
             "h": geo.out_h,
             "w": geo.out_w,
-            "io_bytes": t.columns["bytes"],
-            "bucket": np.asarray(profile_bucket(t.frames, t.width, t.height)),
-            "ok": t.ok(),
+            "io_bytes": io_bytes,
+            "bucket": profile_bucket(frames, width, height),
         }
+
+    def _table_costs(self) -> dict[str, np.ndarray]:
+        """Vectorised cost arrays over every row of the profile table."""
+        t = self.table
+        costs = self._source_costs(t.frames, t.fps, t.height, t.width, t.columns["bytes"], t.cost_scale, slice(None))
+        costs["ok"] = t.ok()
+        return costs
+
+    def _stated(self, start: int, stop: int) -> dict[str, np.ndarray] | None:
+        """Cost arrays of rows ``start:stop`` from the geometry their manifest rows state, or None
+        when one of them lacks what its cost needs (frames, height and width; fps where the
+        family samples by rate). A row without ``bytes`` has its size estimated at
+        ``ESTIMATED_BITS_PER_PIXEL``."""
+        s = self.manifest.source_hints(start, stop)
+        if s is None:
+            return None
+        needed = (s.frames, s.height, s.width, s.fps) if self.spec.uses_fps else (s.frames, s.height, s.width)
+        if any(np.isnan(a).any() for a in needed):
+            return None
+        frames, height, width = (a.astype(np.int64) for a in (s.frames, s.height, s.width))
+        estimate = frames * height * width * (ESTIMATED_BITS_PER_PIXEL / 8)
+        io_bytes = np.where(np.isnan(s.bytes), np.round(estimate), s.bytes).astype(np.int64)
+        fps = np.nan_to_num(s.fps)  # where unknown, the geometry does not use it
+        costs = self._source_costs(frames, fps, height, width, io_bytes, 1.0, slice(start, stop))
+        costs["ok"] = np.ones(len(frames), dtype=bool)
+        return costs
+
+    def _stated_costs(self) -> dict[str, np.ndarray] | None:
+        """Cost arrays over every row from the manifest's source geometry (by chunks of rows, into
+        arrays allocated once), or None unless every row states what its cost needs."""
+        n = len(self.manifest)
+        if not _describes_sources(self.manifest):
+            return None
+        out: dict[str, np.ndarray] = {}
+        for start in range(0, n, _CHUNK_ROWS):
+            part = self._stated(start, min(start + _CHUNK_ROWS, n))
+            if part is None:
+                return None
+            for k, v in part.items():
+                if k not in out:
+                    out[k] = np.empty(n, dtype=v.dtype)
+                out[k][start : start + len(v)] = v
+        return out
 
     def _read_manifest(self, manifest, **keys) -> Manifest:
         """The samples' records (``records``, ``paths``, ``hint``, ``keys``, ``len``): here a
@@ -167,12 +232,11 @@ class VideoClipDataset(torch.utils.data.Dataset):
     def _geometry(self, d: SampleDescriptor):
         i = d.index
         g = self._geo.get(i)
-        if g is None:  # a sample's geometry is asked for several times on its way (plan, decode, cost)
+        if g is None:  # a sample's geometry is asked for several times on its way (decode, cost)
             if len(self._geo) >= _GEOMETRY_MEMO:
                 self._geo.clear()
-            g = self._geo[i] = self.spec.geometry(
-                d.frames, d.fps, d.height, d.width, self._hints[0][i : i + 1], self._hints[1][i : i + 1]
-            )
+            hints = (None if h is None else h[i : i + 1] for h in self._hints)
+            g = self._geo[i] = self.spec.geometry(d.frames, d.fps, d.height, d.width, *hints)
         return g
 
     def _work(self, d: SampleDescriptor) -> tuple[float, float]:
@@ -182,16 +246,18 @@ class VideoClipDataset(torch.utils.data.Dataset):
     def estimate_cost(self, index: int) -> CostProfile:
         """Predicted cost of sample ``index`` without decoding (``SampleError`` if it can't be probed)."""
         index = self._check(index)
-        if self._costs is not None:
+        if self.table is not None:
             self.table.descriptor(index)  # raises SampleError for a row that failed to probe
-            c = self._costs
-            cpu_s = float(c["cpu_s"][index]) * self.cost_model.correction(str(c["bucket"][index]))
+        stated = self._costs_of(index)
+        if stated is not None:
+            c, j = stated
+            cpu_s = float(c["cpu_s"][j]) * self.cost_model.correction(str(c["bucket"][j]))
             return CostProfile(
                 cpu_s=cpu_s,
-                io_bytes=int(c["io_bytes"][index]),
-                out_bytes=int(c["out_bytes"][index]),
-                tokens=int(c["tokens"][index]),
-                profile=f"{c['t'][index]}x{c['h'][index]}x{c['w'][index]}",
+                io_bytes=int(c["io_bytes"][j]),
+                out_bytes=int(c["out_bytes"][j]),
+                tokens=int(c["tokens"][j]),
+                profile=f"{c['t'][j]}x{c['h'][j]}x{c['w'][j]}",
             )
         d = self.descriptor(index)
         g = self._geometry(d)
@@ -204,15 +270,34 @@ class VideoClipDataset(torch.utils.data.Dataset):
             profile=f"{t}x{h}x{w}",
         )
 
+    def _costs_of(self, index: int) -> tuple[dict[str, np.ndarray], int] | None:
+        """Cost arrays holding sample ``index`` and its row in them: every row's (a profile table, or
+        a manifest whose every row states its geometry), or this row's alone where the manifest
+        states its geometry; None where the sample must be probed to be costed."""
+        if self._costs is not None:
+            return self._costs, index
+        if _describes_sources(self.manifest):
+            row = self._stated(index, index + 1)
+            if row is not None:
+                return row, 0
+        return None
+
     def cost_arrays(self) -> dict[str, np.ndarray] | None:
         """Every row's ``cpu_s`` (offline, without online corrections), ``io_bytes``,
         ``out_bytes``, ``tokens``, profile ``t/h/w``, source ``bucket`` and ``ok`` (False where
-        the clip failed to probe) as arrays (needs a profile table; ``None`` without one)."""
+        the clip failed to probe) as arrays: from the profile table, else from the manifest's
+        source geometry when every row states it (``io_bytes`` from its ``bytes`` column, else
+        estimated at ``ESTIMATED_BITS_PER_PIXEL``); ``None`` otherwise."""
         return self._costs
 
     def observe_cost(self, index: int, cpu_s: float) -> None:
         """Fold one measured decode (CPU seconds of ``ds[index]``) into the online cost model: its
         profile bucket's correction, which ``estimate_cost`` applies from then on."""
+        stated = self._costs_of(int(index)) if self.table is None else None
+        if stated is not None:  # its bucket and prediction as costed: no probe in the training process
+            c, j = stated
+            self.cost_model.update_bucket(str(c["bucket"][j]), float(c["cpu_s"][j]), cpu_s)
+            return
         try:
             d = self.descriptor(index)
         except Exception:  # a sample that cannot be described has no bucket to refine
@@ -330,6 +415,30 @@ class VideoClipDataset(torch.utils.data.Dataset):
 
                 raise SpecError(name, f"transform={self.transform!r}", why_not_json(self.transform))
         return {"target": f"{type(self).__module__}.{type(self).__qualname__}", "kwargs": kwargs}
+
+
+def _output_hints(manifest) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """A manifest's per-sample ``(num_frames, size)`` (see ``Manifest.output_hints``); from the
+    ``hint`` of a subclass's own records (``_read_manifest``), which state no source geometry."""
+    if isinstance(manifest, Manifest):
+        return manifest.output_hints()
+    return np.asarray(manifest.hint("num_frames")), np.asarray(manifest.hint("size"))
+
+
+def _describes_sources(manifest) -> bool:
+    return isinstance(manifest, Manifest) and manifest.describes_sources
+
+
+def _same_paths(table_paths, manifest_paths) -> bool:
+    """Whether a profile table's paths are the manifest's resolved paths, row by row (vectorised)."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    table_paths = getattr(table_paths, "arrow", table_paths)  # a loaded table keeps its paths as arrow
+    if not isinstance(table_paths, (pa.Array, pa.ChunkedArray)):
+        table_paths = pa.array(list(table_paths), type=pa.string())
+    same = pc.equal(manifest_paths, table_paths)
+    return same.null_count == 0 and bool(pc.all(same).as_py())
 
 
 class VideoTextDataset(VideoClipDataset):

@@ -44,9 +44,16 @@ def _cmd_synth(a, console) -> int:
     from helix_core.data.media.synth import make_dataset
 
     root = make_dataset(
-        a.out, workload=a.workload, num_clips=a.clips, seed=a.seed, scale=a.scale, workers=a.workers, progress=True
+        a.out,
+        workload=a.workload,
+        num_clips=a.clips,
+        seed=a.seed,
+        scale=a.scale,
+        workers=a.workers,
+        progress=True,
+        manifest_format=a.format,
     )
-    console.print(f"wrote {a.clips} {a.workload} clips and {root / 'manifest.jsonl'}")
+    console.print(f"wrote {a.clips} {a.workload} clips and {root / f'manifest.{a.format}'}")
     return 0
 
 
@@ -141,6 +148,20 @@ _ALL = "native,ray,helix"
 
 def _cmd_bench(a, console) -> int:
     _need_bench()
+    if a.manifest:
+        from helix_bench.micro.manifest import run_manifest_bench
+
+        run_manifest_bench(
+            rows=a.manifest,
+            formats=tuple(_split(a.manifest_formats)),
+            model=a.model,
+            data_dir=a.data,
+            out=a.out,
+            console=console,
+        )
+        if a.out:
+            console.print(f"saved {Path(a.out) / 'manifest.json'}")
+        return 0
     if a.overhead:
         from helix_bench.micro.overhead import run_overhead
 
@@ -299,19 +320,20 @@ def _run_service(role: str, rest: list[str]) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from helix_core.data.media.synth import WORKLOADS
+    from helix_core.data.media.synth import MANIFEST_FORMATS, WORKLOADS
 
     p = argparse.ArgumentParser(
         prog="helix", description="Helix: a CPU–GPU co-scheduling data plane for video training"
     )
     sub = p.add_subparsers(dest="cmd", required=True)
-    s = sub.add_parser("synth", help="write a synthetic H.264 workload and its manifest.jsonl")
+    s = sub.add_parser("synth", help="write a synthetic H.264 workload and its manifest (JSON lines, CSV or Parquet)")
     s.add_argument("out")
     s.add_argument("--workload", choices=WORKLOADS, default="kinetics-mixed")
     s.add_argument("--clips", type=int, default=48)
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--scale", type=float, default=1.0, help="shrink resolution and duration (tests: 0.25)")
     s.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="encoder processes")
+    s.add_argument("--format", choices=MANIFEST_FORMATS, default="jsonl", help="the manifest's: manifest.FORMAT")
     s.set_defaults(fn=_cmd_synth)
     s = sub.add_parser("profile", help="probe a manifest's clips and calibrate the cost table (profiles.jsonl)")
     s.add_argument("manifest")
@@ -404,6 +426,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="instead: move CLIPS (64) decoded clips among --ranks processes: gloo all_to_all vs one gRPC "
         "call a clip vs a handle exchange (Tier 2's paths; --repeats rounds, default 5)",
     )
+    s.add_argument(
+        "--manifest",
+        type=int,
+        nargs="?",
+        const=1_000_000,
+        default=0,
+        metavar="ROWS",
+        help="instead: build a dataset on a ROWS-row (1,000,000) manifest stating its clips' geometry, per "
+        "format, each in a fresh process: seconds, peak RSS, estimate_cost, cost_arrays (clips never opened)",
+    )
+    s.add_argument("--manifest-formats", default="parquet,csv,jsonl", help="with --manifest: comma-separated")
     s.add_argument(
         "--hosts",
         type=int,

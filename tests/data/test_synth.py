@@ -5,6 +5,7 @@ import json
 
 import av
 import pytest
+import torch
 
 import helix_core as hx
 from helix_core.data.media import synth
@@ -67,3 +68,24 @@ def test_second_call_reuses_clips(tmp_path):
     hx.synth.make_dataset(tmp_path, "kinetics-small", 2, seed=0, scale=0.2)
     assert {p.name: p.stat().st_mtime_ns for p in root.glob("*.mp4")} == before
     assert not list(root.glob(".*part"))
+
+
+def test_csv_and_parquet_manifests_give_the_samples_json_lines_give(tmp_path):
+    root = hx.synth.make_dataset(tmp_path, "openvid-mixed", 3, seed=2, scale=0.15)
+    clips = {p.name: p.stat().st_mtime_ns for p in root.glob("clip_*")}
+    for fmt in ("csv", "parquet"):  # the clips of the JSON-lines manifest are kept, not encoded again
+        assert hx.synth.make_dataset(tmp_path, "openvid-mixed", 3, seed=2, scale=0.15, manifest_format=fmt) == root
+    assert {p.name: p.stat().st_mtime_ns for p in root.glob("clip_*")} == clips
+    assert synth._old_specs(root / "manifest.csv") == synth._old_specs(root / "manifest.jsonl")
+    assert synth._old_specs(root / "manifest.parquet") == synth._old_specs(root / "manifest.jsonl")
+    ref = hx.VideoClipDataset(root / "manifest.jsonl", model="wan", profiles=False)
+    for fmt in ("csv", "parquet"):
+        ds = hx.VideoClipDataset(root / f"manifest.{fmt}", model="wan", profiles=False)
+        assert not ds.manifest.describes_sources  # spec.width / spec.height are not the source geometry columns
+        assert ds.manifest.records[1]["spec.frames"] == ref.manifest.records[1]["spec"]["frames"]
+        for i in range(len(ref)):
+            assert ds.estimate_cost(i) == ref.estimate_cost(i)  # the num_frames / size hints hold
+            a, b = ds[i], ref[i]
+            assert torch.equal(a["video"], b["video"]) and a["label"] == b["label"]
+    with pytest.raises(ValueError, match="valid: jsonl, csv, parquet"):
+        hx.synth.make_dataset(tmp_path, "openvid-mixed", 3, manifest_format="tsv")

@@ -17,13 +17,16 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["ClipSpec", "WORKLOADS", "make_dataset", "plan_workload", "write_clip"]
+__all__ = ["ClipSpec", "MANIFEST_FORMATS", "WORKLOADS", "make_dataset", "plan_workload", "write_clip"]
 
 #: Workload names accepted by ``make_dataset`` / ``helix synth``.
 WORKLOADS = ("kinetics-small", "kinetics-mid", "kinetics-large", "kinetics-mixed", "openvid-mixed", "openvid-raw")
 #: ``openvid-raw``: openvid-mixed's clips in containers with no frame count — Matroska (its count is
 #: estimated as duration x fps) and raw Annex-B H.264 (no duration either: counted from packets).
 _RAW_SUFFIXES = (".mkv", ".h264")
+#: Manifest formats ``make_dataset`` writes (``manifest.<format>``). CSV and Parquet cannot nest: a
+#: clip's ``spec`` is flattened into ``spec.<field>`` columns.
+MANIFEST_FORMATS = ("jsonl", "csv", "parquet")
 
 # Kinetics decode profiles (paper §5.1): sampled frames and source short side.
 _KINETICS = {"S": (16, 224), "M": (32, 336), "L": (64, 448)}
@@ -196,39 +199,87 @@ def make_dataset(
     scale: float = 1.0,
     workers: int = 1,
     progress: bool = False,
+    manifest_format: str = "jsonl",
 ) -> Path:
-    """Write ``num_clips`` clips of ``workload`` and ``OUT/manifest.jsonl``; return the folder.
+    """Write ``num_clips`` clips of ``workload`` and ``OUT/manifest.<manifest_format>`` (``jsonl``,
+    ``csv`` or ``parquet``); return the folder.
 
-    Clips that already exist with the same spec are kept (the manifest records the spec), so a
-    second call is cheap. ``workers`` > 1 encodes in that many spawned processes.
+    Every row has ``path``, ``caption``, ``label``, the output hints ``num_frames`` / ``size``,
+    ``profile``, ``workload`` and the clip's ``spec`` (nested in JSON lines; ``spec.<field>``
+    columns in CSV and Parquet). Clips that already exist with the same spec in any manifest of the
+    folder are kept, so a second call is cheap, in any format. ``workers`` > 1 encodes in that many
+    spawned processes.
     """
+    if manifest_format not in MANIFEST_FORMATS:
+        raise ValueError(f"manifest_format={manifest_format!r}; valid: {', '.join(MANIFEST_FORMATS)}")
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
     specs = plan_workload(workload, num_clips, seed, scale)
-    manifest = out / "manifest.jsonl"
-    old = {}
-    if manifest.exists():
-        for line in manifest.read_text().splitlines():
-            rec = json.loads(line)
-            old[rec["path"]] = rec.get("spec")
+    out.mkdir(parents=True, exist_ok=True)
+    old: dict[str, dict | None] = {}
+    for fmt in MANIFEST_FORMATS:
+        old.update(_old_specs(out / f"manifest.{fmt}"))
     todo = [(out / s.name, s) for s in specs if not ((out / s.name).exists() and old.get(s.name) == asdict(s))]
     _run(todo, workers, progress, f"synth {workload}")
-    tmp = manifest.with_suffix(".jsonl.part")
-    with open(tmp, "w") as f:
-        for s in specs:
-            rec = {
-                "path": s.name,
-                "caption": s.caption,
-                "label": s.label,
-                "num_frames": s.num_frames,
-                "size": s.size,
-                "profile": s.profile,
-                "workload": workload,
-                "spec": asdict(s),
-            }
-            f.write(json.dumps(rec) + "\n")
-    os.replace(tmp, manifest)
+    rows = [
+        {
+            "path": s.name,
+            "caption": s.caption,
+            "label": s.label,
+            "num_frames": s.num_frames,
+            "size": s.size,
+            "profile": s.profile,
+            "workload": workload,
+            "spec": asdict(s),
+        }
+        for s in specs
+    ]
+    _write_manifest(out / f"manifest.{manifest_format}", rows)
     return out
+
+
+def _write_manifest(path: Path, rows: list[dict]) -> None:
+    """``rows`` as JSON lines, CSV or Parquet by ``path``'s suffix, written atomically."""
+    tmp = path.with_name(f".{path.name}.part")
+    if path.suffix == ".jsonl":
+        with open(tmp, "w") as f:
+            for rec in rows:
+                f.write(json.dumps(rec) + "\n")
+    else:
+        import pyarrow as pa
+
+        flat = [
+            {**{k: v for k, v in r.items() if k != "spec"}, **{f"spec.{k}": v for k, v in r["spec"].items()}}
+            for r in rows
+        ]
+        table = pa.Table.from_pylist(flat)
+        if path.suffix == ".csv":
+            import pyarrow.csv as pacsv
+
+            pacsv.write_csv(table, tmp)
+        else:
+            import pyarrow.parquet as pq
+
+            pq.write_table(table, tmp)
+    os.replace(tmp, path)
+
+
+def _old_specs(manifest: Path) -> dict[str, dict | None]:
+    """Clip name -> the spec an earlier manifest of the folder recorded for it (none: {})."""
+    if not manifest.exists():
+        return {}
+    if manifest.suffix == ".jsonl":
+        recs = [json.loads(line) for line in manifest.read_text().splitlines() if line.strip()]
+        return {r["path"]: r.get("spec") for r in recs}
+    if manifest.suffix == ".csv":
+        import pyarrow.csv as pacsv
+
+        table = pacsv.read_csv(manifest)
+    else:
+        import pyarrow.parquet as pq
+
+        table = pq.read_table(manifest)
+    fields = [c for c in table.column_names if c.startswith("spec.")]
+    return {r["path"]: {c[len("spec.") :]: r[c] for c in fields} if fields else None for r in table.to_pylist()}
 
 
 def _run(todo, workers: int, progress: bool, title: str) -> None:
