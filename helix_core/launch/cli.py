@@ -52,8 +52,11 @@ def _cmd_synth(a, console) -> int:
         workers=a.workers,
         progress=True,
         manifest_format=a.format,
+        shards=a.shards,
     )
     console.print(f"wrote {a.clips} {a.workload} clips and {root / f'manifest.{a.format}'}")
+    if a.shards:
+        console.print(f"and WebDataset shards of {a.shards} samples in {root / 'shards'}")
     return 0
 
 
@@ -334,6 +337,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--scale", type=float, default=1.0, help="shrink resolution and duration (tests: 0.25)")
     s.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="encoder processes")
     s.add_argument("--format", choices=MANIFEST_FORMATS, default="jsonl", help="the manifest's: manifest.FORMAT")
+    s.add_argument(
+        "--shards", type=int, default=None, metavar="N", help="also pack the clips as WebDataset shards of N samples"
+    )
     s.set_defaults(fn=_cmd_synth)
     s = sub.add_parser("profile", help="probe a manifest's clips and calibrate the cost table (profiles.jsonl)")
     s.add_argument("manifest")

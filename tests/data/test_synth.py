@@ -89,3 +89,15 @@ def test_csv_and_parquet_manifests_give_the_samples_json_lines_give(tmp_path):
             assert torch.equal(a["video"], b["video"]) and a["label"] == b["label"]
     with pytest.raises(ValueError, match="valid: jsonl, csv, parquet"):
         hx.synth.make_dataset(tmp_path, "openvid-mixed", 3, manifest_format="tsv")
+
+
+def test_synth_packs_its_workload_as_shards_that_give_the_same_samples(tmp_path):
+    root = hx.synth.make_dataset(tmp_path, "kinetics-mixed", 4, seed=3, scale=0.2, manifest_format="parquet", shards=3)
+    tars = sorted((root / "shards").glob("train-*.tar"))
+    assert [p.name for p in tars] == ["train-000000.tar", "train-000001.tar"]
+    ref = hx.VideoClipDataset(root / "manifest.parquet", model="videomae", profiles=False)
+    ds = hx.WebDatasetClips(str(root / "shards" / "train-{000000..000001}.tar"), model="videomae")
+    assert len(ds) == len(ref) == 4
+    for i in (0, 3):
+        a, b = ds[i], ref[i]
+        assert torch.equal(a["video"], b["video"]) and a["label"] == b["label"]

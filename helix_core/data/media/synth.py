@@ -200,9 +200,12 @@ def make_dataset(
     workers: int = 1,
     progress: bool = False,
     manifest_format: str = "jsonl",
+    shards: int | None = None,
 ) -> Path:
     """Write ``num_clips`` clips of ``workload`` and ``OUT/manifest.<manifest_format>`` (``jsonl``,
-    ``csv`` or ``parquet``); return the folder.
+    ``csv`` or ``parquet``); return the folder. ``shards``: also pack them as WebDataset shards of
+    that many samples, ``OUT/shards/train-000000.tar``, ... (indexed: ``hx.WebDatasetClips``
+    reads them as the same samples).
 
     Every row has ``path``, ``caption``, ``label``, the output hints ``num_frames`` / ``size``,
     ``profile``, ``workload`` and the clip's ``spec`` (nested in JSON lines; ``spec.<field>``
@@ -234,6 +237,10 @@ def make_dataset(
         for s in specs
     ]
     _write_manifest(out / f"manifest.{manifest_format}", rows)
+    if shards is not None:
+        from helix_core.data.shards.write import write_shards
+
+        write_shards(out / f"manifest.{manifest_format}", out / "shards" / "train-%06d.tar", shards, progress=progress)
     return out
 
 
