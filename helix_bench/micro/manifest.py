@@ -7,6 +7,11 @@ the manifest's columns (a probe would fail). Each format is measured in a fresh 
 seconds to build ``VideoClipDataset`` on it, the process's peak resident memory (MB), absolute and
 over what the imports alone take, then ``len``, ``estimate_cost(i)`` (microseconds, median over
 random rows) and ``cost_arrays()`` (seconds). Prints a table; with ``out``, writes ``manifest.json``.
+
+``shards``: a WebDataset shard set of ``shard_members`` tar members (a small real clip and its
+``.json`` per sample, 1,000 samples a shard) instead of a manifest: the first build scans the
+shards and writes their index (every member's header walked, every video probed), the second
+reads the index back; each in a fresh interpreter.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from pathlib import Path
 
 __all__ = ["FORMATS", "measure_build", "run_manifest_bench", "write_manifest"]
 
-FORMATS = ("parquet", "csv", "jsonl")
+FORMATS = ("parquet", "csv", "jsonl", "shards")
 _HEIGHTS = (224, 240, 360, 448, 480, 720, 1080)
 _FPS = (24.0, 25.0, 30.0)
 _WORDS = (
@@ -76,6 +81,37 @@ def write_manifest(path: str | os.PathLike, rows: int, seed: int = 0) -> Path:
     return path
 
 
+def write_shard_set(folder: str | os.PathLike, members: int) -> str:
+    """``members`` tar members in shards of 1,000 samples under ``folder`` (once): each sample a
+    small real H.264 clip (``key.mp4``) and its ``key.json``; returns the set's brace pattern."""
+    import io
+    import tarfile
+
+    from helix_core.data.media.synth import ClipSpec, write_clip
+
+    folder = Path(folder)
+    samples = max(1, members // 2)
+    shards = -(-samples // 1000)
+    pattern = str(folder / f"train-{{000000..{shards - 1:06d}}}.tar")
+    if (folder / f"train-{shards - 1:06d}.tar").exists():
+        return pattern
+    folder.mkdir(parents=True, exist_ok=True)
+    clip = write_clip(folder / "clip.mp4", ClipSpec("clip.mp4", 64, 36, 24, 24.0, 1, "S", 16, 32, "", 0)).read_bytes()
+    for k in range(shards):
+        tmp = folder / f".train-{k:06d}.tar.part"
+        with tarfile.open(tmp, "w", format=tarfile.USTAR_FORMAT) as tar:
+            for i in range(k * 1000, min((k + 1) * 1000, samples)):
+                for ext, data in (
+                    ("mp4", clip),
+                    ("json", json.dumps({"caption": f"clip {i}", "label": i % 400}).encode()),
+                ):
+                    info = tarfile.TarInfo(f"{i:08d}.{ext}")
+                    info.size = len(data)
+                    tar.addfile(info, io.BytesIO(data))
+        os.replace(tmp, folder / f"train-{k:06d}.tar")
+    return pattern
+
+
 def measure_build(manifest: str | os.PathLike, model: str = "videomae", samples: int = 1000) -> dict:
     """In this process (a fresh one: peak memory is the process's): build the dataset and cost it.
     Seconds, MB (peak resident, absolute and over the imports'), microseconds per estimate."""
@@ -89,11 +125,15 @@ def measure_build(manifest: str | os.PathLike, model: str = "videomae", samples:
     import pyarrow.csv  # noqa: F401 - the readers' modules count as imports, not as the manifest's cost
     import pyarrow.parquet  # noqa: F401
 
+    from helix_core.data.shards.dataset import WebDatasetClips
     from helix_core.data.video import VideoClipDataset
 
     imports = peak_mb()
     t = time.perf_counter()
-    ds = VideoClipDataset(manifest, model=model, profiles=False)
+    if str(manifest).endswith(".tar"):
+        ds = WebDatasetClips(str(manifest), model=model)
+    else:
+        ds = VideoClipDataset(manifest, model=model, profiles=False)
     build_s = time.perf_counter() - t
     n = len(ds)
     picks = np.random.default_rng(0).integers(0, n, size=min(samples, n))
@@ -127,6 +167,7 @@ def run_manifest_bench(
     out: str | os.PathLike | None = None,
     console=None,
     timeout_s: float = 600.0,
+    shard_members: int = 10_000,
 ) -> dict:
     """Write (once) and measure a ``rows``-row manifest per format, each in a fresh interpreter;
     print a table and return ``{format: figures}`` (``out``: also ``OUT/manifest.json``)."""
@@ -136,26 +177,42 @@ def run_manifest_bench(
     from helix_core.config import cache_dir
 
     bad = [f for f in formats if f not in FORMATS]
-    if bad or not formats or rows < 1:
+    if bad or not formats or rows < 1 or shard_members < 2:
         raise ValueError(f"--manifest needs rows >= 1 and formats among {', '.join(FORMATS)} (got {rows}, {formats})")
     console = console or Console()
     folder = Path(data_dir) if data_dir else cache_dir() / "bench-data"
     results = {}
-    for fmt in formats:
-        path = folder / f"manifest-{rows}" / f"manifest.{fmt}"
-        if not path.exists():
-            console.print(f"writing a {rows:,}-row {fmt} manifest in {path.parent} ...")
-            write_manifest(path, rows)
+
+    def measure(source: str) -> dict:
         done = subprocess.run(
-            [sys.executable, "-m", "helix_bench.micro.manifest", str(path), model],
+            [sys.executable, "-m", "helix_bench.micro.manifest", source, model],
             capture_output=True,
             text=True,
             timeout=timeout_s,
         )
         if done.returncode != 0:
-            raise RuntimeError(f"measuring {path} failed: {done.stderr[-2000:]}")
-        results[fmt] = {"file_mb": path.stat().st_size / 1e6, **json.loads(done.stdout.strip().splitlines()[-1])}
+            raise RuntimeError(f"measuring {source} failed: {done.stderr[-2000:]}")
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    for fmt in formats:
+        if fmt == "shards":
+            where = folder / f"shards-{shard_members}"
+            console.print(f"a shard set of {shard_members:,} members in {where} ...")
+            pattern = write_shard_set(where, shard_members)
+            for index in where.glob("*.idx.json"):  # the first build scans
+                index.unlink()
+            size = sum(p.stat().st_size for p in where.glob("train-*.tar")) / 1e6
+            results["shards (scan)"] = {"file_mb": size, "members": shard_members, **measure(pattern)}
+            results["shards (index)"] = {"file_mb": size, "members": shard_members, **measure(pattern)}
+            continue
+        path = folder / f"manifest-{rows}" / f"manifest.{fmt}"
+        if not path.exists():
+            console.print(f"writing a {rows:,}-row {fmt} manifest in {path.parent} ...")
+            write_manifest(path, rows)
+        results[fmt] = {"file_mb": path.stat().st_size / 1e6, **measure(str(path))}
     table = Table(title=f"building a dataset on a {rows:,}-row manifest ({model}; fresh process per format)")
+    if any(f.startswith("shards") for f in results):
+        table.caption = f"shards: {shard_members:,} tar members ({shard_members // 2:,} samples); scan: the first build, index: the next"
     for col in ("format", "rows", "build s", "peak RSS MB", "over imports MB", "est. µs", "arrays s", "no probe"):
         table.add_column(col, justify="left" if col == "format" else "right", no_wrap=col in ("format", "rows"))
     for fmt, r in results.items():

@@ -161,6 +161,7 @@ def _cmd_bench(a, console) -> int:
             data_dir=a.data,
             out=a.out,
             console=console,
+            shard_members=a.shard_members,
         )
         if a.out:
             console.print(f"saved {Path(a.out) / 'manifest.json'}")
@@ -442,7 +443,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="instead: build a dataset on a ROWS-row (1,000,000) manifest stating its clips' geometry, per "
         "format, each in a fresh process: seconds, peak RSS, estimate_cost, cost_arrays (clips never opened)",
     )
-    s.add_argument("--manifest-formats", default="parquet,csv,jsonl", help="with --manifest: comma-separated")
+    s.add_argument(
+        "--manifest-formats",
+        default="parquet,csv,jsonl,shards",
+        help="with --manifest: comma-separated (shards: a WebDataset shard set's index, built then read)",
+    )
+    s.add_argument("--shard-members", type=int, default=10_000, help="with --manifest: tar members of the shard set")
     s.add_argument(
         "--hosts",
         type=int,

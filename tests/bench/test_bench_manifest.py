@@ -24,6 +24,8 @@ def test_the_command_prints_and_saves_each_formats_figures(tmp_path):
             str(tmp_path / "data"),
             "--out",
             str(tmp_path / "out"),
+            "--shard-members",
+            "200",
         ],
         capture_output=True,
         text=True,
@@ -32,7 +34,11 @@ def test_the_command_prints_and_saves_each_formats_figures(tmp_path):
     assert done.returncode == 0, done.stderr
     assert "2,000-row manifest" in done.stdout and all(f in done.stdout for f in ("parquet", "csv", "jsonl"))
     figures = json.loads((tmp_path / "out" / "manifest.json").read_text())
-    assert figures["rows"] == 2000 and list(figures["formats"]) == ["parquet", "csv", "jsonl"]
+    assert figures["rows"] == 2000
+    assert list(figures["formats"]) == ["parquet", "csv", "jsonl", "shards (scan)", "shards (index)"]
+    shards = {k: figures["formats"].pop(k) for k in ("shards (scan)", "shards (index)")}
+    for r in shards.values():  # 200 members: 100 samples, costed from the index the scan wrote
+        assert r["rows"] == 100 and r["members"] == 200 and r["costed_from_manifest"] and r["build_s"] > 0
     for r in figures["formats"].values():
         assert r["rows"] == 2000 and r["costed_from_manifest"] and r["build_s"] > 0
         assert r["peak_rss_mb"] >= r["imports_rss_mb"] > 0 and r["estimate_cost_us"] > 0
