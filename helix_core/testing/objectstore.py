@@ -96,13 +96,14 @@ class RangeHTTPServer:
     """Serves the files under ``root`` over HTTP with ``Range`` support (what fsspec's HTTP
     filesystem reads by). ``fail(path, status, times)``: answer the next ``times`` requests of
     ``path`` with ``status``; ``slow(path, seconds)``: delay each answer for ``path``.
-    ``served[path]``: bytes sent for it."""
+    ``fail(path, status, times, after=n)`` lets the first ``n`` requests through first (an object
+    that breaks mid-read). ``served[path]``: bytes sent for it; ``requests[path]``: requests of it."""
 
     def __init__(self, root: str | os.PathLike, host: str = "127.0.0.1", port: int = 0):
         self.root = Path(root).absolute()
         self.served: Counter = Counter()
         self.requests: Counter = Counter()
-        self._faults: dict[str, list[int]] = {}
+        self._faults: dict[str, list[int | None]] = {}
         self._delays: dict[str, float] = {}
         self._lock = threading.Lock()
         self._httpd = ThreadingHTTPServer((host, port), self._handler())
@@ -126,9 +127,9 @@ class RangeHTTPServer:
     def url(self, rel: str) -> str:
         return f"{self.endpoint}/{rel.lstrip('/')}"
 
-    def fail(self, path: str, status: int, times: int = 1) -> None:
+    def fail(self, path: str, status: int, times: int = 1, after: int = 0) -> None:
         with self._lock:
-            self._faults["/" + path.lstrip("/")] = [status] * times
+            self._faults["/" + path.lstrip("/")] = [None] * after + [status] * times
 
     def slow(self, path: str, seconds: float) -> None:
         with self._lock:
@@ -145,6 +146,7 @@ class RangeHTTPServer:
 
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
+            disable_nagle_algorithm = True  # headers and body go out as separate writes: no 40 ms delayed-ACK stall
 
             def log_message(self, *args) -> None:
                 pass
