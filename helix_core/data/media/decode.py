@@ -149,23 +149,68 @@ def _sequential(container, stream, idx: np.ndarray, put) -> tuple[int, int]:
 
 def _presentation_pts(container, stream) -> list[int]:
     """Every frame's timestamp in presentation order, from the packets alone (demuxing reads no
-    pixels: a small fraction of decoding). Frame n of sequential decoding is the one at the n-th
-    timestamp, on a constant frame rate or a variable one."""
+    pixels: a small fraction of decoding, but every byte of the file). Frame n of sequential
+    decoding is the one at the n-th timestamp, on a constant frame rate or a variable one."""
     pts = sorted(p.pts for p in container.demux(stream) if p.pts is not None and p.size)
     return pts
 
 
+def _index_pts(stream) -> list[int] | None:
+    """Every frame's timestamp from the container's index, which the header carries (an MP4's
+    sample table): when it lists every frame one constant step apart, frame n is at
+    ``start_time + n * step``. None otherwise. No packet is read, so a clip read by URL fetches
+    only what the seeks decode; ``_seek`` checks every decoded frame against these timestamps."""
+    entries, n = stream.index_entries, int(stream.frames or 0)
+    if n < 2 or len(entries) != n or stream.start_time is None:
+        return None
+    dts = np.fromiter((e.timestamp for e in entries), np.int64, n)  # decode order
+    step = np.diff(dts)
+    if step[0] <= 0 or (step != step[0]).any():
+        return None
+    return (stream.start_time + step[0] * np.arange(n, dtype=np.int64)).tolist()
+
+
+def _first_pts(container, stream, start: int) -> int | None:
+    """The timestamp of the first frame decoded from ``start`` on."""
+    container.seek(start, stream=stream, backward=True)
+    return next((f.pts for f in container.decode(stream) if f.pts is not None), None)
+
+
+class _NotOnIndex(Exception):
+    """A decoded frame's timestamp is not one the index promised (a variable frame rate after
+    all); ``args[0]``: frames decoded until then."""
+
+
 def _seek(container, stream, idx: np.ndarray, put) -> tuple[int, int]:
     """Seek to the keyframe before each chosen frame and decode up to it. Frames are found by
-    timestamp (``_presentation_pts``), never by ``pts x average rate``, which lands on the wrong
-    frames of a variable-frame-rate clip."""
-    import bisect
-
+    timestamp, never by ``pts x average rate``, which lands on the wrong frames of a
+    variable-frame-rate clip: from the index when it shows a constant rate (``_index_pts``), else
+    (or when a frame contradicts it) from every packet (``_presentation_pts``)."""
     if stream.time_base is None:  # no timing to seek by: fall back
         return _sequential(container, stream, idx, put)
+    pts = _index_pts(stream)
+    wasted = 0
+    if pts is not None and (idx[0] == 0 or _first_pts(container, stream, pts[0]) == pts[0]):
+        try:  # (frame 0, when it is sought, checks the first timestamp itself)
+            return _seek_to(container, stream, idx, put, pts, exact=False)
+        except _NotOnIndex as e:
+            wasted = e.args[0]
+    if pts is not None:  # the demux below must start at the first packet
+        container.seek(stream.index_entries[0].timestamp, stream=stream, backward=True, any_frame=True)
     pts = _presentation_pts(container, stream)
     if not pts:
-        return _sequential(container, stream, idx, put)
+        filled, decoded = _sequential(container, stream, idx, put)
+    else:
+        filled, decoded = _seek_to(container, stream, idx, put, pts, exact=True)
+    return filled, decoded + wasted
+
+
+def _seek_to(container, stream, idx: np.ndarray, put, pts: list[int], exact: bool) -> tuple[int, int]:
+    """``_seek`` with every frame's timestamp ``pts``; ``exact=False``: they come from the index,
+    and a decoded frame that is not where they say (off them, or later than the frame sought)
+    raises ``_NotOnIndex``."""
+    import bisect
+
     slot, decoded = 0, 0
     while slot < len(idx):
         target = int(idx[slot])
@@ -178,6 +223,8 @@ def _seek(container, stream, idx: np.ndarray, put) -> tuple[int, int]:
             if frame.pts is None:
                 continue
             n = bisect.bisect_left(pts, frame.pts)  # this frame's number in presentation order
+            if not exact and (n == len(pts) or pts[n] != frame.pts or (slot == before and n > target)):
+                raise _NotOnIndex(decoded)
             while slot < len(idx) and idx[slot] <= n:
                 put(slot, frame)
                 slot += 1
