@@ -123,6 +123,7 @@ class RangeFile(io.RawIOBase):
         self._pos = 0
         self._blocks: OrderedDict[int, bytes] = OrderedDict()
         self._cache = BlockCache.of(self.remote, url, self.size)
+        self._failed: StorageError | None = None  # a read that failed for good: every later fetch fails with it
 
     # io.RawIOBase
     def readable(self) -> bool:
@@ -168,13 +169,23 @@ class RangeFile(io.RawIOBase):
         end = min(start + self.remote.block_bytes, self.size)
         block = self._cache.get(b) if self._cache is not None else None
         if block is None:
+            if self._failed is not None:  # the demuxer reads on after an error: fail at once, not retry again
+                raise StorageError(self._failed.url, self._failed.cause, self._failed.transient)
             t0 = time.perf_counter()
-            block = self._deadline.call("read", self._fs.cat_file, self.url, start=start, end=end)
-            self.wait_s += time.perf_counter() - t0
+            try:
+                block = self._deadline.call("read", self._fs.cat_file, self.url, start=start, end=end)
+            except StorageError as e:
+                self._failed = e
+                raise
+            finally:
+                self.wait_s += time.perf_counter() - t0
             self.requests += 1
             self.fetched_bytes += len(block)
             if len(block) != end - start:
-                raise StorageError(self.url, f"truncated: bytes {start}-{end} of {self.size} gave {len(block)}")
+                self._failed = StorageError(
+                    self.url, f"truncated: bytes {start}-{end} of {self.size} gave {len(block)}"
+                )
+                raise self._failed
             if self._cache is not None:
                 self._cache.put(b, block)
         self._blocks[b] = block
