@@ -97,19 +97,23 @@ class RangeHTTPServer:
     filesystem reads by). ``fail(path, status, times)``: answer the next ``times`` requests of
     ``path`` with ``status``; ``slow(path, seconds)``: delay each answer for ``path``.
     ``fail(path, status, times, after=n)`` lets the first ``n`` requests through first (an object
-    that breaks mid-read). ``served[path]``: bytes sent for it; ``requests[path]``: requests of it."""
+    that breaks mid-read). ``served[path]``: bytes sent for it; ``requests[path]``: requests of it;
+    ``answered[path]``: ``time.monotonic()`` when its last answer was sent."""
 
     def __init__(self, root: str | os.PathLike, host: str = "127.0.0.1", port: int = 0):
         self.root = Path(root).absolute()
         self.served: Counter = Counter()
         self.requests: Counter = Counter()
+        self.answered: dict[str, float] = {}
         self._faults: dict[str, list[int | None]] = {}
         self._delays: dict[str, float] = {}
         self._lock = threading.Lock()
         self._httpd = ThreadingHTTPServer((host, port), self._handler())
         self._httpd.daemon_threads = True
         self.host, self.port = self._httpd.server_address[:2]
-        self._thread = threading.Thread(target=self._httpd.serve_forever, name="range-http", daemon=True)
+        self._thread = threading.Thread(  # shutdown() waits up to one poll: a short one keeps tests quick
+            target=self._httpd.serve_forever, kwargs={"poll_interval": 0.05}, name="range-http", daemon=True
+        )
 
     def __enter__(self) -> RangeHTTPServer:
         self._thread.start()
@@ -206,5 +210,7 @@ class RangeHTTPServer:
                     self.wfile.write(data)
                     with server._lock:
                         server.served[path] += len(data)
+                with server._lock:
+                    server.answered[path] = time.monotonic()
 
         return Handler

@@ -63,17 +63,19 @@ class _Deadline:
         self.url, self.remote = url, remote
         self.end = time.monotonic() + remote.timeout_s
 
-    def call(self, what: str, fn, *args, **kwargs):
-        """``fn(*args)`` with retries on transient errors until the tries or the time run out."""
+    def call(self, what: str, fs, method: str, *args, **kwargs):
+        """``fs.method(*args)`` with retries on transient errors until the tries or the time run out;
+        an async filesystem's call is cut at the time left (its sync methods take ``timeout``)."""
         import fsspec.asyn
 
+        fn, timed = getattr(fs, method), isinstance(fs, fsspec.asyn.AsyncFileSystem)
         delay, tries = self.remote.backoff_s, 0
         while True:
             left = self.end - time.monotonic()
             if left <= 0:
                 raise StorageError(self.url, f"{what}: timed out after {self.remote.timeout_s:g} s", transient=True)
             try:
-                if isinstance(getattr(fn, "__self__", None), fsspec.asyn.AsyncFileSystem):
+                if timed:
                     return fn(*args, timeout=left, **kwargs)
                 return fn(*args, **kwargs)
             except Exception as e:  # noqa: BLE001 - classified below
@@ -90,7 +92,7 @@ class _Deadline:
 
 def stat_size(url: str, options: dict | None, remote: RemoteConfig) -> int:
     fs = filesystem(url, options)
-    info = _Deadline(url, remote).call("stat", fs.info, url)
+    info = _Deadline(url, remote).call("stat", fs, "info", url)
     if info.get("type") == "directory":
         raise StorageError(url, "is a folder, not an object")
     return int(info.get("size") or 0)
@@ -102,7 +104,7 @@ def read_range(
     """Bytes ``[start, end)`` of ``url`` in one range read (retried); ``StorageError`` on failure."""
     remote = remote or RemoteConfig()
     fs = filesystem(url, options)
-    data = _Deadline(url, remote).call("read", fs.cat_file, url, start=start, end=end)
+    data = _Deadline(url, remote).call("read", fs, "cat_file", url, start=start, end=end)
     if len(data) != end - start:
         raise StorageError(url, f"truncated: asked bytes {start}-{end}, got {len(data)}")
     return data
@@ -173,7 +175,7 @@ class RangeFile(io.RawIOBase):
                 raise StorageError(self._failed.url, self._failed.cause, self._failed.transient)
             t0 = time.perf_counter()
             try:
-                block = self._deadline.call("read", self._fs.cat_file, self.url, start=start, end=end)
+                block = self._deadline.call("read", self._fs, "cat_file", self.url, start=start, end=end)
             except StorageError as e:
                 self._failed = e
                 raise
