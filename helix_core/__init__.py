@@ -40,6 +40,8 @@ _EXPORTS = {
     "sample_generator": "data.video",
     "decode_frames": "data.media.decode",
     "pad_collate": "data.collate",
+    "RemoteConfig": "data.storage.config",
+    "check_storage_options": "data.storage.config",
     "probe": "data.media.probe",
     "GpuCost": "planning.gpu",
     "Rebalance": "tier2.rebalance",

@@ -18,6 +18,8 @@ from helix_core.data.media.decode import decode_frames as decode_frames
 from helix_core.data.media.probe import probe as probe
 from helix_core.data.profiles import ProfileTable as ProfileTable
 from helix_core.data.profiles import profile_dataset as profile_dataset
+from helix_core.data.storage.config import RemoteConfig as RemoteConfig
+from helix_core.data.storage.config import check_storage_options as check_storage_options
 from helix_core.data.video import (
     VideoClipDataset as VideoClipDataset,
 )
