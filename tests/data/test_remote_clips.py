@@ -29,7 +29,7 @@ from helix_core.data.media import synth
 from helix_core.data.media.decode import decode_frames, uniform_indices
 from helix_core.data.specs import resolve
 from helix_core.data.storage.config import Storage
-from helix_core.data.storage.reader import StorageError, open_range
+from helix_core.data.storage.reader import StorageError, open_range, read_range
 from helix_core.testing.objectstore import S3_TEST_ENV, RangeHTTPServer, S3Server
 
 KW = dict(model="videomae", num_frames=4, size=32, profiles=False)
@@ -324,6 +324,17 @@ def test_a_slow_object_times_out_while_the_other_samples_are_read(http):
     t_failed, err = failed[0]
     assert others_done < t_failed and 3.0 <= t_failed - t0 < 15, (others_done - t0, t_failed - t0)
     assert err.path == http.url("clip_000000.mp4") and "timed out after 3 s" in err.cause
+
+
+@pytest.mark.parametrize("retries", [0, 3])
+def test_a_read_cut_at_its_timeout_says_timed_out_whatever_the_retries(http, retries):
+    http.slow("clip_000002.mp4", 10)
+    t0 = time.monotonic()
+    with pytest.raises(StorageError, match=r"^http://.*/clip_000002\.mp4: read: timed out after 0\.5 s$"):
+        read_range(
+            http.url("clip_000002.mp4"), 0, 100, remote=Storage.of(None, {"timeout_s": 0.5, "retries": retries}).remote
+        )
+    assert time.monotonic() - t0 < 5
 
 
 # ---- bytes fetched and the block cache -----------------------------------------------------------

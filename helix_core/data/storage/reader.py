@@ -70,10 +70,11 @@ class _Deadline:
 
         fn, timed = getattr(fs, method), isinstance(fs, fsspec.asyn.AsyncFileSystem)
         delay, tries = self.remote.backoff_s, 0
+        timed_out = f"{what}: timed out after {self.remote.timeout_s:g} s"
         while True:
             left = self.end - time.monotonic()
             if left <= 0:
-                raise StorageError(self.url, f"{what}: timed out after {self.remote.timeout_s:g} s", transient=True)
+                raise StorageError(self.url, timed_out, transient=True)
             try:
                 if timed:
                     return fn(*args, timeout=left, **kwargs)
@@ -81,6 +82,8 @@ class _Deadline:
             except Exception as e:  # noqa: BLE001 - classified below
                 if not is_transient(e):
                     raise StorageError(self.url, f"{what}: {describe(e)}") from None
+                if time.monotonic() >= self.end:  # (cut at the time left: say so, not "FSTimeoutError")
+                    raise StorageError(self.url, timed_out, transient=True) from None
                 tries += 1
                 if tries > self.remote.retries:
                     raise StorageError(
