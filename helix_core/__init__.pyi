@@ -22,6 +22,7 @@ from helix_core.data.shards.dataset import WebDatasetClips as WebDatasetClips
 from helix_core.data.shards.dataset import WebDatasetTextClips as WebDatasetTextClips
 from helix_core.data.shards.write import write_shards as write_shards
 from helix_core.data.storage.config import RemoteConfig as RemoteConfig
+from helix_core.data.storage.config import check_storage_options as check_storage_options
 from helix_core.data.video import (
     VideoClipDataset as VideoClipDataset,
 )

@@ -45,6 +45,11 @@ _DATASET_KEYS = {
     "random_flip",
     "tokenizer",
     "max_text_len",
+    "path_key",
+    "caption_key",
+    "label_key",
+    "storage_options",
+    "remote",
 }
 _KINDS = ("video", "video-text")
 _TEXT_MODELS = tuple(name for name, family in hx.FAMILIES.items() if family.captions)  # trained on captions
@@ -66,6 +71,11 @@ class DatasetConfig:
     - ``{"workload": "kinetics-mixed", "clips": 48, "seed": 0, "scale": 1.0, "model": ...}``:
       synthesized (and profiled) into ``hx.cache_dir()/data/<workload>-<clips>-s<scale>-seed<seed>``
       by ``prepare()``, once; later runs reuse it.
+    - ``{"manifest": "s3://bucket/train.parquet", "storage_options": {"endpoint_url": ...},
+      "remote": {"timeout_s": 30, ...}, ...}``: a manifest at a URL (its clips relative to its
+      folder), read through fsspec with ``storage_options`` (never credentials: they come from the
+      environment) and ``hx.RemoteConfig``'s fields as ``remote``; both are checked here, the
+      manifest is read when the dataset is built.
 
     ``kind``: ``"video"`` (``VideoClipDataset``) or ``"video-text"`` (``VideoTextDataset``: captions
     as ``input_ids``); by default video-text for the families trained on captions (Qwen-VL, Wan).
@@ -102,11 +112,18 @@ class DatasetConfig:
                 workload, int(self.synth["clips"]), int(spec.get("seed", 0)), float(self.synth["scale"])
             )  # checks clips and scale (pure)
             self.synth["seed"] = int(spec.get("seed", 0))
-        else:
+        elif not _is_url(spec["manifest"]):
             manifest = Path(os.path.expanduser(str(spec["manifest"])))
             if not manifest.is_file():
                 raise FileNotFoundError(f"{key}.manifest: {manifest} does not exist")
             spec["manifest"] = str(manifest)
+        if "storage_options" in spec:
+            spec["storage_options"] = hx.check_storage_options(spec["storage_options"], where=f"{key}.storage_options")
+        if "remote" in spec:
+            try:
+                hx.RemoteConfig.of(spec["remote"])
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"{key}.remote: {str(e).removeprefix('remote: ')}") from None
         self.kwargs = spec
 
     @property
@@ -115,10 +132,13 @@ class DatasetConfig:
         s = self.synth
         return hx.cache_dir() / "data" / f"{s['workload']}-{s['clips']}-s{s['scale']:g}-seed{s['seed']}"
 
-    def manifest(self) -> Path:
-        return self.root / "manifest.jsonl" if self.synth else Path(self.kwargs["manifest"])
+    def manifest(self) -> Path | str:
+        """The manifest's path (a URL as it is)."""
+        if self.synth:
+            return self.root / "manifest.jsonl"
+        return self.kwargs["manifest"] if _is_url(self.kwargs["manifest"]) else Path(self.kwargs["manifest"])
 
-    def prepare(self, workers: int = 1, progress: bool = False) -> Path:
+    def prepare(self, workers: int = 1, progress: bool = False) -> Path | str:
         """Synthesize and profile a named workload unless that was done before (call it on one
         process per host, as Lightning's ``prepare_data``); the manifest's path."""
         if self.synth:
@@ -140,7 +160,7 @@ class DatasetConfig:
     def build(self):
         """The dataset (after ``prepare``)."""
         manifest = self.manifest()
-        if not manifest.is_file():
+        if isinstance(manifest, Path) and not manifest.is_file():
             raise FileNotFoundError(
                 f"{self.key}: {manifest} does not exist; call prepare() (Lightning's "
                 "prepare_data does) on one process per host first"
@@ -152,6 +172,12 @@ class DatasetConfig:
                     raise ValueError(f"{self.key}.{k}: only a 'video-text' dataset has captions")
             return hx.VideoClipDataset(manifest, **kwargs)
         return hx.VideoTextDataset(manifest, **kwargs)
+
+
+def _is_url(location) -> bool:
+    """A manifest fsspec reads (``s3://``, ``https://``, ...), not a local path or ``file://``."""
+    scheme, sep, _ = str(location).partition("://")
+    return bool(sep) and scheme.lower() != "file" and scheme.replace("+", "").replace(".", "").isalnum()
 
 
 def _nice_worker(nice: int, worker_id: int) -> None:

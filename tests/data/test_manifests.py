@@ -83,8 +83,9 @@ def test_bad_columnar_manifests_name_file_column_and_row(tmp_path):
         Manifest(tmp_path / "empty.csv")
     assert err.value.line == 3
     (tmp_path / "broken.csv").write_text("path,label\na.mp4,1\nb.mp4,2,3\n")
-    with pytest.raises(hx.ManifestError, match=r"broken\.csv.*cannot read it as csv"):
-        Manifest(tmp_path / "broken.csv")
+    with pytest.raises(hx.ManifestError, match=r"broken\.csv, line 3: cannot read it as csv") as err:
+        Manifest(tmp_path / "broken.csv")  # the broken row's line, though pyarrow parses on threads
+    assert err.value.line == 3
     (tmp_path / "label.csv").write_text("path,label\na.mp4,cat\n")
     with pytest.raises(hx.ManifestError, match=r"label\.csv.*column 'label' must hold integer"):
         Manifest(tmp_path / "label.csv")

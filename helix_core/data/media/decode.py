@@ -147,68 +147,68 @@ def _sequential(container, stream, idx: np.ndarray, put) -> tuple[int, int]:
     return slot, n
 
 
-class _Inexact(Exception):
-    """A decoded frame's timestamp is not where the index-derived list put it."""
+def _presentation_pts(container, stream) -> list[int]:
+    """Every frame's timestamp in presentation order, from the packets alone (demuxing reads no
+    pixels: a small fraction of decoding, but every byte of the file). Frame n of sequential
+    decoding is the one at the n-th timestamp, on a constant frame rate or a variable one."""
+    pts = sorted(p.pts for p in container.demux(stream) if p.pts is not None and p.size)
+    return pts
 
 
-def _index_pts(container, stream) -> list[int] | None:
-    """Every frame's presentation timestamp from the container's index, without reading a packet's
-    payload (what lets a clip read by range reads seek without fetching all of it): when the index
-    lists every frame (MP4 does) at an even step (constant frame rate), presentation timestamps
-    are that step apart from the first GOP's earliest one. None when the index can't tell (no
-    index, keyframes only, a variable rate): then the packets are demuxed (``_demuxed_pts``)."""
-    entries = stream.index_entries
-    n = len(entries)
-    if n < 2 or n != (stream.frames or 0):
+def _index_pts(stream) -> list[int] | None:
+    """Every frame's timestamp from the container's index, which the header carries (an MP4's
+    sample table): when it lists every frame one constant step apart, frame n is at
+    ``start_time + n * step``. None otherwise. No packet is read, so a clip read by URL fetches
+    only what the seeks decode; ``_seek`` checks every decoded frame against these timestamps."""
+    entries, n = stream.index_entries, int(stream.frames or 0)
+    if n < 2 or len(entries) != n or stream.start_time is None:
         return None
-    dts = np.sort(np.fromiter((e.timestamp for e in entries), dtype=np.int64, count=n))
+    dts = np.fromiter((e.timestamp for e in entries), np.int64, n)  # decode order
     step = np.diff(dts)
     if step[0] <= 0 or (step != step[0]).any():
         return None
-    first = []
-    for packet in container.demux(stream):  # the first GOP's head: its earliest pts is the first frame's
-        if packet.pts is not None and packet.size:
-            first.append(packet.pts)
-        if len(first) >= 16:
-            break
-    if not first:
-        container.seek(0, stream=stream, backward=True, any_frame=True)
-        return None
-    start = min(first)
-    return [start + int(step[0]) * k for k in range(n)]
+    return (stream.start_time + step[0] * np.arange(n, dtype=np.int64)).tolist()
 
 
-def _demuxed_pts(container, stream, rewind: bool) -> list[int]:
-    """Every frame's timestamp in presentation order, from the packets alone (demuxing reads no
-    pixels: a small fraction of decoding). Frame n of sequential decoding is the one at the n-th
-    timestamp, on a constant frame rate or a variable one. ``rewind``: packets were read already."""
-    if rewind:
-        container.seek(0, stream=stream, backward=True, any_frame=True)
-    pts = sorted(p.pts for p in container.demux(stream) if p.pts is not None and p.size)
-    return pts
+def _first_pts(container, stream, start: int) -> int | None:
+    """The timestamp of the first frame decoded from ``start`` on."""
+    container.seek(start, stream=stream, backward=True)
+    return next((f.pts for f in container.decode(stream) if f.pts is not None), None)
+
+
+class _NotOnIndex(Exception):
+    """A decoded frame's timestamp is not one the index promised (a variable frame rate after
+    all); ``args[0]``: frames decoded until then."""
 
 
 def _seek(container, stream, idx: np.ndarray, put) -> tuple[int, int]:
     """Seek to the keyframe before each chosen frame and decode up to it. Frames are found by
     timestamp, never by ``pts x average rate``, which lands on the wrong frames of a
-    variable-frame-rate clip: from the index where it lists every frame at an even step (each
-    decoded frame is checked against it; a mismatch starts over from the demuxed timestamps),
-    else from the demuxed packets."""
+    variable-frame-rate clip: from the index when it shows a constant rate (``_index_pts``), else
+    (or when a frame contradicts it) from every packet (``_presentation_pts``)."""
     if stream.time_base is None:  # no timing to seek by: fall back
         return _sequential(container, stream, idx, put)
-    pts = _index_pts(container, stream)
-    if pts is not None:
-        try:
-            return _seek_with(container, stream, idx, put, pts, strict=True)
-        except _Inexact:
-            pass
-    pts = _demuxed_pts(container, stream, rewind=pts is not None)
+    pts = _index_pts(stream)
+    wasted = 0
+    if pts is not None and (idx[0] == 0 or _first_pts(container, stream, pts[0]) == pts[0]):
+        try:  # (frame 0, when it is sought, checks the first timestamp itself)
+            return _seek_to(container, stream, idx, put, pts, exact=False)
+        except _NotOnIndex as e:
+            wasted = e.args[0]
+    if pts is not None:  # the demux below must start at the first packet
+        container.seek(stream.index_entries[0].timestamp, stream=stream, backward=True, any_frame=True)
+    pts = _presentation_pts(container, stream)
     if not pts:
-        return _sequential(container, stream, idx, put)
-    return _seek_with(container, stream, idx, put, pts, strict=False)
+        filled, decoded = _sequential(container, stream, idx, put)
+    else:
+        filled, decoded = _seek_to(container, stream, idx, put, pts, exact=True)
+    return filled, decoded + wasted
 
 
-def _seek_with(container, stream, idx: np.ndarray, put, pts: list[int], strict: bool) -> tuple[int, int]:
+def _seek_to(container, stream, idx: np.ndarray, put, pts: list[int], exact: bool) -> tuple[int, int]:
+    """``_seek`` with every frame's timestamp ``pts``; ``exact=False``: they come from the index,
+    and a decoded frame that is not where they say (off them, or later than the frame sought)
+    raises ``_NotOnIndex``."""
     import bisect
 
     slot, decoded = 0, 0
@@ -221,19 +221,15 @@ def _seek_with(container, stream, idx: np.ndarray, put, pts: list[int], strict: 
         for frame in container.decode(stream):
             decoded += 1
             if frame.pts is None:
-                if strict:
-                    raise _Inexact
                 continue
             n = bisect.bisect_left(pts, frame.pts)  # this frame's number in presentation order
-            if strict and (n >= len(pts) or pts[n] != frame.pts):
-                raise _Inexact
+            if not exact and (n == len(pts) or pts[n] != frame.pts or (slot == before and n > target)):
+                raise _NotOnIndex(decoded)
             while slot < len(idx) and idx[slot] <= n:
                 put(slot, frame)
                 slot += 1
             if slot >= len(idx) or (slot > before and idx[slot] - n > SEEK_STRIDE):
                 break
         if slot == before:
-            if strict:
-                raise _Inexact  # the stream ended before a frame the index promised
             break  # the stream ended before the target
     return slot, decoded

@@ -65,8 +65,10 @@ def open_video(path: str, index: int, storage: Storage | None = None, *, data: b
         raise SampleError(index, path, "empty file (0 bytes)")
     try:
         container = av.open(source, mode="r", timeout=10.0)
-    except av.error.FFmpegError as e:
-        raise SampleError(index, path, f"not a readable video container: {e}") from None
+    except av.error.FFmpegError as e:  # (its text names the file as '<none>' for a URL or bytes: drop it)
+        raise SampleError(
+            index, path, f"not a readable video container: {e.strerror or e} (not a video, or cut short)"
+        ) from None
     except StorageError as e:
         raise SampleError(index, path, e.cause) from None
     except OSError as e:

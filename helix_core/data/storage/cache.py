@@ -2,8 +2,12 @@
 
 A block is a file ``<cache_dir>/<object>/<block>`` (the object keyed by URL and size, so a
 replaced object of another size is not served stale), written to a temporary name and renamed,
-so a reader never sees half a block. When this process has written an eighth of the bound since
-it last looked, it sums the folder and removes the least recently used blocks beyond the bound."""
+so a reader never sees half a block. A process counts what the folder holds (its last sum plus
+what it wrote since); before a write would take that count past the bound, it sums the folder
+again and removes the least recently used blocks down to seven eighths of the bound, less the
+block: so the folder never holds more than the bound after a write of this process, and is summed
+once per eighth of the bound written. Processes sharing the folder see each other's writes when
+they next sum it."""
 
 from __future__ import annotations
 
@@ -15,7 +19,7 @@ from helix_core.data.storage.config import RemoteConfig
 
 __all__ = ["BlockCache"]
 
-_written_since_scan: dict[str, int] = {}
+_held: dict[str, int] = {}  # cache root -> bytes this process counts in it
 
 
 class BlockCache:
@@ -41,6 +45,11 @@ class BlockCache:
             return None
 
     def put(self, block: int, data: bytes) -> None:
+        if len(data) > self.bound:
+            return  # it would never fit
+        held = _held.get(self.root)
+        if held is None or held + len(data) > self.bound:
+            held = self.trim(max(self.bound - self.bound // 8 - len(data), 0))
         try:
             os.makedirs(self.folder, mode=0o700, exist_ok=True)
             fd, tmp = tempfile.mkstemp(dir=self.folder, prefix=".tmp-")
@@ -49,14 +58,12 @@ class BlockCache:
             os.replace(tmp, os.path.join(self.folder, str(block)))
         except OSError:
             return  # a full or read-only disk only costs the cache
-        n = _written_since_scan.get(self.root, 0) + len(data)
-        if n * 8 >= self.bound:
-            n = 0
-            self.trim()
-        _written_since_scan[self.root] = n
+        _held[self.root] = held + len(data)
 
-    def trim(self) -> None:
-        """Remove least recently used blocks until the folder holds at most ``bound`` bytes."""
+    def trim(self, bound: int | None = None) -> int:
+        """Remove least recently used blocks until the folder holds at most ``bound`` bytes (the
+        cache's bound by default); the bytes it holds then."""
+        bound = self.bound if bound is None else bound
         files = []
         for dirpath, _dirs, names in os.walk(self.root):
             for name in names:
@@ -70,10 +77,11 @@ class BlockCache:
                 files.append((st.st_mtime, st.st_size, p))
         total = sum(s for _, s, _ in files)
         for _, s, p in sorted(files):
-            if total <= self.bound:
+            if total <= bound:
                 break
             try:
                 os.unlink(p)
                 total -= s
             except OSError:
                 pass
+        return total

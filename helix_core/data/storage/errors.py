@@ -62,8 +62,8 @@ def describe(e: BaseException) -> str:
         if e.__cause__ is not None and _status(e.__cause__) not in (None, 404):
             return describe(e.__cause__)
         return "object not found (404 or no such key)"
-    if isinstance(e, PermissionError):
-        return f"access refused (403: check the credentials in the environment): {e}"
     status = _status(e)
     text = str(e).strip() or type(e).__name__
+    if isinstance(e, PermissionError) or status in (401, 403):  # fsspec's HTTP raises aiohttp's error as is
+        return f"access refused ({status or 403}: check the credentials in the environment): {text}"
     return f"HTTP {status}: {text}" if status is not None and str(status) not in text else text

@@ -66,22 +66,27 @@ class _Deadline:
         self.url, self.remote = url, remote
         self.end = time.monotonic() + remote.timeout_s
 
-    def call(self, what: str, fn, *args, **kwargs):
-        """``fn(*args)`` with retries on transient errors until the tries or the time run out."""
+    def call(self, what: str, fs, method: str, *args, **kwargs):
+        """``fs.method(*args)`` with retries on transient errors until the tries or the time run out;
+        an async filesystem's call is cut at the time left (its sync methods take ``timeout``)."""
         import fsspec.asyn
 
+        fn, timed = getattr(fs, method), isinstance(fs, fsspec.asyn.AsyncFileSystem)
         delay, tries = self.remote.backoff_s, 0
+        timed_out = f"{what}: timed out after {self.remote.timeout_s:g} s"
         while True:
             left = self.end - time.monotonic()
             if left <= 0:
-                raise StorageError(self.url, f"{what}: timed out after {self.remote.timeout_s:g} s", transient=True)
+                raise StorageError(self.url, timed_out, transient=True)
             try:
-                if isinstance(getattr(fn, "__self__", None), fsspec.asyn.AsyncFileSystem):
+                if timed:
                     return fn(*args, timeout=left, **kwargs)
                 return fn(*args, **kwargs)
             except Exception as e:  # noqa: BLE001 - classified below
                 if not is_transient(e):
                     raise StorageError(self.url, f"{what}: {describe(e)}") from None
+                if time.monotonic() >= self.end:  # (cut at the time left: say so, not "FSTimeoutError")
+                    raise StorageError(self.url, timed_out, transient=True) from None
                 tries += 1
                 if tries > self.remote.retries:
                     raise StorageError(
@@ -93,7 +98,7 @@ class _Deadline:
 
 def stat_size(url: str, options: dict | None, remote: RemoteConfig) -> int:
     fs = filesystem(url, options)
-    info = _Deadline(url, remote).call("stat", fs.info, url)
+    info = _Deadline(url, remote).call("stat", fs, "info", url)
     if info.get("type") == "directory":
         raise StorageError(url, "is a folder, not an object")
     return int(info.get("size") or 0)
@@ -105,7 +110,7 @@ def read_range(
     """Bytes ``[start, end)`` of ``url`` in one range read (retried); ``StorageError`` on failure."""
     remote = remote or RemoteConfig()
     fs = filesystem(url, options)
-    data = _Deadline(url, remote).call("read", fs.cat_file, url, start=start, end=end)
+    data = _Deadline(url, remote).call("read", fs, "cat_file", url, start=start, end=end)
     if len(data) != end - start:
         raise StorageError(url, f"truncated: asked bytes {start}-{end}, got {len(data)}")
     return data
@@ -129,6 +134,7 @@ class RangeFile(io.RawIOBase):
         self._jumped = False  # a seek moved the position since the last request
         self._run = 0  # requests in a row, each starting where the last ended
         self._cache = BlockCache.of(self.remote, url, self.size)
+        self._failed: StorageError | None = None  # a read that failed for good: every later fetch fails with it
 
     # io.RawIOBase
     def readable(self) -> bool:
@@ -175,6 +181,8 @@ class RangeFile(io.RawIOBase):
         if block is not None:
             self._keep(b, block)
             return block
+        if self._failed is not None:  # the demuxer reads on after an error: fail at once, not retry again
+            raise StorageError(self._failed.url, self._failed.cause, self._failed.transient)
         bs = self.remote.block_bytes
         last = -(-self.size // bs)  # blocks in the object
         self._run = self._run + 1 if b == self._next and not self._jumped else 0
@@ -187,12 +195,18 @@ class RangeFile(io.RawIOBase):
             n += 1
         start, end = b * bs, min((b + n) * bs, self.size)
         t0 = time.perf_counter()
-        data = self._deadline.call("read", self._fs.cat_file, self.url, start=start, end=end)
-        self.wait_s += time.perf_counter() - t0
+        try:
+            data = self._deadline.call("read", self._fs, "cat_file", self.url, start=start, end=end)
+        except StorageError as e:
+            self._failed = e
+            raise
+        finally:
+            self.wait_s += time.perf_counter() - t0
         self.requests += 1
         self.fetched_bytes += len(data)
         if len(data) != end - start:
-            raise StorageError(self.url, f"truncated: bytes {start}-{end} of {self.size} gave {len(data)}")
+            self._failed = StorageError(self.url, f"truncated: bytes {start}-{end} of {self.size} gave {len(data)}")
+            raise self._failed
         self._next = b + n
         for k in range(n):
             piece = data[k * bs : (k + 1) * bs]
