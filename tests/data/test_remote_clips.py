@@ -29,7 +29,7 @@ from helix_core.data.media import synth
 from helix_core.data.media.decode import decode_frames, uniform_indices
 from helix_core.data.specs import resolve
 from helix_core.data.storage.config import Storage
-from helix_core.data.storage.reader import StorageError, open_range, read_range
+from helix_core.data.storage.reader import RangeFile, StorageError, open_range, read_range
 from helix_core.testing.objectstore import S3_TEST_ENV, RangeHTTPServer, S3Server
 
 KW = dict(model="videomae", num_frames=4, size=32, profiles=False)
@@ -390,3 +390,13 @@ def test_remote_config_is_checked_when_the_dataset_is_built(http):
     ):
         with pytest.raises(ValueError, match=match):
             hx.VideoClipDataset(http.url("m.jsonl"), remote=remote, **KW)
+
+
+def test_readers_of_other_block_sizes_share_a_cache_folder_without_mixing_blocks(long_store, tmp_path):
+    root, server = long_store
+    want = (root / "long.mp4").read_bytes()
+    for block in (32 << 10, 48 << 10, 32 << 10):  # the third is served from the cache the first filled
+        remote = hx.RemoteConfig(block_bytes=block, cache_dir=str(tmp_path), cache_bytes=64 << 20)
+        f = RangeFile(server.url("long.mp4"), None, remote)
+        assert f.read() == want
+    assert f.fetched_bytes == 0

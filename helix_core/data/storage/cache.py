@@ -1,7 +1,8 @@
 """A local cache of fetched blocks, shared by the processes of a host and bounded in bytes.
 
-A block is a file ``<cache_dir>/<object>/<block>`` (the object keyed by URL and size, so a
-replaced object of another size is not served stale), written to a temporary name and renamed,
+A block is a file ``<cache_dir>/<object>/<block>`` (the object keyed by URL, size and block size:
+a replaced object of another size is not served stale, and readers with other block sizes share
+the folder without reading each other's blocks), written to a temporary name and renamed,
 so a reader never sees half a block. A process counts what the folder holds (its last sum plus
 what it wrote since); before a write would take that count past the bound, it sums the folder
 again and removes the least recently used blocks down to seven eighths of the bound, less the
@@ -23,16 +24,16 @@ _held: dict[str, int] = {}  # cache root -> bytes this process counts in it
 
 
 class BlockCache:
-    def __init__(self, root: str, bound: int, url: str, size: int):
+    def __init__(self, root: str, bound: int, url: str, size: int, block_bytes: int):
         self.root, self.bound = root, bound
-        key = hashlib.sha256(f"{url}\0{size}".encode()).hexdigest()[:32]
+        key = hashlib.sha256(f"{url}\0{size}\0{block_bytes}".encode()).hexdigest()[:32]
         self.folder = os.path.join(root, key)
 
     @classmethod
     def of(cls, remote: RemoteConfig, url: str, size: int) -> BlockCache | None:
         if not remote.cache_bytes or not remote.cache_dir:
             return None
-        return cls(remote.cache_dir, remote.cache_bytes, url, size)
+        return cls(remote.cache_dir, remote.cache_bytes, url, size, remote.block_bytes)
 
     def get(self, block: int) -> bytes | None:
         path = os.path.join(self.folder, str(block))
