@@ -58,3 +58,36 @@ def write_manifest(folder: Path, records: list[dict]) -> Path:
     path = folder / "manifest.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
     return path
+
+
+# ---- object stores on loopback: a module that asks for them defines ``clips``, the folder they serve
+@pytest.fixture(scope="module")
+def s3_env():
+    """The credentials moto takes, in the environment the DataServers inherit (a cluster the module
+    starts after this fixture gets them)."""
+    from helix_core.testing.objectstore import S3_TEST_ENV
+
+    with pytest.MonkeyPatch.context() as mp:
+        for k, v in S3_TEST_ENV.items():
+            mp.setenv(k, v)
+        yield
+
+
+@pytest.fixture(scope="module")
+def s3(s3_env, clips):
+    """moto's S3 on loopback holding the module's ``clips`` folder in bucket ``clips``."""
+    from helix_core.testing.objectstore import S3Server
+
+    with S3Server() as server:
+        server.put_tree(clips, "clips")
+        yield server
+
+
+@pytest.fixture
+def http(clips):
+    """The module's ``clips`` folder over HTTP with range requests; one server per test, so its
+    faults and delays are the test's own."""
+    from helix_core.testing.objectstore import RangeHTTPServer
+
+    with RangeHTTPServer(clips) as server:
+        yield server

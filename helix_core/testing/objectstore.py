@@ -207,9 +207,9 @@ class RangeHTTPServer:
                     with open(target, "rb") as f:
                         f.seek(start)
                         data = f.read(end - start)
-                    self.wfile.write(data)
-                    with server._lock:
+                    with server._lock:  # counted before it is sent: a client that has the bytes sees them counted
                         server.served[path] += len(data)
+                    self.wfile.write(data)
                 with server._lock:
                     server.answered[path] = time.monotonic()
 

@@ -30,7 +30,7 @@ from helix_core.data.media.decode import decode_frames, uniform_indices
 from helix_core.data.specs import resolve
 from helix_core.data.storage.config import Storage
 from helix_core.data.storage.reader import RangeFile, StorageError, open_range, read_range
-from helix_core.testing.objectstore import S3_TEST_ENV, RangeHTTPServer, S3Server
+from helix_core.testing.objectstore import RangeHTTPServer, S3Server
 
 KW = dict(model="videomae", num_frames=4, size=32, profiles=False)
 FAST = {"backoff_s": 0.01}  # retries without the default backoff's quarter second
@@ -70,14 +70,6 @@ def long_clip(path: Path, repeats: int = 8) -> Path:
 
 
 @pytest.fixture(scope="module")
-def s3_env():
-    with pytest.MonkeyPatch.context() as mp:
-        for k, v in S3_TEST_ENV.items():
-            mp.setenv(k, v)
-        yield
-
-
-@pytest.fixture(scope="module")
 def clips(tmp_path_factory) -> Path:
     """Four clips with their manifest as JSON lines, CSV and Parquet (``m.*``), and a manifest
     (``bad.*``) mixing two of them with a missing object, a clip cut in half (index at its end:
@@ -99,19 +91,6 @@ def clips(tmp_path_factory) -> Path:
 def local(clips):
     ds = hx.VideoClipDataset(clips / "m.jsonl", **KW)
     return ds, [ds[i] for i in range(len(ds))]
-
-
-@pytest.fixture(scope="module")
-def s3(s3_env, clips):
-    with S3Server() as server:
-        server.put_tree(clips, "clips")
-        yield server
-
-
-@pytest.fixture
-def http(clips):
-    with RangeHTTPServer(clips) as server:  # one per test: its faults and delays are the test's own
-        yield server
 
 
 def at(store, s3, http, name: str) -> tuple[str, dict]:

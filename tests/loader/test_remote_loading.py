@@ -21,19 +21,8 @@ from dataplane import CFG, assert_same_batches, torch_batches
 
 import helix_core as hx
 from helix_core.data.media import synth
-from helix_core.testing.objectstore import S3_TEST_ENV, RangeHTTPServer, S3Server
 
 KW = dict(model="videomae", num_frames=4, size=32, profiles=False)
-
-
-@pytest.fixture(scope="module")
-def s3_env():
-    """The credentials moto takes, in the environment the DataServers inherit (the cluster below
-    starts after them)."""
-    with pytest.MonkeyPatch.context() as mp:
-        for k, v in S3_TEST_ENV.items():
-            mp.setenv(k, v)
-        yield
 
 
 @pytest.fixture(scope="module")
@@ -56,19 +45,6 @@ def clips(tmp_path_factory) -> Path:
     bad += ["clip_000004.mp4", "unavailable.mp4"]
     (root / "bad.jsonl").write_text("".join(json.dumps({"path": p}) + "\n" for p in bad))
     return root
-
-
-@pytest.fixture(scope="module")
-def s3(s3_env, clips):
-    with S3Server() as server:
-        server.put_tree(clips, "clips")
-        yield server
-
-
-@pytest.fixture
-def http(clips):
-    with RangeHTTPServer(clips) as server:  # one per test: its faults and delays are the test's own
-        yield server
 
 
 @pytest.fixture(scope="module")
