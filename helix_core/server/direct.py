@@ -8,8 +8,10 @@ and decode into a given array (``fetch(index, out=)``), and the collate function
 ``default_collate`` or ``hx.pad_collate`` (whose result we can lay out in advance), the worker
 reserves the batch's slab first, decodes every clip straight into its slot (a reused, already
 mapped slab: no page faults either) and collates the small fields only. The result is byte for
-byte what the generic path gives; anything unexpected (a bad sample, a transform that changed a
-shape) returns None so the caller takes the generic path, which reports errors as usual.
+byte what the generic path gives; anything unexpected (a transform that changed a shape) returns
+None so the caller takes the generic path, which reports errors as usual. A bad sample raises its
+``SampleError`` (the slab given back) so the generic path reports it without reading it again (a
+remote clip that times out would take its timeout twice).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from torch.utils.data import default_collate
 
 from helix_core.data.collate import pad_collate
 from helix_core.data.contract import DirectDecode
+from helix_core.errors import SampleError
 from helix_core.memory.tensors import flatten, layout, write_tensors
 
 __all__ = ["direct_batch", "getitem_is_fetch", "storage_reads", "supports_direct"]
@@ -99,6 +102,10 @@ def direct_batch(
     try:
         shapes = [tuple(int(x) for x in dataset.video_shape(i)) for i in indices]
         later = [tuple(int(x) for x in dataset.video_shape(i)) for i in room]
+    except SampleError as e:
+        if e.index in indices:
+            raise  # this batch's sample: the generic path reports it
+        return None  # a later part's: that part meets it
     except Exception:
         return None
     if collate is default_collate and len(set(shapes)) > 1:
@@ -126,6 +133,9 @@ def direct_batch(
             featurize,
             decoding,
         )
+    except SampleError:
+        slab.release()
+        raise
     except Exception:
         got = None
     if got is None:

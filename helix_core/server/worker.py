@@ -264,18 +264,21 @@ def _run_task(task: dict, specs: dict, pool, progress, allow_pickle: bool, may_s
         featurize = (
             (lambda samples, decoded: sample_features(samples, decoded, feature_fn, dataset)) if want_features else None
         )
-        got = direct_batch(
-            dataset,
-            collate,
-            list(task["indices"]),
-            pool,
-            allow_pickle,
-            (lambda i: progress.set(i, sample_path(dataset, i))) if progress else (lambda i: None),
-            may_start,
-            featurize,
-            room=list(task.get("room", ())),
-            decoding=decoding,
-        )
+        try:
+            got = direct_batch(
+                dataset,
+                collate,
+                list(task["indices"]),
+                pool,
+                allow_pickle,
+                (lambda i: progress.set(i, sample_path(dataset, i))) if progress else (lambda i: None),
+                may_start,
+                featurize,
+                room=list(task.get("room", ())),
+                decoding=decoding,
+            )
+        except SampleError as e:  # the generic path reports it (or substitutes it) without reading it again
+            got, bad = None, {**bad, e.index: e.cause}
         if got is not None:
             slab, total, tree_json, tree_pickle, metas, cpu, features, reads = got
             return TaskResult(

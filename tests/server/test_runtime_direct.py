@@ -2,6 +2,7 @@
 
 import json
 
+import pytest
 import torch
 from conftest import write_manifest
 from dataplane import CFG, torch_batches
@@ -51,16 +52,30 @@ def test_decoded_in_place_equals_collating_decoded_samples(kmix, tmp_path):
         assert busy == 0
 
 
-def test_a_bad_clip_falls_back_and_holds_no_slab(kmix, tmp_path):
+def test_a_bad_clip_is_its_sample_error_read_once_and_holds_no_slab(kmix, tmp_path):
+    """The slab path raises a bad sample's error (no slab held) and the task reports it without
+    reading the clip again (a remote one that times out would take its timeout twice)."""
+    from helix_core.server.worker import _run_task
+    from helix_core.wire.messages import ErrorKind
+
     records = [json.loads(line) for line in (kmix / "manifest.jsonl").read_text().splitlines()]
     (tmp_path / "broken.mp4").write_bytes(b"not a video")
     records[1] = {**records[1], "path": str(tmp_path / "broken.mp4")}
     for r in records:
         r["path"] = str(kmix / r["path"]) if not r["path"].startswith("/") else r["path"]
     ds = hx.VideoClipDataset(write_manifest(tmp_path, records), profiles=False)
+    opened = []
+    probe = ds.descriptor
+    ds.descriptor = lambda i: (opened.append(i), probe(i))[1]
     with SlabPool(f"helix-test-direct-bad-{tmp_path.name[-8:]}-") as pool:
-        assert direct_batch(ds, hx.pad_collate, [0, 1], pool, allow_pickle=False) is None
+        with pytest.raises(hx.SampleError, match="broken.mp4"):
+            direct_batch(ds, hx.pad_collate, [0, 1], pool, allow_pickle=False)
         assert pool.stats()["busy"] == 0
+        opened.clear()
+        task = {"task_id": 1, "spec_id": "s", "indices": [0, 1], "epoch": 0}
+        got = _run_task(task, {"s": (ds, hx.pad_collate, None)}, pool, None, False, lambda k: True)
+        assert got.error_kind == ErrorKind.SAMPLE and got.failure.index == 1 and got.failure.path.endswith("broken.mp4")
+        assert opened.count(1) == 1 and pool.stats()["busy"] == 0
 
 
 def test_a_cluster_delivers_variable_shapes_exactly_as_torch(kmix):
