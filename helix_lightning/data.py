@@ -33,6 +33,7 @@ _TORCH_OPTIONS = ("shuffle", "seed", "drop_last", "collate_fn", "pin_memory", "n
 
 _DATASET_KEYS = {
     "manifest",
+    "shards",
     "workload",
     "clips",
     "scale",
@@ -76,6 +77,9 @@ class DatasetConfig:
       folder), read through fsspec with ``storage_options`` (never credentials: they come from the
       environment) and ``hx.RemoteConfig``'s fields as ``remote``; both are checked here, the
       manifest is read when the dataset is built.
+    - ``{"shards": "s3://bucket/train-{000000..000009}.tar", "storage_options": ..., ...}``:
+      WebDataset tar shards (local paths or URLs, a brace pattern), as ``hx.WebDatasetClips``
+      (``WebDatasetTextClips`` for video-text); their index is built or read when the dataset is built.
 
     ``kind``: ``"video"`` (``VideoClipDataset``) or ``"video-text"`` (``VideoTextDataset``: captions
     as ``input_ids``); by default video-text for the families trained on captions (Qwen-VL, Wan).
@@ -87,10 +91,11 @@ class DatasetConfig:
         for k in spec:
             if k not in _DATASET_KEYS:
                 raise ValueError(f"{key}: unknown key {k!r}; valid: {', '.join(sorted(_DATASET_KEYS))}")
-        if ("manifest" in spec) == ("workload" in spec):
+        if sum(k in spec for k in ("manifest", "workload", "shards")) != 1:
             raise ValueError(
-                f"{key}: give exactly one of 'manifest' (a manifest.jsonl) or 'workload' "
-                f"(one of {', '.join(hx.synth.WORKLOADS)}, synthesized into {hx.cache_dir()})"
+                f"{key}: give exactly one of 'manifest' (a .jsonl / .csv / .parquet file or URL), 'shards' "
+                f"(WebDataset tar shards: a brace pattern) or 'workload' (one of {', '.join(hx.synth.WORKLOADS)}, "
+                f"synthesized into {hx.cache_dir()})"
             )
         model = spec.setdefault("model", "videomae")
         if model not in hx.MODELS:
@@ -112,6 +117,9 @@ class DatasetConfig:
                 workload, int(self.synth["clips"]), int(spec.get("seed", 0)), float(self.synth["scale"])
             )  # checks clips and scale (pure)
             self.synth["seed"] = int(spec.get("seed", 0))
+        elif "shards" in spec:
+            if not isinstance(spec["shards"], str) or not spec["shards"]:
+                raise ValueError(f"{key}.shards: a shard path, URL or brace pattern, got {spec['shards']!r}")
         elif not _is_url(spec["manifest"]):
             manifest = Path(os.path.expanduser(str(spec["manifest"])))
             if not manifest.is_file():
@@ -133,9 +141,11 @@ class DatasetConfig:
         return hx.cache_dir() / "data" / f"{s['workload']}-{s['clips']}-s{s['scale']:g}-seed{s['seed']}"
 
     def manifest(self) -> Path | str:
-        """The manifest's path (a URL as it is)."""
+        """The manifest's path (a URL as it is; a shard set's pattern)."""
         if self.synth:
             return self.root / "manifest.jsonl"
+        if "shards" in self.kwargs:
+            return self.kwargs["shards"]
         return self.kwargs["manifest"] if _is_url(self.kwargs["manifest"]) else Path(self.kwargs["manifest"])
 
     def prepare(self, workers: int = 1, progress: bool = False) -> Path | str:
@@ -159,6 +169,11 @@ class DatasetConfig:
 
     def build(self):
         """The dataset (after ``prepare``)."""
+        if "shards" in self.kwargs:
+            kwargs = {k: v for k, v in self.kwargs.items() if k != "shards"}
+            self._no_captions(kwargs)
+            cls = hx.WebDatasetClips if self.kind == "video" else hx.WebDatasetTextClips
+            return cls(self.kwargs["shards"], **kwargs)
         manifest = self.manifest()
         if isinstance(manifest, Path) and not manifest.is_file():
             raise FileNotFoundError(
@@ -166,12 +181,16 @@ class DatasetConfig:
                 "prepare_data does) on one process per host first"
             )
         kwargs = {k: v for k, v in self.kwargs.items() if k != "manifest"}
+        self._no_captions(kwargs)
+        if self.kind == "video":
+            return hx.VideoClipDataset(manifest, **kwargs)
+        return hx.VideoTextDataset(manifest, **kwargs)
+
+    def _no_captions(self, kwargs: dict) -> None:
         if self.kind == "video":
             for k in ("tokenizer", "max_text_len"):
                 if k in kwargs:
                     raise ValueError(f"{self.key}.{k}: only a 'video-text' dataset has captions")
-            return hx.VideoClipDataset(manifest, **kwargs)
-        return hx.VideoTextDataset(manifest, **kwargs)
 
 
 def _is_url(location) -> bool:

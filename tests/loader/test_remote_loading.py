@@ -168,3 +168,30 @@ def test_a_yaml_config_names_a_manifest_url_with_its_storage_options(cluster, s3
         HelixDataModule(dataset=secret, batch_size=2)
     with pytest.raises(ValueError, match=r"dataset.remote: unknown fields \['timeout'\]"):
         HelixDataModule(dataset={**config["dataset"], "remote": {"timeout": 3}}, batch_size=2)
+
+
+def test_a_yaml_config_names_webdataset_shards_on_s3(cluster, s3, local, clips, tmp_path):
+    from helix_lightning import HelixDataModule
+
+    tars = hx.write_shards(clips / "m.jsonl", tmp_path / "train-%06d.tar", samples_per_shard=4)
+    s3.put_tree(tmp_path, "clips", "shards")  # the shards and the index write_shards made beside them
+    config = yaml.safe_load(f"""
+        dataset:
+          shards: "{s3.url("clips", f"shards/train-{{000000..{len(tars) - 1:06d}}}.tar")}"
+          storage_options: {{endpoint_url: "{s3.endpoint}"}}
+          model: videomae
+          num_frames: 4
+          size: 32
+        batch_size: 2
+        coordinator: "{cluster.address}"
+        loader_options: {{shuffle: false, config: null}}
+    """)
+    config["loader_options"]["config"] = CFG
+    dm = HelixDataModule(**config)
+    dm.setup("fit")
+    try:
+        assert_same_batches(list(dm.train_dataloader()), torch_batches(local, 2, 0, 1, collate_fn=hx.pad_collate))
+    finally:
+        dm.teardown("fit")
+    with pytest.raises(ValueError, match="exactly one of 'manifest'.*'shards'"):
+        HelixDataModule(dataset={**config["dataset"], "manifest": "x.jsonl"}, batch_size=2)
