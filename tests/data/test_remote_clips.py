@@ -29,7 +29,7 @@ from helix_core.data.media import synth
 from helix_core.data.media.decode import decode_frames, uniform_indices
 from helix_core.data.specs import resolve
 from helix_core.data.storage.config import Storage
-from helix_core.data.storage.reader import RangeFile, StorageError, open_range, read_range
+from helix_core.data.storage.reader import RangeFile, StorageError, read_range
 from helix_core.testing.objectstore import RangeHTTPServer, S3Server
 
 KW = dict(model="videomae", num_frames=4, size=32, profiles=False)
@@ -194,7 +194,7 @@ def test_a_read_that_fails_inside_pyav_comes_out_with_the_storage_cause(http, tm
 
 def test_an_object_shorter_than_its_size_is_truncated_not_padded(http, clips):
     size = (clips / "clip_000003.mp4").stat().st_size
-    f = open_range(http.url("clip_000003.mp4"), remote=Storage.of(None, FAST).remote, size=size + 5000)
+    f = RangeFile(http.url("clip_000003.mp4"), remote=Storage.of(None, FAST).remote, size=size + 5000)
     f.seek(size - 100)
     with pytest.raises(StorageError, match=r"truncated: bytes .* gave"):
         f.read(1000)

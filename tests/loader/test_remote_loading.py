@@ -8,6 +8,7 @@ The dataset side alone (formats, each fault, bytes fetched, the cache) is tests/
 from __future__ import annotations
 
 import json
+import textwrap
 import time
 from pathlib import Path
 
@@ -141,28 +142,45 @@ def test_a_slow_object_fails_at_its_timeout_while_the_dataservers_serve_the_othe
     assert 0 not in {int(i) for b in batches for i in b["index"]}
 
 
-def test_a_yaml_config_names_a_manifest_url_with_its_storage_options(cluster, s3, local):
-    from helix_lightning import HelixDataModule
-
+def _module_from_yaml(dataset: str, cluster) -> dict:
+    """A HelixDataModule's arguments from YAML: ``dataset`` (its lines), batches of 2 from ``cluster``."""
     config = yaml.safe_load(f"""
         dataset:
-          manifest: {s3.url("clips", "m.parquet")}
-          storage_options: {{endpoint_url: "{s3.endpoint}"}}
-          remote: {{timeout_s: 30, block_bytes: 65536}}
+{textwrap.indent(textwrap.dedent(dataset).strip(), " " * 10)}
           model: videomae
           num_frames: 4
           size: 32
         batch_size: 2
         coordinator: "{cluster.address}"
-        loader_options: {{shuffle: false, config: null}}
+        loader_options: {{shuffle: false}}
     """)
     config["loader_options"]["config"] = CFG
+    return config
+
+
+def _assert_gives_the_local_batches(config: dict, local) -> None:
+    from helix_lightning import HelixDataModule
+
     dm = HelixDataModule(**config)
     dm.setup("fit")
     try:
         assert_same_batches(list(dm.train_dataloader()), torch_batches(local, 2, 0, 1, collate_fn=hx.pad_collate))
     finally:
         dm.teardown("fit")
+
+
+def test_a_yaml_config_names_a_manifest_url_with_its_storage_options(cluster, s3, local):
+    from helix_lightning import HelixDataModule
+
+    config = _module_from_yaml(
+        f"""
+        manifest: {s3.url("clips", "m.parquet")}
+        storage_options: {{endpoint_url: "{s3.endpoint}"}}
+        remote: {{timeout_s: 30, block_bytes: 65536}}
+        """,
+        cluster,
+    )
+    _assert_gives_the_local_batches(config, local)
     secret = {**config["dataset"], "storage_options": {"key": "AKIAEXAMPLE", "secret": "hunter2-secret"}}
     with pytest.raises(ValueError, match=r"dataset.storage_options\['key'\] is a credential.*AWS_ACCESS_KEY_ID"):
         HelixDataModule(dataset=secret, batch_size=2)
@@ -175,23 +193,13 @@ def test_a_yaml_config_names_webdataset_shards_on_s3(cluster, s3, local, clips, 
 
     tars = hx.write_shards(clips / "m.jsonl", tmp_path / "train-%06d.tar", samples_per_shard=4)
     s3.put_tree(tmp_path, "clips", "shards")  # the shards and the index write_shards made beside them
-    config = yaml.safe_load(f"""
-        dataset:
-          shards: "{s3.url("clips", f"shards/train-{{000000..{len(tars) - 1:06d}}}.tar")}"
-          storage_options: {{endpoint_url: "{s3.endpoint}"}}
-          model: videomae
-          num_frames: 4
-          size: 32
-        batch_size: 2
-        coordinator: "{cluster.address}"
-        loader_options: {{shuffle: false, config: null}}
-    """)
-    config["loader_options"]["config"] = CFG
-    dm = HelixDataModule(**config)
-    dm.setup("fit")
-    try:
-        assert_same_batches(list(dm.train_dataloader()), torch_batches(local, 2, 0, 1, collate_fn=hx.pad_collate))
-    finally:
-        dm.teardown("fit")
+    config = _module_from_yaml(
+        f"""
+        shards: "{s3.url("clips", f"shards/train-{{000000..{len(tars) - 1:06d}}}.tar")}"
+        storage_options: {{endpoint_url: "{s3.endpoint}"}}
+        """,
+        cluster,
+    )
+    _assert_gives_the_local_batches(config, local)
     with pytest.raises(ValueError, match="exactly one of 'manifest'.*'shards'"):
         HelixDataModule(dataset={**config["dataset"], "manifest": "x.jsonl"}, batch_size=2)

@@ -19,9 +19,8 @@ from collections import OrderedDict
 from helix_core.data.storage.cache import BlockCache
 from helix_core.data.storage.config import RemoteConfig
 from helix_core.data.storage.errors import describe, is_transient
-from helix_core.errors import SampleError
 
-__all__ = ["RangeFile", "StorageError", "filesystem", "open_range", "read_range", "stat_size"]
+__all__ = ["RangeFile", "StorageError", "filesystem", "read_range", "stat_size"]
 
 _FS: dict = {}
 _FS_LOCK = threading.Lock()
@@ -219,12 +218,3 @@ class RangeFile(io.RawIOBase):
         self._blocks[b] = block
         while len(self._blocks) > self.remote.max_blocks:
             self._blocks.popitem(last=False)
-
-
-def open_range(url: str, options: dict | None = None, remote: RemoteConfig | None = None, *, size=None) -> RangeFile:
-    """``url`` opened for range reads (``StorageError`` when it cannot be stat'ed)."""
-    return RangeFile(url, options, remote, size=size)
-
-
-def as_sample_error(e: StorageError, index: int) -> SampleError:
-    return SampleError(index, e.url, e.cause)
